@@ -1,0 +1,848 @@
+"""The contract shared by ingest.py (the only writer) and server.py (the reader).
+
+Configuration, frontmatter conventions, chunking, embedding prefixes, keyword terms,
+metadata keys, store layout and the index manifest live here so that the server reads
+exactly what ingest wrote. Heavy libraries (ollama, chromadb, markdown-it, frontmatter)
+are imported inside the functions that need them: the server must answer the MCP
+handshake before paying for them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import unicodedata
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterable, Mapping, Sequence
+
+TOOL_VERSION = "0.1.0"
+PROJECT_DIR = Path(__file__).resolve().parent
+
+# ---------------------------------------------------------------------------
+# Errors: one vocabulary for ingest and server.
+
+
+class ErrorCode(StrEnum):
+    INVALID_ARGUMENT = "invalid_argument"
+    INDEX_MISSING = "index_missing"
+    INDEX_INCOMPATIBLE = "index_incompatible"
+    EMBEDDER_UNAVAILABLE = "embedder_unavailable"
+    MODEL_NOT_FOUND = "model_not_found"
+    NOT_INDEXED = "not_indexed"
+    PATH_REJECTED = "path_rejected"
+    INTERNAL = "internal"
+    # Ingest-side codes.
+    DOCUMENT_INVALID = "document_invalid"
+    CORPUS_MISSING = "corpus_missing"
+    CORPUS_EMPTY = "corpus_empty"
+    LOCK_HELD = "lock_held"
+
+
+class RagError(Exception):
+    """An expected failure: a code, what happened, and what to do next."""
+
+    def __init__(self, code: ErrorCode, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.hint = hint
+
+    def payload(self) -> dict[str, dict[str, str]]:
+        return {"error": {"code": str(self.code), "message": self.message, "hint": self.hint}}
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}" + (f" ({self.hint})" if self.hint else "")
+
+
+# ---------------------------------------------------------------------------
+# Configuration.
+
+DEFAULT_OLLAMA_HOST = "http://127.0.0.1:11434"
+DEFAULT_EMBED_MODEL = "embeddinggemma"
+DEFAULT_STORE_DIR = "~/.local-rag-mcp/store"
+DEFAULT_EMBED_TIMEOUT_S = 60.0
+# Chunk size target, measured on the dev set (see README "Design decisions"); the hard cap is
+# always the model's context length read from Ollama.
+DEFAULT_CHUNK_MAX_TOKENS = 512
+DEFAULT_CHUNK_MIN_TOKENS = 64
+
+
+def _abs_path(value: str | os.PathLike[str]) -> Path:
+    return Path(os.path.abspath(os.path.expanduser(str(value))))
+
+
+def _int_env(env: Mapping[str, str], name: str, default: int, lowest: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise RagError(ErrorCode.INVALID_ARGUMENT, f"{name}={raw!r} is not a whole number",
+                       f"set {name} to an integer >= {lowest} or unset it") from None
+    if value < lowest:
+        raise RagError(ErrorCode.INVALID_ARGUMENT, f"{name}={value} is below {lowest}",
+                       f"set {name} to an integer >= {lowest} or unset it")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    corpus_dir: Path
+    store_dir: Path
+    ollama_host: str
+    embed_model: str
+    # True when RAG_EMBED_MODEL was set explicitly: the server then insists it matches the index.
+    embed_model_explicit: bool
+    embed_timeout_s: float
+    chunk_max_tokens: int
+    chunk_min_tokens: int
+
+    def describe(self) -> str:
+        return (f"corpus={self.corpus_dir} store={self.store_dir} ollama={self.ollama_host} "
+                f"model={self.embed_model}")
+
+
+def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | None = None,
+                  store_dir: str | None = None) -> Settings:
+    """Resolve configuration: explicit arguments over the environment over defaults.
+
+    The corpus default is next to the code, never the cwd: MCP clients launch servers from
+    their own working directory.
+    """
+    env = os.environ if env is None else env
+    model = env.get("RAG_EMBED_MODEL", "").strip()
+    timeout_raw = env.get("RAG_EMBED_TIMEOUT", "").strip()
+    try:
+        timeout = float(timeout_raw) if timeout_raw else DEFAULT_EMBED_TIMEOUT_S
+        if not timeout > 0:
+            raise ValueError
+    except ValueError:
+        raise RagError(ErrorCode.INVALID_ARGUMENT, f"RAG_EMBED_TIMEOUT={timeout_raw!r} is not a positive number",
+                       "set it to seconds, e.g. 60, or unset it") from None
+    max_tokens = _int_env(env, "RAG_CHUNK_MAX_TOKENS", DEFAULT_CHUNK_MAX_TOKENS, 32)
+    min_tokens = _int_env(env, "RAG_CHUNK_MIN_TOKENS", DEFAULT_CHUNK_MIN_TOKENS, 0)
+    host = env.get("OLLAMA_HOST", "").strip() or DEFAULT_OLLAMA_HOST
+    if "://" not in host:
+        host = "http://" + host
+    return Settings(
+        corpus_dir=_abs_path(corpus_dir or env.get("RAG_CORPUS_DIR", "").strip() or PROJECT_DIR / "sample-corpus"),
+        store_dir=_abs_path(store_dir or env.get("RAG_STORE_DIR", "").strip() or DEFAULT_STORE_DIR),
+        ollama_host=host,
+        embed_model=model or DEFAULT_EMBED_MODEL,
+        embed_model_explicit=bool(model),
+        embed_timeout_s=timeout,
+        chunk_max_tokens=max_tokens,
+        chunk_min_tokens=min(min_tokens, max_tokens),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Paths.
+
+
+def nfc(text: str) -> str:
+    return unicodedata.normalize("NFC", text)
+
+
+def normalize_relative_path(raw: str, *, allow_empty: bool = False) -> str:
+    """Validate a corpus-relative path given by a client; return its NFC POSIX form.
+
+    Refuses absolute paths, `~`, `..`, NUL, backslashes and anything URL-encoded-looking is
+    left literal (no decoding happens anywhere, so `%2e%2e` is just a file name that will
+    not be in the index).
+    """
+    if not isinstance(raw, str):
+        raise RagError(ErrorCode.INVALID_ARGUMENT, "path must be a string", "pass a corpus-relative path")
+    try:
+        text = nfc(raw.strip())
+    except (UnicodeError, ValueError):
+        raise RagError(ErrorCode.PATH_REJECTED, "path is not valid Unicode", "pass a corpus-relative path") from None
+    if not text:
+        if allow_empty:
+            return ""
+        raise RagError(ErrorCode.INVALID_ARGUMENT, "path is empty", "pass a path as listed by list_documents")
+    reasons = []
+    if "\x00" in text:
+        reasons.append("contains NUL")
+    if "\\" in text:
+        reasons.append("contains a backslash")
+    if text.startswith(("/", "~")) or re.match(r"^[A-Za-z]:", text):
+        reasons.append("is absolute")
+    parts = [p for p in text.split("/") if p not in ("", ".")]
+    if any(p == ".." for p in parts):
+        reasons.append("contains '..'")
+    if any(ord(ch) < 32 for ch in text) and "contains NUL" not in reasons:
+        reasons.append("contains control characters")
+    if any(0xD800 <= ord(ch) <= 0xDFFF for ch in text):
+        reasons.append("contains lone surrogates")
+    if reasons:
+        raise RagError(ErrorCode.PATH_REJECTED, f"path {text[:200]!r} {' and '.join(reasons)}",
+                       "pass a path relative to the corpus root, as listed by list_documents")
+    return "/".join(parts)
+
+
+def relative_corpus_path(root: Path, file_path: Path) -> str:
+    """The stored form of a corpus file's path: relative, POSIX separators, NFC."""
+    return nfc(PurePosixPath(*file_path.relative_to(root).parts).as_posix())
+
+
+def is_within(root: Path, candidate: Path) -> bool:
+    """True when `candidate` (already resolved) lies inside `root` (already resolved)."""
+    try:
+        candidate.relative_to(root)
+    except ValueError:
+        return False
+    return True
+
+
+def path_matches_prefix(path: str, prefix: str) -> bool:
+    """Segment-wise prefix: 'runbooks' matches 'runbooks/deploy.md', not 'runbooks-old/x.md'."""
+    if not prefix:
+        return True
+    return path == prefix or path.startswith(prefix.rstrip("/") + "/")
+
+
+# ---------------------------------------------------------------------------
+# Frontmatter conventions.
+
+CHUNK_MODES = ("whole", "headings")
+LIFECYCLES = ("active", "superseded")
+_FM_BOUNDARY = re.compile(r"^-{3,}\s*$")
+
+
+@dataclass(frozen=True)
+class SourceDocument:
+    """A Markdown file after frontmatter rules, with line numbers of the original file."""
+
+    path: str
+    title: str
+    rag: bool
+    chunk_mode: str
+    lifecycle: str
+    lines: tuple[str, ...]  # every physical line of the file, without line terminators
+    body_start: int  # 1-based line where the body starts (after the frontmatter)
+
+    @property
+    def line_count(self) -> int:
+        return len(self.lines)
+
+
+def _split_lines(text: str) -> list[str]:
+    # Physical lines as editors count them: split on LF only; tolerate CRLF.
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def decode_markdown(raw: bytes, path: str) -> str:
+    if b"\x00" in raw:
+        raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: binary file (contains NUL bytes)",
+                       "remove it from the corpus or rename it to something other than .md")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: not UTF-8 ({exc.reason} at byte {exc.start})",
+                       "re-save the file as UTF-8") from None
+
+
+def parse_document(raw: bytes, path: str) -> SourceDocument:
+    """Apply the frontmatter conventions to one file's bytes. Raises RagError(document_invalid)."""
+    import frontmatter
+    import yaml
+
+    text = decode_markdown(raw, path)
+    lines = _split_lines(text)
+    meta: dict[str, Any] = {}
+    body_start = 1
+    if lines and _FM_BOUNDARY.match(lines[0]):
+        closing = next((i for i in range(1, len(lines)) if _FM_BOUNDARY.match(lines[i])), None)
+        if closing is not None:
+            try:
+                loaded = yaml.load("\n".join(lines[1:closing]), Loader=frontmatter.default_handlers.SafeLoader)
+            except yaml.YAMLError as exc:
+                raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: malformed YAML frontmatter: {str(exc).splitlines()[0]}",
+                               "fix the frontmatter between the --- lines") from None
+            if loaded is None:
+                loaded = {}
+            if not isinstance(loaded, dict):
+                raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: frontmatter is not a mapping",
+                               "write frontmatter as key: value lines")
+            meta = loaded
+            body_start = closing + 2
+    rag = meta.get("rag", True)
+    if rag not in (True, False):
+        raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: rag must be true or false, got {rag!r}",
+                       "write `rag: false` to exclude the file, or remove the key")
+    chunk_mode = meta.get("rag_chunk", "whole")
+    if chunk_mode not in CHUNK_MODES:
+        raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: rag_chunk must be one of {CHUNK_MODES}, got {chunk_mode!r}",
+                       "write `rag_chunk: headings` or remove the key")
+    lifecycle = meta.get("lifecycle", "active")
+    if lifecycle not in LIFECYCLES:
+        raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: lifecycle must be one of {LIFECYCLES}, got {lifecycle!r}",
+                       "write `lifecycle: superseded` or remove the key")
+    title = meta.get("title")
+    if not (isinstance(title, str) and title.strip()):
+        title = _first_h1(lines, body_start) or PurePosixPath(path).stem
+    return SourceDocument(path=path, title=nfc(" ".join(str(title).split())), rag=rag, chunk_mode=chunk_mode,
+                          lifecycle=lifecycle, lines=tuple(lines), body_start=body_start)
+
+
+def _first_h1(lines: Sequence[str], body_start: int) -> str | None:
+    for heading in markdown_headings(lines[body_start - 1:]):
+        if heading.level == 1:
+            return heading.text or None
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Token estimation.
+
+_CJK_CHARS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f\uac00-\ud7af"
+_TOKEN_PIECES = re.compile(rf"[{_CJK_CHARS}]|[A-Za-z]+|\d|[^\sA-Za-z\d{_CJK_CHARS}]")
+
+
+def estimate_tokens(text: str) -> int:
+    """A deliberately high token estimate for English and CJK alike.
+
+    Every CJK character, digit and symbol counts as one token and Latin words as one per three
+    letters; real tokenizers (Gemma, XLM-R) use fewer, so a chunk under the estimate fits.
+    """
+    count = 0
+    for piece in _TOKEN_PIECES.findall(text):
+        count += math.ceil(len(piece) / 3) if piece[0].isascii() and piece[0].isalpha() else 1
+    return count
+
+
+# ---------------------------------------------------------------------------
+# Headings and chunking.
+
+CHUNKER_VERSION = "1"
+HEADING_SEPARATOR = " > "
+_ANCHOR_SUFFIX = re.compile(r"\s*\{#[^}]*\}\s*$")
+
+
+@dataclass(frozen=True)
+class Heading:
+    line: int  # 0-based line index within the lines given to markdown_headings
+    end: int  # exclusive
+    level: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    start_line: int  # 1-based, inclusive, in the original file
+    end_line: int
+    heading: str  # heading path, e.g. "Deploy runbook > Rollback > Database"
+    text: str
+
+
+def _markdown_tokens(lines: Sequence[str]) -> list[Any]:
+    from markdown_it import MarkdownIt
+
+    return MarkdownIt("commonmark").parse("\n".join(lines))
+
+
+def markdown_headings(lines: Sequence[str]) -> list[Heading]:
+    """Top-level ATX and setext headings, as a CommonMark parser sees them (code fences excluded)."""
+    tokens = _markdown_tokens(lines)
+    return _headings_from_tokens(tokens)
+
+
+def _headings_from_tokens(tokens: Sequence[Any]) -> list[Heading]:
+    headings = []
+    for i, tok in enumerate(tokens):
+        if tok.type == "heading_open" and tok.level == 0 and tok.map:
+            text = _ANCHOR_SUFFIX.sub("", tokens[i + 1].content).strip()
+            headings.append(Heading(line=tok.map[0], end=tok.map[1], level=int(tok.tag[1]), text=nfc(text)))
+    return headings
+
+
+@dataclass
+class _Span:
+    start: int  # 0-based index into the body lines, inclusive
+    end: int  # exclusive
+    heading: str
+    tokens: int
+
+
+def _line_tokens(lines: Sequence[str]) -> list[int]:
+    return [estimate_tokens(line) + 1 for line in lines]
+
+
+def _span_tokens(costs: Sequence[int], start: int, end: int) -> int:
+    return sum(costs[start:end])
+
+
+def _split_oversized(span: _Span, block_starts: Sequence[int], costs: Sequence[int], max_tokens: int) -> list[_Span]:
+    """Split a span at top-level block boundaries (never inside a fence), then at lines."""
+    if span.tokens <= max_tokens:
+        return [span]
+    cuts = sorted({b for b in block_starts if span.start < b < span.end})
+    units = list(zip([span.start, *cuts], [*cuts, span.end]))
+    # A single block above the budget (a huge fence or list) falls back to line boundaries.
+    fine: list[tuple[int, int]] = []
+    for start, end in units:
+        if _span_tokens(costs, start, end) > max_tokens:
+            fine.extend((i, i + 1) for i in range(start, end))
+        else:
+            fine.append((start, end))
+    pieces: list[_Span] = []
+    for start, end in fine:
+        tokens = _span_tokens(costs, start, end)
+        if pieces and pieces[-1].tokens + tokens <= max_tokens:
+            pieces[-1].end = end
+            pieces[-1].tokens += tokens
+        else:
+            pieces.append(_Span(start, end, span.heading, tokens))
+    return pieces
+
+
+def _merge_small(spans: list[_Span], min_tokens: int, max_tokens: int) -> list[_Span]:
+    merged: list[_Span] = []
+    for span in spans:
+        last = merged[-1] if merged else None
+        if last and last.tokens < min_tokens and last.tokens + span.tokens <= max_tokens:
+            last.end = span.end
+            last.tokens += span.tokens
+            last.heading = last.heading or span.heading
+        else:
+            merged.append(_Span(span.start, span.end, span.heading, span.tokens))
+    if len(merged) > 1 and merged[-1].tokens < min_tokens and merged[-2].tokens + merged[-1].tokens <= max_tokens:
+        tail = merged.pop()
+        merged[-1].end = tail.end
+        merged[-1].tokens += tail.tokens
+    return merged
+
+
+def _split_long_line(line: str, max_tokens: int) -> list[str]:
+    """Character pieces of one line whose estimate exceeds the budget (minified text, data)."""
+    pieces, current, current_tokens = [], [], 0
+    for word in re.findall(r"\S+\s*|\s+", line):
+        cost = estimate_tokens(word)
+        while cost > max_tokens:  # a single enormous "word"
+            cut = max(1, len(word) * max_tokens // cost)
+            pieces.append("".join(current) + word[:cut]) if current else pieces.append(word[:cut])
+            current, current_tokens = [], 0
+            word = word[cut:]
+            cost = estimate_tokens(word)
+        if current_tokens + cost > max_tokens and current:
+            pieces.append("".join(current))
+            current, current_tokens = [], 0
+        current.append(word)
+        current_tokens += cost
+    if current:
+        pieces.append("".join(current))
+    return [p for p in pieces if p.strip()]
+
+
+def chunk_document(doc: SourceDocument, max_tokens: int, min_tokens: int) -> list[Chunk]:
+    """Split a document's body into chunks within `max_tokens` (estimated).
+
+    Chunk line ranges are contiguous and cover the body exactly once; a line longer than the
+    budget on its own is the only case where several chunks share one line.
+    """
+    body = doc.lines[doc.body_start - 1:]
+    if not any(line.strip() for line in body):
+        return []
+    tokens = _markdown_tokens(body)
+    headings = _headings_from_tokens(tokens)
+    block_starts = [tok.map[0] for tok in tokens if tok.level == 0 and tok.map and tok.nesting >= 0]
+    costs = _line_tokens(body)
+    section_starts = [0] + [h.line for h in headings if h.line > 0]
+    section_ends = section_starts[1:] + [len(body)]
+    path_at: dict[int, str] = {}
+    stack: list[Heading] = []
+    for heading in headings:
+        stack = [h for h in stack if h.level < heading.level] + [heading]
+        path_at[heading.line] = HEADING_SEPARATOR.join(h.text for h in stack if h.text)
+    sections = [_Span(s, e, path_at.get(s, ""), _span_tokens(costs, s, e)) for s, e in zip(section_starts, section_ends)]
+    whole_tokens = sum(costs)
+    if doc.chunk_mode == "whole" and whole_tokens <= max_tokens:
+        first_heading = next((span.heading for span in sections if span.heading), "")
+        spans = [_Span(0, len(body), first_heading, whole_tokens)]
+    else:
+        pieces = [piece for span in sections for piece in _split_oversized(span, block_starts, costs, max_tokens)]
+        spans = _merge_small(pieces, min_tokens, max_tokens)
+    chunks: list[Chunk] = []
+    offset = doc.body_start
+    for span in spans:
+        text = "\n".join(body[span.start:span.end]).strip()
+        if not text:
+            # Whitespace-only spans (trailing blank lines) join the previous chunk's range.
+            if chunks:
+                chunks[-1] = _extend(chunks[-1], span.end + offset - 1)
+            continue
+        texts = [text] if span.tokens <= max_tokens or span.end - span.start > 1 else _split_long_line(text, max_tokens)
+        for part in texts:
+            chunks.append(Chunk(len(chunks), span.start + offset, span.end + offset - 1, span.heading, part.strip()))
+    if chunks and chunks[0].start_line > doc.body_start:
+        first = chunks[0]
+        chunks[0] = Chunk(0, doc.body_start, first.end_line, first.heading, first.text)
+    return chunks
+
+
+def _extend(chunk: Chunk, end_line: int) -> Chunk:
+    return Chunk(chunk.index, chunk.start_line, end_line, chunk.heading, chunk.text)
+
+
+# ---------------------------------------------------------------------------
+# Embedding prefixes: a small registry keyed by model family.
+
+
+@dataclass(frozen=True)
+class PrefixScheme:
+    name: str
+    document: str  # format string with {title} and {text}
+    query: str  # format string with {query}
+
+    def document_text(self, title: str, text: str) -> str:
+        return self.document.format(title=title or "none", text=text)
+
+    def query_text(self, query: str) -> str:
+        return self.query.format(query=query)
+
+
+_RETRIEVAL_INSTRUCTION = "Represent this sentence for searching relevant passages: {query}"
+PREFIX_SCHEMES: dict[str, PrefixScheme] = {
+    scheme.name: scheme
+    for scheme in (
+        PrefixScheme("embeddinggemma", "title: {title} | text: {text}", "task: search result | query: {query}"),
+        PrefixScheme("nomic-embed-text", "search_document: {text}", "search_query: {query}"),
+        PrefixScheme("e5", "passage: {text}", "query: {query}"),
+        PrefixScheme("mxbai-embed-large", "{text}", _RETRIEVAL_INSTRUCTION),
+        PrefixScheme("snowflake-arctic-embed", "{text}", _RETRIEVAL_INSTRUCTION),
+        # bge-m3's model card: no instruction is needed for dense retrieval.
+        PrefixScheme("bge-m3", "{text}", "{query}"),
+        PrefixScheme("none", "{text}", "{query}"),
+    )
+}
+_FAMILY_PATTERNS = (
+    ("embeddinggemma", re.compile(r"^embeddinggemma")),
+    ("nomic-embed-text", re.compile(r"^nomic-embed-text")),
+    ("e5", re.compile(r"(^|-)e5(-|$)")),
+    ("mxbai-embed-large", re.compile(r"^mxbai-embed-large")),
+    ("snowflake-arctic-embed", re.compile(r"^snowflake-arctic-embed")),
+    ("bge-m3", re.compile(r"^bge-m3")),
+)
+
+
+def model_base_name(model: str) -> str:
+    """'library/EmbeddingGemma:latest' -> 'embeddinggemma' (namespace and tag do not change the family)."""
+    name = model.strip().lower().rsplit("/", 1)[-1]
+    return name.split(":", 1)[0]
+
+
+def same_model(a: str, b: str) -> bool:
+    def canonical(model: str) -> str:
+        name = model.strip().lower()
+        return name[: -len(":latest")] if name.endswith(":latest") else name
+
+    return canonical(a) == canonical(b)
+
+
+def prefix_scheme_for(model: str) -> PrefixScheme | None:
+    """The documented prefix scheme of a model family; None for an unknown model (no prefix)."""
+    base = model_base_name(model)
+    for name, pattern in _FAMILY_PATTERNS:
+        if pattern.search(base):
+            return PREFIX_SCHEMES[name]
+    return None
+
+
+def embedded_document_text(scheme: PrefixScheme, title: str, heading: str, text: str) -> str:
+    """What ingest sends to the embedder for a chunk: the heading path leads the text."""
+    if heading and heading != title:
+        text = f"{heading}\n\n{text}"
+    return scheme.document_text(title, text)
+
+
+# ---------------------------------------------------------------------------
+# Keyword terms: one tokenizer for the FTS5 index and for queries.
+
+_STOP_WORDS = frozenset(
+    "a an and are as at be by can do does for from how i if in into is it its of on or so that the their "
+    "then there these this to was what when where which who why will with you your".split()
+)
+_RUN = re.compile(rf"[{_CJK_CHARS}]+|[^\s{_CJK_CHARS}]+")
+_CJK_RUN = re.compile(rf"[{_CJK_CHARS}]")
+_IDENT_PIECE = re.compile(r"[\w.\-/:$@]+")
+_CAMEL_EDGE = re.compile(r"[a-z][A-Z]|[A-Z][A-Z][a-z]")
+_CAMEL = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+\d*|[A-Z]+\d*|\d+")
+FTS_TOKENCHARS = "_.-/:$@"
+
+
+def keyword_terms(text: str) -> list[str]:
+    """Terms for the keyword channel: identifiers whole and in parts, words, CJK bigrams.
+
+    `OLLAMA_KEEP_ALIVE` -> ollama_keep_alive, ollama, keep, alive; `defineProps` -> defineprops,
+    define, props; Japanese runs -> overlapping character bigrams.
+    """
+    terms: list[str] = []
+    for run in _RUN.findall(unicodedata.normalize("NFKC", text)):
+        if _CJK_RUN.match(run):
+            terms.extend(run[i:i + 2] for i in range(max(1, len(run) - 1)))
+            continue
+        for piece in _IDENT_PIECE.findall(run):
+            piece = piece.strip(".-/:$@")
+            if not piece:
+                continue
+            words = re.findall(r"[^\W_]+", piece)
+            parts = [w.lower() for w in words]
+            # camelCase / PascalCase halves: defineProps -> define, props (digits stay attached).
+            parts += [p.lower() for w in words if _CAMEL_EDGE.search(w) for p in _CAMEL.findall(w)]
+            whole = piece.lower()
+            terms.extend(t for t in dict.fromkeys([whole, *parts]) if t not in _STOP_WORDS)
+    return terms
+
+
+def fts_match_expression(query: str) -> str | None:
+    """An FTS5 MATCH expression that can only mean "any of these terms": every term is quoted,
+    so user text is never FTS5 syntax (quotes, *, NEAR, -, column filters)."""
+    unique = list(dict.fromkeys(keyword_terms(query)))
+    if not unique:
+        return None
+    return " OR ".join('"' + term.replace('"', '""') + '"' for term in unique[:64])
+
+
+# ---------------------------------------------------------------------------
+# Store layout, ids, metadata keys, manifest.
+
+CURRENT_FILE = "CURRENT.json"
+LOCK_FILE = "ingest.lock"
+CHROMA_SUBDIR = "chroma"
+KEYWORD_DB = "keywords.sqlite3"
+COLLECTION_BY_LIFECYCLE = {"active": "chunks_active", "superseded": "chunks_superseded"}
+# Chroma metadata keys written on every chunk.
+META_KEYS = ("path", "title", "heading", "chunk_index", "start_line", "end_line", "lifecycle",
+             "content_hash", "mtime_ns", "chunk_mode")
+
+KEYWORD_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS documents(
+    path TEXT PRIMARY KEY, title TEXT NOT NULL, lifecycle TEXT NOT NULL, chunk_mode TEXT NOT NULL,
+    content_hash TEXT NOT NULL, size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL,
+    real_path TEXT NOT NULL, line_count INTEGER NOT NULL, chunk_count INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS chunks(
+    id TEXT PRIMARY KEY, path TEXT NOT NULL, chunk_index INTEGER NOT NULL,
+    start_line INTEGER NOT NULL, end_line INTEGER NOT NULL, heading TEXT NOT NULL,
+    lifecycle TEXT NOT NULL, text TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS chunks_by_path ON chunks(path, chunk_index);
+CREATE VIRTUAL TABLE IF NOT EXISTS chunks_fts USING fts5(
+    title, heading, body, tokenize="unicode61 remove_diacritics 0 tokenchars '{FTS_TOKENCHARS}'");
+"""
+# bm25 column weights (title, heading, body): a heading or title hit says more than a body hit.
+FTS_WEIGHTS = (2.0, 3.0, 1.0)
+
+
+def chunk_id(path: str, content_hash: str, index: int) -> str:
+    """Ids depend on the content: a file's new generation never overwrites its old one, so a
+    crash between writing new chunks and deleting old ones leaves both sets intact."""
+    return f"{hashlib.sha256(path.encode()).hexdigest()[:16]}-{content_hash[:16]}-{index:05d}"
+
+
+def content_hash(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+@dataclass(frozen=True)
+class IndexManifest:
+    model: str
+    dims: int
+    prefix_scheme: str
+    chunker_version: str
+    chunk_max_tokens: int
+    chunk_min_tokens: int
+    tool_version: str = TOOL_VERSION
+
+    def fingerprint(self) -> str:
+        """What decides whether an index can be updated in place (tool version does not)."""
+        key = {k: v for k, v in asdict(self).items() if k != "tool_version"}
+        key["model"] = model_base_name(self.model) + ":" + (self.model.split(":", 1)[1] if ":" in self.model else "latest")
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+    def index_name(self) -> str:
+        return f"idx-{self.fingerprint()}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> IndexManifest:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+@dataclass(frozen=True)
+class IndexStamp:
+    commit: str | None
+    dirty: bool | None
+    ingested_at: str
+    files: int
+    chunks: int
+
+
+@dataclass(frozen=True)
+class CurrentIndex:
+    """CURRENT.json: which index folder is live, its manifest and stamp, and a generation
+    counter that ingest bumps after every run that changed something."""
+
+    index: str
+    generation: int
+    manifest: IndexManifest
+    stamp: IndexStamp
+
+    def to_json(self) -> str:
+        return json.dumps({"format": 1, "index": self.index, "generation": self.generation,
+                           "manifest": self.manifest.to_dict(), "stamp": asdict(self.stamp)}, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> CurrentIndex:
+        data = json.loads(text)
+        return cls(index=data["index"], generation=int(data["generation"]),
+                   manifest=IndexManifest.from_dict(data["manifest"]), stamp=IndexStamp(**data["stamp"]))
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    root: Path
+
+    @property
+    def current_file(self) -> Path:
+        return self.root / CURRENT_FILE
+
+    @property
+    def lock_file(self) -> Path:
+        return self.root / LOCK_FILE
+
+    def index_dir(self, name: str) -> Path:
+        return self.root / name
+
+    def chroma_dir(self, name: str) -> Path:
+        return self.index_dir(name) / CHROMA_SUBDIR
+
+    def keyword_db(self, name: str) -> Path:
+        return self.index_dir(name) / KEYWORD_DB
+
+    def read_current(self) -> CurrentIndex | None:
+        try:
+            return CurrentIndex.from_json(self.current_file.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RagError(ErrorCode.INDEX_INCOMPATIBLE, f"{self.current_file} is unreadable: {exc}",
+                           "run `python ingest.py --full` to rebuild the index") from None
+
+    def write_current(self, current: CurrentIndex) -> None:
+        """Atomic replace: a reader sees the old or the new pointer, never half a file."""
+        tmp = self.current_file.with_suffix(".tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(current.to_json())
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.current_file)
+        _fsync_dir(self.root)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------
+# The embedder: one client wrapper for ingest and server, errors mapped to the vocabulary.
+
+
+class InputTooLong(Exception):
+    """Ollama refused an input as longer than the model's context (truncate=False)."""
+
+
+@dataclass
+class ModelInfo:
+    context_length: int | None
+    dims: int | None
+
+
+# EmbeddingGemma and friends, when /api/show does not say.
+REGISTRY_CONTEXT_LENGTH = {"embeddinggemma": 2048, "nomic-embed-text": 2048, "mxbai-embed-large": 512,
+                           "snowflake-arctic-embed": 512, "bge-m3": 8192, "e5": 512}
+
+
+@dataclass
+class OllamaEmbedder:
+    host: str
+    model: str
+    timeout_s: float
+    _client: Any = field(default=None, init=False, repr=False)
+
+    def _get_client(self) -> Any:
+        if self._client is None:
+            import ollama
+
+            self._client = ollama.Client(host=self.host, timeout=self.timeout_s)
+        return self._client
+
+    def _translate(self, exc: BaseException) -> BaseException:
+        import httpx
+        import ollama
+
+        if isinstance(exc, ollama.ResponseError):
+            if exc.status_code == 404:
+                return RagError(ErrorCode.MODEL_NOT_FOUND, f"Ollama at {self.host} has no model {self.model!r}",
+                                f"run `ollama pull {self.model}`")
+            if exc.status_code == 400 and "context length" in str(exc.error):
+                return InputTooLong(str(exc.error))
+            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"Ollama at {self.host} answered HTTP {exc.status_code}: {exc.error}",
+                            "check the Ollama server log; retry when it is healthy")
+        if isinstance(exc, (ConnectionError, httpx.ConnectError)):
+            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"cannot reach Ollama at {self.host}",
+                            f"start Ollama (`ollama serve`) and `ollama pull {self.model}`, or set OLLAMA_HOST")
+        if isinstance(exc, httpx.TimeoutException):
+            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"Ollama at {self.host} did not answer within {self.timeout_s:g} s",
+                            "retry; if Ollama is loading the model, wait for it, or raise RAG_EMBED_TIMEOUT")
+        if isinstance(exc, httpx.HTTPError):
+            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"HTTP error talking to Ollama at {self.host}: {exc}",
+                            "check that OLLAMA_HOST points to an Ollama server")
+        return exc
+
+    def model_info(self) -> ModelInfo:
+        """Context length and dimensions from `POST /api/show`, registry values as fallback."""
+        try:
+            shown = self._get_client().show(self.model)
+        except Exception as exc:  # noqa: BLE001 - translated below
+            raise self._translate(exc) from exc
+        info = dict(shown.modelinfo or {})
+        arch = info.get("general.architecture")
+        context = info.get(f"{arch}.context_length") if arch else None
+        dims = info.get(f"{arch}.embedding_length") if arch else None
+        if not isinstance(context, int):
+            family = prefix_scheme_for(self.model)
+            context = REGISTRY_CONTEXT_LENGTH.get(family.name if family else "", None)
+        return ModelInfo(context_length=context, dims=dims if isinstance(dims, int) else None)
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        try:
+            response = self._get_client().embed(model=self.model, input=list(texts), truncate=False)
+        except Exception as exc:  # noqa: BLE001 - translated below
+            raise self._translate(exc) from exc
+        vectors = [list(map(float, v)) for v in response.embeddings]
+        if len(vectors) != len(texts):
+            raise RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
+                           f"Ollama returned {len(vectors)} embeddings for {len(texts)} inputs", "retry")
+        return vectors
+
+
+def batched(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]

@@ -1,0 +1,535 @@
+"""Loopback fake of the Ollama HTTP API, for tests and benchmarks only (never product code).
+
+It speaks enough of Ollama's API (/api/embed, /api/tags, /api/show, /api/version, /) for the
+real ``ollama.Client`` to talk to it over real HTTP, produces deterministic embeddings with
+genuine lexical similarity, and can be told to misbehave in-process or through
+``POST /_fake/config`` when run as a separate process (``python tests/fake_ollama.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
+from typing import Any
+
+__all__ = ["FakeOllama", "fake_embedding", "count_tokens", "normalize_model_name", "main"]
+
+_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f\uac00-\ud7af"
+_CJK_RUN_RE = re.compile(f"[{_CJK}]+")
+# Identifiers such as OLLAMA_KEEP_ALIVE, sev-1 or v0.12.0 stay one token (and are also split).
+_WORD_RE = re.compile(rf"[^\W{_CJK}]+(?:[-.'][^\W{_CJK}]+)*")
+_PART_RE = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
+_TASK_QUERY_RE = re.compile(r"^\s*task:[^|]*\|\s*query:\s*")
+_TITLE_TEXT_RE = re.compile(r"^\s*title:\s*(.*?)\s*\|\s*text:\s*", re.DOTALL)
+_SIMPLE_PREFIX_RE = re.compile(r"^\s*(?:search_query|search_document|query|passage):\s*")
+_STOPWORDS = frozenset(
+    "a an the and or of to in on at for by with from as is are was were be been it its this that "
+    "these those who what when where which how why do does did i you we they he she".split()
+)
+_SUFFIXES = ("ing", "ed", "er", "es", "s")
+_WORD_WEIGHT = 1.0
+_WORD_BIGRAM_WEIGHT = 0.25
+_CJK_BIGRAM_WEIGHT = 1.0
+_CJK_UNIGRAM_WEIGHT = 0.3
+_HEAD_DIMS = 64
+_HEAD_WEIGHT = 0.5
+
+_EMBED_CONTEXT_ERROR = "the input length exceeds the context length"
+
+
+def strip_task_prefix(text: str) -> str:
+    """Remove the query/document prompt prefixes embedding models are fed with."""
+    if m := _TASK_QUERY_RE.match(text):
+        return text[m.end():]
+    if m := _TITLE_TEXT_RE.match(text):
+        title = m.group(1).strip()
+        body = text[m.end():]
+        return body if title.lower() in ("", "none") else f"{title}\n{body}"
+    if m := _SIMPLE_PREFIX_RE.match(text):
+        return text[m.end():]
+    return text
+
+
+def _stem(word: str) -> str:
+    # Crude on purpose: enough that pages/paged/pager/paging/page meet at "pag".
+    for suffix in _SUFFIXES:
+        if word.endswith(suffix) and len(word) - len(suffix) >= 3 and not word.endswith("ss"):
+            word = word[: -len(suffix)]
+            break
+    if word.endswith("e") and len(word) > 3:
+        word = word[:-1]
+    return word
+
+
+def _features(text: str) -> dict[str, float]:
+    feats: dict[str, float] = {}
+
+    def add(key: str, weight: float) -> None:
+        feats[key] = feats.get(key, 0.0) + weight
+
+    text = strip_task_prefix(text)
+    for run in _CJK_RUN_RE.findall(text):
+        if len(run) == 1:
+            add("c1:" + run, _CJK_UNIGRAM_WEIGHT)
+        for i in range(len(run) - 1):
+            add("c2:" + run[i : i + 2], _CJK_BIGRAM_WEIGHT)
+    for token in _WORD_RE.findall(_CJK_RUN_RE.sub(" ", text)):
+        lower = token.lower()
+        parts = [p.lower() for p in _PART_RE.findall(token)]
+        words = {lower} | set(parts) if len(parts) > 1 else {lower}
+        for word in words:
+            if word in _STOPWORDS:
+                continue
+            add("w:" + _stem(word), _WORD_WEIGHT)
+            for i in range(len(word) - 1):
+                add("b:" + word[i : i + 2], _WORD_BIGRAM_WEIGHT)
+    return feats
+
+
+def fake_embedding(text: str, dims: int) -> list[float]:
+    """Deterministic unit vector whose cosine similarity tracks shared words and CJK bigrams."""
+    if dims <= 0:
+        raise ValueError("dims must be positive")
+    vec = [0.0] * dims
+    head = min(dims, _HEAD_DIMS)
+    for key, weight in _features(text).items():
+        digest = int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=16).digest(), "big")
+        sign = 1.0 if digest & 1 else -1.0
+        vec[(digest >> 1) % dims] += sign * weight
+        # A second, lighter hit in the leading buckets keeps `dimensions=N` prefixes non-empty.
+        vec[(digest >> 64) % head] += sign * weight * _HEAD_WEIGHT
+    norm = math.sqrt(sum(v * v for v in vec))
+    if norm == 0.0:
+        fixed = [0.0] * dims
+        fixed[0] = 1.0
+        return fixed
+    return [v / norm for v in vec]
+
+
+def count_tokens(text: str) -> int:
+    """Deliberately lenient token count, so any conservative estimator never undercounts it."""
+    cjk_chars = sum(len(run) for run in _CJK_RUN_RE.findall(text))
+    return len(_WORD_RE.findall(_CJK_RUN_RE.sub(" ", text))) + cjk_chars // 2
+
+
+def normalize_model_name(name: str) -> str:
+    """'embeddinggemma' and 'embeddinggemma:latest' name the same model, as in Ollama."""
+    name = name.strip()
+    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+
+
+def _renormalize(vec: list[float]) -> list[float]:
+    norm = math.sqrt(sum(v * v for v in vec))
+    return [v / norm for v in vec] if norm else vec
+
+
+class _Server(ThreadingHTTPServer):
+    allow_reuse_address = True
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], fake: FakeOllama) -> None:
+        self.fake = fake
+        self.open_sockets: set[socket.socket] = set()
+        self.sockets_lock = threading.Lock()
+        super().__init__(address, _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # clients that time out or a stop() mid-request cause expected socket errors
+
+    def close_connections(self) -> None:
+        # Keep-alive connections outlive shutdown(); close them so a pooled client sees "refused".
+        with self.sockets_lock:
+            socks = list(self.open_sockets)
+            self.open_sockets.clear()
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def setup(self) -> None:
+        super().setup()
+        with self.server.sockets_lock:
+            self.server.open_sockets.add(self.connection)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            with self.server.sockets_lock:
+                self.server.open_sockets.discard(self.connection)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _send(self, status: int, body: bytes, content_type: str, head_only: bool = False) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head_only:
+            self.wfile.write(body)
+
+    def _send_json(self, status: int, payload: Any) -> None:
+        self._send(status, json.dumps(payload).encode("utf-8"), "application/json; charset=utf-8")
+
+    def _read_json(self) -> Any:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        return json.loads(raw) if raw.strip() else {}
+
+    def do_HEAD(self) -> None:
+        if self.path == "/":
+            self._send(200, b"Ollama is running", "text/plain; charset=utf-8", head_only=True)
+        else:
+            self._send(404, b"404 page not found", "text/plain", head_only=True)
+
+    def do_GET(self) -> None:
+        self._dispatch("GET", None)
+
+    def do_POST(self) -> None:
+        try:
+            body = self._read_json()
+        except (ValueError, UnicodeDecodeError):
+            self._send_json(400, {"error": "invalid character in request body"})
+            return
+        self._dispatch("POST", body)
+
+    def _dispatch(self, method: str, body: Any) -> None:
+        fake = self.server.fake
+        path = self.path.split("?", 1)[0]
+        if not path.startswith("/_fake/"):
+            fake._record(method, path, body)
+        status, payload = fake._handle(method, path, body)
+        if isinstance(payload, str):
+            self._send(status, payload.encode("utf-8"), "text/plain; charset=utf-8")
+        else:
+            self._send_json(status, payload)
+
+
+class FakeOllama:
+    """In-process fake Ollama server on 127.0.0.1 with switchable faults and a call record."""
+
+    def __init__(
+        self,
+        models: tuple[str, ...] | list[str] = ("embeddinggemma",),
+        dims: int = 768,
+        context_length: int = 2048,
+        port: int = 0,
+    ) -> None:
+        self._defaults: dict[str, Any] = {
+            "models": tuple(models),
+            "dims": dims,
+            "context_length": context_length,
+        }
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self.port = port
+        self.models: tuple[str, ...] = tuple(models)
+        self.dims = dims
+        self.context_length = context_length
+        self.missing_models: set[str] = set()
+        self.fail_after: int | None = None
+        self.delay_seconds: float = 0.0
+        self.max_input_tokens: int | None = None
+        self.wrong_dims: int | None = None
+        self.embed_calls = 0
+        self.embedded_inputs: list[str] = []
+        self.requests: list[tuple[str, str, Any]] = []
+
+    # lifecycle ----------------------------------------------------------------------------
+    def start(self, port: int | None = None) -> FakeOllama:
+        if self._server is not None:
+            raise RuntimeError("FakeOllama already running")
+        self._stopping.clear()
+        self._server = _Server(("127.0.0.1", self.port if port is None else port), self)
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+            name=f"fake-ollama-{self.port}", daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        self._stopping.set()  # wakes handlers sleeping in delay_seconds
+        server.shutdown()
+        server.server_close()
+        server.close_connections()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def restart(self) -> FakeOllama:
+        """Start again on the same port, for "Ollama went down and came back" scenarios."""
+        self.stop()
+        return self.start(self.port)
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None
+
+    @property
+    def host(self) -> str:
+        if not self.port:
+            raise RuntimeError("FakeOllama has not been started")
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> FakeOllama:
+        return self if self.running else self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # configuration -------------------------------------------------------------------------
+    def configure(self, **fields: Any) -> dict[str, Any]:
+        """Set any of the fault/model fields (same names as POST /_fake/config); returns config."""
+        with self._lock:
+            if fields.pop("reset", False):
+                self._reset_locked()
+            for key, value in fields.items():
+                if key == "models":
+                    self.models = tuple([value] if isinstance(value, str) else value)
+                elif key == "missing_models":
+                    self.missing_models = set([value] if isinstance(value, str) else value)
+                elif key in ("dims", "context_length"):
+                    setattr(self, key, int(value))
+                elif key in ("fail_after", "max_input_tokens", "wrong_dims"):
+                    setattr(self, key, None if value is None else int(value))
+                elif key == "delay_seconds":
+                    self.delay_seconds = float(value)
+                else:
+                    raise ValueError(f"unknown fake config field: {key}")
+            return self._config_locked()
+
+    def config(self) -> dict[str, Any]:
+        with self._lock:
+            return self._config_locked()
+
+    def _config_locked(self) -> dict[str, Any]:
+        return {
+            "models": list(self.models),
+            "missing_models": sorted(self.missing_models),
+            "dims": self.dims,
+            "context_length": self.context_length,
+            "fail_after": self.fail_after,
+            "delay_seconds": self.delay_seconds,
+            "max_input_tokens": self.max_input_tokens,
+            "wrong_dims": self.wrong_dims,
+        }
+
+    def reset(self) -> None:
+        """Restore constructor defaults, switch all faults off and clear the call record."""
+        with self._lock:
+            self._reset_locked()
+
+    def _reset_locked(self) -> None:
+        self.models = self._defaults["models"]
+        self.dims = self._defaults["dims"]
+        self.context_length = self._defaults["context_length"]
+        self.missing_models = set()
+        self.fail_after = None
+        self.delay_seconds = 0.0
+        self.max_input_tokens = None
+        self.wrong_dims = None
+        self.embed_calls = 0
+        self.embedded_inputs = []
+        self.requests = []
+
+    def calls(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "embed_calls": self.embed_calls,
+                "embedded_inputs": list(self.embedded_inputs),
+                "requests": [[m, p, b] for m, p, b in self.requests],
+            }
+
+    # request handling ----------------------------------------------------------------------
+    def _record(self, method: str, path: str, body: Any) -> None:
+        with self._lock:
+            self.requests.append((method, path, body))
+
+    def _available(self, name: str) -> bool:
+        wanted = normalize_model_name(name)
+        missing = {normalize_model_name(m) for m in self.missing_models}
+        return wanted not in missing and wanted in {normalize_model_name(m) for m in self.models}
+
+    def _handle(self, method: str, path: str, body: Any) -> tuple[int, Any]:
+        if method == "GET" and path == "/":
+            return 200, "Ollama is running"
+        if method == "GET" and path == "/api/version":
+            return 200, {"version": "0.12.0"}
+        if method == "GET" and path == "/api/tags":
+            return 200, self._tags()
+        if method == "POST" and path == "/api/show":
+            return self._show(body)
+        if method == "POST" and path == "/api/embed":
+            return self._embed(body)
+        if method == "POST" and path == "/_fake/config":
+            try:
+                return 200, self.configure(**(body or {}))
+            except (TypeError, ValueError) as exc:
+                return 400, {"error": str(exc)}
+        if method == "GET" and path == "/_fake/config":
+            return 200, self.config()
+        if method == "GET" and path == "/_fake/calls":
+            return 200, self.calls()
+        if method == "POST" and path == "/_fake/reset":
+            self.reset()
+            return 200, self.config()
+        return 404, "404 page not found"
+
+    def _model_entry(self, name: str) -> dict[str, Any]:
+        full = normalize_model_name(name)
+        return {
+            "name": full,
+            "model": full,
+            "modified_at": "2025-09-01T00:00:00Z",
+            "size": 621875417,
+            "digest": hashlib.sha256(full.encode("utf-8")).hexdigest(),
+            "details": self._details(),
+        }
+
+    @staticmethod
+    def _details() -> dict[str, Any]:
+        return {
+            "parent_model": "",
+            "format": "gguf",
+            "family": "gemma3",
+            "families": ["gemma3"],
+            "parameter_size": "307.58M",
+            "quantization_level": "BF16",
+        }
+
+    def _tags(self) -> dict[str, Any]:
+        with self._lock:
+            names = [m for m in self.models if self._available(m)]
+        return {"models": [self._model_entry(m) for m in names]}
+
+    def _not_found(self, name: str) -> tuple[int, Any]:
+        return 404, {"error": f'model "{name}" not found, try pulling it first'}
+
+    def _show(self, body: Any) -> tuple[int, Any]:
+        name = str((body or {}).get("model") or (body or {}).get("name") or "")
+        with self._lock:
+            if not self._available(name):
+                return self._not_found(name)
+            dims, ctx = self.dims, self.context_length
+        return 200, {
+            "license": "Gemma Terms of Use",
+            "modelfile": f"FROM {normalize_model_name(name)}\n",
+            "parameters": "",
+            "template": "{{ .Prompt }}",
+            "details": self._details(),
+            "model_info": {
+                "general.architecture": "gemma3",
+                "general.parameter_count": 307581696,
+                "gemma3.context_length": ctx,
+                "gemma3.embedding_length": dims,
+            },
+            "capabilities": ["embedding"],
+            "modified_at": "2025-09-01T00:00:00Z",
+        }
+
+    def _embed(self, body: Any) -> tuple[int, Any]:
+        started = time.perf_counter_ns()
+        body = body if isinstance(body, dict) else {}
+        name = str(body.get("model") or "")
+        raw = body.get("input", "")
+        if isinstance(raw, str):
+            inputs: list[str] | None = [raw] if raw else []  # "" gets no embeddings, as in Ollama
+        elif isinstance(raw, list) and all(isinstance(x, str) for x in raw):
+            inputs = list(raw)
+        else:
+            inputs = None
+        truncate = body.get("truncate", True) is not False
+        dimensions = body.get("dimensions")
+
+        with self._lock:
+            self.embed_calls += 1
+            self.embedded_inputs.extend(inputs or [])
+            call_number = self.embed_calls
+            delay, fail_after = self.delay_seconds, self.fail_after
+        if delay > 0:
+            self._stopping.wait(delay)
+        if fail_after is not None and call_number > fail_after:
+            return 500, {"error": "llama runner process has terminated: exit status 2 (fake fail_after)"}
+        if inputs is None:
+            return 400, {"error": "invalid input type"}
+
+        with self._lock:
+            if not self._available(name):
+                return self._not_found(name)
+            limit = self.max_input_tokens if self.max_input_tokens is not None else self.context_length
+            dims = self.wrong_dims if self.wrong_dims is not None else self.dims
+
+        counts = [count_tokens(text) for text in inputs]
+        if not truncate and any(c > limit for c in counts):
+            return 400, {"error": _EMBED_CONTEXT_ERROR}
+        if dimensions is not None and (not isinstance(dimensions, int) or dimensions <= 0):
+            return 400, {"error": "dimensions must be a positive integer"}
+
+        vectors = [fake_embedding(text, dims) for text in inputs]
+        if dimensions is not None and dimensions < dims:
+            vectors = [_renormalize(v[:dimensions]) for v in vectors]
+        return 200, {
+            "model": name,
+            "embeddings": vectors,
+            "total_duration": time.perf_counter_ns() - started,
+            "load_duration": 0,
+            "prompt_eval_count": sum(min(c, limit) for c in counts),
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Loopback fake Ollama server (tests/benchmarks).")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--dims", type=int, default=768)
+    parser.add_argument("--context-length", type=int, default=2048)
+    parser.add_argument("--model", action="append", dest="models", metavar="NAME")
+    args = parser.parse_args(argv)
+
+    fake = FakeOllama(
+        models=tuple(args.models or ["embeddinggemma"]),
+        dims=args.dims,
+        context_length=args.context_length,
+        port=args.port,
+    )
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    fake.start()
+    print(f"FAKE_OLLAMA_READY {fake.host}", flush=True)
+    try:
+        while not done.wait(0.2):
+            pass
+    finally:
+        fake.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
