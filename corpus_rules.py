@@ -628,10 +628,13 @@ META_KEYS = ("path", "title", "heading", "chunk_index", "start_line", "end_line"
 
 KEYWORD_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+-- disk_path: the path relative to the corpus as the file system spells it (may be NFD);
+-- real_path: its resolved absolute path at ingest. get_file re-resolves disk_path and insists on
+-- real_path, which is how a file swapped for a symlink after ingest is caught.
 CREATE TABLE IF NOT EXISTS documents(
     path TEXT PRIMARY KEY, title TEXT NOT NULL, lifecycle TEXT NOT NULL, chunk_mode TEXT NOT NULL,
     content_hash TEXT NOT NULL, size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL,
-    real_path TEXT NOT NULL, line_count INTEGER NOT NULL, chunk_count INTEGER NOT NULL);
+    disk_path TEXT NOT NULL, real_path TEXT NOT NULL, line_count INTEGER NOT NULL, chunk_count INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS chunks(
     id TEXT PRIMARY KEY, path TEXT NOT NULL, chunk_index INTEGER NOT NULL,
     start_line INTEGER NOT NULL, end_line INTEGER NOT NULL, heading TEXT NOT NULL,

@@ -1,0 +1,764 @@
+"""Index a folder of Markdown into the local store (the only program that writes it).
+
+Markdown -> chunks (corpus_rules) -> document-prefixed text embedded through Ollama ->
+written only after embedding succeeded. Per batch of files: new vectors go to Chroma under
+content-derived ids, then one SQLite transaction commits the files' chunk rows and keyword
+terms (the commit point the server trusts), then the old vectors are deleted. A crash at any
+point leaves every file with one committed set of chunks; the next run removes the leftovers.
+
+Exit status: 0 all good, 1 some files failed, 2 nothing done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import corpus_rules as rules  # noqa: E402
+from corpus_rules import ErrorCode, RagError  # noqa: E402
+
+log = logging.getLogger("ingest")
+
+# File systems and sync tools round mtimes (FAT: 2 s); within this an unchanged size means unchanged.
+MTIME_TOLERANCE_NS = 2_000_000_000
+EMBED_BATCH = 64  # chunks per /api/embed call
+COMMIT_BATCH_CHUNKS = 256  # chunks per Chroma upsert + SQLite transaction
+
+
+# ---------------------------------------------------------------------------
+# Walking the corpus.
+
+
+@dataclass(frozen=True)
+class CorpusFile:
+    path: str  # stored form: relative, POSIX, NFC
+    disk_path: str  # relative, as the file system spells it
+    real_path: str
+    size: int
+    mtime_ns: int
+
+
+@dataclass
+class Walk:
+    files: list[CorpusFile] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    failures: dict[str, str] = field(default_factory=dict)  # path -> reason (name problems)
+
+
+def walk_corpus(root: Path) -> Walk:
+    """Every *.md below root; dot-folders skipped; symlinks followed only inside the root."""
+    walk = Walk()
+    root_real = Path(os.path.realpath(root))
+    seen_dirs = {str(root_real)}
+    seen_paths: set[str] = set()
+    pending = [root]
+    while pending:
+        directory = pending.pop()
+        try:
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        except OSError as exc:
+            walk.warnings.append(f"cannot list {directory}: {exc.strerror}")
+            continue
+        for entry in entries:
+            link = entry.is_symlink()
+            real = os.path.realpath(entry.path)
+            if link and not rules.is_within(root_real, Path(real)):
+                walk.warnings.append(f"skipped symlink {entry.path}: it resolves outside the corpus ({real})")
+                continue
+            try:
+                st = os.stat(entry.path)
+            except OSError as exc:
+                walk.warnings.append(f"skipped {entry.path}: {exc.strerror}")
+                continue
+            if os.path.isdir(real) and _is_dir_mode(st.st_mode):
+                if entry.name.startswith("."):
+                    continue
+                if real in seen_dirs:
+                    walk.warnings.append(f"skipped {entry.path}: folder already visited (symlink cycle)")
+                    continue
+                seen_dirs.add(real)
+                pending.append(Path(entry.path))
+                continue
+            if not entry.name.lower().endswith(".md") or not _is_file_mode(st.st_mode):
+                continue
+            try:
+                disk_rel = Path(entry.path).relative_to(root).as_posix()
+                disk_rel.encode("utf-8")
+            except UnicodeEncodeError:
+                walk.warnings.append(f"skipped {entry.path!r}: file name is not valid UTF-8")
+                continue
+            path = rules.relative_corpus_path(root, Path(entry.path))
+            if path in seen_paths:
+                walk.failures[path] = f"{disk_rel}: another file has the same name after Unicode NFC normalisation"
+                continue
+            seen_paths.add(path)
+            walk.files.append(CorpusFile(path, disk_rel, real, st.st_size, st.st_mtime_ns))
+    walk.files.sort(key=lambda f: f.path)
+    return walk
+
+
+def _is_dir_mode(mode: int) -> bool:
+    import stat
+
+    return stat.S_ISDIR(mode)
+
+
+def _is_file_mode(mode: int) -> bool:
+    import stat
+
+    return stat.S_ISREG(mode)
+
+
+# ---------------------------------------------------------------------------
+# The keyword index / registry (SQLite), the commit point.
+
+
+def open_keyword_db(path: Path) -> sqlite3.Connection:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    con = sqlite3.connect(path, timeout=30, isolation_level=None)
+    con.execute("PRAGMA journal_mode=WAL")
+    con.execute("PRAGMA synchronous=FULL")
+    con.executescript(rules.KEYWORD_SCHEMA)
+    return con
+
+
+@contextlib.contextmanager
+def transaction(con: sqlite3.Connection) -> Iterator[None]:
+    con.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    con.execute("COMMIT")
+
+
+@dataclass(frozen=True)
+class DocumentRow:
+    path: str
+    lifecycle: str
+    content_hash: str
+    size: int
+    mtime_ns: int
+
+
+def load_registry(con: sqlite3.Connection) -> dict[str, DocumentRow]:
+    rows = con.execute("SELECT path, lifecycle, content_hash, size, mtime_ns FROM documents")
+    return {r[0]: DocumentRow(*r) for r in rows}
+
+
+def committed_chunk_ids(con: sqlite3.Connection) -> dict[str, str]:
+    """id -> lifecycle of every committed chunk."""
+    return dict(con.execute("SELECT id, lifecycle FROM chunks"))
+
+
+# ---------------------------------------------------------------------------
+# Preparing files: parse, chunk, embed.
+
+
+@dataclass
+class PreparedFile:
+    file: CorpusFile
+    doc: rules.SourceDocument
+    content_hash: str
+    chunks: list[rules.Chunk]
+    vectors: list[list[float]] = field(default_factory=list)
+
+
+def chunk_budget(context_length: int, target: int, scheme: rules.PrefixScheme, title: str) -> int:
+    """Tokens left for chunk text: the target, capped by the context minus the prefix and title,
+    with room kept for the heading path that leads the embedded text."""
+    overhead = rules.estimate_tokens(scheme.document_text(title, "")) + 64
+    return max(16, min(target, context_length - overhead))
+
+
+def split_chunk(doc: rules.SourceDocument, chunk: rules.Chunk) -> list[rules.Chunk]:
+    """Halve a chunk that Ollama still found too long (our estimate was too optimistic)."""
+    if chunk.end_line > chunk.start_line:
+        lines = doc.lines[chunk.start_line - 1:chunk.end_line]
+        mid = len(lines) // 2
+        halves = [(chunk.start_line, chunk.start_line + mid - 1, lines[:mid]),
+                  (chunk.start_line + mid, chunk.end_line, lines[mid:])]
+        parts = [rules.Chunk(0, s, e, chunk.heading, "\n".join(ls).strip()) for s, e, ls in halves]
+        parts = [p for p in parts if p.text]
+        if len(parts) == 2:
+            return parts
+    half = len(chunk.text) // 2
+    return [rules.Chunk(0, chunk.start_line, chunk.end_line, chunk.heading, t.strip())
+            for t in (chunk.text[:half], chunk.text[half:]) if t.strip()]
+
+
+class Embedding:
+    """Embeds chunks in batches; splits a chunk Ollama rejects as too long, never truncates."""
+
+    def __init__(self, embedder: rules.OllamaEmbedder, scheme: rules.PrefixScheme) -> None:
+        self.embedder = embedder
+        self.scheme = scheme
+        self.calls = 0
+
+    def _text(self, doc: rules.SourceDocument, chunk: rules.Chunk) -> str:
+        return rules.embedded_document_text(self.scheme, doc.title, chunk.heading, chunk.text)
+
+    def _embed(self, texts: Sequence[str]) -> list[list[float]]:
+        self.calls += 1
+        return self.embedder.embed(texts)
+
+    def embed_files(self, files: Sequence[PreparedFile]) -> None:
+        pairs = [(pf, chunk) for pf in files for chunk in pf.chunks]
+        vectors: list[list[float]] = []
+        for batch in rules.batched(pairs, EMBED_BATCH):
+            try:
+                vectors.extend(self._embed([self._text(pf.doc, c) for pf, c in batch]))
+            except rules.InputTooLong:
+                vectors.extend(self._embed_one_by_one(batch))
+        position = 0
+        for pf in files:
+            count = len(pf.chunks)
+            pf.vectors = vectors[position:position + count]
+            position += count
+
+    def _embed_one_by_one(self, batch: Sequence[tuple[PreparedFile, rules.Chunk]]) -> list[list[float]]:
+        # Only reached when Ollama refused a batch as too long: find the culprit, split it, and
+        # carry the extra chunks back into the file's chunk list.
+        out: list[list[float]] = []
+        for pf, chunk in batch:
+            pieces = self._embed_splitting(pf.doc, chunk)
+            if len(pieces) > 1:
+                at = pf.chunks.index(chunk)
+                pf.chunks[at:at + 1] = [c for c, _ in pieces]
+            out.extend(v for _, v in pieces)
+        return out
+
+    def _embed_splitting(self, doc: rules.SourceDocument, chunk: rules.Chunk) -> list[tuple[rules.Chunk, list[float]]]:
+        try:
+            return [(chunk, self._embed([self._text(doc, chunk)])[0])]
+        except rules.InputTooLong:
+            parts = split_chunk(doc, chunk)
+            if len(parts) < 2:
+                raise RagError(ErrorCode.DOCUMENT_INVALID,
+                               f"{doc.path}: lines {chunk.start_line}-{chunk.end_line} cannot be split below the model's context",
+                               "shorten that passage") from None
+            return [pair for part in parts for pair in self._embed_splitting(doc, part)]
+
+
+def renumber(chunks: Sequence[rules.Chunk]) -> list[rules.Chunk]:
+    return [rules.Chunk(i, c.start_line, c.end_line, c.heading, c.text) for i, c in enumerate(chunks)]
+
+
+# ---------------------------------------------------------------------------
+# Writing: vectors first, then the SQLite commit, then old vectors out.
+
+
+def chunk_metadata(pf: PreparedFile, chunk: rules.Chunk) -> dict[str, Any]:
+    return {"path": pf.file.path, "title": pf.doc.title, "heading": chunk.heading, "chunk_index": chunk.index,
+            "start_line": chunk.start_line, "end_line": chunk.end_line, "lifecycle": pf.doc.lifecycle,
+            "content_hash": pf.content_hash, "mtime_ns": pf.file.mtime_ns, "chunk_mode": pf.doc.chunk_mode}
+
+
+class Store:
+    """One index folder: Chroma collections per lifecycle plus the SQLite keyword index."""
+
+    def __init__(self, layout: rules.StoreLayout, manifest: rules.IndexManifest) -> None:
+        os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
+        import chromadb
+
+        self.name = manifest.index_name()
+        self.manifest = manifest
+        self.client = chromadb.PersistentClient(path=str(layout.chroma_dir(self.name)))
+        meta = {"hnsw:space": "cosine", **{f"manifest_{k}": v for k, v in manifest.to_dict().items()}}
+        self.collections = {lc: self.client.get_or_create_collection(name, metadata=meta)
+                            for lc, name in rules.COLLECTION_BY_LIFECYCLE.items()}
+        self.db = open_keyword_db(layout.keyword_db(self.name))
+
+    def reconcile(self) -> int:
+        """Delete vectors no committed chunk owns (left by a crash); return how many.
+
+        Committed chunks whose vectors are missing get their document row dropped so the
+        file is embedded again in this run."""
+        committed = committed_chunk_ids(self.db)
+        removed = 0
+        present: set[str] = set()
+        for lifecycle, col in self.collections.items():
+            ids = col.get(include=[])["ids"]
+            stray = [i for i in ids if committed.get(i) != lifecycle]
+            present.update(i for i in ids if committed.get(i) == lifecycle)
+            for batch in rules.batched(stray, 5000):
+                col.delete(ids=list(batch))
+            removed += len(stray)
+        missing = [i for i in committed if i not in present]
+        if missing:
+            with transaction(self.db):
+                self.db.executemany(
+                    "DELETE FROM documents WHERE path IN (SELECT path FROM chunks WHERE id = ?)", [(i,) for i in missing])
+        return removed
+
+    def write(self, files: Sequence[PreparedFile]) -> None:
+        new_ids: set[str] = set()
+        for lifecycle, col in self.collections.items():
+            ids, vectors, texts, metas = [], [], [], []
+            for pf in files:
+                if pf.doc.lifecycle != lifecycle:
+                    continue
+                for chunk, vector in zip(pf.chunks, pf.vectors):
+                    ids.append(rules.chunk_id(pf.file.path, pf.content_hash, chunk.index))
+                    vectors.append(vector)
+                    texts.append(chunk.text)
+                    metas.append(chunk_metadata(pf, chunk))
+            new_ids.update(ids)
+            for start in range(0, len(ids), 1000):
+                col.upsert(ids=ids[start:start + 1000], embeddings=vectors[start:start + 1000],
+                           documents=texts[start:start + 1000], metadatas=metas[start:start + 1000])
+        paths = [pf.file.path for pf in files]
+        old = self._chunk_ids_of(paths)
+        with transaction(self.db):
+            self._delete_rows(paths)
+            for pf in files:
+                self._insert_rows(pf)
+        self._delete_vectors({i: lc for i, lc in old.items() if i not in new_ids})
+
+    def remove(self, paths: Sequence[str]) -> None:
+        old = self._chunk_ids_of(paths)
+        with transaction(self.db):
+            self._delete_rows(paths)
+        self._delete_vectors(old)
+
+    def update_mtimes(self, updates: Sequence[tuple[CorpusFile, DocumentRow]]) -> None:
+        """Content unchanged, mtime moved: no embedding, but chunks carry the file's mtime."""
+        for file, row in updates:
+            ids = list(self._chunk_ids_of([file.path]))
+            if ids:
+                col = self.collections[row.lifecycle]
+                metas = col.get(ids=ids, include=["metadatas"])
+                new_metas = [{**m, "mtime_ns": file.mtime_ns} for m in metas["metadatas"]]
+                col.update(ids=metas["ids"], metadatas=new_metas)
+        with transaction(self.db):
+            self.db.executemany("UPDATE documents SET mtime_ns = ?, size = ? WHERE path = ?",
+                                [(f.mtime_ns, f.size, f.path) for f, _ in updates])
+
+    def _chunk_ids_of(self, paths: Sequence[str]) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for path in paths:
+            out.update(self.db.execute("SELECT id, lifecycle FROM chunks WHERE path = ?", (path,)))
+        return out
+
+    def _delete_rows(self, paths: Sequence[str]) -> None:
+        for path in paths:
+            self.db.execute("DELETE FROM chunks_fts WHERE rowid IN (SELECT rowid FROM chunks WHERE path = ?)", (path,))
+            self.db.execute("DELETE FROM chunks WHERE path = ?", (path,))
+            self.db.execute("DELETE FROM documents WHERE path = ?", (path,))
+
+    def _insert_rows(self, pf: PreparedFile) -> None:
+        doc, path = pf.doc, pf.file.path
+        title_terms = " ".join(rules.keyword_terms(doc.title))
+        for chunk in pf.chunks:
+            cur = self.db.execute(
+                "INSERT INTO chunks(id, path, chunk_index, start_line, end_line, heading, lifecycle, text) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (rules.chunk_id(path, pf.content_hash, chunk.index), path, chunk.index, chunk.start_line,
+                 chunk.end_line, chunk.heading, doc.lifecycle, chunk.text))
+            self.db.execute("INSERT INTO chunks_fts(rowid, title, heading, body) VALUES (?, ?, ?, ?)",
+                            (cur.lastrowid, title_terms, " ".join(rules.keyword_terms(chunk.heading)),
+                             " ".join(rules.keyword_terms(chunk.text))))
+        self.db.execute(
+            "INSERT INTO documents(path, title, lifecycle, chunk_mode, content_hash, size, mtime_ns, disk_path, "
+            "real_path, line_count, chunk_count) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (path, doc.title, doc.lifecycle, doc.chunk_mode, pf.content_hash, pf.file.size, pf.file.mtime_ns,
+             pf.file.disk_path, pf.file.real_path, doc.line_count, len(pf.chunks)))
+
+    def _delete_vectors(self, ids: dict[str, str]) -> None:
+        for lifecycle, col in self.collections.items():
+            doomed = [i for i, lc in ids.items() if lc == lifecycle]
+            for batch in rules.batched(doomed, 5000):
+                col.delete(ids=list(batch))
+
+    def counts(self) -> tuple[int, int]:
+        files = self.db.execute("SELECT count(*) FROM documents").fetchone()[0]
+        chunks = self.db.execute("SELECT count(*) FROM chunks").fetchone()[0]
+        return files, chunks
+
+    def stamp(self, stamp: rules.IndexStamp) -> None:
+        with transaction(self.db):
+            self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('stamp', ?)", (json.dumps(asdict(stamp)),))
+            self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('manifest', ?)",
+                            (json.dumps(self.manifest.to_dict()),))
+        for col in self.collections.values():
+            meta = dict(col.metadata or {})
+            meta.pop("hnsw:space", None)  # the distance space cannot be modified after creation
+            meta.update({f"stamp_{k}": v for k, v in asdict(stamp).items() if v is not None})
+            col.modify(metadata=meta)
+
+
+# ---------------------------------------------------------------------------
+# Stamp, lock, progress.
+
+
+def corpus_git_state(corpus: Path) -> tuple[str | None, bool | None]:
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(corpus), *args], capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if head is None:
+        return None, None
+    status = git("status", "--porcelain", "--", ".")
+    return head.strip(), bool(status and status.strip())
+
+
+@contextlib.contextmanager
+def ingest_lock(layout: rules.StoreLayout) -> Iterator[None]:
+    layout.root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(layout.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise RagError(ErrorCode.LOCK_HELD, f"another ingest (pid {holder}) is writing {layout.root}",
+                           "wait for it to finish, then run ingest again") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+class Progress:
+    """Progress on stderr: live on a terminal, a line every few seconds otherwise."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done = 0
+        self.chunks = 0
+        self.start = time.monotonic()
+        self.last = 0.0
+        self.tty = sys.stderr.isatty()
+
+    def advance(self, files: int, chunks: int) -> None:
+        self.done += files
+        self.chunks += chunks
+        now = time.monotonic()
+        if now - self.last < (0.2 if self.tty else 5.0) and self.done < self.total:
+            return
+        self.last = now
+        elapsed = now - self.start
+        rate = self.chunks / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - self.done) * elapsed / self.done if self.done else 0.0
+        line = f"ingest: {self.done}/{self.total} files, {self.chunks} chunks, {rate:.0f} chunks/s, ETA {eta:.0f} s"
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        if self.tty and self.last:
+            print(file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------
+# The run.
+
+
+@dataclass
+class Summary:
+    scanned: int = 0
+    added: int = 0
+    updated: int = 0
+    unchanged: int = 0
+    removed: int = 0
+    excluded: int = 0
+    failed: int = 0
+    chunks_written: int = 0
+    embedding_calls: int = 0
+    seconds: float = 0.0
+    commit: str | None = None
+    dirty: bool | None = None
+    index: str = ""
+    rebuilt: bool = False
+    dry_run: bool = False
+    estimated_chunks: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        if self.dry_run:
+            return (f"dry run: {self.scanned} scanned, would add {self.added}, update {self.updated}, "
+                    f"remove {self.removed}; {self.unchanged} unchanged, {self.excluded} excluded, "
+                    f"{self.failed} failed; about {self.estimated_chunks} chunks to embed")
+        return (f"{self.scanned} scanned, {self.added} added, {self.updated} updated, {self.unchanged} unchanged, "
+                f"{self.removed} removed, {self.excluded} excluded, {self.failed} failed; "
+                f"{self.chunks_written} chunks written, {self.embedding_calls} embedding calls, "
+                f"{self.seconds:.1f} s, corpus commit {self.commit or 'none'}{' (dirty)' if self.dirty else ''}")
+
+
+@dataclass
+class Plan:
+    """What the walk found, compared with the registry."""
+
+    unchanged: list[CorpusFile] = field(default_factory=list)
+    mtime_only: list[tuple[CorpusFile, DocumentRow]] = field(default_factory=list)
+    changed: list[PreparedFile] = field(default_factory=list)
+    excluded: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    removed: list[str] = field(default_factory=list)
+
+
+def plan_changes(walk: Walk, registry: dict[str, DocumentRow], root: Path, budget_for: Any, full: bool) -> Plan:
+    plan = Plan(failed=dict(walk.failures))
+    seen = set(walk.failures)
+    for file in walk.files:
+        seen.add(file.path)
+        row = registry.get(file.path)
+        if row and not full and row.size == file.size and abs(row.mtime_ns - file.mtime_ns) <= MTIME_TOLERANCE_NS:
+            plan.unchanged.append(file)
+            continue
+        try:
+            raw = (root / file.disk_path).read_bytes()
+        except OSError as exc:
+            plan.failed[file.path] = f"{file.path}: cannot read ({exc.strerror})"
+            continue
+        digest = rules.content_hash(raw)
+        if row and not full and row.content_hash == digest:
+            plan.mtime_only.append((file, row))
+            continue
+        try:
+            doc = rules.parse_document(raw, file.path)
+        except RagError as exc:
+            plan.failed[file.path] = exc.message
+            continue
+        if not doc.rag:
+            plan.excluded.append(file.path)
+            continue
+        chunks = rules.chunk_document(doc, budget_for(doc.title), rules_min_tokens(budget_for))
+        plan.changed.append(PreparedFile(file, doc, digest, chunks))
+    excluded = set(plan.excluded)
+    plan.removed = sorted(p for p in registry if p not in seen or p in excluded)
+    return plan
+
+
+def rules_min_tokens(budget_for: Any) -> int:
+    return getattr(budget_for, "min_tokens", rules.DEFAULT_CHUNK_MIN_TOKENS)
+
+
+@dataclass
+class Budget:
+    context_length: int
+    target: int
+    min_tokens: int
+    scheme: rules.PrefixScheme
+
+    def __call__(self, title: str) -> int:
+        return chunk_budget(self.context_length, self.target, self.scheme, title)
+
+
+def _registry_of(layout: rules.StoreLayout, current: rules.CurrentIndex | None) -> dict[str, DocumentRow]:
+    if current is None or not layout.keyword_db(current.index).exists():
+        return {}
+    con = sqlite3.connect(f"file:{layout.keyword_db(current.index)}?mode=ro", uri=True, timeout=30)
+    try:
+        return load_registry(con)
+    finally:
+        con.close()
+
+
+def run(args: argparse.Namespace) -> Summary:
+    started = time.monotonic()
+    settings = rules.load_settings(corpus_dir=args.corpus, store_dir=args.store)
+    log.info("resolved configuration: %s", settings.describe())
+    layout = rules.StoreLayout(settings.store_dir)
+    corpus = settings.corpus_dir
+    if not corpus.is_dir():
+        raise RagError(ErrorCode.CORPUS_MISSING, f"corpus folder {corpus} does not exist",
+                       "set RAG_CORPUS_DIR or pass --corpus DIR")
+    walk = walk_corpus(corpus)
+    for warning in walk.warnings:
+        log.warning("%s", warning)
+    summary = Summary(scanned=len(walk.files) + len(walk.failures), dry_run=args.dry_run)
+    current = layout.read_current()
+
+    if args.dry_run:
+        registry = _registry_of(layout, current)
+        _guard_empty(walk, registry, args.allow_empty)
+        scheme = rules.prefix_scheme_for(settings.embed_model) or rules.PREFIX_SCHEMES["none"]
+        budget = Budget(settings.chunk_max_tokens, settings.chunk_max_tokens, settings.chunk_min_tokens, scheme)
+        plan = plan_changes(walk, registry, corpus, budget, args.full)
+        _fill_summary(summary, plan, registry)
+        summary.estimated_chunks = sum(len(pf.chunks) for pf in plan.changed)
+        summary.seconds = time.monotonic() - started
+        return summary
+
+    with ingest_lock(layout):
+        current = layout.read_current()
+        _guard_empty(walk, _registry_of(layout, current), args.allow_empty)
+        embedder = rules.OllamaEmbedder(settings.ollama_host, settings.embed_model, settings.embed_timeout_s)
+        info = embedder.model_info()
+        scheme = rules.prefix_scheme_for(settings.embed_model)
+        if scheme is None:
+            log.warning("unknown embedding model %r: no query/document prefixes will be used", settings.embed_model)
+            scheme = rules.PREFIX_SCHEMES["none"]
+        dims = info.dims or len(embedder.embed([scheme.query_text("dimension probe")])[0])
+        context = info.context_length or settings.chunk_max_tokens
+        manifest = rules.IndexManifest(model=settings.embed_model, dims=dims, prefix_scheme=scheme.name,
+                                       chunker_version=rules.CHUNKER_VERSION, chunk_max_tokens=settings.chunk_max_tokens,
+                                       chunk_min_tokens=settings.chunk_min_tokens)
+        store = Store(layout, manifest)
+        summary.index = store.name
+        summary.rebuilt = current is None or current.index != store.name
+        if summary.rebuilt and current is not None:
+            log.info("index manifest changed (%s -> %s): rebuilding into a new index; the old one stays live "
+                     "until the new one is complete", current.index, store.name)
+        repaired = store.reconcile()
+        if repaired:
+            log.info("removed %d vectors left by an interrupted run", repaired)
+        registry = load_registry(store.db)
+        budget = Budget(context, settings.chunk_max_tokens, settings.chunk_min_tokens, scheme)
+        plan = plan_changes(walk, registry, corpus, budget, args.full)
+        _fill_summary(summary, plan, registry)
+        embedding = Embedding(embedder, scheme)
+        changed_anything = bool(repaired)
+        if plan.mtime_only:
+            store.update_mtimes(plan.mtime_only)
+            changed_anything = True
+        progress = Progress(len(plan.changed))
+        try:
+            for group in _groups(plan.changed):
+                try:
+                    embedding.embed_files(group)
+                except RagError as exc:
+                    if exc.code is ErrorCode.DOCUMENT_INVALID:
+                        group = _embed_individually(embedding, group, plan, summary)
+                    else:
+                        raise
+                for pf in group:
+                    pf.chunks = renumber(pf.chunks)
+                if group:
+                    store.write(group)
+                    changed_anything = True
+                    summary.chunks_written += sum(len(pf.chunks) for pf in group)
+                progress.advance(len(group), sum(len(pf.chunks) for pf in group))
+        except RagError as exc:
+            if exc.code not in (ErrorCode.EMBEDDER_UNAVAILABLE, ErrorCode.MODEL_NOT_FOUND):
+                raise
+            # The embedder went away mid-run: what was committed stays, the rest keeps its old chunks.
+            done = progress.done
+            for pf in plan.changed[done:]:
+                plan.failed.setdefault(pf.file.path, f"{pf.file.path}: not embedded: {exc.message}")
+            summary.errors.append(f"{exc.message} ({exc.hint})")
+        finally:
+            progress.finish()
+        if plan.removed:
+            store.remove(plan.removed)
+            changed_anything = True
+        summary.embedding_calls = embedding.calls
+        summary.failed = len(plan.failed)
+        summary.errors = [*sorted(plan.failed.values()), *summary.errors]
+        summary.commit, summary.dirty = corpus_git_state(corpus)
+        files, chunks = store.counts()
+        stamp = rules.IndexStamp(commit=summary.commit, dirty=summary.dirty,
+                                 ingested_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                 files=files, chunks=chunks)
+        store.stamp(stamp)
+        if summary.rebuilt and plan.failed and current is not None:
+            summary.errors.append(f"the new index {store.name} is incomplete; {current.index} stays live until a "
+                                  "run completes without failures")
+        elif summary.rebuilt or changed_anything or current is None or current.stamp.commit != stamp.commit:
+            generation = (current.generation + 1) if current else 1
+            layout.write_current(rules.CurrentIndex(index=store.name, generation=generation, manifest=manifest, stamp=stamp))
+            if current is not None and current.index != store.name:
+                shutil.rmtree(layout.index_dir(current.index), ignore_errors=True)
+    summary.seconds = time.monotonic() - started
+    return summary
+
+
+def _embed_individually(embedding: Embedding, group: list[PreparedFile], plan: Plan, summary: Summary) -> list[PreparedFile]:
+    """A passage that cannot be split under the context fails its own file, not the batch."""
+    kept = []
+    for pf in group:
+        try:
+            embedding.embed_files([pf])
+            kept.append(pf)
+        except RagError as exc:
+            if exc.code is not ErrorCode.DOCUMENT_INVALID:
+                raise
+            plan.failed[pf.file.path] = exc.message
+    return kept
+
+
+def _groups(files: Sequence[PreparedFile]) -> Iterator[list[PreparedFile]]:
+    group: list[PreparedFile] = []
+    size = 0
+    for pf in files:
+        group.append(pf)
+        size += len(pf.chunks)
+        if size >= COMMIT_BATCH_CHUNKS:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
+
+
+def _fill_summary(summary: Summary, plan: Plan, registry: dict[str, DocumentRow]) -> None:
+    summary.added = sum(1 for pf in plan.changed if pf.file.path not in registry)
+    summary.updated = len(plan.changed) - summary.added
+    summary.unchanged = len(plan.unchanged) + len(plan.mtime_only)
+    summary.removed = len(plan.removed)
+    summary.excluded = len(plan.excluded)
+    summary.failed = len(plan.failed)
+    summary.errors = sorted(plan.failed.values())
+
+
+def _guard_empty(walk: Walk, registry: dict[str, DocumentRow], allow_empty: bool) -> None:
+    if not walk.files and not walk.failures and registry and not allow_empty:
+        raise RagError(ErrorCode.CORPUS_EMPTY,
+                       f"the corpus has no *.md files but the index holds {len(registry)}; refusing to delete them",
+                       "check RAG_CORPUS_DIR (an unmounted drive?), or pass --allow-empty to empty the index")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Index a folder of Markdown for local-rag-mcp.")
+    parser.add_argument("--corpus", help="corpus folder (default: $RAG_CORPUS_DIR or sample-corpus/)")
+    parser.add_argument("--store", help="store folder (default: $RAG_STORE_DIR or ~/.local-rag-mcp/store)")
+    parser.add_argument("--full", action="store_true", help="re-embed every file, changed or not")
+    parser.add_argument("--dry-run", action="store_true", help="report what would change; embed and write nothing")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    parser.add_argument("--allow-empty", action="store_true", help="allow an empty corpus to empty the index")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    args = parse_args(argv)
+    try:
+        summary = run(args)
+    except RagError as exc:
+        log.error("%s", exc.message)
+        if exc.hint:
+            log.error("next: %s", exc.hint)
+        if args.json:
+            print(json.dumps({"exit": 2, **exc.payload()}))
+        return 2
+    for error in summary.errors:
+        log.error("%s", error)
+    print(f"ingest: {summary.line()}", file=sys.stderr)
+    status = 1 if summary.failed or summary.errors else 0
+    if args.json:
+        print(json.dumps({"exit": status, **asdict(summary)}, ensure_ascii=False))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
