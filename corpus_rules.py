@@ -172,12 +172,13 @@ def normalize_relative_path(raw: str, *, allow_empty: bool = False) -> str:
         reasons.append("contains NUL")
     if "\\" in text:
         reasons.append("contains a backslash")
-    if text.startswith(("/", "~")) or re.match(r"^[A-Za-z]:", text):
-        reasons.append("is absolute")
     parts = [p for p in text.split("/") if p not in ("", ".")]
+    # Checked on the normalised form as well: "./~/x" must not become "~/x".
+    if text.startswith(("/", "~")) or re.match(r"^[A-Za-z]:", text) or (parts and parts[0].startswith("~")):
+        reasons.append("is absolute")
     if any(p == ".." for p in parts):
         reasons.append("contains '..'")
-    if any(ord(ch) < 32 for ch in text) and "contains NUL" not in reasons:
+    if any(unicodedata.category(ch) == "Cc" and ch != "\x00" for ch in text):
         reasons.append("contains control characters")
     if any(0xD800 <= ord(ch) <= 0xDFFF for ch in text):
         reasons.append("contains lone surrogates")
@@ -277,7 +278,7 @@ def parse_document(raw: bytes, path: str) -> SourceDocument:
             meta = loaded
             body_start = closing + 2
     rag = meta.get("rag", True)
-    if rag not in (True, False):
+    if not isinstance(rag, bool):  # `rag: 0` equals False in Python but is not a YAML boolean
         raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: rag must be true or false, got {rag!r}",
                        "write `rag: false` to exclude the file, or remove the key")
     chunk_mode = meta.get("rag_chunk", "whole")
@@ -349,7 +350,9 @@ class Chunk:
 def _markdown_tokens(lines: Sequence[str]) -> list[Any]:
     from markdown_it import MarkdownIt
 
-    return MarkdownIt("commonmark").parse("\n".join(lines))
+    # markdown-it treats a lone CR as a line break; our lines split on LF only, so the parser
+    # must not see one or every line number after it would shift.
+    return MarkdownIt("commonmark").parse("\n".join(lines).replace("\r", " "))
 
 
 def markdown_headings(lines: Sequence[str]) -> list[Heading]:
@@ -425,24 +428,33 @@ def _merge_small(spans: list[_Span], min_tokens: int, max_tokens: int) -> list[_
 
 
 def _split_long_line(line: str, max_tokens: int) -> list[str]:
-    """Character pieces of one line whose estimate exceeds the budget (minified text, data)."""
-    pieces, current, current_tokens = [], [], 0
+    """Pieces of one line whose estimate exceeds the budget (minified text, data), each within it.
+
+    Cuts at spaces; a "word" too big on its own is cut between estimate atoms (a CJK character,
+    digit or symbol, or three Latin letters), so every piece's estimate is at most the budget."""
+    pieces: list[str] = []
+    current = ""
     for word in re.findall(r"\S+\s*|\s+", line):
-        cost = estimate_tokens(word)
-        while cost > max_tokens:  # a single enormous "word"
-            cut = max(1, len(word) * max_tokens // cost)
-            pieces.append("".join(current) + word[:cut]) if current else pieces.append(word[:cut])
-            current, current_tokens = [], 0
-            word = word[cut:]
-            cost = estimate_tokens(word)
-        if current_tokens + cost > max_tokens and current:
-            pieces.append("".join(current))
-            current, current_tokens = [], 0
-        current.append(word)
-        current_tokens += cost
-    if current:
-        pieces.append("".join(current))
+        if estimate_tokens(current + word) <= max_tokens:
+            current += word
+            continue
+        if current.strip():
+            pieces.append(current)
+        current = ""
+        if estimate_tokens(word) <= max_tokens:
+            current = word
+            continue
+        for atom in _ESTIMATE_ATOMS.findall(word):
+            if current and estimate_tokens(current + atom) > max_tokens:
+                pieces.append(current)
+                current = ""
+            current += atom
+    if current.strip():
+        pieces.append(current)
     return [p for p in pieces if p.strip()]
+
+
+_ESTIMATE_ATOMS = re.compile(r"[A-Za-z]{1,3}|\s+|.", re.DOTALL)
 
 
 def chunk_document(doc: SourceDocument, max_tokens: int, min_tokens: int) -> list[Chunk]:
@@ -521,6 +533,8 @@ PREFIX_SCHEMES: dict[str, PrefixScheme] = {
         PrefixScheme("e5", "passage: {text}", "query: {query}"),
         PrefixScheme("mxbai-embed-large", "{text}", _RETRIEVAL_INSTRUCTION),
         PrefixScheme("snowflake-arctic-embed", "{text}", _RETRIEVAL_INSTRUCTION),
+        # Arctic Embed 2.0 (model card): queries get "query: ", documents nothing.
+        PrefixScheme("snowflake-arctic-embed2", "{text}", "query: {query}"),
         # bge-m3's model card: no instruction is needed for dense retrieval.
         PrefixScheme("bge-m3", "{text}", "{query}"),
         PrefixScheme("none", "{text}", "{query}"),
@@ -531,6 +545,7 @@ _FAMILY_PATTERNS = (
     ("nomic-embed-text", re.compile(r"^nomic-embed-text")),
     ("e5", re.compile(r"(^|-)e5(-|$)")),
     ("mxbai-embed-large", re.compile(r"^mxbai-embed-large")),
+    ("snowflake-arctic-embed2", re.compile(r"^snowflake-arctic-embed(2|-[a-z]+-v2)")),
     ("snowflake-arctic-embed", re.compile(r"^snowflake-arctic-embed")),
     ("bge-m3", re.compile(r"^bge-m3")),
 )
@@ -542,12 +557,17 @@ def model_base_name(model: str) -> str:
     return name.split(":", 1)[0]
 
 
-def same_model(a: str, b: str) -> bool:
-    def canonical(model: str) -> str:
-        name = model.strip().lower()
-        return name[: -len(":latest")] if name.endswith(":latest") else name
+def canonical_model_name(model: str) -> str:
+    """The identity of a model as Ollama resolves it: 'EmbeddingGemma', 'library/embeddinggemma'
+    and 'embeddinggemma:latest' are one model; 'alice/bge-m3' and 'bob/bge-m3' are two."""
+    name = model.strip().lower()
+    for default in ("registry.ollama.ai/", "library/"):
+        name = name.removeprefix(default)
+    return name if ":" in name.rsplit("/", 1)[-1] else name + ":latest"
 
-    return canonical(a) == canonical(b)
+
+def same_model(a: str, b: str) -> bool:
+    return canonical_model_name(a) == canonical_model_name(b)
 
 
 def prefix_scheme_for(model: str) -> PrefixScheme | None:
@@ -670,7 +690,7 @@ class IndexManifest:
     def fingerprint(self) -> str:
         """What decides whether an index can be updated in place (tool version does not)."""
         key = {k: v for k, v in asdict(self).items() if k != "tool_version"}
-        key["model"] = model_base_name(self.model) + ":" + (self.model.split(":", 1)[1] if ":" in self.model else "latest")
+        key["model"] = canonical_model_name(self.model)
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
     def index_name(self) -> str:
@@ -779,7 +799,8 @@ class ModelInfo:
 
 # EmbeddingGemma and friends, when /api/show does not say.
 REGISTRY_CONTEXT_LENGTH = {"embeddinggemma": 2048, "nomic-embed-text": 2048, "mxbai-embed-large": 512,
-                           "snowflake-arctic-embed": 512, "bge-m3": 8192, "e5": 512}
+                           "snowflake-arctic-embed": 512, "snowflake-arctic-embed2": 8192, "bge-m3": 8192,
+                           "e5": 512}
 
 
 @dataclass

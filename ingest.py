@@ -188,27 +188,37 @@ def chunk_budget(context_length: int, target: int, scheme: rules.PrefixScheme, t
 
 
 def split_chunk(doc: rules.SourceDocument, chunk: rules.Chunk) -> list[rules.Chunk]:
-    """Halve a chunk that Ollama still found too long (our estimate was too optimistic)."""
-    if chunk.end_line > chunk.start_line:
-        lines = doc.lines[chunk.start_line - 1:chunk.end_line]
-        mid = len(lines) // 2
-        halves = [(chunk.start_line, chunk.start_line + mid - 1, lines[:mid]),
-                  (chunk.start_line + mid, chunk.end_line, lines[mid:])]
-        parts = [rules.Chunk(0, s, e, chunk.heading, "\n".join(ls).strip()) for s, e, ls in halves]
-        parts = [p for p in parts if p.text]
-        if len(parts) == 2:
-            return parts
-    half = len(chunk.text) // 2
-    return [rules.Chunk(0, chunk.start_line, chunk.end_line, chunk.heading, t.strip())
-            for t in (chunk.text[:half], chunk.text[half:]) if t.strip()]
+    """Halve a chunk that Ollama still found too long (our estimate was too optimistic).
+
+    Several lines: cut between lines, at the paragraph boundary nearest the middle if there is
+    one, and the halves keep exact line ranges. One line (or a piece of one): cut at the space
+    nearest the middle; the halves share that line, as the chunker's long-line pieces do."""
+    lines = doc.lines[chunk.start_line - 1:chunk.end_line]
+    filled = [i for i, line in enumerate(lines) if line.strip()]
+    if len(filled) >= 2:
+        cuts = list(range(filled[0] + 1, filled[-1] + 1))
+        paragraph = [k for k in cuts if not lines[k - 1].strip()]
+        middle = (filled[0] + filled[-1] + 1) / 2
+        cut = min(paragraph or cuts, key=lambda k: abs(k - middle))
+        return [rules.Chunk(0, chunk.start_line, chunk.start_line + cut - 1, chunk.heading, "\n".join(lines[:cut]).strip()),
+                rules.Chunk(0, chunk.start_line + cut, chunk.end_line, chunk.heading, "\n".join(lines[cut:]).strip())]
+    text = chunk.text
+    if len(text) < 2:
+        return [chunk]
+    spaces = [i for i, ch in enumerate(text) if ch.isspace()]
+    cut = min(spaces, key=lambda i: abs(i - len(text) // 2)) if spaces else len(text) // 2
+    line = chunk.start_line + (filled[0] if filled else 0)
+    return [rules.Chunk(0, chunk.start_line, line, chunk.heading, text[:cut].strip()),
+            rules.Chunk(0, line, chunk.end_line, chunk.heading, text[cut:].strip())]
 
 
 class Embedding:
     """Embeds chunks in batches; splits a chunk Ollama rejects as too long, never truncates."""
 
-    def __init__(self, embedder: rules.OllamaEmbedder, scheme: rules.PrefixScheme) -> None:
+    def __init__(self, embedder: rules.OllamaEmbedder, scheme: rules.PrefixScheme, dims: int) -> None:
         self.embedder = embedder
         self.scheme = scheme
+        self.dims = dims
         self.calls = 0
 
     def _text(self, doc: rules.SourceDocument, chunk: rules.Chunk) -> str:
@@ -216,7 +226,15 @@ class Embedding:
 
     def _embed(self, texts: Sequence[str]) -> list[list[float]]:
         self.calls += 1
-        return self.embedder.embed(texts)
+        vectors = self.embedder.embed(texts)
+        wrong = {len(v) for v in vectors if len(v) != self.dims}
+        if wrong:
+            raise RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
+                           f"Ollama returned {sorted(wrong)[0]}-dimensional vectors for {self.embedder.model!r}; "
+                           f"the index holds {self.dims}-dimensional ones",
+                           "the model changed under the same name? run ingest again; it rebuilds when /api/show "
+                           "reports the new size")
+        return vectors
 
     def embed_files(self, files: Sequence[PreparedFile]) -> None:
         pairs = [(pf, chunk) for pf in files for chunk in pf.chunks]
@@ -288,8 +306,8 @@ class Store:
     def reconcile(self) -> int:
         """Delete vectors no committed chunk owns (left by a crash); return how many.
 
-        Committed chunks whose vectors are missing get their document row dropped so the
-        file is embedded again in this run."""
+        A file with a committed chunk whose vector is missing loses all its rows and vectors,
+        so it is embedded again in this run (or stays gone if it left the corpus)."""
         committed = committed_chunk_ids(self.db)
         removed = 0
         present: set[str] = set()
@@ -302,9 +320,11 @@ class Store:
             removed += len(stray)
         missing = [i for i in committed if i not in present]
         if missing:
-            with transaction(self.db):
-                self.db.executemany(
-                    "DELETE FROM documents WHERE path IN (SELECT path FROM chunks WHERE id = ?)", [(i,) for i in missing])
+            # Drop the whole file, not only its registry row: if it still exists it is embedded
+            # again as new; if it is gone, nothing of it may linger in either store.
+            paths = sorted({row[0] for i in missing for row in self.db.execute("SELECT path FROM chunks WHERE id = ?", (i,))})
+            removed += sum(1 for i in self._chunk_ids_of(paths) if i in present)
+            self.remove(paths)
         return removed
 
     def write(self, files: Sequence[PreparedFile]) -> None:
@@ -329,12 +349,14 @@ class Store:
             self._delete_rows(paths)
             for pf in files:
                 self._insert_rows(pf)
+            self._mark_unpublished()
         self._delete_vectors({i: lc for i, lc in old.items() if i not in new_ids})
 
     def remove(self, paths: Sequence[str]) -> None:
         old = self._chunk_ids_of(paths)
         with transaction(self.db):
             self._delete_rows(paths)
+            self._mark_unpublished()
         self._delete_vectors(old)
 
     def update_mtimes(self, updates: Sequence[tuple[CorpusFile, DocumentRow]]) -> None:
@@ -349,6 +371,20 @@ class Store:
         with transaction(self.db):
             self.db.executemany("UPDATE documents SET mtime_ns = ?, size = ? WHERE path = ?",
                                 [(f.mtime_ns, f.size, f.path) for f, _ in updates])
+            self._mark_unpublished()
+
+    # Committed changes not yet announced in CURRENT.json (generation): set in the transaction that
+    # commits them, cleared after CURRENT.json is replaced, so a crash in between is published by
+    # the next run even if it finds nothing else to do.
+    def _mark_unpublished(self) -> None:
+        self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('unpublished', '1')")
+
+    def unpublished(self) -> bool:
+        return self.db.execute("SELECT 1 FROM meta WHERE key = 'unpublished'").fetchone() is not None
+
+    def mark_published(self) -> None:
+        with transaction(self.db):
+            self.db.execute("DELETE FROM meta WHERE key = 'unpublished'")
 
     def _chunk_ids_of(self, paths: Sequence[str]) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -495,7 +531,8 @@ class Summary:
 
     def line(self) -> str:
         if self.dry_run:
-            return (f"dry run: {self.scanned} scanned, would add {self.added}, update {self.updated}, "
+            return (f"dry run: {self.scanned} scanned, {'would rebuild the index: ' if self.rebuilt else ''}"
+                    f"would add {self.added}, update {self.updated}, "
                     f"remove {self.removed}; {self.unchanged} unchanged, {self.excluded} excluded, "
                     f"{self.failed} failed; about {self.estimated_chunks} chunks to embed")
         return (f"{self.scanned} scanned, {self.added} added, {self.updated} updated, {self.unchanged} unchanged, "
@@ -593,24 +630,39 @@ def run(args: argparse.Namespace) -> Summary:
         registry = _registry_of(layout, current)
         _guard_empty(walk, registry, args.allow_empty)
         scheme = rules.prefix_scheme_for(settings.embed_model) or rules.PREFIX_SCHEMES["none"]
-        budget = Budget(settings.chunk_max_tokens, settings.chunk_max_tokens, settings.chunk_min_tokens, scheme)
+        # No Ollama in a dry run: the registry's context length stands in for /api/show, and the
+        # live index's dimensions for the model's (a dimension change alone goes unnoticed).
+        context = rules.REGISTRY_CONTEXT_LENGTH.get(scheme.name, settings.chunk_max_tokens)
+        budget = Budget(context, settings.chunk_max_tokens, settings.chunk_min_tokens, scheme)
+        likely = rules.IndexManifest(model=settings.embed_model, dims=current.manifest.dims if current else 0,
+                                     prefix_scheme=scheme.name, chunker_version=rules.CHUNKER_VERSION,
+                                     chunk_max_tokens=settings.chunk_max_tokens,
+                                     chunk_min_tokens=settings.chunk_min_tokens)
+        summary.index = current.index if current else ""
+        if current is not None and likely.index_name() != current.index:
+            summary.rebuilt = True  # a real run would rebuild everything into a new index
+            summary.index = likely.index_name()
+            registry = {}
         plan = plan_changes(walk, registry, corpus, budget, args.full)
         _fill_summary(summary, plan, registry)
         summary.estimated_chunks = sum(len(pf.chunks) for pf in plan.changed)
         summary.seconds = time.monotonic() - started
         return summary
 
+    # Ollama is asked before the lock is taken: when it is down or lacks the model, nothing in the
+    # store is touched (not even created).
+    embedder = rules.OllamaEmbedder(settings.ollama_host, settings.embed_model, settings.embed_timeout_s)
+    info = embedder.model_info()
+    scheme = rules.prefix_scheme_for(settings.embed_model)
+    if scheme is None:
+        log.warning("unknown embedding model %r: no query/document prefixes will be used", settings.embed_model)
+        scheme = rules.PREFIX_SCHEMES["none"]
+    dims = info.dims or len(embedder.embed([scheme.query_text("dimension probe")])[0])
+    context = info.context_length or settings.chunk_max_tokens
+
     with ingest_lock(layout):
         current = layout.read_current()
         _guard_empty(walk, _registry_of(layout, current), args.allow_empty)
-        embedder = rules.OllamaEmbedder(settings.ollama_host, settings.embed_model, settings.embed_timeout_s)
-        info = embedder.model_info()
-        scheme = rules.prefix_scheme_for(settings.embed_model)
-        if scheme is None:
-            log.warning("unknown embedding model %r: no query/document prefixes will be used", settings.embed_model)
-            scheme = rules.PREFIX_SCHEMES["none"]
-        dims = info.dims or len(embedder.embed([scheme.query_text("dimension probe")])[0])
-        context = info.context_length or settings.chunk_max_tokens
         manifest = rules.IndexManifest(model=settings.embed_model, dims=dims, prefix_scheme=scheme.name,
                                        chunker_version=rules.CHUNKER_VERSION, chunk_max_tokens=settings.chunk_max_tokens,
                                        chunk_min_tokens=settings.chunk_min_tokens)
@@ -627,8 +679,9 @@ def run(args: argparse.Namespace) -> Summary:
         budget = Budget(context, settings.chunk_max_tokens, settings.chunk_min_tokens, scheme)
         plan = plan_changes(walk, registry, corpus, budget, args.full)
         _fill_summary(summary, plan, registry)
-        embedding = Embedding(embedder, scheme)
-        changed_anything = bool(repaired)
+        embedding = Embedding(embedder, scheme, dims)
+        changed_anything = bool(repaired) or store.unpublished()
+        written: set[str] = set()
         if plan.mtime_only:
             store.update_mtimes(plan.mtime_only)
             changed_anything = True
@@ -646,6 +699,7 @@ def run(args: argparse.Namespace) -> Summary:
                     pf.chunks = renumber(pf.chunks)
                 if group:
                     store.write(group)
+                    written.update(pf.file.path for pf in group)
                     changed_anything = True
                     summary.chunks_written += sum(len(pf.chunks) for pf in group)
                 progress.advance(len(group), sum(len(pf.chunks) for pf in group))
@@ -653,9 +707,9 @@ def run(args: argparse.Namespace) -> Summary:
             if exc.code not in (ErrorCode.EMBEDDER_UNAVAILABLE, ErrorCode.MODEL_NOT_FOUND):
                 raise
             # The embedder went away mid-run: what was committed stays, the rest keeps its old chunks.
-            done = progress.done
-            for pf in plan.changed[done:]:
-                plan.failed.setdefault(pf.file.path, f"{pf.file.path}: not embedded: {exc.message}")
+            for pf in plan.changed:
+                if pf.file.path not in written:
+                    plan.failed.setdefault(pf.file.path, f"{pf.file.path}: not embedded: {exc.message}")
             summary.errors.append(f"{exc.message} ({exc.hint})")
         finally:
             progress.finish()
@@ -674,9 +728,11 @@ def run(args: argparse.Namespace) -> Summary:
         if summary.rebuilt and plan.failed and current is not None:
             summary.errors.append(f"the new index {store.name} is incomplete; {current.index} stays live until a "
                                   "run completes without failures")
-        elif summary.rebuilt or changed_anything or current is None or current.stamp.commit != stamp.commit:
+        elif (summary.rebuilt or changed_anything or current is None
+              or (current.stamp.commit, current.stamp.dirty) != (stamp.commit, stamp.dirty)):
             generation = (current.generation + 1) if current else 1
             layout.write_current(rules.CurrentIndex(index=store.name, generation=generation, manifest=manifest, stamp=stamp))
+            store.mark_published()
             if current is not None and current.index != store.name:
                 shutil.rmtree(layout.index_dir(current.index), ignore_errors=True)
     summary.seconds = time.monotonic() - started

@@ -1,0 +1,740 @@
+"""The shared contract in corpus_rules.py, tested directly: chunker, frontmatter rules, token
+estimate, keyword terms, path validation, prefix registry, manifest and settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sqlite3
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import corpus_rules as rules
+from corpus_rules import Chunk, ErrorCode, RagError, SourceDocument
+from fake_ollama import FakeOllama, count_tokens
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "sample-corpus"
+CJK_RE = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff]")
+
+HYPOTHESIS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _doc(text: str | bytes, path: str = "doc.md") -> SourceDocument:
+    return rules.parse_document(text.encode() if isinstance(text, str) else text, path)
+
+
+def _sample(rel: str) -> tuple[SourceDocument, list[str]]:
+    raw = (CORPUS / rel).read_bytes()
+    return rules.parse_document(raw, rel), raw.decode("utf-8").split("\n")
+
+
+def _squash(text: str) -> str:
+    return "".join(text.split())
+
+
+# ---------------------------------------------------------------------------
+# The chunker's invariants, for any document.
+
+
+def assert_chunk_invariants(doc: SourceDocument, chunks: list[Chunk], max_tokens: int) -> None:
+    body = doc.lines[doc.body_start - 1:]
+    if not any(line.strip() for line in body):
+        assert chunks == []
+        return
+    assert [c.index for c in chunks] == list(range(len(chunks)))
+    assert chunks[0].start_line == doc.body_start
+    assert chunks[-1].end_line == doc.line_count
+    for chunk in chunks:
+        assert doc.body_start <= chunk.start_line <= chunk.end_line <= doc.line_count
+        assert chunk.text and chunk.text == chunk.text.strip()
+        assert rules.estimate_tokens(chunk.text) <= max_tokens, chunk
+        source = "\n".join(doc.lines[chunk.start_line - 1:chunk.end_line])
+        assert chunk.text in source
+    for prev, nxt in zip(chunks, chunks[1:]):
+        if nxt.start_line == prev.end_line + 1:
+            continue
+        # The documented exception: one line over the budget, shared by consecutive pieces.
+        assert nxt.start_line == prev.end_line, (prev, nxt)
+        shared = doc.lines[nxt.start_line - 1]
+        assert rules.estimate_tokens(shared) > max_tokens
+    shared = {nxt.start_line for prev, nxt in zip(chunks, chunks[1:]) if nxt.start_line == prev.end_line}
+    for chunk in chunks:
+        if chunk.start_line not in shared and chunk.end_line not in shared:
+            # A chunk that shares no line with a neighbour is exactly its lines.
+            assert chunk.text == "\n".join(doc.lines[chunk.start_line - 1:chunk.end_line]).strip()
+    # Nothing lost, nothing duplicated, in order (whitespace aside: long lines split at spaces).
+    concatenation = _squash("".join(c.text for c in chunks))
+    assert concatenation == _squash("\n".join(body))
+    cursor = 0
+    for line in body:
+        if line.strip():
+            at = concatenation.find(_squash(line), cursor)
+            assert at >= 0, line
+            cursor = at + len(_squash(line))
+
+
+@dataclass
+class Generated:
+    text: str
+    headings: list[tuple[int, str]]  # (level, text) of every real heading, in order
+    has_frontmatter: bool
+
+
+_WORDS = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ", min_size=1, max_size=12)
+_CJK_WORDS = st.text(alphabet="ログ収集設定概要日本語漢字かなカナ東京運用仕組送信", min_size=1, max_size=20)
+
+
+def _phrase(draw: st.DrawFn, lo: int = 1, hi: int = 8) -> str:
+    words = draw(st.lists(st.one_of(_WORDS, _CJK_WORDS), min_size=lo, max_size=hi))
+    return " ".join(words)
+
+
+@st.composite
+def markdown_documents(draw: st.DrawFn) -> Generated:
+    headings: list[tuple[int, str]] = []
+    blocks: list[str] = []
+    counter = 0
+    n_blocks = draw(st.integers(0, 14))
+    for position in range(n_blocks):
+        counter += 1
+        kind = draw(st.sampled_from(
+            ["atx", "atx", "setext", "para", "para", "fence", "table", "long", "cjk", "list", "quote", "token"]))
+        if kind == "atx":
+            level = draw(st.integers(1, 6))
+            text = f"head{counter} {_phrase(draw, 0, 3)}".strip()
+            closing = draw(st.sampled_from(["", " #", " ###"]))
+            blocks.append("#" * level + " " + text + closing)
+            headings.append((level, text))
+        elif kind == "setext":
+            level = draw(st.integers(1, 2))
+            text = f"setext{counter} {_phrase(draw, 0, 3)}".strip()
+            blocks.append(text + "\n" + ("=" if level == 1 else "-") * draw(st.integers(1, 12)))
+            headings.append((level, text))
+        elif kind in ("para", "cjk"):
+            lines = [(_phrase(draw) if kind == "para" else "".join(draw(st.lists(_CJK_WORDS, min_size=1, max_size=6))))
+                     for _ in range(draw(st.integers(1, 4)))]
+            blocks.append("\n".join(lines))
+        elif kind == "fence":
+            marker = draw(st.sampled_from(["```", "~~~", "````"]))
+            other = "~~~" if marker.startswith("`") else "```"
+            inner = draw(st.lists(st.sampled_from(
+                [f"# fencecomment{counter}", f"## fencecomment{counter} deeper", other, "plain code = 1",
+                 f"Fenced{counter}\n=====", "", "    indented", "#!/bin/sh"]), max_size=6))
+            info = draw(st.sampled_from(["", "bash", "python"]))
+            unclosed = position == n_blocks - 1 and draw(st.booleans())
+            blocks.append("\n".join([marker + info, *inner] + ([] if unclosed else [marker])))
+        elif kind == "table":
+            rows = draw(st.integers(1, 4))
+            blocks.append("\n".join(["| key | value |", "| --- | --- |"]
+                                    + [f"| `k{i}` | {_phrase(draw, 1, 3)} # not a heading |" for i in range(rows)]))
+        elif kind == "long":
+            blocks.append(" ".join(draw(st.lists(_WORDS, min_size=40, max_size=300))))
+        elif kind == "token":
+            piece = draw(st.sampled_from(["1", "a", "1a", "aa1", "_", "漢"]))
+            blocks.append(piece * draw(st.integers(30, 900)))
+        elif kind == "list":
+            blocks.append("\n".join(f"- {_phrase(draw, 1, 5)}" for _ in range(draw(st.integers(1, 4)))))
+        elif kind == "quote":
+            blocks.append(f"> # quoted{counter} heading\n> {_phrase(draw)}")
+    separators = [draw(st.sampled_from(["\n\n", "\n\n\n", "\n\n  \n"])) for _ in blocks]
+    body = "".join(b + s for b, s in zip(blocks, separators))
+    body = draw(st.sampled_from(["", "\n", "\n\n"])) + body
+    has_frontmatter = draw(st.booleans())
+    if has_frontmatter:
+        mode = draw(st.sampled_from(["", "rag_chunk: headings\n", "rag_chunk: whole\n"]))
+        body = f"---\ntitle: Generated\n{mode}---\n" + body
+    return Generated(body, headings, has_frontmatter)
+
+
+@HYPOTHESIS
+@given(generated=markdown_documents(), mode=st.sampled_from(["whole", "headings"]),
+       max_tokens=st.sampled_from([16, 40, 128, 512, 2048]), min_tokens=st.sampled_from([0, 8, 64]))
+def test_chunker_invariants_on_generated_markdown(generated: Generated, mode: str, max_tokens: int,
+                                                  min_tokens: int) -> None:
+    doc = dataclasses.replace(_doc(generated.text), chunk_mode=mode)
+    chunks = rules.chunk_document(doc, max_tokens, min(min_tokens, max_tokens))
+    assert_chunk_invariants(doc, chunks, max_tokens)
+    body = list(doc.lines[doc.body_start - 1:])
+    found = [(h.level, h.text) for h in rules.markdown_headings(body)]
+    # Fence contents (`# ...`, setext-looking lines) and quoted headings are never section headings.
+    assert found == generated.headings
+    for chunk in chunks:
+        assert "fencecomment" not in chunk.heading and "Fenced" not in chunk.heading
+        assert "quoted" not in chunk.heading
+        if chunk.heading:
+            parts = chunk.heading.split(rules.HEADING_SEPARATOR)
+            assert all(part in {text for _, text in generated.headings} for part in parts)
+
+
+@HYPOTHESIS
+@given(generated=markdown_documents())
+def test_headings_mode_starts_sections_at_headings(generated: Generated) -> None:
+    doc = dataclasses.replace(_doc(generated.text), chunk_mode="headings")
+    chunks = rules.chunk_document(doc, 512, 0)
+    assert_chunk_invariants(doc, chunks, 512)
+    # With no merging, no chunk has text before a heading it contains: headings open chunks.
+    heading_lines = {h.line + doc.body_start for h in rules.markdown_headings(doc.lines[doc.body_start - 1:])}
+    for chunk in chunks:
+        for line in heading_lines:
+            if chunk.start_line < line <= chunk.end_line:
+                assert not any(doc.lines[i - 1].strip() for i in range(chunk.start_line, line)), (chunk, line)
+
+
+def test_setext_and_fenced_hash_lines() -> None:
+    text = "\n".join([
+        "Top title", "=========", "", "intro", "",
+        "```bash", "# not a heading", "Not setext", "---", "```", "",
+        "~~~", "## still code", "```", "# also code", "~~~", "",
+        "Second", "------", "", "text", "",
+        "    # indented code, not a heading", "",
+        "> # quoted, not top level", "",
+        "### Third {#third-anchor}", "", "body", ""])
+    doc = _doc(text)
+    found = [(h.level, h.text, h.line) for h in rules.markdown_headings(doc.lines)]
+    assert found == [(1, "Top title", 0), (2, "Second", 17), (3, "Third", 26)]
+    chunks = rules.chunk_document(dataclasses.replace(doc, chunk_mode="headings"), 512, 0)
+    assert [c.heading for c in chunks] == ["Top title", "Top title > Second", "Top title > Second > Third"]
+    assert [c.start_line for c in chunks] == [1, 18, 27]
+    assert doc.title == "Top title"
+
+
+def test_stray_carriage_return_does_not_shift_headings() -> None:
+    # A lone CR is not a line break for the chunker's line numbers; the parser must agree.
+    doc = _doc(b"# A\n\nfoo\rbar\r\n## B\n\ntext\n## C\n\nmore\n")
+    assert [(h.line, h.text) for h in rules.markdown_headings(doc.lines)] == [(0, "A"), (3, "B"), (6, "C")]
+    chunks = rules.chunk_document(dataclasses.replace(doc, chunk_mode="headings"), 512, 0)
+    assert [(c.start_line, c.end_line, c.heading) for c in chunks] == [(1, 3, "A"), (4, 6, "A > B"), (7, 9, "A > C")]
+    assert_chunk_invariants(doc, chunks, 512)
+
+
+@pytest.mark.parametrize("line", ["1" * 12 + "a" * 12, "x " * 5 + "1" * 40, "a" * 30 + "1" * 30,
+                                  "word " * 10 + "1" * 100, "漢" * 50, "_" * 70, "aa1" * 40])
+def test_over_long_line_is_split_within_budget(line: str) -> None:
+    doc = _doc(f"# T\n\n{line}\n\nafter\n")
+    for max_tokens in (8, 16, 32):
+        chunks = rules.chunk_document(dataclasses.replace(doc, chunk_mode="headings"), max_tokens, 0)
+        assert_chunk_invariants(doc, chunks, max_tokens)
+        if rules.estimate_tokens(line) > max_tokens:
+            pieces = [c for c in chunks if c.start_line == 3]
+            assert len(pieces) >= 2
+            assert _squash("".join(c.text for c in pieces)) == _squash(line)
+
+
+def test_deploy_runbook_heading_paths_and_rollout_split() -> None:
+    doc, raw_lines = _sample("runbooks/deploy.md")
+    assert doc.chunk_mode == "headings" and doc.body_start == 5
+    chunks = rules.chunk_document(doc, rules.DEFAULT_CHUNK_MAX_TOKENS, rules.DEFAULT_CHUNK_MIN_TOKENS)
+    assert_chunk_invariants(doc, chunks, rules.DEFAULT_CHUNK_MAX_TOKENS)
+    headings = [c.heading for c in chunks]
+    for expected in ("Deploy runbook", "Deploy runbook > Preconditions", "Deploy runbook > Preconditions > Change freezes",
+                     "Deploy runbook > Rollout", "Deploy runbook > Rollback", "Deploy runbook > Rollback > Database",
+                     "Deploy runbook > Rollback > Feature flags", "Deploy runbook > Troubleshooting",
+                     "Deploy runbook > Troubleshooting > When deployctl itself is unavailable"):
+        assert expected in headings, expected
+    assert not any("#" in h or "deployctl migrations" in h or "Switch every region" in h for h in headings)
+    # Line numbers are those of the raw file, frontmatter included.
+    database = next(c for c in chunks if c.heading == "Deploy runbook > Rollback > Database")
+    assert raw_lines[database.start_line - 1] == "### Database"
+    troubleshooting = next(c for c in chunks if c.heading == "Deploy runbook > Troubleshooting")
+    assert raw_lines[troubleshooting.start_line - 1:troubleshooting.start_line + 1] == ["Troubleshooting", "-" * 15]
+    # The over-long Rollout section is split at paragraph boundaries, never inside a fence.
+    rollout = [c for c in chunks if c.heading == "Deploy runbook > Rollout"]
+    assert len(rollout) >= 5
+    assert raw_lines[rollout[0].start_line - 1] == "## Rollout"
+    fences = _fence_ranges(raw_lines)
+    for chunk in rollout[1:]:
+        assert raw_lines[chunk.start_line - 2] == "" and raw_lines[chunk.start_line - 1] != ""
+    for chunk in chunks:
+        for start, end in fences:
+            assert not start < chunk.start_line <= end, (chunk.start_line, start, end)
+    assert all(rules.estimate_tokens(c.text) <= rules.DEFAULT_CHUNK_MAX_TOKENS for c in rollout)
+
+
+def _fence_ranges(lines: list[str]) -> list[tuple[int, int]]:
+    """1-based (open, close) line numbers of fenced blocks, by a simple independent scan."""
+    ranges, opened, marker = [], 0, ""
+    for number, line in enumerate(lines, 1):
+        m = re.match(r"^(`{3,}|~{3,})", line)
+        if m and not opened:
+            opened, marker = number, m.group(1)
+        elif m and opened and line.strip() == marker:
+            ranges.append((opened, number))
+            opened = 0
+    assert not opened
+    return ranges
+
+
+def test_small_sections_merge_with_a_neighbour() -> None:
+    text = "# Guide\n\nshort intro\n\n## A\n\none line\n\n## B\n\nanother line\n\n## C\n\n" + \
+        "\n\n".join(f"paragraph {i} " + "filler words here " * 12 for i in range(6)) + "\n"
+    doc = dataclasses.replace(_doc(text), chunk_mode="headings")
+    separate = rules.chunk_document(doc, 512, 0)
+    merged = rules.chunk_document(doc, 512, 64)
+    assert [c.heading for c in separate][:4] == ["Guide", "Guide > A", "Guide > B", "Guide > C"]
+    assert len(merged) < len(separate)
+    first = merged[0]
+    assert "short intro" in first.text and "## A" in first.text and "## B" in first.text
+    assert first.heading == "Guide"
+    assert_chunk_invariants(doc, merged, 512)
+
+
+def test_whole_mode_is_one_chunk_when_it_fits_else_split_like_headings() -> None:
+    doc, raw_lines = _sample("oncall/escalation.md")
+    assert doc.chunk_mode == "whole"
+    [only] = rules.chunk_document(doc, 2048, 64)
+    assert (only.start_line, only.end_line) == (4, len(raw_lines) - 1) == (doc.body_start, doc.line_count)
+    assert only.heading == "On-call escalation policy" and only.index == 0
+    assert only.text == "\n".join(raw_lines[3:]).strip()
+    small = rules.chunk_document(doc, 512, 64)
+    assert len(small) > 1
+    assert small == rules.chunk_document(dataclasses.replace(doc, chunk_mode="headings"), 512, 64)
+
+
+def test_chunk_lines_match_the_raw_file_for_every_sample() -> None:
+    for path in sorted(CORPUS.rglob("*.md")):
+        rel = path.relative_to(CORPUS).as_posix()
+        doc, raw_lines = _sample(rel)
+        for max_tokens in (128, 512):
+            chunks = rules.chunk_document(doc, max_tokens, 64)
+            assert_chunk_invariants(doc, chunks, max_tokens)
+            shared = {b.start_line for a, b in zip(chunks, chunks[1:]) if b.start_line == a.end_line}
+            for chunk in chunks:
+                source = "\n".join(raw_lines[chunk.start_line - 1:chunk.end_line])
+                if shared & {chunk.start_line, chunk.end_line}:
+                    assert chunk.text in source  # a piece of an over-long line
+                else:
+                    assert chunk.text == source.strip()
+
+
+def test_empty_and_blank_bodies_make_no_chunks() -> None:
+    for text in ("", "\n\n", "---\ntitle: x\n---\n", "---\ntitle: x\n---\n\n   \n"):
+        assert rules.chunk_document(_doc(text), 512, 64) == []
+
+
+# ---------------------------------------------------------------------------
+# parse_document: frontmatter conventions and their errors.
+
+
+def test_frontmatter_keys_and_defaults() -> None:
+    plain = _doc("# Hello\n\ntext\n")
+    assert (plain.rag, plain.chunk_mode, plain.lifecycle, plain.body_start) == (True, "whole", "active", 1)
+    doc = _doc("---\nrag: false\nrag_chunk: headings\nlifecycle: superseded\n---\n# H\n")
+    assert (doc.rag, doc.chunk_mode, doc.lifecycle, doc.body_start) == (False, "headings", "superseded", 6)
+    assert _doc("---\nrag: true\nlifecycle: active\nrag_chunk: whole\n---\nx\n").rag is True
+    assert _doc("---\n---\nbody\n").body_start == 3
+    # An unclosed opening line is not frontmatter: the file is all body.
+    unclosed = _doc("---\ntitle: nope\n")
+    assert unclosed.body_start == 1 and unclosed.title == "doc"
+
+
+@pytest.mark.parametrize(("raw", "reason"), [
+    (b"---\nrag: maybe\n---\nx\n", "rag must be true or false"),
+    (b"---\nrag: 'false'\n---\nx\n", "rag must be true or false"),
+    (b"---\nrag: 0\n---\nx\n", "rag must be true or false"),
+    (b"---\nrag: 1\n---\nx\n", "rag must be true or false"),
+    (b"---\nrag: null\n---\nx\n", "rag must be true or false"),
+    (b"---\nrag_chunk: paragraphs\n---\nx\n", "rag_chunk must be one of"),
+    (b"---\nrag_chunk: Headings\n---\nx\n", "rag_chunk must be one of"),
+    (b"---\nrag_chunk: [headings]\n---\nx\n", "rag_chunk must be one of"),
+    (b"---\nlifecycle: archived\n---\nx\n", "lifecycle must be one of"),
+    (b"---\nlifecycle: true\n---\nx\n", "lifecycle must be one of"),
+    (b"---\ntitle: [unclosed\n---\nx\n", "malformed YAML"),
+    (b"---\ntitle: a: b: c\n---\nx\n", "malformed YAML"),
+    (b"---\n\tkey: tab\n---\nx\n", "malformed YAML"),
+    (b"---\n- a\n- b\n---\nx\n", "frontmatter is not a mapping"),
+    (b"---\njust a string\n---\nx\n", "frontmatter is not a mapping"),
+    (b"# caf\xe9\n", "not UTF-8"),
+    (b"\xff\xfe#\x00 \x00T\x00", "binary file"),
+    (b"# ok\n\x00\n", "binary file"),
+])
+def test_invalid_documents_are_document_invalid_with_the_path(raw: bytes, reason: str) -> None:
+    with pytest.raises(RagError) as caught:
+        rules.parse_document(raw, "notes/bad file.md")
+    assert caught.value.code is ErrorCode.DOCUMENT_INVALID
+    assert caught.value.message.startswith("notes/bad file.md: ")
+    assert reason in caught.value.message
+    assert caught.value.hint
+
+
+def test_bom_and_crlf_before_frontmatter() -> None:
+    doc = _doc(b"\xef\xbb\xbf---\r\ntitle: With BOM\r\nlifecycle: superseded\r\n---\r\n# Other\r\nline\r\n")
+    assert (doc.title, doc.lifecycle, doc.body_start, doc.line_count) == ("With BOM", "superseded", 5, 6)
+    assert doc.lines[4] == "# Other"
+
+
+def test_title_rules() -> None:
+    assert _doc("---\ntitle: From frontmatter\n---\n# H1 title\n").title == "From frontmatter"
+    assert _doc("---\ntitle: '   '\n---\n# H1 title\n").title == "H1 title"
+    assert _doc("intro\n\n## Second level\n\n# First H1\n\n# Later H1\n").title == "First H1"
+    assert _doc("Setext one\n===\n").title == "Setext one"
+    assert _doc("```\n# in code\n```\n\nplain\n", "dir/my-notes.md").title == "my-notes"
+    assert _doc("no heading\n", "ja/ログ.md").title == "ログ"
+    assert _doc("---\ntitle: \"  spaced\\n  out\\ttitle \"\n---\n").title == "spaced out title"
+    nfd = "Cafe\u0301 notes"
+    assert _doc(f"---\ntitle: {nfd}\n---\n").title == "Café notes"
+    assert _doc(f"# {nfd}\n").title == "Café notes"
+    assert _doc("x\n", unicodedata.normalize("NFC", "dir/cafe\u0301.md")).title == "café"
+    assert _sample("reference/glossary.md")[0].title == "glossary"
+    assert _sample("reference/api.md")[0].title == "Records API reference"
+    assert _sample("ja/log-collection.md")[0].title == "ログ収集ガイド"
+    assert _sample("runbooks/deploy-2023.md")[0].title == "Deploy runbook (2023, superseded)"
+
+
+def test_sample_corpus_conventions() -> None:
+    private, _ = _sample("private/offsite-backup.md")
+    old, _ = _sample("runbooks/deploy-2023.md")
+    assert private.rag is False
+    assert (old.lifecycle, old.chunk_mode) == ("superseded", "headings")
+
+
+# ---------------------------------------------------------------------------
+# Token estimate: conservative for English and CJK.
+
+
+@HYPOTHESIS
+@given(st.text(max_size=400))
+def test_estimate_never_below_the_fakes_count(text: str) -> None:
+    assert rules.estimate_tokens(text) >= count_tokens(text)
+
+
+_ENGLISH = st.lists(
+    st.tuples(st.text("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ", min_size=1, max_size=14),
+              st.sampled_from([" ", " ", " ", ", ", ". ", "; ", "-", "\n", "'s "])),
+    min_size=1, max_size=80).map(lambda pairs: "".join(w + s for w, s in pairs))
+
+
+@HYPOTHESIS
+@given(_ENGLISH)
+def test_estimate_is_at_least_a_quarter_of_english_characters(text: str) -> None:
+    assert rules.estimate_tokens(text) >= len(text) / 4
+
+
+@HYPOTHESIS
+@given(st.text(alphabet="日本語のログ収集ガイドですシッパー設定。、「」 abcXYZ0123`_", max_size=300))
+def test_estimate_counts_every_cjk_character(text: str) -> None:
+    assert rules.estimate_tokens(text) >= len(CJK_RE.findall(text))
+
+
+def test_estimate_on_the_sample_corpus() -> None:
+    for path in sorted(CORPUS.rglob("*.md")):
+        text = path.read_text(encoding="utf-8")
+        assert rules.estimate_tokens(text) >= count_tokens(text)
+        assert rules.estimate_tokens(text) >= len(CJK_RE.findall(text))
+        if not CJK_RE.search(text):
+            assert rules.estimate_tokens(text) >= len(text) / 4
+
+
+# ---------------------------------------------------------------------------
+# Keyword terms and FTS5 expressions.
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("set OLLAMA_KEEP_ALIVE=5m", {"ollama_keep_alive", "ollama", "keep", "alive"}),
+    ("POST /api/v1/records", {"post", "api/v1/records", "api", "v1", "records"}),
+    ("raise num_ctx", {"num_ctx", "num", "ctx"}),
+    ("error E1234 again", {"e1234"}),
+    ("the v-model directive", {"v-model", "model", "directive"}),
+    ("call defineProps()", {"defineprops", "define", "props"}),
+    ("retry.max_attempts", {"retry.max_attempts", "retry", "max", "attempts"}),
+])
+def test_identifiers_keep_their_shape(text: str, expected: set[str]) -> None:
+    terms = rules.keyword_terms(text)
+    assert expected <= set(terms)
+    assert "the" not in terms
+
+
+def test_cjk_bigrams() -> None:
+    terms = rules.keyword_terms("ログ収集の設定 LOG_RETENTION_DAYS")
+    assert {"ログ", "グ収", "収集", "集の", "の設", "設定", "log_retention_days"} <= set(terms)
+    assert rules.keyword_terms("東") == ["東"]
+
+
+def _fts_db() -> sqlite3.Connection:
+    con = sqlite3.connect(":memory:")
+    con.executescript(rules.KEYWORD_SCHEMA)
+    return con
+
+
+def _search(con: sqlite3.Connection, expression: str) -> list[int]:
+    weights = ", ".join(str(w) for w in rules.FTS_WEIGHTS)
+    return [row[0] for row in con.execute(
+        f"SELECT rowid FROM chunks_fts WHERE chunks_fts MATCH ? ORDER BY bm25(chunks_fts, {weights})", (expression,))]
+
+
+_NASTY = st.text(alphabet=st.characters(codec="utf-8"), max_size=120) | st.sampled_from([
+    '"', '""', "*", "a*", "NEAR(a b)", "a AND b", "NOT x", "-x", "title:foo", "^start", "(", ")", "{a b}:c",
+    "a OR", "OR", "AND", "'", "\\", "'; DROP TABLE chunks; --", "\x00", "col : \"x", "+", "a:b:c", "$@", "_._",
+])
+
+
+@HYPOTHESIS
+@given(_NASTY)
+@example("NEAR(\"x\" y, 3)")
+@example("日本語" * 30)
+def test_fts_expression_is_always_valid_fts5(text: str) -> None:
+    con = _fts_db()
+    con.execute("INSERT INTO chunks_fts(rowid, title, heading, body) VALUES (1, 'a', 'b', ?)",
+                (" ".join(rules.keyword_terms(text)),))
+    expression = rules.fts_match_expression(text)
+    if expression is None:
+        assert rules.keyword_terms(text) == []
+        return
+    found = _search(con, expression)  # must not raise: user text is never FTS5 syntax
+    # The same tokenizer on both sides: a text finds its own row.
+    assert found == [1]
+
+
+def test_fts_expression_none_for_stop_words_and_punctuation() -> None:
+    assert rules.fts_match_expression("the of and") is None
+    assert rules.fts_match_expression("  ... ---  ") is None
+    assert rules.fts_match_expression("") is None
+
+
+# ---------------------------------------------------------------------------
+# Relative paths from clients.
+
+
+@pytest.mark.parametrize("raw", [
+    "..", "../x.md", "a/../b.md", "a/..", "./..", "a/./../../etc/passwd", "a//..//b", "../", "x/../../",
+    "/etc/passwd", "/", "~", "~/x.md", "~root/x.md", "C:/x.md", "c:x.md",
+    "a\x00b.md", "a\\b.md", "..\\x.md", "a\nb.md", "a\tb.md", "a\x1bb.md", "a\x7fb.md", "a\x85b.md",
+])
+def test_rejected_paths(raw: str) -> None:
+    with pytest.raises(RagError) as caught:
+        rules.normalize_relative_path(raw)
+    assert caught.value.code is ErrorCode.PATH_REJECTED
+
+
+def test_accepted_paths_are_normalised() -> None:
+    assert rules.normalize_relative_path("runbooks/deploy.md") == "runbooks/deploy.md"
+    assert rules.normalize_relative_path("./runbooks//deploy.md/") == "runbooks/deploy.md"
+    assert rules.normalize_relative_path("cafe\u0301.md") == "caf\u00e9.md"
+    assert rules.normalize_relative_path("\u304b\u3099.md") == "\u304c.md"
+    assert rules.normalize_relative_path("%2e%2e/x.md") == "%2e%2e/x.md"
+    assert rules.normalize_relative_path("...md") == "...md"
+    assert rules.normalize_relative_path("", allow_empty=True) == ""
+    with pytest.raises(RagError) as caught:
+        rules.normalize_relative_path("")
+    assert caught.value.code is ErrorCode.INVALID_ARGUMENT
+
+
+@HYPOTHESIS
+@given(st.lists(st.sampled_from(["..", ".", "", "a", "b.md", "~", "/", "\\", "é", "e\u0301", " ", "x..y", "\x00"]),
+                max_size=8).map("/".join) | st.text(max_size=60))
+def test_normalised_paths_never_escape(raw: str) -> None:
+    try:
+        out = rules.normalize_relative_path(raw, allow_empty=True)
+    except RagError as exc:
+        assert exc.code in (ErrorCode.PATH_REJECTED, ErrorCode.INVALID_ARGUMENT)
+        return
+    assert ".." not in out.split("/")
+    assert not out.startswith(("/", "~"))
+    assert "\\" not in out and "\x00" not in out
+    assert not any(unicodedata.category(ch) == "Cc" for ch in out)
+    assert out == unicodedata.normalize("NFC", out)
+    assert "" not in out.split("/") or out == ""
+
+
+# ---------------------------------------------------------------------------
+# Prefix registry, model names, manifest.
+
+
+@pytest.mark.parametrize(("model", "scheme"), [
+    ("embeddinggemma", "embeddinggemma"),
+    ("embeddinggemma:300m", "embeddinggemma"),
+    ("library/EmbeddingGemma:latest", "embeddinggemma"),
+    ("nomic-embed-text", "nomic-embed-text"),
+    ("nomic-embed-text:v1.5", "nomic-embed-text"),
+    ("multilingual-e5-small", "e5"),
+    ("jeffh/intfloat-multilingual-e5-large:f16", "e5"),
+    ("e5-base-v2", "e5"),
+    ("mxbai-embed-large", "mxbai-embed-large"),
+    ("snowflake-arctic-embed", "snowflake-arctic-embed"),
+    ("snowflake-arctic-embed:335m", "snowflake-arctic-embed"),
+    ("snowflake-arctic-embed2", "snowflake-arctic-embed2"),
+    ("snowflake-arctic-embed2:568m", "snowflake-arctic-embed2"),
+    ("bge-m3", "bge-m3"),
+    ("bge-m3:567m", "bge-m3"),
+])
+def test_prefix_scheme_registry(model: str, scheme: str) -> None:
+    found = rules.prefix_scheme_for(model)
+    assert found is not None and found.name == scheme
+
+
+@pytest.mark.parametrize("model", ["all-minilm", "granite-embedding", "some5-model", "bge-large", "mystery"])
+def test_unknown_models_get_no_scheme(model: str) -> None:
+    assert rules.prefix_scheme_for(model) is None
+
+
+def test_prefix_texts() -> None:
+    gemma = rules.PREFIX_SCHEMES["embeddinggemma"]
+    assert gemma.document_text("Deploy", "body") == "title: Deploy | text: body"
+    assert gemma.document_text("", "body") == "title: none | text: body"
+    assert gemma.query_text("how to roll back") == "task: search result | query: how to roll back"
+    nomic = rules.PREFIX_SCHEMES["nomic-embed-text"]
+    assert (nomic.document_text("t", "x"), nomic.query_text("q")) == ("search_document: x", "search_query: q")
+    e5 = rules.PREFIX_SCHEMES["e5"]
+    assert (e5.document_text("t", "x"), e5.query_text("q")) == ("passage: x", "query: q")
+    for name in ("mxbai-embed-large", "snowflake-arctic-embed"):
+        scheme = rules.PREFIX_SCHEMES[name]
+        assert scheme.document_text("t", "x") == "x"
+        assert scheme.query_text("q") == "Represent this sentence for searching relevant passages: q"
+    arctic2 = rules.PREFIX_SCHEMES["snowflake-arctic-embed2"]
+    assert (arctic2.document_text("t", "x"), arctic2.query_text("q")) == ("x", "query: q")
+    bge = rules.PREFIX_SCHEMES["bge-m3"]
+    assert (bge.document_text("t", "x"), bge.query_text("q")) == ("x", "q")
+    # Braces in user text are not format fields.
+    assert gemma.query_text("{title} {0}") == "task: search result | query: {title} {0}"
+    assert gemma.document_text("{x}", "GET /api/v1/records/{id}") == "title: {x} | text: GET /api/v1/records/{id}"
+
+
+def test_embedded_document_text_leads_with_the_heading_path() -> None:
+    gemma = rules.PREFIX_SCHEMES["embeddinggemma"]
+    assert rules.embedded_document_text(gemma, "Deploy runbook", "Deploy runbook > Rollback", "text") == \
+        "title: Deploy runbook | text: Deploy runbook > Rollback\n\ntext"
+    assert rules.embedded_document_text(gemma, "T", "T", "text") == "title: T | text: text"
+    assert rules.embedded_document_text(gemma, "T", "", "text") == "title: T | text: text"
+
+
+def test_same_model() -> None:
+    assert rules.same_model("embeddinggemma", "embeddinggemma:latest")
+    assert rules.same_model("EmbeddingGemma:latest", "embeddinggemma")
+    assert rules.same_model(" embeddinggemma ", "embeddinggemma")
+    assert not rules.same_model("embeddinggemma", "embeddinggemma:300m")
+    assert not rules.same_model("embeddinggemma", "nomic-embed-text")
+    assert rules.model_base_name("library/EmbeddingGemma:latest") == "embeddinggemma"
+
+
+def _manifest(**changes: object) -> rules.IndexManifest:
+    base = rules.IndexManifest(model="embeddinggemma", dims=768, prefix_scheme="embeddinggemma",
+                               chunker_version=rules.CHUNKER_VERSION, chunk_max_tokens=512, chunk_min_tokens=64)
+    return dataclasses.replace(base, **changes)
+
+
+def test_manifest_fingerprint() -> None:
+    base = _manifest()
+    assert base.fingerprint() == _manifest().fingerprint()
+    assert base.index_name() == f"idx-{base.fingerprint()}"
+    assert re.fullmatch(r"idx-[0-9a-f]{12}", base.index_name())
+    assert _manifest(tool_version="9.9.9").fingerprint() == base.fingerprint()
+    assert _manifest(model="embeddinggemma:latest").fingerprint() == base.fingerprint()
+    changed = [_manifest(model="nomic-embed-text"), _manifest(model="embeddinggemma:300m"), _manifest(dims=256),
+               _manifest(prefix_scheme="none"), _manifest(chunker_version="999"), _manifest(chunk_max_tokens=256),
+               _manifest(chunk_min_tokens=0), _manifest(model="someone/embeddinggemma")]
+    prints = {m.fingerprint() for m in changed}
+    assert base.fingerprint() not in prints and len(prints) == len(changed)
+    # Two different users' builds of a model are two models.
+    assert _manifest(model="a/bge-m3").fingerprint() != _manifest(model="b/bge-m3").fingerprint()
+    assert rules.IndexManifest.from_dict(base.to_dict()) == base
+    assert rules.IndexManifest.from_dict({**base.to_dict(), "future_field": 1}) == base
+
+
+def test_current_index_round_trip(tmp_path: Path) -> None:
+    layout = rules.StoreLayout(tmp_path)
+    assert layout.read_current() is None
+    current = rules.CurrentIndex(index=_manifest().index_name(), generation=3, manifest=_manifest(),
+                                 stamp=rules.IndexStamp(commit=None, dirty=None, ingested_at="t", files=2, chunks=5))
+    layout.write_current(current)
+    assert layout.read_current() == current
+    assert not (tmp_path / "CURRENT.tmp").exists()
+    layout.current_file.write_text("{not json", encoding="utf-8")
+    with pytest.raises(RagError) as caught:
+        layout.read_current()
+    assert caught.value.code is ErrorCode.INDEX_INCOMPATIBLE
+
+
+def test_chunk_ids_depend_on_content() -> None:
+    a = rules.chunk_id("x.md", rules.content_hash(b"one"), 0)
+    assert a == rules.chunk_id("x.md", rules.content_hash(b"one"), 0)
+    assert len({a, rules.chunk_id("x.md", rules.content_hash(b"two"), 0), rules.chunk_id("y.md", rules.content_hash(b"one"), 0),
+                rules.chunk_id("x.md", rules.content_hash(b"one"), 1)}) == 4
+
+
+# ---------------------------------------------------------------------------
+# Settings.
+
+_RAG_VARS = ("RAG_CORPUS_DIR", "RAG_STORE_DIR", "OLLAMA_HOST", "RAG_EMBED_MODEL", "RAG_EMBED_TIMEOUT",
+             "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS")
+
+
+def test_settings_defaults_do_not_depend_on_the_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    s = rules.load_settings({})
+    assert s.corpus_dir == ROOT / "sample-corpus"
+    assert s.store_dir == tmp_path / "home" / ".local-rag-mcp" / "store"
+    assert (s.ollama_host, s.embed_model, s.embed_model_explicit) == ("http://127.0.0.1:11434", "embeddinggemma", False)
+    assert (s.chunk_max_tokens, s.chunk_min_tokens, s.embed_timeout_s) == (512, 64, 60.0)
+    assert rules.load_settings({name: "  " for name in _RAG_VARS}) == s
+
+
+def test_settings_precedence_and_expansion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    env = {"RAG_CORPUS_DIR": "~/docs", "RAG_STORE_DIR": "rel/store", "OLLAMA_HOST": "127.0.0.1:9999",
+           "RAG_EMBED_MODEL": "nomic-embed-text", "RAG_EMBED_TIMEOUT": "2.5", "RAG_CHUNK_MAX_TOKENS": "100",
+           "RAG_CHUNK_MIN_TOKENS": "500"}
+    s = rules.load_settings(env)
+    assert s.corpus_dir == tmp_path / "docs"
+    assert s.store_dir == tmp_path / "rel" / "store"
+    assert (s.ollama_host, s.embed_model, s.embed_model_explicit) == ("http://127.0.0.1:9999", "nomic-embed-text", True)
+    assert (s.embed_timeout_s, s.chunk_max_tokens, s.chunk_min_tokens) == (2.5, 100, 100)
+    over = rules.load_settings(env, corpus_dir="~/other", store_dir=str(tmp_path / "abs"))
+    assert (over.corpus_dir, over.store_dir) == (tmp_path / "other", tmp_path / "abs")
+    assert over.corpus_dir.is_absolute()
+    assert "corpus=" in over.describe() and "model=nomic-embed-text" in over.describe()
+
+
+@pytest.mark.parametrize("env", [{"RAG_EMBED_TIMEOUT": "soon"}, {"RAG_EMBED_TIMEOUT": "0"},
+                                 {"RAG_CHUNK_MAX_TOKENS": "big"}, {"RAG_CHUNK_MAX_TOKENS": "8"},
+                                 {"RAG_CHUNK_MIN_TOKENS": "-1"}])
+def test_invalid_settings(env: dict[str, str]) -> None:
+    with pytest.raises(RagError) as caught:
+        rules.load_settings(env)
+    assert caught.value.code is ErrorCode.INVALID_ARGUMENT
+    assert next(iter(env)) in caught.value.message
+
+
+# ---------------------------------------------------------------------------
+# OllamaEmbedder against the fake over HTTP.
+
+
+def test_embedder_model_info_and_embed(fake_ollama: FakeOllama) -> None:
+    fake_ollama.configure(context_length=1024, dims=384)
+    embedder = rules.OllamaEmbedder(fake_ollama.host, "embeddinggemma", 5)
+    assert embedder.model_info() == rules.ModelInfo(context_length=1024, dims=384)
+    vectors = embedder.embed(["one", "two"])
+    assert len(vectors) == 2 and all(len(v) == 384 for v in vectors)
+    body = [b for m, p, b in fake_ollama.requests if p == "/api/embed"][-1]
+    assert body["truncate"] is False
+
+
+def test_embedder_errors(fake_ollama: FakeOllama) -> None:
+    missing = rules.OllamaEmbedder(fake_ollama.host, "nomic-embed-text", 5)
+    with pytest.raises(RagError) as caught:
+        missing.model_info()
+    assert caught.value.code is ErrorCode.MODEL_NOT_FOUND and "ollama pull nomic-embed-text" in caught.value.hint
+    embedder = rules.OllamaEmbedder(fake_ollama.host, "embeddinggemma", 0.5)
+    fake_ollama.configure(max_input_tokens=3)
+    with pytest.raises(rules.InputTooLong):
+        embedder.embed(["one two three four five"])
+    fake_ollama.configure(max_input_tokens=None, fail_after=0)
+    with pytest.raises(RagError) as caught:
+        embedder.embed(["x"])
+    assert caught.value.code is ErrorCode.EMBEDDER_UNAVAILABLE and "500" in caught.value.message
+    fake_ollama.configure(fail_after=None, delay_seconds=2)
+    with pytest.raises(RagError) as caught:
+        embedder.embed(["x"])
+    assert caught.value.code is ErrorCode.EMBEDDER_UNAVAILABLE and "did not answer" in caught.value.message
+    fake_ollama.configure(delay_seconds=0)
+    fake_ollama.stop()
+    with pytest.raises(RagError) as caught:
+        rules.OllamaEmbedder(fake_ollama.host, "embeddinggemma", 2).model_info()
+    assert caught.value.code is ErrorCode.EMBEDDER_UNAVAILABLE
+    assert "start Ollama" in caught.value.hint and "ollama pull embeddinggemma" in caught.value.hint

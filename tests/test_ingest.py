@@ -1,0 +1,1062 @@
+"""ingest.py end to end: real Chroma in temporary folders, the fake Ollama over HTTP, ingest.main()
+in-process where convenient and `python ingest.py` as a real process where the process matters."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import chromadb
+import pytest
+from chromadb.api.client import SharedSystemClient
+
+import corpus_rules as rules
+import ingest
+from fake_ollama import FakeOllama, count_tokens, fake_embedding
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "sample-corpus"
+SECRET = b"SECRET-OFFSITE-TOKEN-7731"
+GEMMA = rules.PREFIX_SCHEMES["embeddinggemma"]
+SUMMARY_KEYS = {"exit", "scanned", "added", "updated", "unchanged", "removed", "excluded", "failed", "chunks_written",
+                "embedding_calls", "seconds", "commit", "dirty", "index", "rebuilt", "dry_run", "estimated_chunks",
+                "errors"}
+_ENV_VARS = ("RAG_CORPUS_DIR", "RAG_STORE_DIR", "RAG_EMBED_MODEL", "RAG_EMBED_TIMEOUT", "RAG_CHUNK_MAX_TOKENS",
+             "RAG_CHUNK_MIN_TOKENS", "OLLAMA_HOST")
+
+# Runs ingest.main in a real child process with small batches (many commit points), optionally
+# SIGKILLing itself at a chosen point of the write path: INGEST_CRASH_AT=<where>:<nth call>.
+CRASHING_CHILD = r"""
+import os, signal, sys
+sys.path.insert(0, sys.argv.pop(1))
+import corpus_rules, ingest
+from chromadb.api.models.Collection import Collection
+
+ingest.EMBED_BATCH = 4
+ingest.COMMIT_BATCH_CHUNKS = 4
+where, _, nth = os.environ.get("INGEST_CRASH_AT", "").partition(":")
+
+def crash_on(owner, name, after):
+    original = getattr(owner, name)
+    calls = [0]
+    def wrapper(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == int(nth) and not after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        result = original(*args, **kwargs)
+        if calls[0] == int(nth) and after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+    setattr(owner, name, wrapper)
+
+points = {
+    "chroma_update": (Collection, "update", True),  # mtime-only update: Chroma done, SQLite not
+    "insert_rows": (ingest.Store, "_insert_rows", False),  # new vectors in, SQLite transaction open
+    "chroma_delete": (Collection, "delete", True),  # first vector delete (reconcile's strays)
+    "delete_vectors": (ingest.Store, "_delete_vectors", False),  # committed, old vectors not yet out
+    "write_current": (corpus_rules.StoreLayout, "write_current", False),  # all written, CURRENT not
+}
+if where:
+    crash_on(*points[where])
+sys.exit(ingest.main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in _ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ANONYMIZED_TELEMETRY", "False")
+
+
+# ---------------------------------------------------------------------------
+# Helpers.
+
+
+@dataclass
+class Run:
+    code: int
+    out: str
+    err: str
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return json.loads(self.out.strip().splitlines()[-1])
+
+
+def ingest_run(corpus: Path, store: Path, *extra: str) -> Run:
+    """ingest.main in-process with --json; stderr and the ingest log captured together."""
+    out, err = io.StringIO(), io.StringIO()
+    logger = logging.getLogger("ingest")
+    handler = logging.StreamHandler(err)
+    handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+    saved = (logger.level, logger.propagate)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = ingest.main(["--corpus", str(corpus), "--store", str(store), "--json", *extra])
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+        # A cached Chroma client would not see later writes by other processes.
+        SharedSystemClient.clear_system_cache()
+    return Run(code, out.getvalue(), err.getvalue())
+
+
+def child_env(fake: FakeOllama, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _ENV_VARS}
+    env.update(OLLAMA_HOST=fake.host, ANONYMIZED_TELEMETRY="False", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def ingest_process(fake: FakeOllama, corpus: Path, store: Path, *extra: str, crash_at: str = "",
+                   small_batches: bool = False) -> subprocess.Popen[str]:
+    args = ["--corpus", str(corpus), "--store", str(store), *extra]
+    if crash_at or small_batches:
+        command = [sys.executable, "-c", CRASHING_CHILD, str(ROOT), *args]
+    else:
+        command = [sys.executable, str(ROOT / "ingest.py"), *args]
+    return subprocess.Popen(command, env=child_env(fake, INGEST_CRASH_AT=crash_at), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT.parent)
+
+
+def copy_sample(tmp_path: Path, name: str = "corpus") -> Path:
+    dest = tmp_path / name
+    shutil.copytree(SAMPLE, dest)  # copy2 keeps mtimes
+    return dest
+
+
+def edit(path: Path, content: str | bytes) -> None:
+    """Write a file and move its mtime well past the skip tolerance (file systems round mtimes)."""
+    base = path.stat().st_mtime_ns if path.exists() else time.time_ns()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content.encode() if isinstance(content, str) else content)
+    os.utime(path, ns=(base + 5_000_000_000, base + 5_000_000_000))
+
+
+def current_of(store: Path) -> dict[str, Any]:
+    return json.loads((store / rules.CURRENT_FILE).read_text(encoding="utf-8"))
+
+
+def keyword_db(store: Path, index: str | None = None) -> sqlite3.Connection:
+    index = index or current_of(store)["index"]
+    return sqlite3.connect(f"file:{store / index / rules.KEYWORD_DB}?mode=ro", uri=True)
+
+
+def chroma_state(store: Path, index: str | None = None) -> dict[str, dict[str, tuple[str, dict[str, Any], list[float]]]]:
+    """collection name -> id -> (document, metadata, embedding)."""
+    index = index or current_of(store)["index"]
+    client = chromadb.PersistentClient(path=str(store / index / rules.CHROMA_SUBDIR))
+    try:
+        state = {}
+        for name in rules.COLLECTION_BY_LIFECYCLE.values():
+            got = client.get_collection(name).get(include=["documents", "metadatas", "embeddings"])
+            state[name] = {i: (d, dict(m), [float(x) for x in e])
+                           for i, d, m, e in zip(got["ids"], got["documents"], got["metadatas"], got["embeddings"])}
+        return state
+    finally:
+        SharedSystemClient.clear_system_cache()
+
+
+def snapshot(store: Path) -> dict[str, Any]:
+    """Everything a reader can see, minus the run's wall-clock time and the generation counter."""
+    current = current_of(store)
+    index = current["index"]
+    client = chromadb.PersistentClient(path=str(store / index / rules.CHROMA_SUBDIR))
+    try:
+        collection_meta = {}
+        for name in rules.COLLECTION_BY_LIFECYCLE.values():
+            meta = dict(client.get_collection(name).metadata or {})
+            meta.pop("stamp_ingested_at", None)
+            collection_meta[name] = meta
+    finally:
+        SharedSystemClient.clear_system_cache()
+    con = keyword_db(store)
+    try:
+        stamp = json.loads(con.execute("SELECT value FROM meta WHERE key = 'stamp'").fetchone()[0])
+        stamp.pop("ingested_at")
+        keywords = {
+            "documents": sorted(con.execute("SELECT * FROM documents")),
+            "chunks": sorted(con.execute("SELECT * FROM chunks")),
+            "fts": sorted(con.execute("SELECT c.id, f.title, f.heading, f.body FROM chunks c "
+                                      "JOIN chunks_fts f ON f.rowid = c.rowid")),
+            "fts_rows": con.execute("SELECT count(*) FROM chunks_fts").fetchone()[0],
+            "manifest": con.execute("SELECT value FROM meta WHERE key = 'manifest'").fetchone(),
+            "meta_keys": sorted(key for (key,) in con.execute("SELECT key FROM meta")),
+            "stamp": stamp,
+        }
+    finally:
+        con.close()
+    current.pop("generation")
+    current["stamp"].pop("ingested_at")
+    return {"current": current, "chroma": chroma_state(store), "collection_meta": collection_meta,
+            "keywords": keywords}
+
+
+def clean_snapshot(corpus: Path, tmp_path: Path, *extra: str) -> dict[str, Any]:
+    fresh = tmp_path / f"fresh-store-{time.monotonic_ns()}"
+    run = ingest_run(corpus, fresh, *extra)
+    assert run.code == 0, run.err
+    return snapshot(fresh)
+
+
+def file_listing(root: Path) -> dict[str, tuple[int, bytes]]:
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def store_bytes(store: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in sorted(store.rglob("*")) if p.is_file())
+
+
+def chunks_of(state: dict[str, dict[str, Any]], path: str) -> dict[str, Any]:
+    return {i: v for col in state.values() for i, v in col.items() if v[1]["path"] == path}
+
+
+def assert_consistent(store: Path, corpus_hashes: dict[str, set[str]], must_have: set[str]) -> None:
+    """What a crash must leave: every file served by one complete set of chunks, old or new,
+    every committed chunk findable in the collection of its lifecycle."""
+    state = chroma_state(store)
+    con = keyword_db(store)
+    try:
+        assert con.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        documents = list(con.execute("SELECT path, content_hash, chunk_count, lifecycle FROM documents"))
+        for path, digest, count, lifecycle in documents:
+            assert digest in corpus_hashes.get(path, set()), path
+            rows = list(con.execute("SELECT id, chunk_index, text, lifecycle FROM chunks WHERE path = ? "
+                                    "ORDER BY chunk_index", (path,)))
+            assert [r[0] for r in rows] == [rules.chunk_id(path, digest, i) for i in range(count)], path
+            collection = state[rules.COLLECTION_BY_LIFECYCLE[lifecycle]]
+            for chunk, _, text, chunk_lifecycle in rows:
+                assert chunk_lifecycle == lifecycle
+                assert collection[chunk][0] == text
+                assert collection[chunk][1]["content_hash"] == digest
+        orphans = con.execute("SELECT count(*) FROM chunks WHERE path NOT IN (SELECT path FROM documents)").fetchone()
+        assert orphans == (0,)
+        fts = con.execute("SELECT count(*) FROM chunks_fts").fetchone()[0]
+        assert fts == con.execute("SELECT count(*) FROM chunks").fetchone()[0]
+        # Files indexed before the change and still in the corpus never vanish from the store.
+        assert must_have <= {d[0] for d in documents}
+    finally:
+        con.close()
+
+
+def corpus_hashes(corpus: Path) -> dict[str, str]:
+    return {p.relative_to(corpus).as_posix(): rules.content_hash(p.read_bytes()) for p in corpus.rglob("*.md")}
+
+
+def sample_chunk_count(context: int = 2048) -> int:
+    budget = ingest.Budget(context, rules.DEFAULT_CHUNK_MAX_TOKENS, rules.DEFAULT_CHUNK_MIN_TOKENS, GEMMA)
+    total = 0
+    for path in SAMPLE.rglob("*.md"):
+        doc = rules.parse_document(path.read_bytes(), path.relative_to(SAMPLE).as_posix())
+        if doc.rag:
+            total += len(rules.chunk_document(doc, budget(doc.title), budget.min_tokens))
+    return total
+
+
+def wait_for(condition: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def embed_requests(fake: FakeOllama) -> list[dict[str, Any]]:
+    return [body for method, path, body in fake.requests if path == "/api/embed"]
+
+
+# ---------------------------------------------------------------------------
+# One shared ingest of the sample corpus (read-only tests).
+
+
+@dataclass
+class Ingested:
+    store: Path
+    run: Run
+    embed_calls: int
+
+
+@pytest.fixture(scope="module")
+def sample_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ingested]:
+    store = tmp_path_factory.mktemp("sample") / "store"
+    with FakeOllama() as fake, pytest.MonkeyPatch.context() as mp:
+        for name in _ENV_VARS:
+            mp.delenv(name, raising=False)
+        mp.setenv("OLLAMA_HOST", fake.host)
+        run = ingest_run(SAMPLE, store)
+        yield Ingested(store, run, fake.embed_calls)
+
+
+def test_first_ingest_summary_and_current(sample_store: Ingested) -> None:
+    run = sample_store.run
+    assert run.code == 0, run.err
+    summary = run.summary
+    assert set(summary) == SUMMARY_KEYS
+    expected = {"exit": 0, "scanned": 7, "added": 6, "updated": 0, "unchanged": 0, "removed": 0, "excluded": 1,
+                "failed": 0, "chunks_written": sample_chunk_count(), "rebuilt": True, "dry_run": False,
+                "estimated_chunks": 0, "errors": []}
+    assert {k: summary[k] for k in expected} == expected
+    assert summary["seconds"] > 0
+    assert 1 <= summary["embedding_calls"] == sample_store.embed_calls
+    # Batched: several chunks per /api/embed call.
+    assert summary["embedding_calls"] < summary["chunks_written"]
+    rev = subprocess.run(["git", "-C", str(SAMPLE), "rev-parse", "HEAD"], capture_output=True, text=True)
+    status = subprocess.run(["git", "-C", str(SAMPLE), "status", "--porcelain", "--", "."], capture_output=True, text=True)
+    head = rev.stdout.strip() if rev.returncode == 0 else None  # a checkout without git: null stamp
+    dirty = bool(status.stdout.strip()) if head else None
+    assert (summary["commit"], summary["dirty"]) == (head, dirty)
+    current = current_of(sample_store.store)
+    assert current["index"] == summary["index"] == rules.IndexManifest.from_dict(current["manifest"]).index_name()
+    assert current["generation"] == 1
+    assert current["manifest"] == {
+        "model": "embeddinggemma", "dims": 768, "prefix_scheme": "embeddinggemma", "chunker_version": rules.CHUNKER_VERSION,
+        "chunk_max_tokens": 512, "chunk_min_tokens": 64, "tool_version": rules.TOOL_VERSION}
+    stamp = dict(current["stamp"])
+    assert datetime.fromisoformat(stamp.pop("ingested_at")).tzinfo is not None
+    assert stamp == {"commit": head, "dirty": dirty, "files": 6, "chunks": summary["chunks_written"]}
+    assert sorted(p.name for p in sample_store.store.iterdir()) == sorted([rules.CURRENT_FILE, rules.LOCK_FILE, current["index"]])
+    assert "resolved configuration: corpus=" in run.err and f"store={sample_store.store}" in run.err
+    assert "7 scanned, 6 added" in run.err
+
+
+def test_lifecycle_key_and_file_metadata_on_every_chunk(sample_store: Ingested) -> None:
+    state = chroma_state(sample_store.store)
+    active, superseded = state["chunks_active"], state["chunks_superseded"]
+    assert active and superseded
+    for collection, lifecycle in ((active, "active"), (superseded, "superseded")):
+        for document, meta, vector in collection.values():
+            assert set(rules.META_KEYS) <= set(meta)
+            assert meta["lifecycle"] == lifecycle
+            path = SAMPLE / meta["path"]
+            assert meta["content_hash"] == rules.content_hash(path.read_bytes())
+            assert meta["mtime_ns"] == path.stat().st_mtime_ns
+            assert len(vector) == 768 and document
+    assert {m["path"] for _, m, _ in superseded.values()} == {"runbooks/deploy-2023.md"}
+    assert "runbooks/deploy-2023.md" not in {m["path"] for _, m, _ in active.values()}
+    con = keyword_db(sample_store.store)
+    rows = {i: (lc, text) for i, lc, text in con.execute("SELECT id, lifecycle, text FROM chunks")}
+    assert rows == {i: (lc, d) for lc, col in (("active", active), ("superseded", superseded)) for i, (d, _, _) in col.items()}
+    assert dict(con.execute("SELECT path, lifecycle FROM documents"))["runbooks/deploy-2023.md"] == "superseded"
+
+
+def test_rag_false_file_leaves_no_trace(sample_store: Ingested) -> None:
+    assert SECRET in (SAMPLE / "private/offsite-backup.md").read_bytes()
+    for path in sample_store.store.rglob("*"):
+        if path.is_file():
+            assert SECRET not in path.read_bytes(), path
+    assert b"offsite-backup" not in store_bytes(sample_store.store)
+    con = keyword_db(sample_store.store)
+    assert con.execute("SELECT count(*) FROM documents WHERE path LIKE 'private/%'").fetchone() == (0,)
+
+
+def test_chunk_line_ranges_match_the_source_files(sample_store: Ingested) -> None:
+    con = keyword_db(sample_store.store)
+    documents = {p: (n, c) for p, n, c in con.execute("SELECT path, line_count, chunk_count FROM documents")}
+    state = chroma_state(sample_store.store)
+    for path, (line_count, chunk_count) in documents.items():
+        raw = (SAMPLE / path).read_bytes()
+        lines = raw.decode("utf-8").split("\n")[:-1]
+        doc = rules.parse_document(raw, path)
+        assert line_count == len(lines) == doc.line_count
+        chunks = sorted(con.execute("SELECT chunk_index, start_line, end_line, heading, text, id FROM chunks "
+                                    "WHERE path = ?", (path,)))
+        assert [c[0] for c in chunks] == list(range(chunk_count))
+        assert chunks[0][1] == doc.body_start and chunks[-1][2] == len(lines)
+        for (_, _, end, _, _, _), (_, start, _, _, _, _) in zip(chunks, chunks[1:]):
+            assert start == end + 1
+        for index, start, end, heading, text, chunk in chunks:
+            assert text == "\n".join(lines[start - 1:end]).strip()
+            meta = chunks_of(state, path)[chunk][1]
+            assert (meta["start_line"], meta["end_line"], meta["heading"], meta["chunk_index"]) == (start, end, heading, index)
+            assert meta["title"] == doc.title
+    database = con.execute("SELECT start_line FROM chunks WHERE heading = 'Deploy runbook > Rollback > Database'").fetchone()
+    assert (SAMPLE / "runbooks/deploy.md").read_text(encoding="utf-8").split("\n")[database[0] - 1] == "### Database"
+
+
+def test_keyword_rows_use_the_shared_terms(sample_store: Ingested) -> None:
+    con = keyword_db(sample_store.store)
+    for expression, path in ((rules.fts_match_expression("E4091"), "reference/api.md"),
+                             (rules.fts_match_expression("LOG_RETENTION_DAYS"), "ja/log-collection.md"),
+                             (rules.fts_match_expression("ログ収集"), "ja/log-collection.md")):
+        weights = ", ".join(map(str, rules.FTS_WEIGHTS))
+        hits = [p for (p,) in con.execute("SELECT c.path FROM chunks_fts f JOIN chunks c ON c.rowid = f.rowid "
+                                          f"WHERE chunks_fts MATCH ? ORDER BY bm25(chunks_fts, {weights})", (expression,))]
+        assert hits[0] == path
+    identifier = {p for (p,) in con.execute("SELECT c.path FROM chunks_fts f JOIN chunks c ON c.rowid = f.rowid "
+                                            "WHERE chunks_fts MATCH '\"log_retention_days\"'")}
+    assert identifier == {"ja/log-collection.md"}
+
+
+# ---------------------------------------------------------------------------
+# Incremental runs.
+
+
+def test_unchanged_corpus_makes_no_embed_calls_and_reads_no_file(
+        tmp_path: Path, fake_ollama_env: FakeOllama, monkeypatch: pytest.MonkeyPatch) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    assert ingest_run(corpus, store).code == 0
+    current_bytes = (store / rules.CURRENT_FILE).read_bytes()
+    before = snapshot(store)
+    # Within the mtime tolerance with the same size counts as unchanged, without reading the file.
+    glossary = corpus / "reference/glossary.md"
+    st = glossary.stat()
+    os.utime(glossary, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    fake_ollama_env.reset()
+    read: list[Path] = []
+    original = Path.read_bytes
+
+    def recording_read_bytes(self: Path) -> bytes:
+        read.append(self)
+        return original(self)
+
+    monkeypatch.setattr(Path, "read_bytes", recording_read_bytes)
+    run = ingest_run(corpus, store)
+    monkeypatch.undo()
+    assert run.code == 0, run.err
+    assert run.summary["embedding_calls"] == 0 and embed_requests(fake_ollama_env) == []
+    assert (run.summary["unchanged"], run.summary["added"], run.summary["updated"]) == (6, 0, 0)
+    # Only the excluded file is read: it has no registry row, so only reading it tells whether it
+    # is still `rag: false`.
+    assert {p.relative_to(corpus).as_posix() for p in read if p.is_relative_to(corpus)} == {"private/offsite-backup.md"}
+    # A no-op run keeps the generation (and CURRENT.json) as it was.
+    assert (store / rules.CURRENT_FILE).read_bytes() == current_bytes
+    assert snapshot(store) == before
+
+
+def test_mtime_only_change_makes_no_embed_calls(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    assert ingest_run(corpus, store).code == 0
+    before = chroma_state(store)
+    api = corpus / "reference/api.md"
+    new_mtime = api.stat().st_mtime_ns + 100_000_000_000
+    os.utime(api, ns=(new_mtime, new_mtime))
+    fake_ollama_env.reset()
+    run = ingest_run(corpus, store)
+    assert run.code == 0, run.err
+    assert run.summary["embedding_calls"] == 0 and fake_ollama_env.embed_calls == 0
+    assert run.summary["unchanged"] == 6
+    after = chroma_state(store)
+    assert set(chunks_of(after, "reference/api.md")) == set(chunks_of(before, "reference/api.md"))
+    for chunk, (document, meta, vector) in chunks_of(after, "reference/api.md").items():
+        old_document, old_meta, old_vector = chunks_of(before, "reference/api.md")[chunk]
+        assert meta == old_meta | {"mtime_ns": new_mtime}
+        assert (document, vector) == (old_document, old_vector)
+    for path in ("reference/glossary.md", "runbooks/deploy.md"):
+        assert chunks_of(after, path) == chunks_of(before, path)
+    assert keyword_db(store).execute("SELECT mtime_ns FROM documents WHERE path = 'reference/api.md'").fetchone() == (new_mtime,)
+    assert current_of(store)["generation"] == 2
+    # And the next run is a no-op again.
+    again = ingest_run(corpus, store)
+    assert again.summary["embedding_calls"] == 0 and current_of(store)["generation"] == 2
+
+
+def test_full_re_embeds_everything_to_the_same_state(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    first = ingest_run(corpus, store)
+    before = snapshot(store)
+    fake_ollama_env.reset()
+    run = ingest_run(corpus, store, "--full")
+    assert run.code == 0, run.err
+    assert (run.summary["updated"], run.summary["added"], run.summary["unchanged"]) == (6, 0, 0)
+    assert run.summary["chunks_written"] == first.summary["chunks_written"]
+    assert len(fake_ollama_env.embedded_inputs) == first.summary["chunks_written"]
+    assert snapshot(store) == before
+
+
+def test_changes_deletions_rag_false_and_lifecycle_flips(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    assert ingest_run(corpus, store).code == 0
+    api = corpus / "reference/api.md"
+    edit(api, "---\nrag: false\n---\n" + api.read_text(encoding="utf-8"))
+    (corpus / "oncall/escalation.md").unlink()
+    glossary = corpus / "reference/glossary.md"
+    edit(glossary, "---\nlifecycle: superseded\n---\n" + glossary.read_text(encoding="utf-8"))
+    edit(corpus / "new/added.md", "# Added page\n\nBrand new words: zanzibar quokka.\n")
+    run = ingest_run(corpus, store)
+    assert run.code == 0, run.err
+    s = run.summary
+    assert (s["added"], s["updated"], s["removed"], s["excluded"], s["unchanged"]) == (1, 1, 2, 2, 3)
+    state = chroma_state(store)
+    con = keyword_db(store)
+    for gone in ("reference/api.md", "oncall/escalation.md"):
+        assert chunks_of(state, gone) == {}
+        assert con.execute("SELECT count(*) FROM chunks WHERE path = ?", (gone,)).fetchone() == (0,)
+        assert con.execute("SELECT count(*) FROM documents WHERE path = ?", (gone,)).fetchone() == (0,)
+    assert con.execute("SELECT count(*) FROM chunks_fts WHERE chunks_fts MATCH ?",
+                       (rules.fts_match_expression("E4091"),)).fetchone() == (0,)
+    glossary_chunks = chunks_of(state, "reference/glossary.md")
+    assert glossary_chunks and set(glossary_chunks) <= set(state["chunks_superseded"])
+    assert all(m["lifecycle"] == "superseded" for _, m, _ in glossary_chunks.values())
+    assert chunks_of(state, "new/added.md")
+    assert snapshot(store) == clean_snapshot(corpus, tmp_path)
+
+
+# ---------------------------------------------------------------------------
+# Failures and crashes: old chunks survive, the next run converges.
+
+
+def test_embedder_dies_mid_run_then_converges(tmp_path: Path, fake_ollama_env: FakeOllama,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ingest, "EMBED_BATCH", 4)
+    monkeypatch.setattr(ingest, "COMMIT_BATCH_CHUNKS", 4)
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    assert ingest_run(corpus, store).code == 0
+    old_state, old_hashes = chroma_state(store), corpus_hashes(corpus)
+    for path in sorted(corpus.rglob("*.md")):
+        edit(path, path.read_text(encoding="utf-8") + "\nRevision two adds this closing line.\n")
+    fake_ollama_env.configure(fail_after=fake_ollama_env.embed_calls + 6)
+    run = ingest_run(corpus, store)
+    assert run.code == 1
+    assert 0 < run.summary["chunks_written"] and run.summary["failed"] > 0
+    assert "not embedded" in run.err and "HTTP 500" in run.err
+    new_hashes = corpus_hashes(corpus)
+    con = keyword_db(store)
+    documents = dict(con.execute("SELECT path, content_hash FROM documents"))
+    assert len(documents) == 6
+    kept = [p for p, h in documents.items() if h == old_hashes[p]]
+    renewed = [p for p, h in documents.items() if h == new_hashes[p]]
+    assert kept and renewed and len(kept) + len(renewed) == 6
+    assert run.summary["failed"] == len(kept)
+    state = chroma_state(store)
+    for path in kept:  # untouched: same ids, texts, metadata and vectors
+        assert chunks_of(state, path) == chunks_of(old_state, path)
+    assert_consistent(store, {p: {old_hashes[p], new_hashes[p]} for p in new_hashes}, set(documents))
+    assert current_of(store)["generation"] == 2
+    fake_ollama_env.configure(fail_after=None)
+    again = ingest_run(corpus, store)
+    assert again.code == 0, again.err
+    assert again.summary["updated"] == len(kept)
+    assert snapshot(store) == clean_snapshot(corpus, tmp_path)
+
+
+def test_kill_9_at_many_points_then_rerun_converges(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    assert ingest_run(corpus, store).code == 0
+    old = corpus_hashes(corpus)
+    # Every kind of change at once: edits, a deletion, a new file, a lifecycle flip, an mtime-only touch.
+    for rel in ("runbooks/deploy.md", "reference/api.md", "ja/log-collection.md"):
+        edit(corpus / rel, (corpus / rel).read_text(encoding="utf-8").replace("the", "THE"))
+    (corpus / "oncall/escalation.md").unlink()
+    edit(corpus / "new/page.md", "# New page\n\n" + "\n\n".join(f"Paragraph {i} about quokkas." * 20 for i in range(8)))
+    glossary = corpus / "reference/glossary.md"
+    edit(glossary, "---\nlifecycle: superseded\n---\n" + glossary.read_text(encoding="utf-8"))
+    deploy_2023 = corpus / "runbooks/deploy-2023.md"
+    st = deploy_2023.stat()
+    os.utime(deploy_2023, ns=(st.st_atime_ns, st.st_mtime_ns + 60_000_000_000))
+    new = corpus_hashes(corpus)
+    allowed = {p: {h for h in (old.get(p), new.get(p)) if h} for p in old.keys() | new.keys()}
+    must_have = {"runbooks/deploy.md", "runbooks/deploy-2023.md", "reference/api.md", "reference/glossary.md",
+                 "ja/log-collection.md"}
+
+    # Crash points inside the write path (SIGKILL from within), then an outside kill -9 mid-run, then
+    # a crash after everything is written but before CURRENT.json is replaced.
+    for crash_at in ("chroma_update:1", "insert_rows:1", "chroma_delete:1", "delete_vectors:1", "", "write_current:1"):
+        fake_ollama_env.configure(delay_seconds=0.0 if crash_at else 0.2)
+        calls_before = fake_ollama_env.embed_calls
+        proc = ingest_process(fake_ollama_env, corpus, store, crash_at=crash_at, small_batches=True)
+        if not crash_at:
+            wait_for(lambda: fake_ollama_env.embed_calls > calls_before + 2 or proc.poll() is not None)
+            time.sleep(0.05)
+            proc.send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL, (crash_at, err)
+        assert_consistent(store, allowed, must_have)
+        assert current_of(store)["index"]
+    generation = current_of(store)["generation"]
+    fake_ollama_env.configure(delay_seconds=0.0)
+    final = ingest_run(corpus, store)
+    assert final.code == 0, final.err
+    # The interrupted run's changes were never published: this run must publish them.
+    assert current_of(store)["generation"] == generation + 1
+    assert snapshot(store) == clean_snapshot(corpus, tmp_path)
+    assert not list(store.glob("*.tmp"))
+
+
+def test_lost_vectors_are_repaired_and_never_orphaned(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    assert ingest_run(corpus, store).code == 0
+    index = current_of(store)["index"]
+    client = chromadb.PersistentClient(path=str(store / index / rules.CHROMA_SUBDIR))
+    active = client.get_collection("chunks_active")
+    for path in ("reference/api.md", "reference/glossary.md"):
+        active.delete(ids=active.get(where={"path": path})["ids"][:1])
+    SharedSystemClient.clear_system_cache()
+    (corpus / "reference/api.md").unlink()  # gone from the corpus: nothing of it may stay
+    run = ingest_run(corpus, store)
+    assert run.code == 0, run.err
+    state = chroma_state(store)
+    con = keyword_db(store)
+    assert chunks_of(state, "reference/api.md") == {}
+    assert con.execute("SELECT count(*) FROM chunks WHERE path = 'reference/api.md'").fetchone() == (0,)
+    assert chunks_of(state, "reference/glossary.md")  # still in the corpus: embedded again
+    assert snapshot(store) == clean_snapshot(corpus, tmp_path)
+
+
+def test_wrong_dimensions_mid_run_keep_old_chunks(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    assert ingest_run(corpus, store).code == 0
+    before = chroma_state(store)
+    glossary = corpus / "reference/glossary.md"
+    edit(glossary, glossary.read_text(encoding="utf-8") + "\n**Zebra**: a new term.\n")
+    fake_ollama_env.configure(wrong_dims=384)
+    run = ingest_run(corpus, store)
+    assert run.code == 1 and "Traceback" not in run.err
+    assert "384-dimensional" in run.err and "reference/glossary.md" in run.err
+    assert chunks_of(chroma_state(store), "reference/glossary.md") == chunks_of(before, "reference/glossary.md")
+    fake_ollama_env.configure(wrong_dims=None)
+    assert ingest_run(corpus, store).code == 0
+    assert snapshot(store) == clean_snapshot(corpus, tmp_path)
+
+
+def test_only_unwritten_files_are_reported_when_the_embedder_dies(
+        tmp_path: Path, fake_ollama_env: FakeOllama, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ingest, "COMMIT_BATCH_CHUNKS", 1)  # one file per commit group
+    corpus, store = tmp_path / "corpus", tmp_path / "store"
+    edit(corpus / "a.md", "---\ntitle: " + " ".join(["enormous"] * 30) + "\n---\nx y z\n")  # cannot fit: fails alone
+    edit(corpus / "b.md", "tiny\n")
+    edit(corpus / "c.md", "FAILPOINT here\n")
+    fake_ollama_env.configure(max_input_tokens=12)
+    original = ingest.Embedding._embed
+
+    def dying_embed(self: ingest.Embedding, texts: list[str]) -> list[list[float]]:
+        if any("FAILPOINT" in t for t in texts):
+            raise rules.RagError(rules.ErrorCode.EMBEDDER_UNAVAILABLE, "Ollama went away", "start it")
+        return original(self, texts)
+
+    monkeypatch.setattr(ingest.Embedding, "_embed", dying_embed)
+    run = ingest_run(corpus, store)
+    assert run.code == 1
+    assert run.summary["failed"] == 2
+    assert any(e.startswith("a.md:") and "cannot be split" in e for e in run.summary["errors"])
+    assert any(e.startswith("c.md: not embedded") for e in run.summary["errors"])
+    assert not any(e.startswith("b.md") for e in run.summary["errors"])
+    assert dict(keyword_db(store).execute("SELECT path, chunk_count FROM documents")) == {"b.md": 1}
+
+
+def test_per_file_errors_keep_that_files_chunks(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    assert ingest_run(corpus, store).code == 0
+    before = chroma_state(store)
+    broken = {
+        "reference/api.md": ("---\ntitle: [oops\n---\n", "malformed YAML frontmatter"),
+        "reference/glossary.md": ("---\nlifecycle: archived\n---\n", "lifecycle must be one of"),
+        "runbooks/deploy.md": ("---\nrag_chunk: paragraphs\n---\n", "rag_chunk must be one of"),
+    }
+    for rel, (prefix, _) in broken.items():
+        edit(corpus / rel, prefix + (corpus / rel).read_text(encoding="utf-8"))
+    ja = corpus / "ja/log-collection.md"
+    edit(ja, ja.read_bytes() + b"\n\xff\xfe broken bytes\n")
+    edit(corpus / "notes/binary.md", b"# looks like markdown\n\x00\x01\x02")
+    escalation = corpus / "oncall/escalation.md"
+    edit(escalation, escalation.read_text(encoding="utf-8") + "\nAddendum: page XYZZY first.\n")
+    run = ingest_run(corpus, store)
+    assert run.code == 1
+    s = run.summary
+    assert (s["failed"], s["updated"], s["added"], s["removed"], s["unchanged"]) == (5, 1, 0, 0, 1)
+    for rel, (_, reason) in broken.items():
+        assert f"ERROR: {rel}: {reason}" in run.err
+    assert "ERROR: ja/log-collection.md: not UTF-8" in run.err
+    assert "ERROR: notes/binary.md: binary file" in run.err
+    after = chroma_state(store)
+    for rel in [*broken, "ja/log-collection.md"]:
+        assert chunks_of(after, rel) == chunks_of(before, rel), rel
+    assert chunks_of(after, "notes/binary.md") == {}
+    assert any("XYZZY" in d for d, _, _ in chunks_of(after, "oncall/escalation.md").values())
+    # Still broken on the next run: reported again, nothing embedded, nothing lost.
+    fake_ollama_env.reset()
+    again = ingest_run(corpus, store)
+    assert again.code == 1 and again.summary["failed"] == 5 and fake_ollama_env.embed_calls == 0
+    assert chroma_state(store) == after
+
+
+def test_over_long_chunk_is_split_and_retried_never_truncated(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus, store = tmp_path / "corpus", tmp_path / "store"
+    words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
+    prose = [" ".join(words[(i * 7 + j) % 12] + str(i) for j in range(18)) for i in range(6)]
+    edit(corpus / "long.md", "# Long page\n\n## Section\n\n" + "\n".join(prose[:3]) + "\n\n" + "\n".join(prose[3:])
+         + "\n\n" + " ".join(prose) + "\n\n```\n" + "\n".join(f"# step {i}: run tool --flag {i}" for i in range(12))
+         + "\n```\n")
+    edit(corpus / "ja.md", "# ログ\n\n" + (SAMPLE / "ja/log-collection.md").read_text(encoding="utf-8").split("## 設定")[0])
+    limit = 40
+    fake_ollama_env.configure(max_input_tokens=limit)
+    run = ingest_run(corpus, store)
+    assert run.code == 0, run.err
+    requests = embed_requests(fake_ollama_env)
+    assert requests and all(body["truncate"] is False for body in requests)
+    state = chroma_state(store)
+    for rel in ("long.md", "ja.md"):
+        doc = rules.parse_document((corpus / rel).read_bytes(), rel)
+        chunks = sorted(chunks_of(state, rel).values(), key=lambda v: v[1]["chunk_index"])
+        assert len(chunks) > len(rules.chunk_document(doc, 512, 64))  # some were split
+        for document, meta, vector in chunks:
+            sent = rules.embedded_document_text(GEMMA, doc.title, meta["heading"], document)
+            assert count_tokens(sent) <= limit
+            assert sent in fake_ollama_env.embedded_inputs
+            assert all(abs(a - b) < 1e-6 for a, b in zip(vector, fake_embedding(sent, 768)))
+            assert document in "\n".join(doc.lines[meta["start_line"] - 1:meta["end_line"]])
+        body = "\n".join(doc.lines[doc.body_start - 1:])
+        assert "".join("".join(d.split()) for d, _, _ in chunks) == "".join(body.split())
+        assert [m["chunk_index"] for _, m, _ in chunks] == list(range(len(chunks)))
+        for (_, a, _), (_, b, _) in zip(chunks, chunks[1:]):
+            assert b["start_line"] in (a["end_line"], a["end_line"] + 1)
+
+
+# ---------------------------------------------------------------------------
+# Guards: nothing done, exit 2.
+
+
+def test_empty_corpus_guard_and_allow_empty(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    assert ingest_run(corpus, store).code == 0
+    before = snapshot(store)
+    generation = current_of(store)["generation"]
+    for path in list(corpus.rglob("*.md")):
+        path.unlink()
+    (corpus / "notes.txt").write_text("not markdown\n")
+    run = ingest_run(corpus, store)
+    assert run.code == 2
+    assert run.summary == {"exit": 2, "error": {"code": "corpus_empty", "message": run.summary["error"]["message"],
+                                                "hint": run.summary["error"]["hint"]}}
+    assert "refusing to delete" in run.err and "--allow-empty" in run.err
+    assert snapshot(store) == before and current_of(store)["generation"] == generation
+    emptied = ingest_run(corpus, store, "--allow-empty")
+    assert emptied.code == 0, emptied.err
+    assert emptied.summary["removed"] == 6
+    assert all(col == {} for col in chroma_state(store).values())
+    assert keyword_db(store).execute("SELECT count(*) FROM documents").fetchone() == (0,)
+    assert current_of(store)["generation"] == generation + 1
+    assert current_of(store)["stamp"]["files"] == 0
+
+
+def test_missing_corpus_is_refused(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    run = ingest_run(tmp_path / "nowhere", tmp_path / "store")
+    assert run.code == 2 and run.summary["error"]["code"] == "corpus_missing"
+    assert "does not exist" in run.err
+    assert not (tmp_path / "store").exists()
+
+
+def test_ollama_unreachable_at_start_changes_nothing(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus = copy_sample(tmp_path)
+    fake_ollama_env.stop()
+    fresh = tmp_path / "fresh"
+    run = ingest_run(corpus, fresh)
+    assert run.code == 2 and run.summary["error"]["code"] == "embedder_unavailable"
+    assert "cannot reach Ollama" in run.err and "start Ollama" in run.err and "ollama pull embeddinggemma" in run.err
+    assert not fresh.exists()  # not even the store folder or its lock file
+    fake_ollama_env.restart()
+    store = tmp_path / "store"
+    assert ingest_run(corpus, store).code == 0
+    listing = file_listing(store)
+    edit(corpus / "reference/glossary.md", "changed\n")
+    fake_ollama_env.stop()
+    run = ingest_run(corpus, store)
+    assert run.code == 2
+    assert file_listing(store) == listing
+
+
+def test_missing_model_names_ollama_pull(tmp_path: Path, fake_ollama_env: FakeOllama,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAG_EMBED_MODEL", "nomic-embed-text")
+    run = ingest_run(copy_sample(tmp_path), tmp_path / "store")
+    assert run.code == 2 and run.summary["error"]["code"] == "model_not_found"
+    assert "ollama pull nomic-embed-text" in run.err
+    assert not (tmp_path / "store").exists()
+
+
+def test_second_concurrent_ingest_fails_fast_on_the_lock(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    fake_ollama_env.configure(delay_seconds=30)
+    holder = ingest_process(fake_ollama_env, corpus, store)
+    try:
+        wait_for(lambda: fake_ollama_env.embed_calls > 0 or holder.poll() is not None)
+        assert holder.poll() is None
+        run = ingest_run(corpus, store)
+        assert run.code == 2 and run.summary["error"]["code"] == "lock_held"
+        assert f"another ingest (pid {holder.pid}) is writing {store}" in run.err
+        assert "wait for it to finish" in run.err
+    finally:
+        holder.kill()
+        holder.communicate(timeout=30)
+    fake_ollama_env.configure(delay_seconds=0)
+    # The lock dies with its holder: no stale lock after a kill -9.
+    after = ingest_run(corpus, store)
+    assert after.code == 0, after.err
+
+
+# ---------------------------------------------------------------------------
+# Model change: rebuild into a new index, the old one live until then.
+
+
+def _query_top_path(store: Path, index: str, question: str) -> str:
+    client = chromadb.PersistentClient(path=str(store / index / rules.CHROMA_SUBDIR))
+    try:
+        result = client.get_collection("chunks_active").query(
+            query_embeddings=[fake_embedding(GEMMA.query_text(question), 768)], n_results=3)
+        return result["metadatas"][0][0]["path"]
+    finally:
+        SharedSystemClient.clear_system_cache()
+
+
+def test_model_change_rebuilds_without_a_gap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ingest, "EMBED_BATCH", 4)
+    monkeypatch.setattr(ingest, "COMMIT_BATCH_CHUNKS", 4)
+    with FakeOllama(models=("embeddinggemma", "nomic-embed-text")) as fake:
+        monkeypatch.setenv("OLLAMA_HOST", fake.host)
+        corpus, store = copy_sample(tmp_path), tmp_path / "store"
+        assert ingest_run(corpus, store).code == 0
+        old_current = current_of(store)
+        old_index = old_current["index"]
+        old_snapshot = snapshot(store)
+        assert _query_top_path(store, old_index, "Who gets paged for a sev-1?") == "oncall/escalation.md"
+
+        monkeypatch.setenv("RAG_EMBED_MODEL", "nomic-embed-text")
+        fake.configure(fail_after=fake.embed_calls + 4)
+        failed = ingest_run(corpus, store)
+        assert failed.code == 1
+        new_index = failed.summary["index"]
+        assert failed.summary["rebuilt"] and new_index != old_index
+        assert f"{old_index} stays live" in failed.err
+        # The old index is still the live one, complete and answering.
+        assert current_of(store) == old_current
+        assert snapshot(store) == old_snapshot
+        assert _query_top_path(store, old_index, "Who gets paged for a sev-1?") == "oncall/escalation.md"
+        partial = keyword_db(store, new_index).execute("SELECT count(*) FROM documents").fetchone()[0]
+        assert 0 < partial < 6
+
+        fake.configure(fail_after=None)
+        fake.embedded_inputs.clear()
+        done = ingest_run(corpus, store)
+        assert done.code == 0, done.err
+        assert done.summary["rebuilt"] and done.summary["index"] == new_index
+        current = current_of(store)
+        assert current["index"] == new_index and current["generation"] == old_current["generation"] + 1
+        assert (current["manifest"]["model"], current["manifest"]["prefix_scheme"]) == ("nomic-embed-text", "nomic-embed-text")
+        assert not (store / old_index).exists()
+        assert fake.embedded_inputs and all(t.startswith("search_document: ") for t in fake.embedded_inputs)
+        assert snapshot(store) == clean_snapshot(corpus, tmp_path)
+        # Back to the first model: a rebuild again, into the first index name.
+        monkeypatch.delenv("RAG_EMBED_MODEL")
+        back = ingest_run(corpus, store)
+        assert back.code == 0 and back.summary["index"] == old_index and not (store / new_index).exists()
+        assert snapshot(store) == old_snapshot
+
+
+def test_dimension_change_rebuilds(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    assert ingest_run(corpus, store).code == 0
+    old_index = current_of(store)["index"]
+    fake_ollama_env.configure(dims=384)
+    run = ingest_run(corpus, store)
+    assert run.code == 0 and run.summary["rebuilt"]
+    assert current_of(store)["manifest"]["dims"] == 384 and not (store / old_index).exists()
+    assert {len(v) for col in chroma_state(store).values() for _, _, v in col.values()} == {384}
+
+
+def test_unknown_model_gets_no_prefix_and_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with FakeOllama(models=("mystery-embed",)) as fake:
+        monkeypatch.setenv("OLLAMA_HOST", fake.host)
+        monkeypatch.setenv("RAG_EMBED_MODEL", "mystery-embed")
+        run = ingest_run(copy_sample(tmp_path), tmp_path / "store")
+        assert run.code == 0, run.err
+        assert "WARNING: unknown embedding model 'mystery-embed'" in run.err
+        assert current_of(tmp_path / "store")["manifest"]["prefix_scheme"] == "none"
+        assert not any(t.startswith(("title:", "search_document:", "passage:")) for t in fake.embedded_inputs)
+
+
+# ---------------------------------------------------------------------------
+# Names and links.
+
+
+def test_nfd_file_names_are_stored_nfc(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus, store = tmp_path / "corpus", tmp_path / "store"
+    nfd_names = {"cafe\u0301.md": "caf\u00e9.md", "\u304b\u3099\u3044\u3068\u3099.md": "\u304c\u3044\u3069.md"}
+    for name in nfd_names:
+        edit(corpus / "docs" / name, "Some words without a heading.\n")
+    assert {p.name for p in (corpus / "docs").iterdir()} == set(nfd_names)  # the file system kept NFD
+    run = ingest_run(corpus, store)
+    assert run.code == 0, run.err
+    con = keyword_db(store)
+    rows = {p: (d, t) for p, d, t in con.execute("SELECT path, disk_path, title FROM documents")}
+    assert rows == {f"docs/{nfc}": (f"docs/{nfd}", nfc[:-3]) for nfd, nfc in nfd_names.items()}
+    assert {m["path"] for col in chroma_state(store).values() for _, m, _ in col.values()} == set(rows)
+    assert ingest_run(corpus, store).summary["embedding_calls"] == 0
+    # An NFC twin of an NFD name is one path twice: reported, not silently merged.
+    edit(corpus / "docs" / "caf\u00e9.md", "twin\n")
+    twin = ingest_run(corpus, store)
+    assert twin.code == 1 and "same name after Unicode NFC normalisation" in twin.err
+
+
+def test_symlinks_outside_the_corpus_are_skipped(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    outside, corpus, store = tmp_path / "outside", tmp_path / "corpus", tmp_path / "store"
+    edit(outside / "secret.md", "OUTSIDE-SECRET-4242\n")
+    edit(outside / "dir" / "inner.md", "OUTSIDE-DIR-5353\n")
+    edit(corpus / "real.md", "# Real\n\ninside words\n")
+    (corpus / "sub").mkdir()
+    (corpus / "link-out.md").symlink_to(outside / "secret.md")
+    (corpus / "linked-dir").symlink_to(outside / "dir", target_is_directory=True)
+    (corpus / "relative-out.md").symlink_to(Path("..") / "outside" / "secret.md")
+    (corpus / "loop").symlink_to(".", target_is_directory=True)
+    (corpus / "sub" / "up").symlink_to("..", target_is_directory=True)
+    (corpus / "self.md").symlink_to("self.md")
+    (corpus / "dangling.md").symlink_to("nowhere.md")
+    (corpus / "inside-link.md").symlink_to("real.md")
+    (corpus / ".hidden").mkdir()
+    edit(corpus / ".hidden" / "skipped.md", "HIDDEN-FOLDER-6161\n")
+    proc = ingest_process(fake_ollama_env, corpus, store, "--json")
+    out, err = proc.communicate(timeout=60)  # a symlink loop must not hang the walk
+    assert proc.returncode == 0, err
+    for name in ("link-out.md", "linked-dir", "relative-out.md"):
+        assert f"skipped symlink {corpus / name}: it resolves outside the corpus" in err
+    assert "symlink cycle" in err
+    data = store_bytes(store)
+    for token in (b"OUTSIDE-SECRET-4242", b"OUTSIDE-DIR-5353", b"HIDDEN-FOLDER-6161"):
+        assert token not in data
+    paths = {p for (p,) in keyword_db(store).execute("SELECT path FROM documents")}
+    assert paths == {"real.md", "inside-link.md"}
+    assert json.loads(out)["added"] == 2
+
+
+# ---------------------------------------------------------------------------
+# Output, dry run, stamp, generation.
+
+
+def test_json_is_the_only_stdout_and_progress_goes_to_stderr(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    proc = ingest_process(fake_ollama_env, corpus, store, "--json")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    summary = json.loads(out)
+    assert set(summary) == SUMMARY_KEYS and summary["exit"] == 0
+    assert isinstance(summary["seconds"], float) and summary["commit"] is None and summary["dirty"] is None
+    assert f"ingest: INFO: resolved configuration: corpus={corpus} store={store} ollama={fake_ollama_env.host} " \
+           "model=embeddinggemma" in err
+    assert "ingest: 6/6 files" in err
+    assert "ingest: 7 scanned, 6 added, 0 updated, 0 unchanged, 0 removed, 1 excluded, 0 failed; " \
+           f"{summary['chunks_written']} chunks written, {summary['embedding_calls']} embedding calls" in err
+    plain = subprocess.run([sys.executable, str(ROOT / "ingest.py"), "--corpus", str(corpus), "--store", str(store)],
+                           env=child_env(fake_ollama_env), capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 0 and plain.stdout == ""
+
+
+def test_dry_run_writes_nothing_and_embeds_nothing(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    dry = ingest_run(corpus, store, "--dry-run")
+    assert dry.code == 0, dry.err
+    assert not store.exists()
+    assert fake_ollama_env.requests == []  # not even /api/show
+    s = dry.summary
+    assert (s["dry_run"], s["added"], s["excluded"], s["chunks_written"], s["embedding_calls"]) == (True, 6, 1, 0, 0)
+    assert "dry run: 7 scanned, would add 6" in dry.err
+    real = ingest_run(corpus, store)
+    assert s["estimated_chunks"] == real.summary["chunks_written"]
+    edit(corpus / "reference/glossary.md", "# Glossary\n\nRewritten.\n")
+    (corpus / "oncall/escalation.md").unlink()
+    edit(corpus / "new.md", "new page\n")
+    # SQLite's shared-memory index (-shm) is not data: a reader of a WAL database may touch it.
+    listing = {k: v for k, v in file_listing(store).items() if not k.endswith("-shm")}
+    fake_ollama_env.reset()
+    again = ingest_run(corpus, store, "--dry-run")
+    assert (again.summary["added"], again.summary["updated"], again.summary["removed"]) == (1, 1, 1)
+    assert again.summary["estimated_chunks"] == 2
+    assert {k: v for k, v in file_listing(store).items() if not k.endswith("-shm")} == listing
+    assert fake_ollama_env.requests == []
+
+
+def test_dry_run_foresees_a_model_change_rebuild(tmp_path: Path, fake_ollama_env: FakeOllama,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    assert ingest_run(corpus, store).code == 0
+    index = current_of(store)["index"]
+    same = ingest_run(corpus, store, "--dry-run").summary
+    assert (same["rebuilt"], same["index"], same["added"], same["unchanged"]) == (False, index, 0, 6)
+    monkeypatch.setenv("RAG_EMBED_MODEL", "nomic-embed-text")
+    fake_ollama_env.reset()
+    run = ingest_run(corpus, store, "--dry-run")
+    assert run.code == 0 and fake_ollama_env.requests == []
+    s = run.summary
+    assert (s["rebuilt"], s["added"], s["unchanged"]) == (True, 6, 0)
+    assert s["index"] != index and s["estimated_chunks"] > 0
+    assert "would rebuild the index" in run.err
+
+
+def test_chunk_budget_comes_from_the_models_context_length(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    fake_ollama_env.configure(context_length=160)
+    run = ingest_run(corpus, store)
+    assert run.code == 0, run.err
+    assert [p for _, p, _ in fake_ollama_env.requests if p == "/api/show"] == ["/api/show"]  # read once
+    state = chroma_state(store)
+    titles = dict(keyword_db(store).execute("SELECT path, title FROM documents"))
+    for col in state.values():
+        for document, meta, _ in col.values():
+            sent = rules.embedded_document_text(GEMMA, titles[meta["path"]], meta["heading"], document)
+            assert rules.estimate_tokens(sent) <= 160
+    assert run.summary["chunks_written"] > 2 * sample_chunk_count()
+
+
+def _git(repo: Path, *args: str) -> str:
+    done = subprocess.run(["git", "-C", str(repo), "-c", "user.name=Test", "-c", "user.email=test@example.invalid",
+                           "-c", "commit.gpgsign=false", *args], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+def test_corpus_git_stamp_and_generation(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    repo = tmp_path / "repo"
+    corpus = copy_sample(repo, "docs")
+    store = tmp_path / "store"
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "corpus")
+    sha = _git(repo, "rev-parse", "HEAD")
+    run = ingest_run(corpus, store)
+    assert (run.summary["commit"], run.summary["dirty"]) == (sha, False)
+    current = current_of(store)
+    assert (current["stamp"]["commit"], current["stamp"]["dirty"], current["generation"]) == (sha, False, 1)
+    client = chromadb.PersistentClient(path=str(store / current["index"] / rules.CHROMA_SUBDIR))
+    assert client.get_collection("chunks_active").metadata["stamp_commit"] == sha
+    SharedSystemClient.clear_system_cache()
+    # Changes outside the corpus folder do not make the corpus dirty.
+    (repo / "README.md").write_text("outside the corpus\n")
+    assert ingest_run(corpus, store).summary["dirty"] is False
+    assert current_of(store)["generation"] == 1
+    # An edited file: re-embedded, dirty, generation bumped.
+    edit(corpus / "reference/glossary.md", "# Glossary\n\nEdited.\n")
+    run = ingest_run(corpus, store)
+    assert (run.summary["commit"], run.summary["dirty"], run.summary["updated"]) == (sha, True, 1)
+    assert (current_of(store)["stamp"]["dirty"], current_of(store)["generation"]) == (True, 2)
+    # Committed: a new commit, clean again, nothing re-embedded but the stamp moves.
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "edit")
+    sha2 = _git(repo, "rev-parse", "HEAD")
+    run = ingest_run(corpus, store)
+    assert (run.summary["commit"], run.summary["dirty"], run.summary["embedding_calls"]) == (sha2, False, 0)
+    assert (current_of(store)["stamp"]["commit"], current_of(store)["stamp"]["dirty"]) == (sha2, False)
+    generation = current_of(store)["generation"]
+    assert generation == 3
+    # A stray non-Markdown file dirties the corpus: the stamp says so even though no chunk changed.
+    (corpus / "scratch.txt").write_text("notes\n")
+    run = ingest_run(corpus, store)
+    assert (run.summary["dirty"], run.summary["embedding_calls"]) == (True, 0)
+    assert current_of(store)["stamp"]["dirty"] is True
+    assert current_of(store)["generation"] == generation + 1
+    # A no-op run after that changes nothing.
+    ingest_run(corpus, store)
+    assert current_of(store)["generation"] == generation + 1
