@@ -325,7 +325,8 @@ def estimate_tokens(text: str) -> int:
 # ---------------------------------------------------------------------------
 # Headings and chunking.
 
-CHUNKER_VERSION = "1"
+# Bump when chunking or keyword terms change: it is part of the manifest, so stores rebuild.
+CHUNKER_VERSION = "2"
 HEADING_SEPARATOR = " > "
 _ANCHOR_SUFFIX = re.compile(r"\s*\{#[^}]*\}\s*$")
 
@@ -595,6 +596,7 @@ _STOP_WORDS = frozenset(
 )
 _RUN = re.compile(rf"[{_CJK_CHARS}]+|[^\s{_CJK_CHARS}]+")
 _CJK_RUN = re.compile(rf"[{_CJK_CHARS}]")
+_HIRAGANA_ONLY = re.compile(r"^[\u3040-\u309f]+$")
 _IDENT_PIECE = re.compile(r"[\w.\-/:$@]+")
 _CAMEL_EDGE = re.compile(r"[a-z][A-Z]|[A-Z][A-Z][a-z]")
 _CAMEL = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+\d*|[A-Z]+\d*|\d+")
@@ -610,7 +612,10 @@ def keyword_terms(text: str) -> list[str]:
     terms: list[str] = []
     for run in _RUN.findall(unicodedata.normalize("NFKC", text)):
         if _CJK_RUN.match(run):
-            terms.extend(run[i:i + 2] for i in range(max(1, len(run) - 1)))
+            # Hiragana-only bigrams are particles and inflections (しま, ます): noise that
+            # measurably hurt the Japanese dev-set queries.
+            bigrams = (run[i:i + 2] for i in range(max(1, len(run) - 1)))
+            terms.extend(b for b in bigrams if not _HIRAGANA_ONLY.match(b))
             continue
         for piece in _IDENT_PIECE.findall(run):
             piece = piece.strip(".-/:$@")

@@ -133,6 +133,8 @@ def open_keyword_db(path: Path) -> sqlite3.Connection:
     con = sqlite3.connect(path, timeout=30, isolation_level=None)
     con.execute("PRAGMA journal_mode=WAL")
     con.execute("PRAGMA synchronous=FULL")
+    # Text of files turned `rag: false` must not linger in free pages.
+    con.execute("PRAGMA secure_delete=ON")
     con.executescript(rules.KEYWORD_SCHEMA)
     return con
 
