@@ -1,0 +1,1520 @@
+#!/usr/bin/env python3
+"""local-rag-mcp: the read-only MCP retrieval server (stdio).
+
+It serves three tools over what ingest.py wrote into the store (corpus_rules.StoreLayout):
+`search_corpus` (hybrid vector + keyword search), `get_file` (read an indexed file around a hit)
+and `list_documents`. It never writes to the store and never creates it.
+
+Start-up stays cheap on purpose: chromadb and ollama are imported on the first call, or by a
+background warm-up after the client has listed the tools, never during the handshake.
+stdout carries JSON-RPC only (the MCP stdio transport points fd 1 at stderr while serving);
+everything else is logged to stderr.
+
+Run: `python server.py` (configuration from RAG_CORPUS_DIR, RAG_STORE_DIR, OLLAMA_HOST,
+RAG_EMBED_MODEL, RAG_EMBED_TIMEOUT; see corpus_rules.load_settings). Server-only knobs:
+RAG_LOG_LEVEL (stderr, default INFO: one line per tool call) and RAG_SERVER_WARMUP=0 (no
+background warm-up; the first call pays the imports, which tests use to see what the handshake
+imports).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before anything can import chromadb: its telemetry must never start (no network, no stdout).
+os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
+
+import json
+import logging
+import math
+import sqlite3
+import stat
+import sys
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from corpus_rules import (
+    CHUNKER_VERSION,
+    COLLECTION_BY_LIFECYCLE,
+    FTS_WEIGHTS,
+    PREFIX_SCHEMES,
+    TOOL_VERSION,
+    CurrentIndex,
+    ErrorCode,
+    OllamaEmbedder,
+    RagError,
+    Settings,
+    StoreLayout,
+    _split_lines,
+    content_hash,
+    is_within,
+    keyword_terms,
+    load_settings,
+    nfc,
+    normalize_relative_path,
+    path_matches_prefix,
+    same_model,
+)
+
+log = logging.getLogger("local-rag.server")
+
+# ---------------------------------------------------------------------------
+# Limits. Every number an agent can feel is here.
+
+QUERY_MAX_CHARS = 2000
+K_MAX = 20
+# Candidates taken from each channel before fusion: enough for RRF to matter, cheap at 100k chunks.
+CHANNEL_CANDIDATES = 50
+# Cap on re-fetching when orphaned vectors (uncommitted generations) crowd out real hits.
+MAX_VECTOR_FETCH = 4000
+RRF_K = 60
+# BM25 must score every chunk an FTS5 expression matches before it can sort (~1.5 us each):
+# an OR of common words matches most of a 100k-chunk corpus (~100 ms). Above this many matches
+# a term is not discriminative and the keyword channel keeps to the rarer terms (see keyword_plan).
+KEYWORD_MATCH_BUDGET = 1000
+HIT_TEXT_MAX_CHARS = 2000
+# Clients cut tool output around 25k tokens; characters are a safe, cheap proxy.
+SEARCH_RESPONSE_MAX_CHARS = 20_000
+FILE_TEXT_MAX_CHARS = 50_000
+LIST_LIMIT_DEFAULT = 100
+LIST_LIMIT_MAX = 500
+QUERY_EMBED_TIMEOUT_S = 30.0
+QUERY_CACHE_SIZE = 256
+# Stored chunk vectors (for keyword-only hits' scores). Ids are content-addressed, so an entry
+# can never go stale within an index; 4096 x 768 float32 is 12 MB.
+CHUNK_VECTOR_CACHE_SIZE = 4096
+# The staleness hint stats every indexed file; once every few seconds keeps searches cheap.
+STALENESS_TTL_S = 5.0
+# File systems and sync tools round mtimes; a smaller difference is not a change.
+MTIME_TOLERANCE_NS = 2_000_000_000
+SQLITE_BUSY_TIMEOUT_S = 5.0
+WARMUP_DELAY_S = 0.2
+
+INGEST_HINT = "run `python ingest.py` (with the same RAG_STORE_DIR and RAG_CORPUS_DIR as this server)"
+
+INSTRUCTIONS = (
+    "local-rag searches a local folder of Markdown documentation (runbooks, references, policies, "
+    "notes) indexed on this machine; nothing leaves it. Call search_corpus first, with a question or "
+    "an exact identifier (env var, endpoint, error code, command): each hit has path, heading and "
+    "line range. Then read around a hit with get_file(path, start_line, end_line) before relying on "
+    "it, and cite path:lines. list_documents shows what is indexed.\n\n"
+    "More: superseded (outdated) documents are hidden unless include_superseded=true, and then "
+    "carry lifecycle=\"superseded\"; prefer active ones. path_prefix limits a search to a folder. "
+    "mode=\"keyword\" works without the embedder (Ollama). score is cosine similarity; min_score "
+    "drops weak hits. Errors come as {\"error\": {code, message, hint}}; follow the hint "
+    "(index_missing or a staleness hint: run `python ingest.py`)."
+)
+
+# ---------------------------------------------------------------------------
+# Tool input models: validation at the boundary, one model per tool.
+
+
+def _clean_query(value: str) -> str:
+    # Lone surrogates arrive through JSON escapes and would crash the embedder's HTTP encoding.
+    if _has_surrogates(value):
+        raise ValueError("contains lone surrogates (not valid Unicode)")
+    text = nfc(value.strip())
+    if "\x00" in text:
+        raise ValueError("contains NUL")
+    if not text:
+        raise ValueError("is empty")
+    if len(text) > QUERY_MAX_CHARS:
+        raise ValueError(f"is {len(text)} characters; the limit is {QUERY_MAX_CHARS}")
+    return text
+
+
+def _has_surrogates(text: str) -> bool:
+    return any(0xD800 <= ord(ch) <= 0xDFFF for ch in text)
+
+
+def _clean_prefix(value: str | None) -> str | None:
+    if value is None:
+        return None
+    # RagError(path_rejected) from here propagates through pydantic unchanged.
+    return normalize_relative_path(value, allow_empty=True) or None
+
+
+class _ToolInput(BaseModel):
+    # strict: the schema says integer/boolean, so "5" or true-for-1 are mistakes worth reporting.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class SearchCorpusInput(_ToolInput):
+    query: str = Field(min_length=1, max_length=QUERY_MAX_CHARS, description="What to look for: a question, a phrase, or an exact identifier "
+                                   f"(env var, endpoint, error code). 1-{QUERY_MAX_CHARS} characters.")
+    k: int = Field(5, ge=1, le=K_MAX, description=f"Number of results, 1-{K_MAX}.")
+    path_prefix: str | None = Field(None, description="Only search under this corpus-relative folder or "
+                                                      "file, e.g. 'runbooks' (segment-wise).")
+    include_superseded: bool = Field(False, description="Also search documents marked lifecycle: superseded "
+                                                        "(outdated); they are hidden by default.")
+    min_score: float | None = Field(None, ge=-1.0, le=1.0,
+                                    description="Drop hits whose cosine similarity is below this (hybrid and "
+                                                "vector modes); the response says how many were dropped.")
+    mode: Literal["hybrid", "vector", "keyword"] = Field(
+        "hybrid", description="hybrid (default): meaning and exact words fused; vector: meaning only; "
+                              "keyword: exact words only (works without the embedder).")
+
+    @field_validator("query")
+    @classmethod
+    def _query(cls, value: str) -> str:
+        return _clean_query(value)
+
+    @field_validator("path_prefix")
+    @classmethod
+    def _prefix(cls, value: str | None) -> str | None:
+        return _clean_prefix(value)
+
+
+class GetFileInput(_ToolInput):
+    path: str = Field(description="Corpus-relative path as returned by search_corpus or list_documents.")
+    start_line: int | None = Field(None, ge=1, description="First line to return (1-based, inclusive).")
+    end_line: int | None = Field(None, ge=1, description="Last line to return (inclusive).")
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        return normalize_relative_path(value)
+
+
+class ListDocumentsInput(_ToolInput):
+    path_prefix: str | None = Field(None, description="Only list documents under this corpus-relative folder.")
+    offset: int = Field(0, ge=0, description="Skip this many documents (pagination; see next_offset).")
+    limit: int = Field(LIST_LIMIT_DEFAULT, ge=1, le=LIST_LIMIT_MAX,
+                       description=f"At most this many documents, 1-{LIST_LIMIT_MAX}.")
+
+    @field_validator("path_prefix")
+    @classmethod
+    def _prefix(cls, value: str | None) -> str | None:
+        return _clean_prefix(value)
+
+
+# ---------------------------------------------------------------------------
+# Tool output models (they become each tool's outputSchema).
+
+
+class IndexInfo(BaseModel):
+    commit: str | None = Field(description="Corpus git commit at ingest (null outside git).")
+    dirty: bool | None = Field(description="True when the corpus had uncommitted changes at ingest.")
+    ingested_at: str
+    model: str = Field(description="Embedding model the index was built with.")
+    generation: int
+    files: int
+    chunks: int
+
+
+class Staleness(BaseModel):
+    changed_files: int = Field(description="Indexed files whose size or mtime on disk differ from the index, "
+                                           "or that are gone (new files are not counted).")
+    hint: str | None = None
+
+
+class SearchHit(BaseModel):
+    path: str
+    title: str
+    heading: str = Field(description="Heading path of the passage, e.g. 'Deploy > Rollback > Database'.")
+    start_line: int
+    end_line: int
+    score: float | None = Field(description="Cosine similarity of the passage to the query (higher is "
+                                            "better); null in keyword mode.")
+    rank_score: float = Field(description="Reciprocal-rank-fusion value that ordered the results.")
+    lifecycle: Literal["active", "superseded"]
+    matched: list[Literal["vector", "keyword"]]
+    text: str
+    truncated: bool = Field(description="True when text was cut; read the lines with get_file.")
+
+
+class SearchResponse(BaseModel):
+    query: str
+    mode: Literal["hybrid", "vector", "keyword"]
+    results: list[SearchHit]
+    dropped_below_min_score: int = 0
+    message: str | None = None
+    index: IndexInfo
+    staleness: Staleness
+
+
+class FileResponse(BaseModel):
+    path: str
+    title: str
+    lifecycle: Literal["active", "superseded"]
+    text: str
+    start_line: int
+    end_line: int
+    total_lines: int
+    source: Literal["disk", "index"] = Field(description="disk: the file as it is now; index: the file is "
+                                                         "gone, these are its indexed passages.")
+    truncated: bool
+    next_start_line: int | None = Field(None, description="Pass as start_line to continue after truncation.")
+    changed_since_ingest: bool | None = Field(None, description="True when the file on disk differs from "
+                                                                "what was indexed (line numbers may have moved).")
+    message: str | None = None
+
+
+class DocumentEntry(BaseModel):
+    path: str
+    title: str
+    lifecycle: Literal["active", "superseded"]
+    chunks: int
+    lines: int
+    mtime: str
+
+
+class ListDocumentsResponse(BaseModel):
+    documents: list[DocumentEntry]
+    total: int
+    offset: int
+    next_offset: int | None
+    message: str | None = None
+    index: IndexInfo
+    staleness: Staleness
+
+
+# Launched through runpy or cProfile, this module's globals are not sys.modules[__name__], so
+# pydantic cannot resolve the postponed annotations by itself; hand them over (no cost when it could).
+for _model in (SearchCorpusInput, GetFileInput, ListDocumentsInput, IndexInfo, Staleness, SearchHit, SearchResponse,
+               FileResponse, DocumentEntry, ListDocumentsResponse):
+    if not _model.__pydantic_complete__:
+        _model.model_rebuild(_types_namespace=globals())
+
+
+# ---------------------------------------------------------------------------
+# Pure functions: fusion, selection, response capping, line slicing.
+
+
+def fuse_rankings(vector_ids: Sequence[str], keyword_ids: Sequence[str], k_rrf: int = RRF_K) -> list[tuple[str, float]]:
+    """Reciprocal rank fusion over the union of two rankings, best first.
+
+    Each id scores sum(1 / (k_rrf + rank)) over the channels that ranked it (ranks from 1, a
+    repeated id counts at its first position). Ties break on the best single-channel rank, then
+    the id, so the order is deterministic.
+    """
+    scores: dict[str, float] = {}
+    best_rank: dict[str, int] = {}
+    for ranking in (vector_ids, keyword_ids):
+        for rank, item in enumerate(dict.fromkeys(ranking), start=1):
+            scores[item] = scores.get(item, 0.0) + 1.0 / (k_rrf + rank)
+            best_rank[item] = min(best_rank.get(item, rank), rank)
+    return sorted(scores.items(), key=lambda kv: (-kv[1], best_rank[kv[0]], kv[0]))
+
+
+def select_top_k(fused: Sequence[tuple[str, float]], channel_bests: Sequence[str | None], k: int) -> list[tuple[str, float]]:
+    """The first k fused entries, except that every channel's best hit is kept in them.
+
+    A keyword-only hit (an identifier the vector channel ranks nowhere) would otherwise lose to
+    items both channels ranked mediocrely. A displaced best replaces the lowest entry that is not
+    itself a channel best. When k is smaller than the number of distinct bests (k=1 with two
+    channels that disagree) the fused order alone decides.
+    """
+    if k <= 0:
+        return []
+    bests = [b for b in dict.fromkeys(channel_bests) if b is not None]
+    top = list(fused[:k])
+    if len(bests) > k:
+        return top
+    position = {item: i for i, (item, _) in enumerate(fused)}
+    chosen = {item for item, _ in top}
+    for best in bests:
+        if best in chosen or best not in position:
+            continue
+        for i in range(len(top) - 1, -1, -1):
+            if top[i][0] not in bests:
+                chosen.discard(top[i][0])
+                top[i] = fused[position[best]]
+                chosen.add(best)
+                break
+    return sorted(top, key=lambda entry: position[entry[0]])
+
+
+def truncate_text(text: str, limit: int) -> tuple[str, bool]:
+    if len(text) <= limit:
+        return text, False
+    return text[:max(0, limit)], True
+
+
+def json_len(value: Any) -> int:
+    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+
+
+def fit_hits(payload: dict[str, Any], budget: int = SEARCH_RESPONSE_MAX_CHARS,
+             per_hit: int = HIT_TEXT_MAX_CHARS) -> dict[str, Any]:
+    """Cap each hit's text at `per_hit` characters, then shrink texts (longest first, so short
+    hits stay whole) until the compact JSON of the payload fits `budget`; drop trailing hits
+    only if even empty texts do not fit. Returns a new payload; `truncated` marks cut texts."""
+    results = [dict(hit) for hit in payload.get("results", [])]
+    originals = [hit["text"] for hit in results]
+    for hit in results:
+        hit["text"], cut = truncate_text(hit["text"], per_hit)
+        hit["truncated"] = bool(hit.get("truncated")) or cut
+    out = dict(payload, results=results)
+    for _ in range(64):
+        size = json_len(out)
+        if size <= budget or not results:
+            break
+        excess = size - budget
+        longest = max(range(len(results)), key=lambda i: len(results[i]["text"]))
+        current = results[longest]["text"]
+        if not current:
+            results.pop()
+            originals.pop()
+            continue
+        # JSON escaping can make a character cost more than one; overshoot a little.
+        new_len = max(0, len(current) - max(excess + 16, len(current) // 8))
+        results[longest]["text"] = current[:new_len]
+        results[longest]["truncated"] = True
+    while results and json_len(out) > budget:
+        results.pop()
+    for hit, original in zip(results, originals):
+        hit["truncated"] = hit["truncated"] or len(hit["text"]) < len(original)
+    return out
+
+
+def split_lines(text: str) -> list[str]:
+    """Physical lines exactly as ingest numbers them (LF, a trailing CR stripped)."""
+    return _split_lines(text)
+
+
+@dataclass(frozen=True)
+class LineSlice:
+    text: str
+    start_line: int
+    end_line: int
+    truncated: bool
+    next_start_line: int | None
+
+
+def slice_lines(lines: Sequence[str], start_line: int | None, end_line: int | None,
+                max_chars: int = FILE_TEXT_MAX_CHARS) -> LineSlice:
+    """Lines start..end (1-based, inclusive, clamped to the file) within `max_chars`.
+
+    Raises RagError(invalid_argument) for a start past the end or an end before the start.
+    A cut keeps whole lines; only a single line longer than the cap is cut inside.
+    """
+    total = len(lines)
+    start = start_line or 1
+    if end_line is not None and end_line < start:
+        raise RagError(ErrorCode.INVALID_ARGUMENT, f"end_line {end_line} is before start_line {start}",
+                       "pass end_line >= start_line, or omit it to read to the end")
+    if total == 0:
+        if start > 1:
+            raise RagError(ErrorCode.INVALID_ARGUMENT, f"start_line {start} is past the end: the file is empty",
+                           "omit start_line")
+        return LineSlice("", 1, 0, False, None)
+    if start > total:
+        raise RagError(ErrorCode.INVALID_ARGUMENT, f"start_line {start} is past the end: the file has {total} lines",
+                       f"pass a start_line between 1 and {total}")
+    end = min(end_line or total, total)
+    pieces: list[str] = []
+    used = 0
+    last = start - 1
+    for number in range(start, end + 1):
+        line = lines[number - 1]
+        cost = len(line) + (1 if pieces else 0)
+        if used + cost > max_chars:
+            if not pieces:  # one enormous line: cut inside it rather than return nothing
+                pieces.append(line[:max_chars])
+                last = number
+            break
+        pieces.append(line)
+        used += cost
+        last = number
+    truncated = last < end or (len(pieces) == 1 and len(lines[start - 1]) > max_chars)
+    next_start = last + 1 if last < end else None
+    return LineSlice("\n".join(pieces), start, last, truncated, next_start)
+
+
+def iso_from_ns(mtime_ns: int) -> str:
+    return datetime.fromtimestamp(mtime_ns / 1e9, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def prefix_sql(column: str, prefix: str | None) -> tuple[str, list[Any]]:
+    """SQL equivalent of corpus_rules.path_matches_prefix (segment-wise, no LIKE escaping needed)."""
+    if not prefix:
+        return "1", []
+    folder = prefix.rstrip("/") + "/"
+    return f"({column} = ? OR substr({column}, 1, ?) = ?)", [prefix, len(folder), folder]
+
+
+@dataclass(frozen=True)
+class KeywordPlan:
+    expression: str | None
+    terms: list[str]
+    kind: Literal["all", "rare", "too_common", "no_terms"]
+
+
+def fts_quote(term: str) -> str:
+    return '"' + term.replace('"', '""') + '"'
+
+
+def query_terms(query: str) -> list[str]:
+    """The query's keyword terms, as corpus_rules.fts_match_expression takes them (unique, <= 64)."""
+    return list(dict.fromkeys(keyword_terms(query)))[:64]
+
+
+def fts_or(terms: Sequence[str]) -> str:
+    """The same escaped "any of these terms" expression as corpus_rules.fts_match_expression."""
+    return " OR ".join(fts_quote(t) for t in terms)
+
+
+def cosine_many(query: Sequence[float], matrix: Any) -> list[float | None]:
+    """Cosine similarity of one vector with each row (numpy: chromadb depends on it anyway)."""
+    import numpy as np  # noqa: PLC0415 - only reached after chromadb has been imported
+
+    rows = np.asarray(matrix, dtype=np.float64)
+    if rows.size == 0:
+        return []
+    q = np.asarray(query, dtype=np.float64)
+    if rows.ndim != 2 or rows.shape[1] != q.shape[0]:
+        return [None] * len(rows)
+    norms = np.linalg.norm(rows, axis=1) * np.linalg.norm(q)
+    dots = rows @ q
+    return [float(d / n) if n > 0 else None for d, n in zip(dots, norms)]
+
+
+def cosine(a: Sequence[float], b: Sequence[float]) -> float | None:
+    dot = sum(x * y for x, y in zip(a, b))
+    na = math.sqrt(sum(x * x for x in a))
+    nb = math.sqrt(sum(y * y for y in b))
+    if na == 0 or nb == 0 or len(a) != len(b):
+        return None
+    return dot / (na * nb)
+
+
+# ---------------------------------------------------------------------------
+# The store, as of one generation.
+
+
+def _chromadb() -> Any:
+    import chromadb  # noqa: PLC0415 - the import costs ~1 s; never during the handshake
+
+    return chromadb
+
+
+def _store_error(exc: BaseException, what: str) -> RagError:
+    text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    if "locked" in text.lower() or "busy" in text.lower():
+        return RagError(ErrorCode.INTERNAL, f"the {what} is locked: {text}",
+                        "another process holds it; retry in a moment (an ingest may be running)")
+    return RagError(ErrorCode.INTERNAL, f"the {what} could not be read: {text}",
+                    "if an ingest is running, retry when it finishes; otherwise rebuild the index with "
+                    "`python ingest.py --full`")
+
+
+@dataclass(frozen=True)
+class ChunkRow:
+    id: str
+    path: str
+    chunk_index: int
+    start_line: int
+    end_line: int
+    heading: str
+    lifecycle: str
+    text: str
+    title: str  # the document's, joined in so a search needs no separate title query
+
+
+# One SELECT for a chunk with its document title; every chunk query uses it.
+_CHUNK_COLUMNS = ("c.id, c.path, c.chunk_index, c.start_line, c.end_line, c.heading, c.lifecycle, c.text, "
+                  "coalesce(d.title, c.path)")
+_CHUNK_FROM = "chunks c LEFT JOIN documents d ON d.path = c.path"
+
+
+@dataclass(frozen=True)
+class DocumentRow:
+    path: str
+    title: str
+    lifecycle: str
+    size: int
+    mtime_ns: int
+    disk_path: str
+    real_path: str
+    line_count: int
+    chunk_count: int
+    content_hash: str
+
+
+class OpenIndex:
+    """Read-only handles on one index generation: the keyword db now, Chroma on first need.
+
+    Not thread-safe on its own: StoreManager serializes every use under its lock.
+    """
+
+    def __init__(self, layout: StoreLayout, current: CurrentIndex) -> None:
+        self.layout = layout
+        self.current = current
+        self.key = (current.index, current.generation)
+        self.chroma_dir = layout.chroma_dir(current.index)
+        self.keyword_path = layout.keyword_db(current.index)
+        self.db = self._open_keywords()
+        self._client: Any = None
+        self._collections: dict[str, Any | None] = {}
+        self._term_counts: dict[tuple[str, int], int] = {}
+        columns = {row[1] for row in self._sql("PRAGMA table_info(documents)")}
+        # disk_path (the file system's spelling, maybe NFD) came with a later schema; path otherwise.
+        self._disk_col = "disk_path" if "disk_path" in columns else "path"
+
+    def _open_keywords(self) -> sqlite3.Connection:
+        path = self.keyword_path
+        if not path.is_file():
+            raise RagError(ErrorCode.INDEX_MISSING, f"the keyword index {path} does not exist", INGEST_HINT)
+        try:
+            # mode=ro never creates the file; check_same_thread=False because calls run on worker
+            # threads (always one at a time, under the StoreManager lock).
+            db = sqlite3.connect(path.as_uri() + "?mode=ro", uri=True, timeout=SQLITE_BUSY_TIMEOUT_S,
+                                 check_same_thread=False)
+            db.execute("PRAGMA query_only = 1")
+            db.execute("SELECT 1 FROM chunks LIMIT 1").fetchall()
+        except sqlite3.Error as exc:
+            raise _store_error(exc, f"keyword index {path}") from None
+        return db
+
+    def _sql(self, query: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        try:
+            return self.db.execute(query, list(params)).fetchall()
+        except sqlite3.Error as exc:
+            raise _store_error(exc, f"keyword index {self.keyword_path}") from None
+
+    def close(self) -> None:
+        """Release the handles of a generation that is no longer live (HNSW memory, files)."""
+        try:
+            self.db.close()
+        except sqlite3.Error:
+            pass
+        self._reset_chroma()
+
+    # Chroma ------------------------------------------------------------------------------
+    def collection(self, lifecycle: str) -> Any:
+        if self._client is None:
+            self._open_chroma()
+        found = self._collections.get(lifecycle)
+        if found is None:
+            name = COLLECTION_BY_LIFECYCLE[lifecycle]
+            raise RagError(ErrorCode.INDEX_MISSING, f"the collection {name!r} is missing from {self.chroma_dir}",
+                           INGEST_HINT)
+        return found
+
+    def _open_chroma(self) -> None:
+        sqlite_file = self.chroma_dir / "chroma.sqlite3"
+        # PersistentClient creates whatever is missing: look before constructing it.
+        if not sqlite_file.is_file():
+            raise RagError(ErrorCode.INDEX_MISSING, f"the vector store {sqlite_file} does not exist", INGEST_HINT)
+        chromadb = _chromadb()
+        from chromadb.api.shared_system_client import SharedSystemClient  # noqa: PLC0415
+        from chromadb.config import Settings as ChromaSettings  # noqa: PLC0415
+        from chromadb.errors import NotFoundError  # noqa: PLC0415
+
+        # A cached system would serve an older view of the files (a long-lived client does not see
+        # another process's writes).
+        SharedSystemClient.clear_system_cache()
+        client: Any = None
+        collections: dict[str, Any | None] = {}
+        try:
+            client = chromadb.PersistentClient(path=str(self.chroma_dir),
+                                               settings=ChromaSettings(anonymized_telemetry=False, allow_reset=False))
+            # Both collections now, while the client is fresh: a missing one is remembered as None
+            # and reported (index_missing) only when a search needs it.
+            for lifecycle, name in COLLECTION_BY_LIFECYCLE.items():
+                try:
+                    collections[lifecycle] = client.get_collection(name)
+                except NotFoundError:
+                    collections[lifecycle] = None
+        except Exception as exc:  # noqa: BLE001 - any Chroma failure here is a store problem
+            if client is not None:
+                try:
+                    client.close()
+                except Exception:  # noqa: BLE001
+                    pass
+            raise _store_error(exc, f"vector store {self.chroma_dir}") from None
+        self._client, self._collections = client, collections
+
+    def _chroma_read(self, lifecycle: str, read: Callable[[Any], Any]) -> Any:
+        """Run a read on a collection; on failure reopen the client once and retry.
+
+        While an ingest deletes vectors, this process's client still holds the previous HNSW
+        state in memory and Chroma fails with "Error finding id" for labels whose ids are gone;
+        a fresh client reads the current files. Measured: 23 of 185 searches failed during a
+        re-ingest before this retry, none after.
+        """
+        try:
+            return read(self.collection(lifecycle))
+        except RagError:
+            raise
+        except Exception as first:  # noqa: BLE001 - any Chroma failure: one fresh attempt
+            log.info("vector store read failed (%s); reopening the Chroma client", str(first).splitlines()[0][:200])
+        self._reset_chroma()
+        try:
+            return read(self.collection(lifecycle))
+        except RagError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise _store_error(exc, f"vector store {self.chroma_dir}") from None
+
+    def _reset_chroma(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:  # noqa: BLE001
+                log.debug("closing the Chroma client failed:\n%s", traceback.format_exc())
+        self._client = None
+        self._collections = {}
+
+    def vector_query(self, lifecycle: str, vector: Sequence[float], n: int,
+                     paths: Sequence[str] | None) -> list[tuple[str, float]]:
+        """(id, cosine distance) best first. paths=None: unfiltered (the fast path)."""
+        where = {"path": {"$in": list(paths)}} if paths is not None else None
+        found = self._chroma_read(lifecycle, lambda col: col.query(
+            query_embeddings=[list(vector)], n_results=n, where=where, include=["distances"]))
+        ids = (found.get("ids") or [[]])[0]
+        distances = (found.get("distances") or [[]])[0]
+        return [(str(i), float(d)) for i, d in zip(ids, distances)]
+
+    def embeddings(self, lifecycle: str, ids: Sequence[str]) -> tuple[list[str], Any]:
+        """Stored vectors of these ids: (ids found, matrix with one row each)."""
+        if not ids:
+            return [], []
+        got = self._chroma_read(lifecycle, lambda col: col.get(ids=list(ids), include=["embeddings"]))
+        vectors = got.get("embeddings")
+        if vectors is None or len(vectors) == 0:
+            return [], []
+        return [str(i) for i in got["ids"]], vectors
+
+    # Keyword db ----------------------------------------------------------------------------
+    def _bounded_matches(self, expression: str, budget: int) -> int:
+        """min(matches, budget + 1): FTS5 yields matches lazily, so this costs at most budget rows."""
+        return int(self._sql("SELECT count(*) FROM (SELECT 1 FROM chunks_fts WHERE chunks_fts MATCH ? LIMIT ?)",
+                             [expression, budget + 1])[0][0])
+
+    def keyword_plan(self, query: str, budget: int) -> KeywordPlan:
+        """The FTS5 expression to rank: every query term when they match at most `budget` chunks
+        in all; else only the rarest terms that fit the budget (identifiers, names: what the
+        keyword channel is for); else nothing (no query term is discriminative here, and the
+        vector channel carries the query alone)."""
+        terms = query_terms(query)
+        if not terms:
+            return KeywordPlan(None, terms, "no_terms")
+        everything = fts_or(terms)
+        # An index no bigger than the budget cannot exceed it: skip the probe (small corpora).
+        if self.current.stamp.chunks <= budget or self._bounded_matches(everything, budget) <= budget:
+            return KeywordPlan(everything, terms, "all")
+        counts = {term: self._term_matches(term, budget) for term in terms}
+        present = sorted((t for t in terms if counts[t] > 0), key=lambda t: (counts[t], terms.index(t)))
+        picked: list[str] = []
+        total = 0
+        for term in present:
+            if total + counts[term] > budget:
+                break
+            picked.append(term)
+            total += counts[term]
+        if picked:
+            return KeywordPlan(fts_or(picked), picked, "rare")
+        # Not "chunks holding all the terms": FTS5 intersects by walking every term's full
+        # posting list, so an AND of common words costs as much as ranking them (measured: p95
+        # 11 ms at 100k chunks). Common words are what the vector channel already covers.
+        return KeywordPlan(None, terms, "too_common")
+
+    def _term_matches(self, term: str, budget: int) -> int:
+        key = (term, budget)
+        if key not in self._term_counts:
+            if len(self._term_counts) > 20_000:  # a bounded cache; counts are only cost estimates
+                self._term_counts.clear()
+            self._term_counts[key] = self._bounded_matches(fts_quote(term), budget)
+        return self._term_counts[key]
+
+    def keyword_rows(self, query: str, lifecycles: Sequence[str], prefix: str | None, n: int,
+                     budget: int = KEYWORD_MATCH_BUDGET) -> tuple[list[ChunkRow], KeywordPlan]:
+        """The best n committed chunks by BM25, lifecycle and prefix filtered inside the query
+        (before the LIMIT), so a filtered-out chunk can never take a candidate slot."""
+        plan = self.keyword_plan(query, budget)
+        if plan.expression is None:
+            return [], plan
+        where, params = prefix_sql("c.path", prefix)
+        marks = ",".join("?" * len(lifecycles))
+        weights = ", ".join(str(float(w)) for w in FTS_WEIGHTS)
+        # Rank on rowids first; the texts and titles are read for the n winners only.
+        rows = self._sql(
+            f"SELECT {_CHUNK_COLUMNS} FROM ("
+            f"SELECT chunks_fts.rowid AS r, bm25(chunks_fts, {weights}) AS s, c.id AS cid "
+            f"FROM chunks_fts JOIN chunks c ON c.rowid = chunks_fts.rowid "
+            f"WHERE chunks_fts MATCH ? AND c.lifecycle IN ({marks}) AND {where} ORDER BY s, cid LIMIT ?"
+            f") top JOIN chunks c ON c.rowid = top.r LEFT JOIN documents d ON d.path = c.path ORDER BY top.s, top.cid",
+            [plan.expression, *lifecycles, *params, n])
+        return [ChunkRow(*r) for r in rows], plan
+
+    def keyword_query(self, query: str, lifecycles: Sequence[str], prefix: str | None, n: int) -> list[str]:
+        return [row.id for row in self.keyword_rows(query, lifecycles, prefix, n)[0]]
+
+    def chunks_by_id(self, ids: Sequence[str]) -> dict[str, ChunkRow]:
+        out: dict[str, ChunkRow] = {}
+        for start in range(0, len(ids), 500):
+            batch = list(ids[start:start + 500])
+            rows = self._sql(f"SELECT {_CHUNK_COLUMNS} FROM {_CHUNK_FROM} WHERE c.id IN ({','.join('?' * len(batch))})",
+                             batch)
+            out.update({str(r[0]): ChunkRow(*r) for r in rows})
+        return out
+
+    def chunks_of(self, path: str) -> list[ChunkRow]:
+        rows = self._sql(f"SELECT {_CHUNK_COLUMNS} FROM {_CHUNK_FROM} WHERE c.path = ? ORDER BY c.chunk_index", [path])
+        return [ChunkRow(*r) for r in rows]
+
+    def _doc_select(self) -> str:
+        return (f"SELECT path, title, lifecycle, size, mtime_ns, {self._disk_col}, real_path, line_count, "
+                f"chunk_count, content_hash FROM documents")
+
+    def document(self, path: str) -> DocumentRow | None:
+        rows = self._sql(self._doc_select() + " WHERE path = ?", [path])
+        return DocumentRow(*rows[0]) if rows else None
+
+    def documents(self, prefix: str | None = None, offset: int = 0, limit: int | None = None) -> list[DocumentRow]:
+        where, params = prefix_sql("path", prefix)
+        tail = " LIMIT ? OFFSET ?" if limit is not None else ""
+        extra = [limit, offset] if limit is not None else []
+        return [DocumentRow(*r) for r in self._sql(self._doc_select() + f" WHERE {where} ORDER BY path" + tail,
+                                                   [*params, *extra])]
+
+    def count_documents(self, prefix: str | None = None) -> int:
+        where, params = prefix_sql("path", prefix)
+        return int(self._sql(f"SELECT count(*) FROM documents WHERE {where}", params)[0][0])
+
+    def paths_by_lifecycle(self, prefix: str | None) -> dict[str, list[str]]:
+        where, params = prefix_sql("path", prefix)
+        out: dict[str, list[str]] = {}
+        for path, lifecycle in self._sql(f"SELECT path, lifecycle FROM documents WHERE {where}", params):
+            out.setdefault(str(lifecycle), []).append(str(path))
+        return out
+
+    def counts_by_lifecycle(self) -> dict[str, int]:
+        return {str(lc): int(n) for lc, n in self._sql("SELECT lifecycle, count(*) FROM documents GROUP BY lifecycle")}
+
+
+@dataclass
+class _StatKey:
+    mtime_ns: int
+    size: int
+    ino: int
+
+
+class StoreManager:
+    """Finds the live index through CURRENT.json and reopens it when ingest moved it on.
+
+    Never creates anything: every missing piece is `index_missing` with the path and the fix.
+    All store access happens under `lock` (one call at a time; searches take milliseconds).
+    """
+
+    def __init__(self, store_dir: Path) -> None:
+        self.layout = StoreLayout(store_dir)
+        self.lock = threading.RLock()
+        self._stat: _StatKey | None = None
+        self._current: CurrentIndex | None = None
+        self._open: OpenIndex | None = None
+
+    def current(self) -> CurrentIndex:
+        root = self.layout.root
+        if not root.is_dir():
+            raise RagError(ErrorCode.INDEX_MISSING, f"the store folder {root} does not exist", INGEST_HINT)
+        try:
+            st = self.layout.current_file.stat()
+        except FileNotFoundError:
+            raise RagError(ErrorCode.INDEX_MISSING, f"{self.layout.current_file} does not exist (no index yet)",
+                           INGEST_HINT) from None
+        key = _StatKey(st.st_mtime_ns, st.st_size, st.st_ino)
+        # CURRENT.json is replaced atomically by ingest, so any change shows in these three.
+        if self._current is None or key != self._stat:
+            current = self.layout.read_current()
+            if current is None:
+                raise RagError(ErrorCode.INDEX_MISSING, f"{self.layout.current_file} does not exist", INGEST_HINT)
+            self._current, self._stat = current, key
+        return self._current
+
+    def open(self) -> OpenIndex:
+        current = self.current()
+        key = (current.index, current.generation)
+        if self._open is not None and self._open.key == key:
+            self._open.current = current  # same data; the stamp may have been rewritten
+            return self._open
+        index_dir = self.layout.index_dir(current.index)
+        if not index_dir.is_dir():
+            raise RagError(ErrorCode.INDEX_MISSING, f"the index folder {index_dir} named in "
+                           f"{self.layout.current_file} does not exist", INGEST_HINT)
+        if current.manifest.prefix_scheme not in PREFIX_SCHEMES:
+            raise RagError(ErrorCode.INDEX_INCOMPATIBLE,
+                           f"the index uses prefix scheme {current.manifest.prefix_scheme!r}, unknown to this server",
+                           "update local-rag-mcp, or rebuild with `python ingest.py --full`")
+        opened = OpenIndex(self.layout, current)
+        old, self._open = self._open, opened
+        if old is not None:
+            old.close()
+            log.info("index reopened: %s generation %s", current.index, current.generation)
+        return opened
+
+
+class QueryEmbeddings:
+    """Query vectors through Ollama with a small LRU cache (agents repeat queries)."""
+
+    def __init__(self, size: int = QUERY_CACHE_SIZE) -> None:
+        self.size = size
+        self._cache: OrderedDict[tuple[str, str, str], list[float]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._embedders: dict[tuple[str, str, float], OllamaEmbedder] = {}
+
+    def embedder(self, host: str, model: str, timeout: float) -> OllamaEmbedder:
+        key = (host, model, timeout)
+        with self._lock:
+            if key not in self._embedders:
+                self._embedders[key] = OllamaEmbedder(host, model, timeout)
+            return self._embedders[key]
+
+    def embed(self, host: str, model: str, text: str, timeout: float) -> list[float]:
+        key = (host, model, text)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        vector = self.embedder(host, model, timeout).embed([text])[0]
+        with self._lock:
+            self._cache[key] = vector
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.size:
+                self._cache.popitem(last=False)
+        return vector
+
+
+# ---------------------------------------------------------------------------
+# The service: the three tools as plain methods (no MCP types below this line's section).
+
+
+@dataclass
+class _Candidate:
+    id: str
+    score: float | None = None
+    matched: list[str] = field(default_factory=list)
+
+
+class RetrievalService:
+    def __init__(self, settings_loader: Callable[[], Settings] = load_settings) -> None:
+        self._settings_loader = settings_loader
+        self._settings: Settings | None = None
+        self._manager: StoreManager | None = None
+        self._init_lock = threading.Lock()
+        self.queries = QueryEmbeddings()
+        self._stale_cache: tuple[tuple[str, int], float, int] | None = None
+        self._stale_refreshing = False
+        self._warm_started = False
+        # Only touched under the store lock.
+        self._chunk_vectors: OrderedDict[tuple[str, str], Any] = OrderedDict()
+
+    # set-up -------------------------------------------------------------------------------
+    @property
+    def settings(self) -> Settings:
+        with self._init_lock:
+            if self._settings is None:
+                self._settings = self._settings_loader()
+            return self._settings
+
+    @property
+    def manager(self) -> StoreManager:
+        settings = self.settings
+        with self._init_lock:
+            if self._manager is None:
+                self._manager = StoreManager(settings.store_dir)
+            return self._manager
+
+    def start_warmup(self, delay: float = WARMUP_DELAY_S) -> None:
+        """Pay the imports and the store opening in the background, once, after the handshake."""
+        if self._warm_started or os.environ.get("RAG_SERVER_WARMUP", "1").strip() in ("0", "false", "no"):
+            return
+        self._warm_started = True
+        threading.Thread(target=self._warmup, args=(delay,), name="rag-warmup", daemon=True).start()
+
+    def _warmup(self, delay: float) -> None:
+        time.sleep(delay)  # let the tools/list answer reach the client first
+        log.info("warm-up: start")
+        started = time.perf_counter()
+        try:
+            import ollama  # noqa: F401, PLC0415 - only to pay the import now
+
+            _chromadb()
+            with self.manager.lock:
+                index = self.manager.open()
+                # One tiny query loads the HNSW segment now rather than in the agent's first search.
+                probe = [1.0] + [0.0] * (index.current.manifest.dims - 1)
+                index.vector_query("active", probe, 1, None)
+        except RagError as exc:
+            log.info("warm-up: store not ready (%s)", exc.code)
+        except Exception:  # noqa: BLE001 - a warm-up failure must never take the server down
+            log.warning("warm-up failed:\n%s", traceback.format_exc())
+        log.info("warm-up: done in %.0f ms", (time.perf_counter() - started) * 1000)
+
+    # shared pieces ----------------------------------------------------------------------------
+    def _index_info(self, current: CurrentIndex) -> IndexInfo:
+        stamp = current.stamp
+        return IndexInfo(commit=stamp.commit, dirty=stamp.dirty, ingested_at=stamp.ingested_at,
+                         model=current.manifest.model, generation=current.generation,
+                         files=stamp.files, chunks=stamp.chunks)
+
+    def _staleness(self, index: OpenIndex) -> Staleness:
+        """How many indexed files changed on disk. Computed once per generation in the call; after
+        that a stale value is served while a background thread recounts, so no search waits for
+        thousands of stat calls."""
+        now = time.monotonic()
+        cached = self._stale_cache
+        if cached is None or cached[0] != index.key:
+            changed = count_changed_files(self.settings.corpus_dir, index.documents())
+            self._stale_cache = (index.key, now, changed)
+        else:
+            changed = cached[2]
+            if now - cached[1] >= STALENESS_TTL_S and not self._stale_refreshing:
+                self._stale_refreshing = True
+                threading.Thread(target=self._refresh_staleness, name="rag-staleness", daemon=True).start()
+        hints = []
+        if changed:
+            hints.append(f"{changed} indexed file(s) changed on disk since the last ingest; results may be out of "
+                         f"date: {INGEST_HINT}")
+        if index.current.manifest.chunker_version != CHUNKER_VERSION:
+            # Still served (queries and index use the same words mostly), but keyword terms or
+            # chunking changed since: ingest rebuilds the index on its next run.
+            hints.append(f"the index was built by chunker version {index.current.manifest.chunker_version}, this "
+                         f"server uses {CHUNKER_VERSION}: run `python ingest.py` to rebuild it")
+        return Staleness(changed_files=changed, hint=" ".join(hints) or None)
+
+    def _refresh_staleness(self) -> None:
+        try:
+            with self.manager.lock:
+                index = self.manager.open()
+                docs = index.documents()
+            changed = count_changed_files(self.settings.corpus_dir, docs)
+            self._stale_cache = (index.key, time.monotonic(), changed)
+        except Exception:  # noqa: BLE001 - a hint is not worth a crash; the next call retries
+            log.debug("staleness refresh failed:\n%s", traceback.format_exc())
+        finally:
+            self._stale_refreshing = False
+
+    def _query_vector(self, query: str, current: CurrentIndex) -> list[float]:
+        settings = self.settings
+        manifest = current.manifest
+        if settings.embed_model_explicit and not same_model(settings.embed_model, manifest.model):
+            raise RagError(ErrorCode.INDEX_INCOMPATIBLE,
+                           f"RAG_EMBED_MODEL={settings.embed_model!r} but the index was built with {manifest.model!r}",
+                           f"re-ingest with the new model (`python ingest.py`), or unset RAG_EMBED_MODEL to use "
+                           f"{manifest.model!r}")
+        text = PREFIX_SCHEMES[manifest.prefix_scheme].query_text(query)
+        timeout = min(settings.embed_timeout_s, QUERY_EMBED_TIMEOUT_S)
+        vector = self.queries.embed(settings.ollama_host, manifest.model, text, timeout)
+        if len(vector) != manifest.dims:
+            raise RagError(ErrorCode.INDEX_INCOMPATIBLE,
+                           f"Ollama's {manifest.model!r} returns {len(vector)}-dimensional vectors but the index "
+                           f"holds {manifest.dims}-dimensional ones",
+                           "the model changed under the same name: rebuild with `python ingest.py --full`")
+        return vector
+
+    # search_corpus ----------------------------------------------------------------------------
+    def search(self, args: SearchCorpusInput) -> SearchResponse:
+        if args.mode == "keyword" and args.min_score is not None:
+            raise RagError(ErrorCode.INVALID_ARGUMENT, "min_score needs similarity scores, which keyword mode "
+                           "does not compute", "drop min_score, or use mode 'hybrid' or 'vector'")
+        manager = self.manager
+        vector: list[float] | None = None
+        embedded_for: Any = None
+        for _attempt in range(3):
+            with manager.lock:
+                index = manager.open()
+                if args.mode == "keyword" or (vector is not None and embedded_for == index.current.manifest):
+                    return self._search_locked(index, args, vector)
+                current = index.current
+            # The embedding call can take seconds (Ollama loading the model): never under the lock.
+            # (Running it beside the keyword channel in another thread was measured: the thread
+            # hand-off cost more than the overlap saved.)
+            vector = self._query_vector(args.query, current)
+            embedded_for = current.manifest
+        raise RagError(ErrorCode.INTERNAL, "the index kept changing during the search", "retry")
+
+    @staticmethod
+    def _lifecycles(args: SearchCorpusInput) -> list[str]:
+        return ["active", "superseded"] if args.include_superseded else ["active"]
+
+    def _search_locked(self, index: OpenIndex, args: SearchCorpusInput, vector: list[float] | None) -> SearchResponse:
+        lifecycles = self._lifecycles(args)
+        prefix = args.path_prefix
+        info = self._index_info(index.current)
+        staleness = self._staleness(index)
+
+        def empty(message: str) -> SearchResponse:
+            return SearchResponse(query=args.query, mode=args.mode, results=[], message=message,
+                                  index=info, staleness=staleness)
+
+        # Which documents the pre-filter lets through, per lifecycle (None: the whole collection).
+        allowed: dict[str, list[str] | None] = {lc: None for lc in lifecycles}
+        if prefix:
+            by_lc = index.paths_by_lifecycle(prefix)
+            if not any(by_lc.get(lc) for lc in lifecycles):
+                hidden = "" if args.include_superseded or not by_lc.get("superseded") else (
+                    " (only superseded documents are there: pass include_superseded=true)")
+                return empty(f"no indexed document under path_prefix {prefix!r}{hidden}; "
+                             "see list_documents for the indexed paths")
+            totals = index.counts_by_lifecycle()
+            for lc in lifecycles:
+                paths = by_lc.get(lc, [])
+                # A prefix covering every document of a collection needs no where clause (fast path).
+                allowed[lc] = None if len(paths) == totals.get(lc, 0) else paths
+
+        vector_hits: list[_Candidate] = []
+        keyword_ids: list[str] = []
+        plan: KeywordPlan | None = None
+        rows: dict[str, ChunkRow] = {}
+        dropped: set[str] = set()
+        if args.mode in ("hybrid", "vector"):
+            assert vector is not None
+            vector_hits, rows = self._vector_channel(index, vector, lifecycles, allowed, prefix, args.k)
+        if args.mode in ("hybrid", "keyword"):
+            keyword_rows, plan = index.keyword_rows(args.query, lifecycles, prefix, max(CHANNEL_CANDIDATES, args.k))
+            rows.update((row.id, row) for row in keyword_rows)
+            keyword_ids = [row.id for row in keyword_rows]
+
+        scores: dict[str, float | None] = {c.id: c.score for c in vector_hits}
+        if args.min_score is not None:
+            # Every candidate needs its similarity before fusion, so a weak one never takes a slot.
+            assert vector is not None
+            scores.update(self._stored_scores(index, vector, [i for i in keyword_ids if i not in scores], rows))
+            floor = args.min_score
+            dropped = {i for i, s in scores.items() if s is None or s < floor}
+        vector_ids = [c.id for c in vector_hits if c.id not in dropped]
+        keyword_ids = [i for i in keyword_ids if i not in dropped]
+
+        fused = fuse_rankings(vector_ids, keyword_ids, RRF_K)
+        bests = [vector_ids[0] if vector_ids else None, keyword_ids[0] if keyword_ids else None]
+        chosen = select_top_k(fused, bests, args.k)
+        if vector is not None:
+            # Keyword-only hits that made the cut: their cosine from the stored embedding (only
+            # these k, not all candidates: fetching vectors is the dearest step of a search).
+            scores.update(self._stored_scores(index, vector, [i for i, _ in chosen if i not in scores], rows))
+        in_vector, in_keyword = set(vector_ids), set(keyword_ids)
+        hits = []
+        for item, rank_score in chosen:
+            row = rows[item]
+            matched: list[Literal["vector", "keyword"]] = []
+            if item in in_vector:
+                matched.append("vector")
+            if item in in_keyword:
+                matched.append("keyword")
+            score = scores.get(item)
+            hits.append(SearchHit(
+                path=row.path, title=row.title, heading=row.heading,
+                start_line=row.start_line, end_line=row.end_line,
+                score=None if score is None else round(score, 6), rank_score=round(rank_score, 6),
+                lifecycle="superseded" if row.lifecycle == "superseded" else "active",
+                matched=matched, text=row.text, truncated=False))
+        message = None
+        if not hits:
+            if dropped:
+                message = f"nothing scored at least min_score={args.min_score}; {len(dropped)} hit(s) dropped"
+            elif args.mode == "keyword" and plan is not None and plan.kind == "no_terms":
+                message = "the query has no searchable keywords (only stop words or punctuation)"
+            elif args.mode == "keyword" and plan is not None and plan.kind == "too_common":
+                message = ("every word of the query is too common in this corpus for keyword search; add a "
+                           "distinctive term (a name, identifier or error code) or use mode 'hybrid'")
+            else:
+                message = "no matching passages"
+        response = SearchResponse(query=args.query, mode=args.mode, results=hits,
+                                  dropped_below_min_score=len(dropped), message=message,
+                                  index=info, staleness=staleness)
+        fitted = fit_hits(response.model_dump(mode="json"))
+        return SearchResponse.model_validate(fitted)
+
+    def _vector_channel(self, index: OpenIndex, vector: list[float], lifecycles: Sequence[str],
+                        allowed: Mapping[str, list[str] | None], prefix: str | None,
+                        k: int) -> tuple[list[_Candidate], dict[str, ChunkRow]]:
+        """Vector candidates whose chunk rows are committed, best first, with those rows.
+
+        Over-fetches until at least k committed candidates are found or the store is exhausted:
+        vectors without a committed row (an ingest in flight or interrupted) never take a slot.
+        """
+        n = max(CHANNEL_CANDIDATES, k)
+        while True:
+            raw: list[tuple[str, float]] = []
+            exhausted = True
+            for lc in lifecycles:
+                paths = allowed.get(lc)
+                if paths is not None and not paths:
+                    continue
+                got = index.vector_query(lc, vector, n, paths)
+                exhausted = exhausted and len(got) < n
+                raw.extend(got)
+            raw.sort(key=lambda pair: (pair[1], pair[0]))
+            best: dict[str, float] = {}
+            for item, distance in raw:
+                best.setdefault(item, distance)
+            rows = index.chunks_by_id(list(best))
+            # The committed row is the truth: it also re-checks lifecycle and prefix.
+            valid = [(i, d) for i, d in best.items()
+                     if i in rows and rows[i].lifecycle in lifecycles and path_matches_prefix(rows[i].path, prefix or "")]
+            if len(valid) >= k or exhausted or n >= MAX_VECTOR_FETCH:
+                break
+            n = min(n * 4, MAX_VECTOR_FETCH)
+        candidates = [_Candidate(i, 1.0 - d, ["vector"]) for i, d in valid[:max(CHANNEL_CANDIDATES, k)]]
+        return candidates, {c.id: rows[c.id] for c in candidates}
+
+    def _stored_scores(self, index: OpenIndex, vector: list[float], ids: Sequence[str],
+                       rows: Mapping[str, ChunkRow]) -> dict[str, float | None]:
+        """Cosine similarity of keyword-only candidates, from their stored embeddings."""
+        out: dict[str, float | None] = {i: None for i in ids}
+        by_lc: dict[str, list[str]] = {}
+        for i in ids:
+            by_lc.setdefault(rows[i].lifecycle, []).append(i)
+        cache = self._chunk_vectors
+        name = index.current.index
+        for lc, lc_ids in by_lc.items():
+            if lc not in COLLECTION_BY_LIFECYCLE:
+                continue
+            missing = [i for i in lc_ids if (name, i) not in cache]
+            if missing:
+                found_ids, matrix = index.embeddings(lc, missing)
+                for i, row in zip(found_ids, matrix):
+                    cache[(name, i)] = row
+                while len(cache) > CHUNK_VECTOR_CACHE_SIZE:
+                    cache.popitem(last=False)
+            known = [i for i in lc_ids if (name, i) in cache]
+            for i in known:
+                cache.move_to_end((name, i))
+            out.update(zip(known, cosine_many(vector, [cache[(name, i)] for i in known])))
+        return out
+
+    # get_file ---------------------------------------------------------------------------------
+    def get_file(self, args: GetFileInput) -> FileResponse:
+        manager = self.manager
+        with manager.lock:
+            index = manager.open()
+            doc = index.document(args.path)
+            if doc is None:
+                raise RagError(ErrorCode.NOT_INDEXED, f"{args.path!r} is not in the index",
+                               "only indexed documents can be read: call list_documents (or search_corpus) "
+                               "for the exact path")
+        corpus = self.settings.corpus_dir
+        raw = read_indexed_file(corpus, doc)
+        if raw is None:
+            with manager.lock:
+                chunks = manager.open().chunks_of(doc.path)
+            return file_from_chunks(doc, chunks, args.start_line, args.end_line)
+        text = raw.decode("utf-8-sig", errors="replace")
+        lines = split_lines(text)
+        part = slice_lines(lines, args.start_line, args.end_line)
+        return FileResponse(path=doc.path, title=doc.title, lifecycle=_lifecycle(doc.lifecycle), text=part.text,
+                            start_line=part.start_line, end_line=part.end_line, total_lines=len(lines),
+                            source="disk", truncated=part.truncated, next_start_line=part.next_start_line,
+                            changed_since_ingest=content_hash(raw) != doc.content_hash,
+                            message=("text cut at the size limit; continue with start_line="
+                                     f"{part.next_start_line}") if part.truncated and part.next_start_line else None)
+
+    # list_documents ---------------------------------------------------------------------------
+    def list_documents(self, args: ListDocumentsInput) -> ListDocumentsResponse:
+        manager = self.manager
+        with manager.lock:
+            index = manager.open()
+            total = index.count_documents(args.path_prefix)
+            docs = index.documents(args.path_prefix, args.offset, args.limit)
+            info = self._index_info(index.current)
+            staleness = self._staleness(index)
+        entries = [DocumentEntry(path=d.path, title=d.title, lifecycle=_lifecycle(d.lifecycle), chunks=d.chunk_count,
+                                 lines=d.line_count, mtime=iso_from_ns(d.mtime_ns)) for d in docs]
+        end = args.offset + len(entries)
+        message = None
+        if total == 0:
+            message = (f"no indexed document under path_prefix {args.path_prefix!r}" if args.path_prefix
+                       else f"the index is empty: {INGEST_HINT}")
+        elif not entries:
+            message = f"offset {args.offset} is past the end ({total} documents)"
+        return ListDocumentsResponse(documents=entries, total=total, offset=args.offset,
+                                     next_offset=end if end < total else None, message=message,
+                                     index=info, staleness=staleness)
+
+
+def _lifecycle(value: str) -> Literal["active", "superseded"]:
+    return "superseded" if value == "superseded" else "active"
+
+
+def count_changed_files(corpus_dir: Path, docs: Sequence[DocumentRow]) -> int:
+    """Indexed files whose size or mtime differ on disk, or that are gone (a cheap stat each)."""
+    changed = 0
+    for doc in docs:
+        try:
+            st = os.stat(corpus_dir / doc.disk_path)
+        except OSError:
+            changed += 1
+            continue
+        if st.st_size != doc.size or abs(st.st_mtime_ns - doc.mtime_ns) > MTIME_TOLERANCE_NS:
+            changed += 1
+    return changed
+
+
+def _reject(path: str, why: str) -> RagError:
+    return RagError(ErrorCode.PATH_REJECTED, f"{path!r} {why}",
+                    "the file changed into a link or moved after ingest; if that is intended, re-run "
+                    "`python ingest.py`")
+
+
+def read_indexed_file(corpus_dir: Path, doc: DocumentRow) -> bytes | None:
+    """The bytes of an indexed file, or None when it is gone from disk.
+
+    The path is resolved and must be the real path recorded at ingest and lie inside the corpus
+    root; then it is opened one component at a time with O_NOFOLLOW below the root, so a link
+    swapped in between the check and the open is refused rather than followed.
+    """
+    root_real = os.path.realpath(corpus_dir)
+    disk = os.path.join(corpus_dir, doc.disk_path)
+    if not os.path.lexists(disk):
+        # Gone (corpus moved or file deleted): the caller serves the indexed passages instead,
+        # which are exactly what ingest accepted, so nothing outside the corpus can leak this way.
+        return None
+    real = os.path.realpath(disk)
+    if not is_within(Path(root_real), Path(doc.real_path)):
+        raise RagError(ErrorCode.PATH_REJECTED,
+                       f"{doc.path!r} was indexed from {doc.real_path}, outside this server's corpus folder {root_real}",
+                       "set RAG_CORPUS_DIR to the folder ingest indexed, or re-run `python ingest.py` for this one")
+    if not is_within(Path(root_real), Path(real)):
+        raise _reject(doc.path, "resolves outside the corpus folder")
+    if real != doc.real_path:
+        raise _reject(doc.path, "no longer resolves to the file that was indexed")
+    relative = os.path.relpath(real, root_real).split(os.sep)
+    fd = _open_beneath(root_real, relative, doc.path)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _reject(doc.path, "is not a regular file")
+        try:
+            expected = os.stat(real)
+        except OSError:
+            raise _reject(doc.path, "changed while it was being opened") from None
+        if (st.st_dev, st.st_ino) != (expected.st_dev, expected.st_ino):
+            raise _reject(doc.path, "changed while it was being opened")
+        chunks = []
+        while True:
+            block = os.read(fd, 1 << 20)
+            if not block:
+                break
+            chunks.append(block)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _open_beneath(root_real: str, parts: Sequence[str], shown: str) -> int:
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    directory = getattr(os, "O_DIRECTORY", 0)
+    nonblock = getattr(os, "O_NONBLOCK", 0)  # a FIFO swapped in must not hang the open
+    if os.open not in os.supports_dir_fd:  # pragma: no cover - Windows: realpath + fstat checks only
+        return os.open(os.path.join(root_real, *parts), os.O_RDONLY | nofollow | nonblock)
+    dir_fd = os.open(root_real, os.O_RDONLY | directory)
+    try:
+        for part in parts[:-1]:
+            try:
+                next_fd = os.open(part, os.O_RDONLY | directory | nofollow, dir_fd=dir_fd)
+            except OSError:
+                raise _reject(shown, "lies under a folder that changed while it was being opened") from None
+            os.close(dir_fd)
+            dir_fd = next_fd
+        try:
+            fd = os.open(parts[-1], os.O_RDONLY | nofollow | nonblock, dir_fd=dir_fd)
+        except OSError:
+            raise _reject(shown, "changed while it was being opened") from None
+        os.set_blocking(fd, True)
+        return fd
+    finally:
+        os.close(dir_fd)
+
+
+def file_from_chunks(doc: DocumentRow, chunks: Sequence[ChunkRow], start_line: int | None,
+                     end_line: int | None) -> FileResponse:
+    """The indexed passages of a file that is gone from disk, in chunk order."""
+    if end_line is not None and start_line is not None and end_line < start_line:
+        raise RagError(ErrorCode.INVALID_ARGUMENT, f"end_line {end_line} is before start_line {start_line}",
+                       "pass end_line >= start_line")
+    lo, hi = start_line or 1, end_line or max(doc.line_count, 1)
+    picked = [c for c in chunks if c.end_line >= lo and c.start_line <= hi]
+    pieces: list[str] = []
+    used = 0
+    truncated = False
+    next_start: int | None = None
+    last_end = lo - 1
+    for chunk in picked:
+        block = f"[lines {chunk.start_line}-{chunk.end_line}]\n{chunk.text}"
+        if used + len(block) > FILE_TEXT_MAX_CHARS and pieces:
+            truncated, next_start = True, chunk.start_line
+            break
+        pieces.append(block[:FILE_TEXT_MAX_CHARS])
+        used += len(block) + 2
+        last_end = chunk.end_line
+    return FileResponse(
+        path=doc.path, title=doc.title, lifecycle=_lifecycle(doc.lifecycle), text="\n\n".join(pieces),
+        start_line=picked[0].start_line if picked else lo, end_line=last_end if picked else lo - 1,
+        total_lines=doc.line_count, source="index", truncated=truncated, next_start_line=next_start,
+        changed_since_ingest=None,
+        message="the file is no longer on disk (corpus moved or deleted); these are its indexed passages, "
+                "frontmatter and blank lines between passages are not included")
+
+
+# ---------------------------------------------------------------------------
+# The MCP layer: tool table, one dispatcher, the server.
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    title: str
+    description: str
+    input_model: type[_ToolInput]
+    output_model: type[BaseModel]
+    handler: Callable[[RetrievalService, Any], BaseModel]
+
+
+TOOLS: dict[str, ToolSpec] = {spec.name: spec for spec in (
+    ToolSpec(
+        "search_corpus", "Search the documentation corpus",
+        "Search the local Markdown corpus; returns the best passages with path, heading path, line range, "
+        "cosine score and text. Use a natural-language question or an exact identifier (env var, endpoint, "
+        "error code); hybrid mode fuses meaning and exact-word matches. Superseded documents are excluded "
+        "unless include_superseded=true. Read around a hit with get_file.",
+        SearchCorpusInput, SearchResponse, RetrievalService.search),
+    ToolSpec(
+        "get_file", "Read an indexed file",
+        "Read an indexed Markdown file, whole or a line range (1-based, inclusive), e.g. around a "
+        "search_corpus hit. Only paths from search_corpus or list_documents can be read. Long files are "
+        "returned in parts: continue with next_start_line.",
+        GetFileInput, FileResponse, RetrievalService.get_file),
+    ToolSpec(
+        "list_documents", "List indexed documents",
+        "List the indexed documents (path, title, lifecycle, chunks, lines, mtime), optionally under a "
+        "folder, paginated with offset/limit, plus when the index was built and whether files changed since.",
+        ListDocumentsInput, ListDocumentsResponse, RetrievalService.list_documents),
+)}
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    problems = []
+    for err in exc.errors(include_url=False, include_input=False):
+        where = ".".join(str(p) for p in err["loc"]) or "arguments"
+        if err["type"] == "extra_forbidden":
+            problems.append(f"unknown argument {where!r}")
+        else:
+            problems.append(f"{where}: {err['msg']}")
+    return "; ".join(problems[:10])
+
+
+def _argument_hint(spec: ToolSpec) -> str:
+    """A one-line signature from the input schema, so the agent can fix its call without guessing."""
+    schema = spec.input_model.model_json_schema()
+    required = set(schema.get("required", []))
+    parts = []
+    for name, prop in schema.get("properties", {}).items():
+        variants = prop.get("anyOf", [prop])
+        kinds = []
+        for variant in variants:
+            kind = "|".join(map(str, variant["enum"])) if "enum" in variant else str(variant.get("type", "?"))
+            if "minimum" in variant or "maximum" in variant:
+                kind += f" {variant.get('minimum', '')}..{variant.get('maximum', '')}"
+            if "maxLength" in variant:
+                kind += f" (<= {variant['maxLength']} chars)"
+            kinds.append(kind)
+        default = "" if name in required else f" = {json.dumps(prop.get('default'))}"
+        parts.append(f"{name}: {' | '.join(kinds)}{default}")
+    return f"{spec.name}({', '.join(parts)}); no other arguments"
+
+
+def error_result(error: RagError) -> Any:
+    from mcp.types import CallToolResult, TextContent  # noqa: PLC0415
+
+    payload = error.payload()
+    return CallToolResult(is_error=True, structured_content=payload,
+                          content=[TextContent(type="text", text=json.dumps(payload, ensure_ascii=False))])
+
+
+def dispatch(service: RetrievalService, name: str, arguments: Mapping[str, Any] | None) -> Any:
+    """Validate, run, and wrap one tool call. Every failure becomes a structured error result."""
+    from mcp.types import CallToolResult, TextContent  # noqa: PLC0415
+
+    started = time.perf_counter()
+    outcome = "ok"
+    try:
+        spec = TOOLS.get(name)
+        if spec is None:
+            raise RagError(ErrorCode.INVALID_ARGUMENT, f"unknown tool {name!r}", f"tools: {', '.join(TOOLS)}")
+        try:
+            args = spec.input_model.model_validate(dict(arguments or {}))
+        except ValidationError as exc:
+            raise RagError(ErrorCode.INVALID_ARGUMENT, describe_validation_error(exc), _argument_hint(spec)) from None
+        output = spec.handler(service, args)
+        payload = output.model_dump(mode="json")
+        return CallToolResult(content=[TextContent(type="text", text=json.dumps(payload, ensure_ascii=False))],
+                              structured_content=payload)
+    except RagError as exc:
+        outcome = str(exc.code)
+        return error_result(exc)
+    except Exception:  # noqa: BLE001 - the boundary: a crash must become a structured error
+        outcome = "internal"
+        log.error("tool %r crashed:\n%s", name, traceback.format_exc())
+        return error_result(RagError(ErrorCode.INTERNAL, f"{name} failed unexpectedly",
+                                     "the server logged the details to stderr; retry, and report it if it repeats"))
+    finally:
+        log.info("%s -> %s in %.1f ms", name, outcome, (time.perf_counter() - started) * 1000)
+
+
+def tool_definitions() -> list[Any]:
+    from mcp.types import Tool, ToolAnnotations  # noqa: PLC0415
+
+    annotations = ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False,
+                                  destructive_hint=False)
+    return [Tool(name=spec.name, title=spec.title, description=spec.description,
+                 input_schema=spec.input_model.model_json_schema(),
+                 output_schema=spec.output_model.model_json_schema(), annotations=annotations)
+            for spec in TOOLS.values()]
+
+
+def build_server(service: RetrievalService | None = None) -> Any:
+    """The MCPServer, with our own tool table and dispatcher instead of signature introspection:
+    input models forbid unknown keys and every failure is a structured error."""
+    import anyio  # noqa: PLC0415
+    from mcp.server.mcpserver import MCPServer  # noqa: PLC0415
+
+    service = service or RetrievalService()
+
+    class RagServer(MCPServer):  # type: ignore[misc, type-arg]
+        async def list_tools(self) -> list[Any]:
+            # The client has what it needs to start; now pay the heavy imports in the background.
+            service.start_warmup()
+            return tool_definitions()
+
+        async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
+            # Store and embedder calls block: run them off the event loop.
+            return await anyio.to_thread.run_sync(dispatch, service, name, arguments)
+
+    return RagServer(name="local-rag", title="Local Markdown RAG", version=TOOL_VERSION,
+                     instructions=INSTRUCTIONS, log_level="WARNING")
+
+
+def configure_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    level = os.environ.get("RAG_LOG_LEVEL", "INFO").strip().upper() or "INFO"
+    log.setLevel(level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO")
+
+
+def main() -> int:
+    configure_logging()
+    server = build_server()
+    log.info("local-rag-mcp %s starting (stdio)", TOOL_VERSION)
+    try:
+        server.run("stdio")
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,888 @@
+"""Contract tests for server.py: pure functions, argument validation, pre-filters, store handling.
+
+Pure functions are tested directly (hypothesis where inputs vary). Everything touching a store
+uses a real index built by the real `python ingest.py` from (a copy of) sample-corpus through the
+loopback fake Ollama, and the server's service layer in-process; tests/test_server_e2e.py drives
+the same through the real `python server.py` over stdio.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import unicodedata
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import server
+from corpus_rules import (
+    COLLECTION_BY_LIFECYCLE,
+    PREFIX_SCHEMES,
+    ErrorCode,
+    RagError,
+    StoreLayout,
+    _split_lines,
+    load_settings,
+    path_matches_prefix,
+)
+from fake_ollama import FakeOllama, fake_embedding
+
+ROOT = Path(server.__file__).resolve().parent
+SAMPLE = ROOT / "sample-corpus"
+ERROR_CODES = {str(code) for code in ErrorCode}
+
+
+# ---------------------------------------------------------------------------
+# Fixtures: a real index built by the real ingest, a service over it.
+
+
+@dataclass(frozen=True)
+class Built:
+    corpus: Path
+    store: Path
+    host: str
+
+    @property
+    def index_dir(self) -> Path:
+        current = StoreLayout(self.store).read_current()
+        assert current is not None
+        return self.store / current.index
+
+
+def run_ingest(corpus: Path, store: Path, host: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OLLAMA_HOST": host}
+    env.pop("RAG_EMBED_MODEL", None)
+    return subprocess.run([sys.executable, str(ROOT / "ingest.py"), "--corpus", str(corpus), "--store", str(store),
+                           *extra], env=env, capture_output=True, text=True, timeout=120)
+
+
+def build(tmp: Path, host: str, corpus_src: Path = SAMPLE) -> Built:
+    corpus = tmp / "corpus"
+    shutil.copytree(corpus_src, corpus, symlinks=True)
+    store = tmp / "store"
+    done = run_ingest(corpus, store, host)
+    assert done.returncode == 0, done.stderr
+    return Built(corpus, store, host)
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeOllama]:
+    with FakeOllama() as instance:
+        yield instance
+
+
+@pytest.fixture(scope="module")
+def base(fake: FakeOllama, tmp_path_factory: pytest.TempPathFactory) -> Built:
+    """Shared, never modified: tests that change the corpus or store use `fresh`."""
+    return build(tmp_path_factory.mktemp("base"), fake.host)
+
+
+@pytest.fixture
+def fresh(fake: FakeOllama, tmp_path: Path) -> Built:
+    return build(tmp_path, fake.host)
+
+
+@pytest.fixture(scope="module")
+def _swappable(fake: FakeOllama, tmp_path_factory: pytest.TempPathFactory) -> Built:
+    return build(tmp_path_factory.mktemp("swappable"), fake.host)
+
+
+@pytest.fixture
+def swappable(_swappable: Built) -> Iterator[Built]:
+    """An index whose corpus a test may vandalise; the corpus is put back afterwards (same
+    absolute path, so the recorded real paths still hold). The store must not be changed."""
+    yield _swappable
+    shutil.rmtree(_swappable.corpus)
+    shutil.copytree(SAMPLE, _swappable.corpus)
+
+
+def service(built: Built, host: str | None = None, **env: str) -> server.RetrievalService:
+    values = {"OLLAMA_HOST": host or built.host, "RAG_CORPUS_DIR": str(built.corpus),
+              "RAG_STORE_DIR": str(built.store), **env}
+    return server.RetrievalService(settings_loader=lambda: load_settings(values))
+
+
+def call(svc: server.RetrievalService, tool: str, **args: Any) -> tuple[bool, dict[str, Any]]:
+    result = server.dispatch(svc, tool, args)
+    payload = result.structured_content
+    text = json.loads(result.content[0].text)
+    assert text == payload, "the text content must carry the same JSON as the structured content"
+    if result.is_error:
+        assert set(payload) == {"error"} and set(payload["error"]) == {"code", "message", "hint"}
+        assert payload["error"]["code"] in ERROR_CODES
+    else:
+        server.TOOLS[tool].output_model.model_validate(payload)
+    return result.is_error, payload
+
+
+def error_code(svc: server.RetrievalService, tool: str, **args: Any) -> str:
+    is_error, payload = call(svc, tool, **args)
+    assert is_error, payload
+    return payload["error"]["code"]
+
+
+def query_vector(query: str, dims: int = 768) -> list[float]:
+    return fake_embedding(PREFIX_SCHEMES["embeddinggemma"].query_text(query), dims)
+
+
+# ---------------------------------------------------------------------------
+# Fusion.
+
+ids = st.lists(st.sampled_from([f"c{i}" for i in range(30)]), max_size=40)
+
+
+@given(ids, ids)
+def test_fuse_rankings_is_reciprocal_rank_fusion_over_the_union(vector: list[str], keyword: list[str]) -> None:
+    fused = server.fuse_rankings(vector, keyword, k_rrf=60)
+    got = dict(fused)
+    assert len(got) == len(fused) == len(set(vector) | set(keyword))
+    for item, value in fused:
+        expected = sum(1 / (60 + ranking.index(item) + 1)
+                       for ranking in (list(dict.fromkeys(vector)), list(dict.fromkeys(keyword))) if item in ranking)
+        assert value == pytest.approx(expected)
+    values = [v for _, v in fused]
+    assert values == sorted(values, reverse=True)
+
+
+def test_fuse_rankings_rewards_agreement() -> None:
+    fused = server.fuse_rankings(["a", "b", "c"], ["b", "a", "d"])
+    assert [i for i, _ in fused][:2] in (["a", "b"], ["b", "a"])
+    assert fused[-1][0] in ("c", "d")
+
+
+@settings(max_examples=300)
+@given(ids, ids, st.integers(min_value=2, max_value=20))
+def test_select_top_k_always_keeps_each_channels_best(vector: list[str], keyword: list[str], k: int) -> None:
+    fused = server.fuse_rankings(vector, keyword)
+    bests = [vector[0] if vector else None, keyword[0] if keyword else None]
+    top = server.select_top_k(fused, bests, k)
+    chosen = [i for i, _ in top]
+    assert len(chosen) == len(set(chosen)) == min(k, len(fused))
+    for best in bests:
+        if best is not None:
+            assert best in chosen
+    order = [i for i, _ in fused]
+    assert chosen == sorted(chosen, key=order.index), "results stay in fused order"
+    # Everything kept that is not a protected best is the best of the rest.
+    others = [i for i in chosen if i not in bests]
+    rest = [i for i in order if i not in bests]
+    assert others == rest[:len(others)]
+
+
+def test_keyword_only_identifier_reaches_the_results() -> None:
+    """The identifier chunk is ranked nowhere by the vector channel and first by keywords;
+    chunks both channels rank mediocrely would push it out of plain RRF's top 5."""
+    vector = [f"v{i}" for i in range(50)]
+    keyword = ["ident", *vector[:10]]
+    fused = server.fuse_rankings(vector, keyword)
+    assert "ident" not in [i for i, _ in fused[:5]]
+    top = server.select_top_k(fused, [vector[0], keyword[0]], 5)
+    assert "ident" in [i for i, _ in top] and "v0" in [i for i, _ in top]
+
+
+def test_select_top_k_with_one_slot_keeps_the_fused_winner() -> None:
+    fused = server.fuse_rankings(["a", "m"], ["b", "m"])
+    assert server.select_top_k(fused, ["a", "b"], 1) == fused[:1]
+    assert server.select_top_k(fused, ["a", "b"], 0) == []
+
+
+# ---------------------------------------------------------------------------
+# Response capping and line slicing.
+
+hit_texts = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=4000)
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(hit_texts, max_size=20), st.integers(min_value=3000, max_value=30000))
+def test_fit_hits_keeps_the_response_under_budget(texts: list[str], budget: int) -> None:
+    payload = {"query": "q", "results": [{"path": f"p{i}.md", "text": t, "truncated": False} for i, t in enumerate(texts)]}
+    fitted = server.fit_hits(payload, budget=budget, per_hit=2000)
+    assert server.json_len(fitted) <= budget
+    for hit, original in zip(fitted["results"], texts):
+        assert original.startswith(hit["text"])
+        assert len(hit["text"]) <= 2000
+        assert hit["truncated"] == (hit["text"] != original)
+    assert payload["results"][0:1] == [] or payload["results"][0]["text"] == texts[0], "input left untouched"
+
+
+def test_fit_hits_shrinks_the_longest_texts_first() -> None:
+    payload = {"results": [{"text": "short", "truncated": False}, {"text": "x" * 2000, "truncated": False}]}
+    fitted = server.fit_hits(payload, budget=1000)
+    assert fitted["results"][0] == {"text": "short", "truncated": False}
+    assert fitted["results"][1]["truncated"] is True
+
+
+lines_strategy = st.lists(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",),
+                                                         exclude_characters="\n\r"), max_size=300), max_size=60)
+
+
+@settings(max_examples=200)
+@given(lines_strategy, st.integers(min_value=50, max_value=2000))
+def test_slice_lines_pages_reassemble_the_file(lines: list[str], cap: int) -> None:
+    got: list[str] = []
+    start: int | None = 1
+    pages = 0
+    while start is not None and lines:
+        part = server.slice_lines(lines, start, None, max_chars=cap)
+        assert len(part.text) <= cap
+        assert part.start_line == start
+        page = part.text.split("\n")
+        expected = lines[part.start_line - 1:part.end_line]
+        if part.truncated and part.end_line == start and len(lines[start - 1]) > cap:
+            assert page == [lines[start - 1][:cap]]  # one enormous line, cut inside
+        else:
+            assert page == expected
+            got.extend(page)
+        start = part.next_start_line
+        pages += 1
+        assert pages <= len(lines) + 1
+    if lines and all(len(line) <= cap for line in lines):
+        assert got == lines
+
+
+def test_slice_lines_ranges_and_errors() -> None:
+    lines = [f"line {i}" for i in range(1, 11)]
+    part = server.slice_lines(lines, 3, 5)
+    assert (part.text, part.start_line, part.end_line, part.truncated, part.next_start_line) == (
+        "line 3\nline 4\nline 5", 3, 5, False, None)
+    assert server.slice_lines(lines, 8, 500).end_line == 10
+    for start, end in ((11, None), (5, 4)):
+        with pytest.raises(RagError) as err:
+            server.slice_lines(lines, start, end)
+        assert err.value.code is ErrorCode.INVALID_ARGUMENT
+    capped = server.slice_lines(lines, 1, None, max_chars=19)
+    assert capped.truncated and capped.text == "line 1\nline 2" and capped.next_start_line == 3
+
+
+def test_split_lines_numbers_lines_like_ingest() -> None:
+    text = "a\r\nb\n\nc"
+    assert server.split_lines(text) == _split_lines(text) == ["a", "b", "", "c"]
+
+
+segments = st.sampled_from(["a", "ab", "a-b", "b", "runbooks", "runbooks-old", "x.md", "日本"])
+rel_paths = st.lists(segments, min_size=1, max_size=4).map("/".join)
+
+
+@settings(max_examples=200)
+@given(st.lists(rel_paths, max_size=20), st.one_of(st.just(""), rel_paths))
+def test_prefix_sql_is_path_matches_prefix(paths: list[str], prefix: str) -> None:
+    db = sqlite3.connect(":memory:")
+    db.execute("CREATE TABLE t(path TEXT)")
+    db.executemany("INSERT INTO t VALUES (?)", [(p,) for p in paths])
+    where, params = server.prefix_sql("path", prefix or None)
+    got = sorted(r[0] for r in db.execute(f"SELECT path FROM t WHERE {where}", params))
+    assert got == sorted(p for p in paths if path_matches_prefix(p, prefix))
+
+
+# ---------------------------------------------------------------------------
+# Argument validation at the boundary (no store needed: arguments are checked first).
+
+
+@pytest.fixture
+def no_store(tmp_path: Path) -> tuple[server.RetrievalService, Path]:
+    store = tmp_path / "no-such-store"
+    built = Built(SAMPLE, store, "http://127.0.0.1:9")
+    return service(built), store
+
+
+@pytest.mark.parametrize(("tool", "args", "code"), [
+    ("search_corpus", {}, "invalid_argument"),
+    ("search_corpus", {"query": ""}, "invalid_argument"),
+    ("search_corpus", {"query": "   \n\t"}, "invalid_argument"),
+    ("search_corpus", {"query": "x" * 2001}, "invalid_argument"),
+    ("search_corpus", {"query": "a\x00b"}, "invalid_argument"),
+    ("search_corpus", {"query": "bad \ud800 surrogate"}, "invalid_argument"),
+    ("search_corpus", {"query": 42}, "invalid_argument"),
+    ("search_corpus", {"query": "q", "k": 0}, "invalid_argument"),
+    ("search_corpus", {"query": "q", "k": 21}, "invalid_argument"),
+    ("search_corpus", {"query": "q", "k": True}, "invalid_argument"),
+    ("search_corpus", {"query": "q", "k": "5"}, "invalid_argument"),
+    ("search_corpus", {"query": "q", "k": 2.5}, "invalid_argument"),
+    ("search_corpus", {"query": "q", "mode": "fuzzy"}, "invalid_argument"),
+    ("search_corpus", {"query": "q", "min_score": 1.5}, "invalid_argument"),
+    ("search_corpus", {"query": "q", "min_score": 0.5, "mode": "keyword"}, "invalid_argument"),
+    ("search_corpus", {"query": "q", "include_superseded": "yes"}, "invalid_argument"),
+    ("search_corpus", {"query": "q", "limit": 3}, "invalid_argument"),
+    ("search_corpus", {"query": "q", "path_prefix": "../etc"}, "path_rejected"),
+    ("search_corpus", {"query": "q", "path_prefix": "/etc"}, "path_rejected"),
+    ("search_corpus", {"query": "q", "path_prefix": "a\\b"}, "path_rejected"),
+    ("get_file", {}, "invalid_argument"),
+    ("get_file", {"path": ""}, "invalid_argument"),
+    ("get_file", {"path": "a/../../etc/passwd"}, "path_rejected"),
+    ("get_file", {"path": "/etc/passwd"}, "path_rejected"),
+    ("get_file", {"path": "~/x.md"}, "path_rejected"),
+    ("get_file", {"path": "..\\x.md"}, "path_rejected"),
+    ("get_file", {"path": "a\x00.md"}, "path_rejected"),
+    ("get_file", {"path": "x.md", "start_line": 0}, "invalid_argument"),
+    ("get_file", {"path": "x.md", "end_line": -3}, "invalid_argument"),
+    ("get_file", {"path": "x.md", "extra": 1}, "invalid_argument"),
+    ("list_documents", {"limit": 0}, "invalid_argument"),
+    ("list_documents", {"limit": 501}, "invalid_argument"),
+    ("list_documents", {"offset": -1}, "invalid_argument"),
+    ("list_documents", {"path_prefix": "../x"}, "path_rejected"),
+    ("no_such_tool", {}, "invalid_argument"),
+])
+def test_bad_arguments_get_structured_errors(no_store: tuple[server.RetrievalService, Path], tool: str,
+                                             args: dict[str, Any], code: str) -> None:
+    svc, store = no_store
+    assert error_code(svc, tool, **args) == code
+    assert not store.exists()
+
+
+def test_arguments_are_normalised() -> None:
+    nfd = unicodedata.normalize("NFD", "résumé café")
+    parsed = server.SearchCorpusInput(query=f"  {nfd}  ", path_prefix="./runbooks/")
+    assert parsed.query == "résumé café" and parsed.path_prefix == "runbooks"
+    assert server.SearchCorpusInput(query="q", path_prefix="  ").path_prefix is None
+    assert server.GetFileInput(path=unicodedata.normalize("NFD", "ja/é.md")).path == "ja/é.md"
+
+
+def test_tool_schemas_are_typed_and_closed() -> None:
+    tools = {t.name: t for t in server.tool_definitions()}
+    assert set(tools) == {"search_corpus", "get_file", "list_documents"}
+    for tool in tools.values():
+        assert tool.input_schema["additionalProperties"] is False
+        assert tool.output_schema and tool.output_schema["type"] == "object"
+        ann = tool.annotations
+        assert (ann.read_only_hint, ann.idempotent_hint, ann.open_world_hint, ann.destructive_hint) == (
+            True, True, False, False)
+    search = tools["search_corpus"].input_schema["properties"]
+    assert (search["k"]["minimum"], search["k"]["maximum"]) == (1, 20)
+    assert search["mode"]["enum"] == ["hybrid", "vector", "keyword"]
+    assert len(server.INSTRUCTIONS) > 512 and "search_corpus" in server.INSTRUCTIONS[:512]
+    assert "get_file" in server.INSTRUCTIONS[:512]
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=True)
+    | st.text(max_size=50),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3),
+    max_leaves=6)
+arg_keys = st.sampled_from(["query", "k", "path_prefix", "include_superseded", "min_score", "mode", "path",
+                            "start_line", "end_line", "offset", "limit", "bogus"])
+weird_text = st.text(alphabet=st.characters(), max_size=60) | st.sampled_from(
+    ["", " ", "../x", "/abs", "a\\b", "a\x00b", "\ud800", "%2e%2e/x", "~", "runbooks", "x" * 3000])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(["search_corpus", "get_file", "list_documents"]),
+       st.dictionaries(arg_keys, json_values | weird_text, max_size=5))
+def test_any_arguments_get_a_structured_answer(no_store: tuple[server.RetrievalService, Path], tool: str,
+                                               args: dict[str, Any]) -> None:
+    svc, store = no_store
+    is_error, payload = call(svc, tool, **args)
+    assert is_error, "no store: nothing can succeed"
+    assert payload["error"]["code"] in {"invalid_argument", "path_rejected", "index_missing"}
+    assert not store.exists()
+
+
+# ---------------------------------------------------------------------------
+# The store: never created, every missing piece reported.
+
+
+def test_missing_store_is_reported_and_never_created(no_store: tuple[server.RetrievalService, Path]) -> None:
+    svc, store = no_store
+    for mode in ("hybrid", "vector", "keyword"):
+        assert error_code(svc, "search_corpus", query="who gets paged", mode=mode) == "index_missing"
+    assert error_code(svc, "get_file", path="oncall/escalation.md") == "index_missing"
+    assert error_code(svc, "list_documents") == "index_missing"
+    _, payload = call(svc, "list_documents")
+    assert str(store) in payload["error"]["message"] and "python ingest.py" in payload["error"]["hint"]
+    assert not store.exists()
+
+
+def _drop_collection(built: Built) -> None:
+    # A separate process, so this test's Chroma system cache is not involved.
+    code = ("import sys, chromadb; c = chromadb.PersistentClient(path=sys.argv[1]); "
+            "c.delete_collection(sys.argv[2])")
+    subprocess.run([sys.executable, "-c", code, str(built.index_dir / "chroma"), COLLECTION_BY_LIFECYCLE["active"]],
+                   check=True, env={**os.environ, "ANONYMIZED_TELEMETRY": "False"}, capture_output=True)
+
+
+@pytest.mark.parametrize("missing", ["CURRENT.json", "index folder", "keywords.sqlite3", "chroma.sqlite3",
+                                     "collection"])
+def test_each_missing_piece_is_index_missing_and_stays_missing(base: Built, tmp_path: Path, missing: str) -> None:
+    copy = Built(base.corpus, tmp_path / "store", base.host)
+    shutil.copytree(base.store, copy.store)
+    index_dir = copy.index_dir
+    gone = {"CURRENT.json": copy.store / "CURRENT.json", "index folder": index_dir,
+            "keywords.sqlite3": index_dir / "keywords.sqlite3", "chroma.sqlite3": index_dir / "chroma" / "chroma.sqlite3",
+            "collection": None}[missing]
+    if gone is None:
+        _drop_collection(copy)
+    elif gone.is_dir():
+        shutil.rmtree(gone)
+    else:
+        gone.unlink()
+    svc = service(copy)
+    assert error_code(svc, "search_corpus", query="who gets paged for a sev-1") == "index_missing"
+    assert error_code(svc, "search_corpus", query="who gets paged", mode="vector") == "index_missing"
+    if missing in ("chroma.sqlite3", "collection"):
+        # The keyword channel and the documents table do not need the vectors.
+        assert not call(svc, "search_corpus", query="sev-1", mode="keyword")[0]
+        assert not call(svc, "list_documents")[0]
+    else:
+        assert error_code(svc, "list_documents") == "index_missing"
+        assert error_code(svc, "get_file", path="oncall/escalation.md") == "index_missing"
+    if gone is not None:
+        assert not gone.exists(), "the server must not recreate what is missing"
+
+
+def test_unreadable_current_json_and_corrupt_keyword_db(base: Built, tmp_path: Path) -> None:
+    copy = Built(base.corpus, tmp_path / "store", base.host)
+    shutil.copytree(base.store, copy.store)
+    keywords = copy.index_dir / "keywords.sqlite3"
+    keywords.write_bytes(b"this is not a database" * 100)
+    is_error, payload = call(service(copy), "list_documents")
+    assert is_error and payload["error"]["code"] == "internal"
+    assert "ingest.py" in payload["error"]["hint"]
+    (copy.store / "CURRENT.json").write_text("{not json", encoding="utf-8")
+    assert error_code(service(copy), "search_corpus", query="q") == "index_incompatible"
+
+
+# ---------------------------------------------------------------------------
+# Model, dimensions, embedder faults.
+
+
+def test_configured_model_must_match_the_index(base: Built) -> None:
+    svc = service(base, RAG_EMBED_MODEL="nomic-embed-text")
+    is_error, payload = call(svc, "search_corpus", query="who gets paged for a sev-1")
+    assert is_error and payload["error"]["code"] == "index_incompatible"
+    assert "RAG_EMBED_MODEL" in payload["error"]["hint"]
+    # The same name spelled with its tag is the same model; keyword mode needs no model at all.
+    assert not call(service(base, RAG_EMBED_MODEL="embeddinggemma:latest"), "search_corpus", query="sev-1")[0]
+    assert not call(svc, "search_corpus", query="sev-1", mode="keyword")[0]
+
+
+def test_vectors_of_another_dimension_are_index_incompatible(base: Built) -> None:
+    with FakeOllama(dims=768) as other:
+        other.configure(wrong_dims=384)
+        svc = service(base, host=other.host)
+        is_error, payload = call(svc, "search_corpus", query="who gets paged for a sev-1")
+        assert is_error and payload["error"]["code"] == "index_incompatible"
+        assert "384" in payload["error"]["message"] and "768" in payload["error"]["message"]
+
+
+def test_embedder_faults_are_structured_and_keyword_mode_still_works(base: Built) -> None:
+    other = FakeOllama().start()
+    svc = service(base, host=other.host)
+    try:
+        other.configure(missing_models=["embeddinggemma"])
+        is_error, payload = call(svc, "search_corpus", query="who gets paged for a sev-1")
+        assert is_error and payload["error"]["code"] == "model_not_found"
+        assert "ollama pull embeddinggemma" in payload["error"]["hint"]
+    finally:
+        other.stop()
+    is_error, payload = call(svc, "search_corpus", query="rollback steps")
+    assert is_error and payload["error"]["code"] == "embedder_unavailable"
+    assert other.host in payload["error"]["message"]
+    is_error, payload = call(svc, "search_corpus", query="rollback steps", mode="keyword")
+    assert not is_error and payload["results"]
+
+
+def test_repeated_queries_reuse_the_query_embedding(base: Built) -> None:
+    with FakeOllama() as other:
+        svc = service(base, host=other.host)
+        for _ in range(3):
+            assert not call(svc, "search_corpus", query="escalation timings for the secondary")[0]
+        assert other.embed_calls == 1
+        assert not call(svc, "search_corpus", query="a different question")[0]
+        assert other.embed_calls == 2
+
+
+# ---------------------------------------------------------------------------
+# Pre-filters: lifecycle and path_prefix reach the store; nothing is dropped afterwards.
+
+
+class RecordingCollection:
+    """Wraps a real Chroma collection and records what reaches it."""
+
+    def __init__(self, inner: Any, calls: list[tuple[str, str, dict[str, Any]]]) -> None:
+        self._inner = inner
+        self._calls = calls
+
+    def query(self, **kwargs: Any) -> Any:
+        self._calls.append(("query", self._inner.name, kwargs))
+        return self._inner.query(**kwargs)
+
+    def get(self, **kwargs: Any) -> Any:
+        self._calls.append(("get", self._inner.name, kwargs))
+        return self._inner.get(**kwargs)
+
+
+def recorded(svc: server.RetrievalService) -> list[tuple[str, str, dict[str, Any]]]:
+    calls: list[tuple[str, str, dict[str, Any]]] = []
+    index = svc.manager.open()
+    index.collection("active")
+    index._collections = {lc: RecordingCollection(col, calls) for lc, col in index._collections.items()}
+    return calls
+
+
+def test_default_search_queries_only_the_active_collection_unfiltered(base: Built) -> None:
+    svc = service(base)
+    calls = recorded(svc)
+    is_error, payload = call(svc, "search_corpus", query="kubectl-deploy push --all-at-once", k=5)
+    assert not is_error and len(payload["results"]) == 5
+    queries = [(name, kw) for op, name, kw in calls if op == "query"]
+    assert [name for name, _ in queries] == ["chunks_active"]
+    assert queries[0][1]["where"] is None
+    assert all(name == "chunks_active" for _, name, _ in calls), "superseded is never touched by default"
+    assert {hit["lifecycle"] for hit in payload["results"]} == {"active"}
+
+
+def test_include_superseded_queries_both_collections(base: Built) -> None:
+    svc = service(base)
+    calls = recorded(svc)
+    is_error, payload = call(svc, "search_corpus", query="kubectl-deploy push --all-at-once", include_superseded=True)
+    assert not is_error
+    assert sorted(name for op, name, _ in calls if op == "query") == ["chunks_active", "chunks_superseded"]
+    assert payload["results"][0]["path"] == "runbooks/deploy-2023.md"
+    assert payload["results"][0]["lifecycle"] == "superseded"
+
+
+def test_path_prefix_is_a_where_clause_on_the_store(base: Built) -> None:
+    svc = service(base)
+    calls = recorded(svc)
+    is_error, payload = call(svc, "search_corpus", query="who gets paged for a sev-1", path_prefix="runbooks",
+                             include_superseded=True, k=10)
+    assert not is_error and payload["results"]
+    wheres = {name: kw["where"] for op, name, kw in calls if op == "query"}
+    # The one superseded document is under the prefix: a prefix covering a whole collection
+    # needs no where clause (the unfiltered fast path).
+    assert wheres == {"chunks_active": {"path": {"$in": ["runbooks/deploy.md"]}}, "chunks_superseded": None}
+    assert all(hit["path"].startswith("runbooks/") for hit in payload["results"])
+    # No superseded document under the prefix: that collection is not queried at all.
+    calls.clear()
+    is_error, payload = call(svc, "search_corpus", query="kubectl-deploy push", path_prefix="oncall",
+                             include_superseded=True)
+    assert not is_error and all(hit["path"].startswith("oncall/") for hit in payload["results"])
+    wheres = {name: kw["where"] for op, name, kw in calls if op == "query"}
+    assert wheres == {"chunks_active": {"path": {"$in": ["oncall/escalation.md"]}}}
+    # Segment-wise: 'run' is not a prefix of 'runbooks/...'.
+    is_error, payload = call(svc, "search_corpus", query="rollback", path_prefix="run")
+    assert not is_error and payload["results"] == [] and "list_documents" in payload["message"]
+
+
+def test_prefix_holding_only_superseded_documents_says_so(base: Built) -> None:
+    svc = service(base)
+    is_error, payload = call(svc, "search_corpus", query="deploy", path_prefix="runbooks/deploy-2023.md")
+    assert not is_error and payload["results"] == [] and "include_superseded" in payload["message"]
+
+
+def test_keyword_channel_filters_in_sql_before_the_limit(base: Built) -> None:
+    index = service(base).manager.open()
+    query = "kubectl-deploy push --all-at-once"
+    assert index.keyword_query(query, ["active", "superseded"], None, 1) == index.keyword_query(
+        query, ["superseded"], None, 1), "the superseded runbook is the best keyword match overall"
+    (best_active,) = index.keyword_query(query, ["active"], None, 1)
+    assert index.chunks_by_id([best_active])[best_active].lifecycle == "active"
+    in_oncall = index.keyword_query("sev-1 rollback", ["active"], "oncall", 50)
+    assert in_oncall and all(r.path.startswith("oncall/") for r in index.chunks_by_id(in_oncall).values())
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "vector", "keyword"])
+def test_superseded_text_never_takes_a_default_slot(base: Built, mode: str) -> None:
+    svc = service(base)
+    old = (base.corpus / "runbooks" / "deploy-2023.md").read_text(encoding="utf-8").splitlines()
+    probes = [line for line in old if len(line) > 40][:6]
+    for probe in probes:
+        is_error, payload = call(svc, "search_corpus", query=probe[:300], k=5, mode=mode)
+        assert not is_error
+        assert all(hit["lifecycle"] == "active" for hit in payload["results"])
+        if mode != "keyword":
+            assert len(payload["results"]) == 5, "slots are filled from active documents"
+
+
+def test_orphaned_vectors_never_cost_a_slot(fresh: Built) -> None:
+    """Vectors whose chunk rows were never committed (an interrupted ingest) are skipped, and the
+    server fetches past them, even when they crowd the whole first candidate page."""
+    query = "who gets paged for a sev-1"
+    vector = query_vector(query)
+    code = ("import json, sys, chromadb; c = chromadb.PersistentClient(path=sys.argv[1]); "
+            "col = c.get_collection('chunks_active'); v = json.loads(sys.stdin.read()); "
+            "col.add(ids=[f'orphan-{i:03d}' for i in range(80)], embeddings=[v] * 80, "
+            "metadatas=[{'path': 'oncall/escalation.md', 'lifecycle': 'active'}] * 80, documents=['orphan'] * 80)")
+    subprocess.run([sys.executable, "-c", code, str(fresh.index_dir / "chroma")], input=json.dumps(vector),
+                   text=True, check=True, env={**os.environ, "ANONYMIZED_TELEMETRY": "False"}, capture_output=True)
+    for mode in ("vector", "hybrid"):
+        is_error, payload = call(service(fresh), "search_corpus", query=query, k=5, mode=mode)
+        assert not is_error and len(payload["results"]) == 5
+        assert all(hit["text"] != "orphan" for hit in payload["results"])
+        assert payload["results"][0]["heading"].endswith("Who gets paged for a sev-1")
+
+
+def test_min_score_drops_before_taking_slots(base: Built) -> None:
+    svc = service(base)
+    _, plain = call(svc, "search_corpus", query="who gets paged for a sev-1", k=20)
+    scores = sorted(hit["score"] for hit in plain["results"])
+    floor = scores[len(scores) // 2]
+    is_error, payload = call(svc, "search_corpus", query="who gets paged for a sev-1", k=20, min_score=floor)
+    assert not is_error and payload["results"]
+    assert all(hit["score"] >= floor for hit in payload["results"])
+    assert payload["dropped_below_min_score"] > 0
+    is_error, payload = call(svc, "search_corpus", query="who gets paged for a sev-1", min_score=1.0)
+    assert not is_error and payload["results"] == [] and payload["dropped_below_min_score"] > 0
+    assert "min_score" in payload["message"]
+
+
+def test_scores_are_cosine_similarity_in_every_channel(base: Built, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Few candidates per channel, so hybrid has keyword-only hits whose score comes from the
+    # stored embedding rather than from the vector query.
+    monkeypatch.setattr(server, "CHANNEL_CANDIDATES", 3)
+    svc = service(base)
+    query = "NIMBUS_API_TOKEN E4091 rate limit"
+    is_error, hybrid = call(svc, "search_corpus", query=query, k=10, include_superseded=True)
+    assert not is_error
+    assert any(hit["matched"] == ["keyword"] for hit in hybrid["results"])
+    assert any("vector" in hit["matched"] for hit in hybrid["results"])
+    index = svc.manager.open()
+    wanted = query_vector(query)
+    for hit in hybrid["results"]:
+        (chunk_id,) = [r[0] for r in index.db.execute(
+            "SELECT id FROM chunks WHERE path = ? AND start_line = ?", (hit["path"], hit["start_line"]))]
+        found, matrix = index.embeddings(hit["lifecycle"], [chunk_id])
+        assert found == [chunk_id]
+        stored = [float(x) for x in matrix[0]]
+        assert hit["score"] == pytest.approx(server.cosine(wanted, stored), abs=1e-5)
+        assert hit["rank_score"] > 0
+    _, keyword = call(svc, "search_corpus", query="NIMBUS_API_TOKEN", mode="keyword")
+    assert keyword["results"] and all(h["score"] is None and h["matched"] == ["keyword"] for h in keyword["results"])
+
+
+def test_response_stays_under_the_size_budget(base: Built) -> None:
+    _, payload = call(service(base), "search_corpus", query="deploy rollout canary wave bake promote", k=20,
+                      include_superseded=True)
+    assert len(payload["results"]) == 20
+    assert server.json_len(payload) <= server.SEARCH_RESPONSE_MAX_CHARS
+    assert all(len(hit["text"]) <= server.HIT_TEXT_MAX_CHARS for hit in payload["results"])
+    assert any(hit["truncated"] for hit in payload["results"])
+
+
+def test_fts_syntax_in_a_query_is_text(base: Built) -> None:
+    svc = service(base)
+    for query in ['"unbalanced', "deploy*", "NEAR(deploy rollback", "-rollback", "title:deploy", "AND OR NOT",
+                  "^deploy", "a:b:c", "{curly} [square] (paren)", "'single'", "\"\"\"\"", "*"]:
+        for mode in ("hybrid", "keyword"):
+            is_error, payload = call(svc, "search_corpus", query=query, mode=mode)
+            assert not is_error, (query, payload)
+
+
+def test_staleness_counts_changed_and_vanished_files(swappable: Built) -> None:
+    fresh = swappable
+    (fresh.corpus / "reference" / "glossary.md").write_text("changed\n", encoding="utf-8")
+    (fresh.corpus / "ja" / "log-collection.md").unlink()
+    _, payload = call(service(fresh), "list_documents")
+    assert payload["staleness"]["changed_files"] == 2
+    assert "python ingest.py" in payload["staleness"]["hint"]
+    _, clean = call(service(Built(SAMPLE, fresh.store, fresh.host)), "list_documents")
+    assert clean["index"]["generation"] == 1 and clean["index"]["model"] == "embeddinggemma"
+
+
+def test_new_generation_is_seen_without_a_new_service(fresh: Built) -> None:
+    svc = service(fresh)
+    query = "ZEBRA-QUOKKA-4411 failover drill"
+    _, before = call(svc, "search_corpus", query=query, mode="keyword")
+    assert all("drill" not in hit["path"] for hit in before["results"])
+    (fresh.corpus / "oncall" / "drill.md").write_text(
+        "# Failover drill\n\nThe ZEBRA-QUOKKA-4411 failover drill runs every quarter.\n", encoding="utf-8")
+    done = run_ingest(fresh.corpus, fresh.store, fresh.host)
+    assert done.returncode == 0, done.stderr
+    for mode in ("hybrid", "vector", "keyword"):
+        is_error, after = call(svc, "search_corpus", query=query, mode=mode)
+        assert not is_error and after["results"][0]["path"] == "oncall/drill.md", mode
+    assert after["index"]["generation"] == 2
+
+
+# ---------------------------------------------------------------------------
+# get_file and list_documents.
+
+
+def test_get_file_returns_exact_lines_matching_search_hits(base: Built) -> None:
+    svc = service(base)
+    _, found = call(svc, "search_corpus", query="who gets paged for a sev-1")
+    hit = found["results"][0]
+    assert hit["path"] == "oncall/escalation.md" and hit["heading"].endswith("Who gets paged for a sev-1")
+    is_error, payload = call(svc, "get_file", path=hit["path"], start_line=hit["start_line"], end_line=hit["end_line"])
+    assert not is_error and payload["source"] == "disk" and payload["changed_since_ingest"] is False
+    disk_lines = (base.corpus / hit["path"]).read_text(encoding="utf-8").split("\n")
+    assert payload["text"] == "\n".join(disk_lines[hit["start_line"] - 1:hit["end_line"]])
+    assert hit["text"].strip() in payload["text"]
+    _, whole = call(svc, "get_file", path="oncall/escalation.md")
+    assert whole["start_line"] == 1 and whole["end_line"] == whole["total_lines"] and not whole["truncated"]
+    assert error_code(svc, "get_file", path="oncall/escalation.md", start_line=10_000) == "invalid_argument"
+    assert error_code(svc, "get_file", path="oncall/escalation.md", start_line=9, end_line=3) == "invalid_argument"
+
+
+def test_get_file_reads_only_indexed_paths(base: Built) -> None:
+    svc = service(base)
+    for path in ("private/offsite-backup.md", "oncall/nope.md", "ONCALL/escalation.md", "%2e%2e/etc/passwd",
+                 "oncall", "README.md"):
+        is_error, payload = call(svc, "get_file", path=path)
+        assert is_error and payload["error"]["code"] == "not_indexed", path
+        assert "list_documents" in payload["error"]["hint"]
+
+
+@pytest.mark.parametrize("swap", ["file to /etc/passwd", "file to another corpus file", "folder to outside",
+                                  "folder to another corpus folder", "file to a fifo", "corpus moved"])
+def test_get_file_refuses_swapped_paths(swappable: Built, tmp_path: Path, swap: str) -> None:
+    fresh = swappable
+    svc = service(fresh)
+    target = fresh.corpus / "runbooks" / "deploy.md"
+    if swap == "file to /etc/passwd":
+        target.unlink()
+        target.symlink_to("/etc/passwd")
+    elif swap == "file to another corpus file":
+        target.unlink()
+        target.symlink_to(fresh.corpus / "reference" / "api.md")
+    elif swap == "folder to outside":
+        outside = tmp_path / "outside"
+        shutil.move(str(fresh.corpus / "runbooks"), outside)
+        (fresh.corpus / "runbooks").symlink_to(outside, target_is_directory=True)
+    elif swap == "folder to another corpus folder":
+        shutil.rmtree(fresh.corpus / "runbooks")
+        (fresh.corpus / "reference" / "deploy.md").write_text("# Decoy\n", encoding="utf-8")
+        (fresh.corpus / "runbooks").symlink_to(fresh.corpus / "reference", target_is_directory=True)
+    elif swap == "file to a fifo":
+        target.unlink()
+        os.mkfifo(target)
+    else:  # the server pointed at a copy of the corpus the index was not built from
+        moved = tmp_path / "moved"
+        shutil.copytree(fresh.corpus, moved)
+        svc = service(Built(moved, fresh.store, fresh.host))
+    is_error, payload = call(svc, "get_file", path="runbooks/deploy.md")
+    assert is_error and payload["error"]["code"] == "path_rejected", payload
+    assert "root:" not in json.dumps(payload)
+    # Other files are still served.
+    assert not call(svc, "get_file", path="oncall/escalation.md")[0] or swap == "corpus moved"
+
+
+def test_get_file_falls_back_to_indexed_passages_when_the_file_is_gone(swappable: Built) -> None:
+    fresh = swappable
+    svc = service(fresh)
+    (fresh.corpus / "oncall" / "escalation.md").unlink()
+    is_error, payload = call(svc, "get_file", path="oncall/escalation.md")
+    assert not is_error and payload["source"] == "index"
+    assert "Who gets paged for a sev-1" in payload["text"] and "Platform Primary rotation" in payload["text"]
+    part = call(svc, "get_file", path="oncall/escalation.md", start_line=17, end_line=20)[1]
+    assert part["source"] == "index" and part["start_line"] <= 17 and "Severity levels" in part["text"]
+
+
+def test_get_file_pages_a_long_file(fake: FakeOllama, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    lines = [f"Line {i:05d} " + "lorem ipsum dolor sit amet " * 3 for i in range(1, 1501)]
+    (src / "long.md").write_text("# Long\n\n" + "\n".join(lines) + "\n", encoding="utf-8")
+    built = build(tmp_path, fake.host, src)
+    svc = service(built)
+    got: list[str] = []
+    start: int | None = 1
+    while start is not None:
+        is_error, page = call(svc, "get_file", path="long.md", start_line=start)
+        assert not is_error and len(page["text"]) <= server.FILE_TEXT_MAX_CHARS
+        got.extend(page["text"].split("\n"))
+        assert page["truncated"] == (page["next_start_line"] is not None)
+        start = page["next_start_line"]
+    assert got == (built.corpus / "long.md").read_text(encoding="utf-8").split("\n")[:-1]
+
+
+def test_list_documents_paginates_and_carries_the_stamp(base: Built) -> None:
+    svc = service(base)
+    _, first = call(svc, "list_documents", limit=4)
+    assert first["total"] == 6 and len(first["documents"]) == 4 and first["next_offset"] == 4
+    _, rest = call(svc, "list_documents", offset=4, limit=4)
+    assert rest["next_offset"] is None and len(rest["documents"]) == 2
+    docs = {d["path"]: d for d in first["documents"] + rest["documents"]}
+    assert "private/offsite-backup.md" not in docs
+    assert docs["runbooks/deploy-2023.md"]["lifecycle"] == "superseded"
+    assert docs["oncall/escalation.md"]["title"] == "On-call escalation policy"
+    assert docs["oncall/escalation.md"]["chunks"] >= 1 and docs["oncall/escalation.md"]["lines"] > 40
+    assert docs["oncall/escalation.md"]["mtime"].endswith("+00:00")
+    assert first["index"]["files"] == 6 and first["index"]["commit"] is None or isinstance(first["index"]["commit"], str)
+    _, runbooks = call(svc, "list_documents", path_prefix="runbooks")
+    assert [d["path"] for d in runbooks["documents"]] == ["runbooks/deploy-2023.md", "runbooks/deploy.md"]
+    _, none = call(svc, "list_documents", path_prefix="nothing-here")
+    assert none["total"] == 0 and none["documents"] == [] and "nothing-here" in none["message"]
+    _, past = call(svc, "list_documents", offset=100)
+    assert past["documents"] == [] and past["next_offset"] is None and "past the end" in past["message"]
+
+
+def test_the_rag_false_token_is_never_served(base: Built) -> None:
+    svc = service(base)
+    token = "SECRET-OFFSITE-TOKEN-7731"
+    outputs = [call(svc, "list_documents", limit=500)[1], call(svc, "get_file", path="private/offsite-backup.md")[1]]
+    for mode in ("hybrid", "vector", "keyword"):
+        for query in (token, "offsite backup restore escrow reference", "SECRET OFFSITE TOKEN"):
+            answer = call(svc, "search_corpus", query=query, mode=mode, k=20, include_superseded=True)[1]
+            assert answer.pop("query") == query  # the echo of the caller's own query is not a leak
+            outputs.append(answer)
+    for path in [d["path"] for d in outputs[0]["documents"]]:
+        outputs.append(call(svc, "get_file", path=path)[1])
+    assert token not in json.dumps(outputs, ensure_ascii=False)
+    assert not any("offsite-backup" in json.dumps(o) for o in outputs[2:])
+
+
+# ---------------------------------------------------------------------------
+# Keyword channel cost control: BM25 only over a bounded number of matches.
+
+
+@given(st.text(max_size=300))
+def test_query_terms_make_the_contract_expression(query: str) -> None:
+    from corpus_rules import fts_match_expression
+
+    terms = server.query_terms(query)
+    assert (server.fts_or(terms) if terms else None) == fts_match_expression(query)
+
+
+def test_keyword_plan_keeps_rare_terms_when_common_ones_would_blow_the_budget(base: Built) -> None:
+    index = service(base).manager.open()
+    chunks = index.current.stamp.chunks
+    assert index.keyword_plan("deploy rollback E4091", budget=chunks).kind == "all"
+    plan = index.keyword_plan("deploy rollback E4091", budget=5)
+    assert plan.kind == "rare" and "e4091" in plan.terms and "deploy" not in plan.terms
+    rows, plan = index.keyword_rows("deploy rollback E4091", ["active"], None, 10, budget=5)
+    assert rows and "E4091" in rows[0].text
+    # Only common words: nothing; the vector channel carries such a query.
+    assert index.keyword_plan("deploy rollout canary", budget=5).kind == "too_common"
+    assert index.keyword_plan("the of and", budget=5).kind == "no_terms"
+    assert index.keyword_plan("zzqqxx-unknown", budget=0).kind == "too_common"
+
+
+def test_keyword_mode_explains_when_every_word_is_too_common(base: Built, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server, "KEYWORD_MATCH_BUDGET", 1)
+    svc = service(base)
+    is_error, payload = call(svc, "search_corpus", query="deploy rollout canary promote wave", mode="keyword")
+    assert not is_error
+    if not payload["results"]:
+        assert "too common" in payload["message"]
+    # Hybrid still answers from the vector channel.
+    is_error, payload = call(svc, "search_corpus", query="deploy rollout canary promote wave")
+    assert not is_error and payload["results"]
+
+
+def test_embedder_timeout_is_embedder_unavailable_not_a_hang(base: Built) -> None:
+    with FakeOllama() as slow:
+        slow.configure(delay_seconds=5)
+        svc = service(base, host=slow.host, RAG_EMBED_TIMEOUT="0.5")
+        is_error, payload = call(svc, "search_corpus", query="who gets paged for a sev-1")
+        assert is_error and payload["error"]["code"] == "embedder_unavailable"
+        assert "did not answer" in payload["error"]["message"]
+
+
+def test_an_index_from_another_chunker_version_is_served_with_a_hint(base: Built, tmp_path: Path) -> None:
+    copy = Built(base.corpus, tmp_path / "store", base.host)
+    shutil.copytree(base.store, copy.store)
+    current = json.loads((copy.store / "CURRENT.json").read_text(encoding="utf-8"))
+    current["manifest"]["chunker_version"] = "0"
+    (copy.store / "CURRENT.json").write_text(json.dumps(current), encoding="utf-8")
+    is_error, payload = call(service(copy), "search_corpus", query="who gets paged for a sev-1")
+    assert not is_error and payload["results"]
+    assert "chunker version 0" in payload["staleness"]["hint"] and "ingest.py" in payload["staleness"]["hint"]

@@ -1,0 +1,532 @@
+"""End-to-end: the real `python server.py` over stdio, against indexes built by the real
+`python ingest.py` from sample-corpus through the loopback fake Ollama (running in this process).
+
+Most tests talk through the MCP SDK's own client (`mcp.Client` with `StdioServerParameters`);
+the stdout-purity and import tests speak raw JSON-RPC lines to a process they spawn themselves.
+No timing assertions anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO, TypeVar
+
+import anyio
+import pytest
+from mcp import Client, StdioServerParameters
+from mcp.client.stdio import stdio_client
+
+from corpus_rules import StoreLayout
+from fake_ollama import FakeOllama
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "sample-corpus"
+SERVER = ROOT / "server.py"
+TOKEN = "SECRET-OFFSITE-TOKEN-7731"
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------------
+# Building indexes and starting servers.
+
+
+@dataclass(frozen=True)
+class Built:
+    corpus: Path
+    store: Path
+
+    @property
+    def index_dir(self) -> Path:
+        current = StoreLayout(self.store).read_current()
+        assert current is not None
+        return self.store / current.index
+
+
+def run_ingest(corpus: Path, store: Path, host: str) -> None:
+    env = {**os.environ, "OLLAMA_HOST": host}
+    env.pop("RAG_EMBED_MODEL", None)
+    done = subprocess.run([sys.executable, str(ROOT / "ingest.py"), "--corpus", str(corpus), "--store", str(store)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def build(tmp: Path, host: str, source: Path = SAMPLE) -> Built:
+    corpus = tmp / "corpus"
+    shutil.copytree(source, corpus)
+    store = tmp / "store"
+    run_ingest(corpus, store, host)
+    return Built(corpus, store)
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeOllama]:
+    with FakeOllama() as instance:
+        yield instance
+
+
+@pytest.fixture(scope="module")
+def built(fake: FakeOllama, tmp_path_factory: pytest.TempPathFactory) -> Built:
+    return build(tmp_path_factory.mktemp("e2e"), fake.host)
+
+
+def server_env(built: Built, host: str, **extra: str) -> dict[str, str]:
+    env = {"OLLAMA_HOST": host, "RAG_CORPUS_DIR": str(built.corpus), "RAG_STORE_DIR": str(built.store),
+           "PYTHONUNBUFFERED": "1", **extra}
+    return env
+
+
+def run(fn: Callable[[], Awaitable[T]]) -> T:
+    return anyio.run(fn)
+
+
+@asynccontextmanager
+async def connect(env: dict[str, str], errlog: TextIO | None = None, mode: str = "auto") -> AsyncIterator[Client]:
+    params = StdioServerParameters(command=sys.executable, args=[str(SERVER)], env=env, cwd=str(ROOT.parent))
+    target: Any = stdio_client(params, errlog=errlog) if errlog is not None else params
+    async with Client(target, mode=mode, read_timeout_seconds=60) as client:  # type: ignore[arg-type]
+        yield client
+
+
+async def tool(client: Client, name: str, **args: Any) -> tuple[bool, dict[str, Any]]:
+    result = await client.call_tool(name, args)
+    payload = result.structured_content
+    assert isinstance(payload, dict)
+    assert json.loads(result.content[0].text) == payload  # type: ignore[union-attr]
+    if result.is_error:
+        assert set(payload["error"]) == {"code", "message", "hint"}
+    return bool(result.is_error), payload
+
+
+async def error_code(client: Client, name: str, **args: Any) -> str:
+    is_error, payload = await tool(client, name, **args)
+    assert is_error, payload
+    return str(payload["error"]["code"])
+
+
+# ---------------------------------------------------------------------------
+# Retrieval over stdio.
+
+
+def test_sev1_question_finds_the_on_call_doc_first(built: Built, fake: FakeOllama) -> None:
+    async def scenario() -> None:
+        async with connect(server_env(built, fake.host), mode="legacy") as client:
+            assert client.instructions and "search_corpus" in client.instructions[:512]
+            listed = {t.name: t for t in (await client.list_tools()).tools}
+            assert set(listed) == {"search_corpus", "get_file", "list_documents"}
+            for definition in listed.values():
+                assert definition.annotations and definition.annotations.read_only_hint is True
+                assert definition.output_schema is not None
+            is_error, payload = await tool(client, "search_corpus", query="who gets paged for a sev-1")
+            assert not is_error
+            top = payload["results"][0]
+            assert top["path"] == "oncall/escalation.md"
+            assert top["heading"] == "On-call escalation policy > Who gets paged for a sev-1"
+            assert 1 <= top["start_line"] <= top["end_line"]
+            assert top["lifecycle"] == "active" and 0 < top["score"] <= 1
+            assert payload["index"]["model"] == "embeddinggemma" and payload["index"]["generation"] == 1
+            assert payload["staleness"]["changed_files"] == 0
+            is_error, lines = await tool(client, "get_file", path=top["path"], start_line=top["start_line"],
+                                         end_line=top["end_line"])
+            assert not is_error and lines["text"].startswith("## Who gets paged for a sev-1")
+            assert "Platform Primary rotation" in lines["text"]
+
+    run(scenario)
+
+
+def test_superseded_runbook_only_with_include_superseded(built: Built, fake: FakeOllama) -> None:
+    async def scenario() -> None:
+        async with connect(server_env(built, fake.host)) as client:
+            query = "kubectl-deploy push --all-at-once"
+            for mode in ("hybrid", "vector", "keyword"):
+                _, default = await tool(client, "search_corpus", query=query, k=20, mode=mode)
+                assert all(hit["path"] != "runbooks/deploy-2023.md" for hit in default["results"]), mode
+                _, included = await tool(client, "search_corpus", query=query, k=20, mode=mode,
+                                         include_superseded=True)
+                old = [hit for hit in included["results"] if hit["path"] == "runbooks/deploy-2023.md"]
+                assert old and all(hit["lifecycle"] == "superseded" for hit in old), mode
+            _, listed = await tool(client, "list_documents")
+            assert {d["path"]: d["lifecycle"] for d in listed["documents"]}["runbooks/deploy-2023.md"] == "superseded"
+
+    run(scenario)
+
+
+def test_rag_false_token_is_never_returned_by_any_tool(built: Built, fake: FakeOllama) -> None:
+    async def scenario() -> None:
+        async with connect(server_env(built, fake.host)) as client:
+            outputs: list[Any] = []
+            for mode in ("hybrid", "vector", "keyword"):
+                for query in (TOKEN, "offsite backup restore credentials escrow", "SECRET OFFSITE TOKEN 7731"):
+                    _, payload = await tool(client, "search_corpus", query=query, mode=mode, k=20,
+                                            include_superseded=True)
+                    payload.pop("query")  # the caller's own words echoed back
+                    outputs.append(payload)
+            _, listed = await tool(client, "list_documents", limit=500)
+            outputs.append(listed)
+            for document in listed["documents"]:
+                outputs.append((await tool(client, "get_file", path=document["path"]))[1])
+            assert await error_code(client, "get_file", path="private/offsite-backup.md") == "not_indexed"
+            dumped = json.dumps(outputs, ensure_ascii=False)
+            assert TOKEN not in dumped and "offsite-backup" not in dumped
+
+    run(scenario)
+
+
+def test_identifier_in_one_chunk_is_found_by_hybrid_though_vectors_miss_it(fake: FakeOllama, tmp_path: Path) -> None:
+    """60 distractor pages share the query's words; one page mentions the error code once, among
+    unrelated words. The vector channel ranks it outside its candidates; keywords rank it first."""
+    source = tmp_path / "source"
+    (source / "noise").mkdir(parents=True)
+    for i in range(60):
+        (source / "noise" / f"page-{i:02d}.md").write_text(
+            f"# Deploy pipeline failure {i}\n\nWhen the deploy pipeline rollout fails with an error, check "
+            f"what the error means, retry the rollout, and read the pipeline logs. Step {i} of the guide.\n",
+            encoding="utf-8")
+    (source / "codes.md").write_text(
+        "# Kitchen inventory\n\nApples, pears and a teapot. Code QZX-7781 marks the blue teapot shelf.\n",
+        encoding="utf-8")
+    index = build(tmp_path, fake.host, source)
+    query = "what does error QZX-7781 mean when the deploy pipeline rollout fails"
+
+    async def scenario() -> None:
+        async with connect(server_env(index, fake.host)) as client:
+            _, vector = await tool(client, "search_corpus", query=query, k=20, mode="vector")
+            assert "codes.md" not in [hit["path"] for hit in vector["results"]]
+            _, hybrid = await tool(client, "search_corpus", query=query, k=5)
+            hits = {hit["path"]: hit for hit in hybrid["results"]}
+            assert "codes.md" in hits and hits["codes.md"]["matched"] == ["keyword"]
+            assert isinstance(hits["codes.md"]["score"], float)  # cosine from the stored embedding
+            _, keyword = await tool(client, "search_corpus", query="QZX-7781", mode="keyword")
+            assert keyword["results"][0]["path"] == "codes.md"
+
+    run(scenario)
+
+
+def test_japanese_keyword_query_finds_the_japanese_doc(built: Built, fake: FakeOllama) -> None:
+    async def scenario() -> None:
+        async with connect(server_env(built, fake.host)) as client:
+            for query in ("ログの保持期間", "送信先", "シッパー"):
+                for mode in ("keyword", "hybrid"):
+                    is_error, payload = await tool(client, "search_corpus", query=query, mode=mode)
+                    assert not is_error and payload["results"][0]["path"] == "ja/log-collection.md", (query, mode)
+            _, payload = await tool(client, "search_corpus", query="LOG_SHIPPER_ENDPOINT", mode="keyword")
+            assert payload["results"][0]["path"] == "ja/log-collection.md"
+
+    run(scenario)
+
+
+def test_fts5_syntax_in_queries_is_plain_text(built: Built, fake: FakeOllama) -> None:
+    async def scenario() -> None:
+        async with connect(server_env(built, fake.host)) as client:
+            for query in ('"deployctl', "deploy*", "NEAR(rollback deploy", "-rollback", "title:Deploy",
+                          "body:x heading:y", 'rollback" OR "x', "AND", "(((", "E4091 NOT E4010"):
+                for mode in ("keyword", "hybrid"):
+                    is_error, payload = await tool(client, "search_corpus", query=query, mode=mode)
+                    assert not is_error, (query, mode, payload)
+            _, payload = await tool(client, "search_corpus", query='"E4091"*', mode="keyword")
+            assert payload["results"][0]["path"] == "reference/api.md"
+
+    run(scenario)
+
+
+def test_reingest_is_seen_without_restarting_the_server(fake: FakeOllama, tmp_path: Path) -> None:
+    index = build(tmp_path, fake.host)
+    query = "ZEBRA-QUOKKA-4411 failover drill schedule"
+
+    async def scenario() -> None:
+        async with connect(server_env(index, fake.host)) as client:
+            _, before = await tool(client, "search_corpus", query=query)
+            assert "oncall/drill.md" not in [hit["path"] for hit in before["results"]]
+            (index.corpus / "oncall" / "drill.md").write_text(
+                "# Failover drill\n\nThe ZEBRA-QUOKKA-4411 failover drill schedule: every quarter, first Tuesday.\n",
+                encoding="utf-8")
+            await anyio.to_thread.run_sync(run_ingest, index.corpus, index.store, fake.host)
+            for mode in ("hybrid", "vector", "keyword"):
+                _, after = await tool(client, "search_corpus", query=query, mode=mode)
+                assert after["results"][0]["path"] == "oncall/drill.md", mode
+            assert after["index"]["generation"] == 2
+            _, listed = await tool(client, "list_documents")
+            assert "oncall/drill.md" in [d["path"] for d in listed["documents"]]
+
+    run(scenario)
+
+
+# ---------------------------------------------------------------------------
+# Every error code from a real situation.
+
+
+def test_embedder_down_is_embedder_unavailable(built: Built) -> None:
+    down = FakeOllama().start()
+    host = down.host
+    down.stop()
+
+    async def scenario() -> None:
+        async with connect(server_env(built, host)) as client:
+            is_error, payload = await tool(client, "search_corpus", query="who gets paged for a sev-1")
+            assert is_error and payload["error"]["code"] == "embedder_unavailable"
+            assert host in payload["error"]["message"] and "ollama" in payload["error"]["hint"].lower()
+            is_error, payload = await tool(client, "search_corpus", query="sev-1 page", mode="keyword")
+            assert not is_error and payload["results"][0]["path"] == "oncall/escalation.md"
+
+    run(scenario)
+
+
+def test_missing_model_is_model_not_found(built: Built) -> None:
+    with FakeOllama() as other:
+        other.configure(missing_models=["embeddinggemma"])
+
+        async def scenario() -> None:
+            async with connect(server_env(built, other.host)) as client:
+                is_error, payload = await tool(client, "search_corpus", query="rollback")
+                assert is_error and payload["error"]["code"] == "model_not_found"
+                assert "ollama pull embeddinggemma" in payload["error"]["hint"]
+
+        run(scenario)
+
+
+def test_model_mismatch_and_wrong_dims_are_index_incompatible(built: Built, fake: FakeOllama) -> None:
+    async def mismatch() -> None:
+        async with connect(server_env(built, fake.host, RAG_EMBED_MODEL="nomic-embed-text")) as client:
+            assert await error_code(client, "search_corpus", query="rollback") == "index_incompatible"
+
+    run(mismatch)
+    with FakeOllama() as other:
+        other.configure(wrong_dims=256)
+
+        async def dims() -> None:
+            async with connect(server_env(built, other.host)) as client:
+                is_error, payload = await tool(client, "search_corpus", query="rollback")
+                assert is_error and payload["error"]["code"] == "index_incompatible"
+                assert "256" in payload["error"]["message"]
+
+        run(dims)
+
+
+def test_missing_store_is_index_missing_and_never_created(built: Built, fake: FakeOllama, tmp_path: Path) -> None:
+    store = tmp_path / "nowhere" / "store"
+    env = server_env(Built(built.corpus, store), fake.host)
+
+    async def scenario() -> None:
+        async with connect(env) as client:
+            for mode in ("hybrid", "vector", "keyword"):
+                assert await error_code(client, "search_corpus", query="rollback", mode=mode) == "index_missing"
+            assert await error_code(client, "get_file", path="oncall/escalation.md") == "index_missing"
+            is_error, payload = await tool(client, "list_documents")
+            assert is_error and payload["error"]["code"] == "index_missing"
+            assert str(store) in payload["error"]["message"] and "python ingest.py" in payload["error"]["hint"]
+
+    run(scenario)
+    assert not store.exists() and not store.parent.exists()
+
+
+def test_symlink_swap_is_path_rejected(fake: FakeOllama, tmp_path: Path) -> None:
+    index = build(tmp_path, fake.host)
+    target = index.corpus / "oncall" / "escalation.md"
+    target.unlink()
+    target.symlink_to("/etc/passwd")
+    (index.corpus / "runbooks" / "deploy.md").unlink()
+    (index.corpus / "runbooks" / "deploy.md").symlink_to(index.corpus / "reference" / "api.md")
+
+    async def scenario() -> None:
+        async with connect(server_env(index, fake.host)) as client:
+            for path in ("oncall/escalation.md", "runbooks/deploy.md"):
+                is_error, payload = await tool(client, "get_file", path=path)
+                assert is_error and payload["error"]["code"] == "path_rejected", payload
+                assert "root:" not in json.dumps(payload)
+            assert not (await tool(client, "get_file", path="reference/api.md"))[0]
+
+    run(scenario)
+
+
+def test_bad_arguments_unknown_paths_and_a_corrupt_index(built: Built, fake: FakeOllama, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with connect(server_env(built, fake.host)) as client:
+            assert await error_code(client, "search_corpus", query="") == "invalid_argument"
+            assert await error_code(client, "search_corpus", query="q", k=99) == "invalid_argument"
+            assert await error_code(client, "search_corpus", query="q", unknown_key=1) == "invalid_argument"
+            assert await error_code(client, "list_documents", limit="many") == "invalid_argument"
+            assert await error_code(client, "get_file", path="../../etc/passwd") == "path_rejected"
+            assert await error_code(client, "get_file", path="oncall/missing.md") == "not_indexed"
+            assert not (await tool(client, "list_documents"))[0], "the server is still up"
+
+    run(scenario)
+    corrupt = Built(built.corpus, tmp_path / "store")
+    shutil.copytree(built.store, corrupt.store)
+    (corrupt.index_dir / "keywords.sqlite3").write_bytes(b"garbage" * 1000)
+
+    async def broken() -> None:
+        async with connect(server_env(corrupt, fake.host)) as client:
+            is_error, payload = await tool(client, "list_documents")
+            assert is_error and payload["error"]["code"] == "internal" and "ingest.py" in payload["error"]["hint"]
+
+    run(broken)
+
+
+# ---------------------------------------------------------------------------
+# Raw JSON-RPC: stdout purity and a handshake without the heavy imports.
+
+
+class RawServer:
+    """`python server.py` spoken to line by line; every stdout and stderr line is kept."""
+
+    def __init__(self, env: dict[str, str], python_flags: tuple[str, ...] = ()) -> None:
+        full_env = {**os.environ, **env}
+        full_env.pop("RAG_EMBED_MODEL", None)
+        self.proc = subprocess.Popen([sys.executable, *python_flags, str(SERVER)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env, cwd=str(ROOT.parent))
+        self.stdout_lines: list[bytes] = []
+        self.stderr_lines: list[str] = []
+        self._messages: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._next_id = 0
+        self._threads = [threading.Thread(target=self._read_stdout, daemon=True),
+                         threading.Thread(target=self._read_stderr, daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.stdout_lines.append(line)
+            try:
+                self._messages.put(json.loads(line))
+            except ValueError:
+                pass  # recorded; the test fails on it when it checks stdout_lines
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr_lines.append(line.decode("utf-8", "replace"))
+
+    def send(self, raw: bytes) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(raw)
+        self.proc.stdin.flush()
+
+    def notify(self, method: str, params: dict[str, Any] | None = None) -> None:
+        self.send(json.dumps({"jsonrpc": "2.0", "method": method, **({"params": params} if params else {})}).encode()
+                  + b"\n")
+
+    def request(self, method: str, params: dict[str, Any] | None = None, timeout: float = 60) -> dict[str, Any]:
+        self._next_id += 1
+        wanted = self._next_id
+        self.send(json.dumps({"jsonrpc": "2.0", "id": wanted, "method": method, "params": params or {}}).encode()
+                  + b"\n")
+        deadline = time.monotonic() + timeout
+        while True:
+            message = self._messages.get(timeout=max(0.1, deadline - time.monotonic()))
+            if message.get("id") == wanted:
+                return message
+
+    def handshake(self) -> list[str]:
+        init = self.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                                           "clientInfo": {"name": "e2e", "version": "0"}})
+        assert init["result"]["serverInfo"]["name"] == "local-rag"
+        self.notify("notifications/initialized")
+        tools = self.request("tools/list")
+        return [t["name"] for t in tools["result"]["tools"]]
+
+    def call(self, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        return self.request("tools/call", {"name": name, "arguments": arguments})["result"]
+
+    def wait_for_stderr(self, text: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.stderr_lines):
+            assert time.monotonic() < deadline, f"{text!r} never logged"
+            time.sleep(0.05)
+
+    def close(self) -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            code = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        for thread in self._threads:
+            thread.join(timeout=10)
+        return code
+
+
+def test_stdout_is_pure_jsonrpc_including_error_paths(built: Built, fake: FakeOllama) -> None:
+    down = FakeOllama().start()
+    down_host = down.host
+    down.stop()
+    raw = RawServer(server_env(built, fake.host))
+    try:
+        assert raw.handshake() == ["search_corpus", "get_file", "list_documents"]
+        ok = raw.call("search_corpus", {"query": "who gets paged for a sev-1"})
+        assert not ok["isError"] and ok["structuredContent"]["results"][0]["path"] == "oncall/escalation.md"
+        for name, arguments, code in [
+            ("search_corpus", {"query": "q", "k": 0}, "invalid_argument"),
+            ("search_corpus", {"query": "q", "surprise": True}, "invalid_argument"),
+            ("get_file", {"path": "../../etc/passwd"}, "path_rejected"),
+            ("get_file", {"path": "private/offsite-backup.md"}, "not_indexed"),
+            ("nope", {}, "invalid_argument"),
+        ]:
+            result = raw.call(name, arguments)
+            assert result["isError"] and result["structuredContent"]["error"]["code"] == code
+        assert not raw.call("get_file", {"path": "reference/api.md"})["isError"]
+        assert not raw.call("list_documents", {})["isError"]
+        raw.send(b"this is not json\n")
+        assert raw.request("tools/list")["result"]["tools"], "still serving after a malformed line"
+    finally:
+        assert raw.close() == 0
+    # A second server whose embedder is down: the failure path through Ollama's client.
+    raw_down = RawServer(server_env(built, down_host))
+    try:
+        raw_down.handshake()
+        result = raw_down.call("search_corpus", {"query": "rollback"})
+        assert result["isError"] and result["structuredContent"]["error"]["code"] == "embedder_unavailable"
+    finally:
+        raw_down.close()
+    for server in (raw, raw_down):
+        assert server.stdout_lines
+        for line in server.stdout_lines:
+            message = json.loads(line)
+            assert isinstance(message, dict) and message.get("jsonrpc") == "2.0", line
+
+
+def _imports_of(lines: list[str], package: str) -> list[int]:
+    return [i for i, line in enumerate(lines) if line.startswith("import time:")
+            and line.rsplit("|", 1)[-1].strip().split(".")[0] == package]
+
+
+def test_handshake_imports_neither_chromadb_nor_ollama(built: Built, fake: FakeOllama) -> None:
+    # Warm-up off: what the handshake itself imports, then what a store-only call imports.
+    raw = RawServer(server_env(built, fake.host, RAG_SERVER_WARMUP="0"), python_flags=("-X", "importtime"))
+    try:
+        raw.handshake()
+        assert not raw.call("list_documents", {})["isError"]
+        raw.wait_for_stderr("list_documents -> ok")
+        assert not raw.call("search_corpus", {"query": "rollback"})["isError"]
+        raw.wait_for_stderr("search_corpus -> ok")
+    finally:
+        raw.close()
+    lines = raw.stderr_lines
+    listed = next(i for i, line in enumerate(lines) if "list_documents -> ok" in line)
+    for package in ("chromadb", "ollama", "numpy", "httpx"):
+        found = _imports_of(lines, package)
+        assert found, f"{package} is imported by a search (the check can see it)"
+        assert min(found) > listed, f"{package} was imported before the first search"
+    # Warm-up on (the default): the heavy imports start only once the warm-up has begun, which
+    # is after tools/list was answered.
+    warm = RawServer(server_env(built, fake.host), python_flags=("-X", "importtime"))
+    try:
+        warm.handshake()
+        warm.wait_for_stderr("warm-up: done")
+    finally:
+        warm.close()
+    started = next(i for i, line in enumerate(warm.stderr_lines) if "warm-up: start" in line)
+    for package in ("chromadb", "ollama"):
+        found = _imports_of(warm.stderr_lines, package)
+        assert found and min(found) > started
