@@ -94,6 +94,8 @@ def _int_env(env: Mapping[str, str], name: str, default: int, lowest: int) -> in
 @dataclass(frozen=True)
 class Settings:
     corpus_dir: Path
+    # False when corpus_dir is the default: the server then prefers the folder the index records.
+    corpus_dir_explicit: bool
     store_dir: Path
     ollama_host: str
     embed_model: str
@@ -127,11 +129,13 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
                        "set it to seconds, e.g. 60, or unset it") from None
     max_tokens = _int_env(env, "RAG_CHUNK_MAX_TOKENS", DEFAULT_CHUNK_MAX_TOKENS, 32)
     min_tokens = _int_env(env, "RAG_CHUNK_MIN_TOKENS", DEFAULT_CHUNK_MIN_TOKENS, 0)
+    corpus_choice = corpus_dir or env.get("RAG_CORPUS_DIR", "").strip()
     host = env.get("OLLAMA_HOST", "").strip() or DEFAULT_OLLAMA_HOST
     if "://" not in host:
         host = "http://" + host
     return Settings(
-        corpus_dir=_abs_path(corpus_dir or env.get("RAG_CORPUS_DIR", "").strip() or PROJECT_DIR / "sample-corpus"),
+        corpus_dir=_abs_path(corpus_choice or PROJECT_DIR / "sample-corpus"),
+        corpus_dir_explicit=bool(corpus_choice),
         store_dir=_abs_path(store_dir or env.get("RAG_STORE_DIR", "").strip() or DEFAULT_STORE_DIR),
         ollama_host=host,
         embed_model=model or DEFAULT_EMBED_MODEL,
@@ -727,16 +731,21 @@ class CurrentIndex:
     generation: int
     manifest: IndexManifest
     stamp: IndexStamp
+    # The folder ingest indexed: the server reads files from it unless RAG_CORPUS_DIR is set,
+    # so a server registered without the variable still finds a corpus indexed with --corpus.
+    corpus_dir: str = ""
 
     def to_json(self) -> str:
         return json.dumps({"format": 1, "index": self.index, "generation": self.generation,
-                           "manifest": self.manifest.to_dict(), "stamp": asdict(self.stamp)}, indent=2, sort_keys=True)
+                           "manifest": self.manifest.to_dict(), "stamp": asdict(self.stamp),
+                           "corpus_dir": self.corpus_dir}, indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> CurrentIndex:
         data = json.loads(text)
         return cls(index=data["index"], generation=int(data["generation"]),
-                   manifest=IndexManifest.from_dict(data["manifest"]), stamp=IndexStamp(**data["stamp"]))
+                   manifest=IndexManifest.from_dict(data["manifest"]), stamp=IndexStamp(**data["stamp"]),
+                   corpus_dir=str(data.get("corpus_dir", "")))
 
 
 @dataclass(frozen=True)

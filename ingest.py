@@ -730,10 +730,11 @@ def run(args: argparse.Namespace) -> Summary:
         if summary.rebuilt and plan.failed and current is not None:
             summary.errors.append(f"the new index {store.name} is incomplete; {current.index} stays live until a "
                                   "run completes without failures")
-        elif (summary.rebuilt or changed_anything or current is None
+        elif (summary.rebuilt or changed_anything or current is None or current.corpus_dir != str(corpus)
               or (current.stamp.commit, current.stamp.dirty) != (stamp.commit, stamp.dirty)):
             generation = (current.generation + 1) if current else 1
-            layout.write_current(rules.CurrentIndex(index=store.name, generation=generation, manifest=manifest, stamp=stamp))
+            layout.write_current(rules.CurrentIndex(index=store.name, generation=generation, manifest=manifest, stamp=stamp,
+                                                     corpus_dir=str(corpus)))
             store.mark_published()
             if current is not None and current.index != store.name:
                 shutil.rmtree(layout.index_dir(current.index), ignore_errors=True)

@@ -966,7 +966,7 @@ class RetrievalService:
         now = time.monotonic()
         cached = self._stale_cache
         if cached is None or cached[0] != index.key:
-            changed = count_changed_files(self.settings.corpus_dir, index.documents())
+            changed = count_changed_files(self._corpus_dir(index.current), index.documents())
             self._stale_cache = (index.key, now, changed)
         else:
             changed = cached[2]
@@ -989,12 +989,18 @@ class RetrievalService:
             with self.manager.lock:
                 index = self.manager.open()
                 docs = index.documents()
-            changed = count_changed_files(self.settings.corpus_dir, docs)
+            changed = count_changed_files(self._corpus_dir(index.current), docs)
             self._stale_cache = (index.key, time.monotonic(), changed)
         except Exception:  # noqa: BLE001 - a hint is not worth a crash; the next call retries
             log.debug("staleness refresh failed:\n%s", traceback.format_exc())
         finally:
             self._stale_refreshing = False
+
+    def _corpus_dir(self, current: CurrentIndex) -> Path:
+        """RAG_CORPUS_DIR when set, else the folder the index was built from."""
+        if self.settings.corpus_dir_explicit or not current.corpus_dir:
+            return self.settings.corpus_dir
+        return Path(current.corpus_dir)
 
     def _query_vector(self, query: str, current: CurrentIndex) -> list[float]:
         settings = self.settings
@@ -1190,12 +1196,12 @@ class RetrievalService:
         manager = self.manager
         with manager.lock:
             index = manager.open()
+            corpus = self._corpus_dir(index.current)
             doc = index.document(args.path)
             if doc is None:
                 raise RagError(ErrorCode.NOT_INDEXED, f"{args.path!r} is not in the index",
                                "only indexed documents can be read: call list_documents (or search_corpus) "
                                "for the exact path")
-        corpus = self.settings.corpus_dir
         raw = read_indexed_file(corpus, doc)
         if raw is None:
             with manager.lock:

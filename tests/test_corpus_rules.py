@@ -667,7 +667,7 @@ def test_settings_defaults_do_not_depend_on_the_cwd(tmp_path: Path, monkeypatch:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     s = rules.load_settings({})
-    assert s.corpus_dir == ROOT / "sample-corpus"
+    assert (s.corpus_dir, s.corpus_dir_explicit) == (ROOT / "sample-corpus", False)
     assert s.store_dir == tmp_path / "home" / ".local-rag-mcp" / "store"
     assert (s.ollama_host, s.embed_model, s.embed_model_explicit) == ("http://127.0.0.1:11434", "embeddinggemma", False)
     assert (s.chunk_max_tokens, s.chunk_min_tokens, s.embed_timeout_s) == (512, 64, 60.0)
@@ -681,7 +681,7 @@ def test_settings_precedence_and_expansion(tmp_path: Path, monkeypatch: pytest.M
            "RAG_EMBED_MODEL": "nomic-embed-text", "RAG_EMBED_TIMEOUT": "2.5", "RAG_CHUNK_MAX_TOKENS": "100",
            "RAG_CHUNK_MIN_TOKENS": "500"}
     s = rules.load_settings(env)
-    assert s.corpus_dir == tmp_path / "docs"
+    assert (s.corpus_dir, s.corpus_dir_explicit) == (tmp_path / "docs", True)
     assert s.store_dir == tmp_path / "rel" / "store"
     assert (s.ollama_host, s.embed_model, s.embed_model_explicit) == ("http://127.0.0.1:9999", "nomic-embed-text", True)
     assert (s.embed_timeout_s, s.chunk_max_tokens, s.chunk_min_tokens) == (2.5, 100, 100)

@@ -530,3 +530,22 @@ def test_handshake_imports_neither_chromadb_nor_ollama(built: Built, fake: FakeO
     for package in ("chromadb", "ollama"):
         found = _imports_of(warm.stderr_lines, package)
         assert found and min(found) > started
+
+
+def test_server_without_corpus_variable_reads_the_folder_the_index_records(built: Built, fake: FakeOllama) -> None:
+    """A server registered without RAG_CORPUS_DIR must not fall back to sample-corpus when the
+    index was built from another folder with `ingest.py --corpus`."""
+    env = server_env(built, fake.host)
+    del env["RAG_CORPUS_DIR"]
+
+    async def scenario() -> dict[str, Any]:
+        async with connect(env) as client:
+            is_error, payload = await tool(client, "get_file", path="oncall/escalation.md", start_line=1, end_line=3)
+            assert not is_error, payload
+            return payload
+
+    payload = run(scenario)
+    assert payload["source"] == "disk"
+    expected = (built.corpus / "oncall" / "escalation.md").read_text(encoding="utf-8").split("\n")[:3]
+    assert payload["text"].split("\n") == expected
+    assert StoreLayout(built.store).read_current().corpus_dir == str(built.corpus)  # type: ignore[union-attr]
