@@ -1,0 +1,71 @@
+"""tools/bench.py --quick keeps running end to end (no timing assertions: machines differ)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "tools" / "bench.py"
+
+# Every figure of issue 6 that --quick measures (at 1k chunks), by the id prefix bench.py gives it.
+EXPECTED = (
+    "handshake.median_s",
+    "stdio.roundtrip_p50_ms",
+    "cold.first_search_s@",
+    "cold.first_call_s@",
+    "search.hybrid.p50_ms@",
+    "search.hybrid.p95_ms@",
+    "search.vector.p50_ms@",
+    "search.vector.p95_ms@",
+    "search.keyword.p50_ms@",
+    "search.keyword.p95_ms@",
+    "search.raw_chroma_p50_ms@",
+    "ingest.build_s@",
+    "ingest.throughput@",
+    "reingest.noop_s@",
+    "reingest.noop_calls@",
+    "memory.server_peak_rss_mb@",
+    "memory.ingest_peak_rss_mb@",
+)
+# Figures compared with a limit measured in the same run carry the limit and the ratio too.
+WITH_LIMIT = ("handshake.median_s", "search.hybrid.p50_ms@", "ingest.throughput@")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@pytest.mark.skipif(not (ROOT / "server.py").is_file(), reason="server.py is not there yet")
+def test_quick_bench_runs_and_reports_every_figure(tmp_path: Path) -> None:
+    out = tmp_path / "bench-results.json"
+    done = subprocess.run([sys.executable, str(BENCH), "--quick", "--out", str(out)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
+    results = json.loads(out.read_text(encoding="utf-8"))
+    assert results["quick"] is True and results["error"] is None
+    for key in ("nproc", "cpu_model", "ram_gb", "python"):
+        assert results["machine"][key], key
+
+    figures = {f["id"]: f for f in results["figures"]}
+    for prefix in EXPECTED:
+        matches = [f for fid, f in figures.items()
+                   if fid == prefix or (prefix.endswith("@") and fid.startswith(prefix))]
+        assert matches, f"no figure {prefix!r} in {sorted(figures)}"
+        for figure in matches:
+            assert _number(figure["value"]), figure
+            if prefix in WITH_LIMIT:
+                assert _number(figure["limit"]) and figure["limit"] > 0, figure
+                assert _number(figure["ratio"]), figure
+                assert figure["pass"] in (True, False), figure
+    assert all(f["size_chunks"] in (None, 1000) for f in figures.values())
+
+    # The table on stdout shows the same figures, and the machine it ran on.
+    assert "| Figure | Value | Limit | Ratio | Goal | Result |" in done.stdout
+    assert "Machine:" in done.stdout
+    assert done.stdout.count("\n| ") >= len(EXPECTED)

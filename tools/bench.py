@@ -1,0 +1,1210 @@
+#!/usr/bin/env python3
+"""Speed and scale of local-rag-mcp, each figure measured next to its limit in the same run.
+
+    python tools/bench.py                 # full run: 1k, 10k and 100k chunks (about 6-8 min on 2 cores)
+    python tools/bench.py --quick         # 1k chunks only, fewer repetitions (CI smoke, < 1 min)
+    python tools/bench.py --out FILE      # JSON results somewhere else (default: ./bench-results.json)
+
+Prints a markdown table (figure, value, limit, ratio, goal, pass/fail) on stdout and writes the
+same figures, the machine and the raw samples as JSON. Progress goes to stderr.
+
+What it runs, all on 127.0.0.1:
+- a synthetic Markdown corpus written here (deterministic; 10 chunks per file, 10% of the
+  documents `lifecycle: superseded`), indexed by the real `ingest.py` over real HTTP against the
+  loopback fake Ollama from tests/fake_ollama.py. The fake runs in its own process and, for the
+  benchmark, computes its hashed bag-of-words vectors with numpy and serialises them with orjson
+  (TCP_NODELAY on, as in real Ollama's Go net/http), so a query embeds in well under a
+  millisecond and a 64-text batch in a few: the figures are this project's own cost (the fake's
+  busy time is reported next to every ingest figure);
+- the real `python server.py` over stdio, spoken to with raw JSON-RPC lines (one request, wait
+  for its response), and a bare MCPServer hello-world spawned and timed the same way;
+- raw Chroma (`PersistentClient` on the same index folder, in this process) for the limits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import queue
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+TESTS_DIR = PROJECT_DIR / "tests"
+DIMS = 768
+MODEL = "embeddinggemma"
+CHUNKS_PER_FILE = 10
+SUPERSEDED_EVERY = 10  # one document in ten is superseded
+PROTOCOL_VERSION = "2025-11-25"
+RPC_TIMEOUT_S = 120.0
+SPAWN_TIMEOUT_S = 60.0
+
+
+def log(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# The machine.
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    ram_gb = None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                ram_gb = round(int(line.split()[1]) / 1024 / 1024, 1)
+    versions = {}
+    from importlib import metadata
+
+    for dist in ("mcp", "chromadb", "ollama", "numpy"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[dist] = metadata.version(dist)
+    commit = None
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(["git", "-C", str(PROJECT_DIR), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+        commit = done.stdout.strip() or None
+    return {
+        "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "nproc": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_model": cpu,
+        "ram_gb": ram_gb,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": versions,
+        "project_commit": commit,
+    }
+
+
+# ---------------------------------------------------------------------------
+# The synthetic corpus: deterministic, realistic Markdown, CHUNKS_PER_FILE sections per file.
+
+# Term statistics matter for the keyword channel (bm25 scores every matching chunk), so the text is
+# not drawn from a few hundred words: 480 system names, a few hundred domain words, and a Zipfian
+# tail of ~4,000 made-up words, like the long tail of a real documentation corpus.
+_DOMAINS = ["records", "billing", "deploy", "search", "auth", "message", "cache", "backup", "metrics", "feature",
+            "object", "dns", "edge", "job", "payments", "email", "image", "audit", "config", "session", "rate",
+            "cdn", "ci", "ledger", "inventory", "catalog", "pricing", "shipping", "invoice", "identity", "profile",
+            "notification", "analytics", "export", "import", "sync", "upload", "thumbnail", "geo", "fraud"]
+_COMPONENTS = ["api", "worker", "gateway", "queue", "store", "scheduler", "proxy", "pipeline", "exporter", "cluster",
+               "relay", "service"]
+_TEAMS = ["platform", "payments", "identity", "storage", "observability", "growth", "data", "mobile",
+          "security", "infra"]
+_KINDS = ["runbooks", "design", "reference", "howto", "postmortems", "onboarding", "decisions", "api"]
+_VERBS = ["restart", "drain", "rotate", "promote", "roll back", "scale", "throttle", "re-index", "pause", "replay",
+          "verify", "snapshot", "migrate", "purge", "rebalance", "fail over", "backfill", "pin", "tune", "audit",
+          "cordon", "evict", "resize", "compact", "vacuum", "reseed", "quarantine", "revoke", "renew", "bump",
+          "freeze", "thaw", "warm up", "shed", "requeue", "reshard", "truncate", "archive", "restore", "clone"]
+_NOUNS = ["replica", "shard", "certificate", "canary", "queue consumer", "worker pool", "read path", "write path",
+          "connection pool", "retention policy", "index", "schema", "token", "bucket", "partition", "lease",
+          "health check", "alert rule", "dashboard", "quota", "deployment", "cron job", "webhook", "secret",
+          "sidecar", "load balancer", "tenant", "namespace", "volume", "snapshot", "topic", "offset", "cursor",
+          "manifest", "runner", "artifact", "keyring", "allowlist", "circuit breaker", "backlog", "heartbeat",
+          "watermark", "checkpoint", "migration", "feature flag", "service account", "ingress rule", "dead letter"]
+_ADJ = ["stale", "primary", "secondary", "regional", "degraded", "hot", "cold", "pending", "orphaned", "noisy",
+        "slow", "idle", "blocked", "partial", "duplicate", "expired", "throttled", "warm", "cross-region",
+        "leaked", "corrupt", "lagging", "paused", "flapping", "unbounded", "misrouted", "oversized", "unsigned",
+        "detached", "zombie", "half-open", "read-only", "drifting", "unhealthy", "evicted", "frozen"]
+_WHEN = ["during a sev-1", "after a failed deploy", "before the quarterly audit", "when latency p99 climbs",
+         "when the disk fills up", "after rotating credentials", "during the nightly batch", "on a cold start",
+         "when the on-call is paged", "before a schema change", "after a region evacuation", "under load",
+         "during a traffic spike", "after a certificate expires", "while a migration runs", "at month end",
+         "when replication lags", "after a dependency upgrade", "during a freeze window", "on failover"]
+_COMMON = ("the of and to in is for that on with as by at from this it be are was an or which we can all not "
+           "team service request response latency error budget owner ticket change window rollout traffic host "
+           "cluster node pod region zone backup restore incident review metric threshold timeout retry limit "
+           "version release patch upgrade config flag default value setting path file folder log line event "
+           "message batch record field table column query cache key store disk memory cpu network packet").split()
+_SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "te", "vo", "zi", "pe", "dri", "sto", "fle", "gra", "bu", "wen"]
+_TAIL = [a + b for a in _SYLLABLES for b in _SYLLABLES] + [a + b + c for a in _SYLLABLES for b in _SYLLABLES
+                                                            for c in _SYLLABLES[:15]]
+_FILLER = _COMMON + _TAIL
+_FILLER_CUM = list(__import__("itertools").accumulate(1.0 / (rank + 1) for rank in range(len(_FILLER))))
+
+
+def _system(index: int) -> str:
+    return f"{_DOMAINS[index % len(_DOMAINS)]} {_COMPONENTS[(index // len(_DOMAINS)) % len(_COMPONENTS)]}"
+
+
+def _ident(rng: random.Random) -> str:
+    a, b = rng.choice(_NOUNS).split()[0], rng.choice(_VERBS).split()[0]
+    style = rng.randrange(5)
+    if style == 0:
+        return f"{a}_{b}_{rng.choice(_ADJ).split('-')[0]}"
+    if style == 1:
+        return f"{b}{a.capitalize()}{rng.choice(['Count', 'Ms', 'Total', 'Id', 'Ref'])}"
+    if style == 2:
+        return f"{a.upper()}_{b.upper()}_{rng.choice(['TTL', 'MAX', 'URL', 'ENABLED', 'TIMEOUT'])}"
+    if style == 3:
+        return f"--{b}-{a}"
+    return f"v{rng.randrange(1, 9)}.{rng.randrange(0, 30)}.{rng.randrange(0, 10)}"
+
+
+def _sentence(rng: random.Random, system: str) -> str:
+    templates = [
+        "To {verb} the {adj} {noun} of the {system}, run `{ident}` and wait for the {noun2} to report healthy.",
+        "If the {noun} is {adj} {when}, {verb} it before touching the {noun2}; `{ident}` shows its state.",
+        "The {system} keeps one {noun} per {noun2}, so a {adj} {noun} usually means the {noun2} was not drained.",
+        "Never {verb} a {noun} {when}: the {system} will retry `{ident}` and the {noun2} fills up.",
+        "Owners of the {system} review every {adj} {noun} weekly and {verb} the ones older than {n} days.",
+        "Set `{ident}` to {n} when the {noun} is {adj}; the default works for most {noun2}s.",
+        "{when_cap}, the {system} pages the on-call, who checks the {noun} dashboard and the `{ident}` metric.",
+        "We chose to {verb} the {noun} instead of the {noun2} because the {system} treats it as {adj}.",
+    ]
+    text = rng.choice(templates).format(
+        verb=rng.choice(_VERBS), adj=rng.choice(_ADJ), noun=rng.choice(_NOUNS), noun2=rng.choice(_NOUNS),
+        system=system, ident=_ident(rng), when=rng.choice(_WHEN), when_cap=rng.choice(_WHEN).capitalize(),
+        n=rng.randrange(2, 90))
+    filler = " ".join(rng.choices(_FILLER, cum_weights=_FILLER_CUM, k=rng.randrange(0, 8)))
+    return text if not filler else f"{text[:-1]}, {filler}."
+
+
+def _paragraph(rng: random.Random, system: str, sentences: int) -> str:
+    return "\n".join(textwrap.wrap(" ".join(_sentence(rng, system) for _ in range(sentences)), 100))
+
+
+def _section_body(rng: random.Random, system: str) -> list[str]:
+    out = [_paragraph(rng, system, rng.randrange(2, 4)), ""]
+    shape = rng.randrange(4)
+    if shape == 0:
+        out += [f"- {_sentence(rng, system)}" for _ in range(rng.randrange(2, 4))] + [""]
+    elif shape == 1:
+        lang = rng.choice(["bash", "yaml", "python"])
+        fence = ["```" + lang]
+        for _ in range(rng.randrange(2, 5)):
+            ident = _ident(rng)
+            if lang == "bash":
+                fence.append(f"# {rng.choice(_VERBS)} the {rng.choice(_NOUNS)}")
+                fence.append(f"nimbusctl {rng.choice(_VERBS).split()[0]} {ident} --region eu-{rng.randrange(1, 4)}")
+            elif lang == "yaml":
+                fence.append(f"{ident.strip('-').replace('.', '_').lower()}: {rng.randrange(1, 500)}")
+            else:
+                fence.append(f"client.{rng.choice(_VERBS).split()[0]}(\"{ident}\", retries={rng.randrange(1, 9)})")
+        out += fence + ["```", ""]
+    elif shape == 2:
+        out += ["| Setting | Default | Meaning |", "| --- | --- | --- |"]
+        for _ in range(rng.randrange(2, 5)):
+            out.append(f"| `{_ident(rng)}` | {rng.randrange(1, 600)} | {rng.choice(_ADJ)} {rng.choice(_NOUNS)} "
+                       f"{rng.choice(_WHEN)} |")
+        out.append("")
+    out += [_paragraph(rng, system, rng.randrange(1, 3)), ""]
+    return out
+
+
+def synthetic_document(index: int) -> tuple[str, str]:
+    """(relative path, content) of document `index`; a pure function of the index."""
+    rng = random.Random(f"local-rag-mcp-bench:{index}")
+    system = _system(index)
+    team = _TEAMS[(index // 7) % len(_TEAMS)]
+    kind = _KINDS[(index // 3) % len(_KINDS)]
+    title = f"{system.title()}: {rng.choice(_VERBS)} the {rng.choice(_ADJ)} {rng.choice(_NOUNS)} ({index})"
+    superseded = index % SUPERSEDED_EVERY == SUPERSEDED_EVERY - 3
+    lines: list[str] = []
+    if index % 5 != 4:  # most files carry frontmatter; the rest take their title from the H1
+        lines += ["---", f"title: \"{title}\"", "rag_chunk: headings"]
+        if superseded:
+            lines.append("lifecycle: superseded")
+        lines += ["---", ""]
+    elif superseded:
+        lines += ["---", "lifecycle: superseded", "---", ""]
+    lines += [f"# {title}", "", _paragraph(rng, system, 3), ""]
+    level = 2
+    for section in range(CHUNKS_PER_FILE - 1):
+        level = 3 if level == 2 and section % 3 == 2 else 2
+        heading = f"{rng.choice(_VERBS).capitalize()} the {rng.choice(_ADJ)} {rng.choice(_NOUNS)}"
+        lines += [f"{'#' * level} {heading}", ""] + _section_body(rng, system)
+    path = f"{team}/{kind}/{system.replace(' ', '-')}-{index:06d}.md"
+    return path, "\n".join(lines).rstrip("\n") + "\n"
+
+
+def write_corpus(dest: Path, files: int) -> dict[str, Any]:
+    """Write (or top up) `files` synthetic documents into dest; returns counts."""
+    dest.mkdir(parents=True, exist_ok=True)
+    superseded = 0
+    total_bytes = 0
+    for i in range(files):
+        path, content = synthetic_document(i)
+        target = dest / path
+        data = content.encode("utf-8")
+        total_bytes += len(data)
+        superseded += "lifecycle: superseded" in content
+        if target.exists() and target.stat().st_size == len(data):
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    return {"files": files, "superseded_files": superseded, "bytes": total_bytes}
+
+
+def synthetic_queries(count: int, seed: str) -> list[str]:
+    """Distinct, realistic agent queries (no two alike, so the server's query cache never hits)."""
+    rng = random.Random(f"local-rag-mcp-bench-queries:{seed}")
+    shapes = [
+        "how do I {verb} the {adj} {noun} in the {system}",
+        "what happens {when} to the {system} {noun}",
+        "{system} {noun} {verb}",
+        "who owns the {noun} of the {system} and when is it {adj}",
+        "`{ident}` {system}",
+        "why is the {noun} {adj} {when}",
+    ]
+    seen: set[str] = set()
+    out: list[str] = []
+    for _ in range(count * 50):
+        if len(out) >= count:
+            break
+        q = rng.choice(shapes).format(verb=rng.choice(_VERBS), adj=rng.choice(_ADJ), noun=rng.choice(_NOUNS),
+                                      system=_system(rng.randrange(len(_DOMAINS) * len(_COMPONENTS))),
+                                      when=rng.choice(_WHEN), ident=_ident(rng))
+        q = f"{q} {rng.randrange(1000)}" if q in seen else q
+        if q not in seen:
+            seen.add(q)
+            out.append(q)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The embedder: tests/fake_ollama.py's FakeOllama in its own process, with fast vectors.
+
+_TOKEN = re.compile(r"[^\W_]+", re.UNICODE)
+
+
+def _strip_prefix(text: str) -> str:
+    if str(TESTS_DIR) not in sys.path:
+        sys.path.insert(0, str(TESTS_DIR))
+    from fake_ollama import strip_task_prefix
+
+    return strip_task_prefix(text)
+
+
+class FastVectors:
+    """Hashed bag-of-words unit vectors (lexically meaningful like the fake's own), via numpy."""
+
+    def __init__(self, dims: int) -> None:
+        import numpy as np
+
+        self.np = np
+        self.dims = dims
+        self._slots: dict[str, tuple[int, float]] = {}
+
+    def _slot(self, word: str) -> tuple[int, float]:
+        slot = self._slots.get(word)
+        if slot is None:
+            import hashlib
+
+            digest = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "big")
+            slot = self._slots[word] = (digest >> 1) % self.dims, 1.0 if digest & 1 else -1.0
+        return slot
+
+    def vector(self, text: str) -> Any:
+        np = self.np
+        words = _TOKEN.findall(_strip_prefix(text).lower())
+        vec = np.zeros(self.dims, dtype=np.float32)
+        if words:
+            slots = [self._slot(w) for w in words]
+            np.add.at(vec, [s[0] for s in slots], [s[1] for s in slots])
+        norm = float(np.linalg.norm(vec))
+        if norm == 0.0:
+            vec[0] = 1.0
+            return vec
+        return vec / norm
+
+    def matrix(self, texts: Sequence[str]) -> Any:
+        return self.np.stack([self.vector(t) for t in texts]) if texts else self.np.zeros((0, self.dims))
+
+
+def serve_fake(port: int) -> int:
+    """`bench.py --serve-fake`: FakeOllama with numpy vectors and orjson bodies, plus busy-time stats."""
+    sys.path.insert(0, str(TESTS_DIR))
+    import fake_ollama
+
+    try:  # orjson and numpy come with chromadb; plain json is the fallback
+        import orjson
+
+        def dumps(payload: dict[str, Any]) -> bytes:
+            return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+    except ImportError:
+        def dumps(payload: dict[str, Any]) -> bytes:
+            return json.dumps({**payload, "embeddings": payload["embeddings"].tolist()}).encode()
+
+    vectors = FastVectors(DIMS)
+    stats = {"embed_calls": 0, "inputs": 0, "busy_s": 0.0}
+    lock = threading.Lock()
+
+    class BenchFake(fake_ollama.FakeOllama):
+        def _embed(self, body: Any) -> tuple[int, Any]:
+            started = time.perf_counter()
+            body = body if isinstance(body, dict) else {}
+            raw = body.get("input", "")
+            inputs = [raw] if isinstance(raw, str) and raw else list(raw or [])
+            with self._lock:
+                self.embed_calls += 1
+                if not self._available(str(body.get("model") or "")):
+                    return self._not_found(str(body.get("model") or ""))
+            matrix = vectors.matrix(inputs)
+            payload = dumps({"model": body.get("model"), "embeddings": matrix,
+                             "total_duration": 0, "load_duration": 0, "prompt_eval_count": 0})
+            with lock:
+                stats["embed_calls"] += 1
+                stats["inputs"] += len(inputs)
+                stats["busy_s"] += time.perf_counter() - started
+            return 200, payload
+
+        def _handle(self, method: str, path: str, body: Any) -> tuple[int, Any]:
+            if path == "/_bench/stats":
+                with lock:
+                    return 200, dict(stats)
+            return super()._handle(method, path, body)
+
+    def dispatch(self: Any, method: str, body: Any) -> None:
+        # The fake's own dispatch sends str payloads as text/plain: send our bytes as JSON.
+        if method == "POST" and self.path.split("?", 1)[0] == "/api/embed":
+            status, payload = self.server.fake._handle(method, "/api/embed", body)
+            if isinstance(payload, bytes):
+                self._send(status, payload, "application/json; charset=utf-8")
+            else:
+                self._send_json(status, payload)
+            return
+        original_dispatch(self, method, body)
+
+    original_dispatch = fake_ollama._Handler._dispatch
+    fake_ollama._Handler._dispatch = dispatch  # this process only
+    # Headers and body leave in two writes: without TCP_NODELAY every small reply waits ~40 ms for
+    # a delayed ACK (real Ollama, Go net/http, sets it). tests/fake_ollama.py sets it too.
+    fake_ollama._Handler.disable_nagle_algorithm = True
+    fake = BenchFake(models=(MODEL,), dims=DIMS, port=port)
+    fake._record = lambda *a, **k: None  # no per-request record: 100k chunks would pile up in memory
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    fake.start()
+    print(f"FAKE_OLLAMA_READY {fake.host}", flush=True)
+    try:
+        while not done.wait(0.2):
+            if os.getppid() == 1:  # the bench died: do not linger
+                break
+    finally:
+        fake.stop()
+    return 0
+
+
+class FakeProcess:
+    def __init__(self, python: str, workdir: Path) -> None:
+        self.python = python
+        self.workdir = workdir
+        self.proc: subprocess.Popen[str] | None = None
+        self.host = ""
+
+    def __enter__(self) -> FakeProcess:
+        self.proc = subprocess.Popen([self.python, str(Path(__file__).resolve()), "--serve-fake"],
+                                     stdout=subprocess.PIPE, stderr=open(self.workdir / "fake.stderr", "w"),
+                                     text=True)
+        line = _readline_with_timeout(self.proc.stdout, 30.0)
+        if not line or not line.startswith("FAKE_OLLAMA_READY "):
+            self.close()
+            raise RuntimeError(f"fake Ollama did not start: {line!r} (see {self.workdir / 'fake.stderr'})")
+        self.host = line.split()[1]
+        return self
+
+    def stats(self) -> dict[str, Any]:
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.host}/_bench/stats", timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def close(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _readline_with_timeout(stream: Any, timeout: float) -> str | None:
+    box: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: box.put(stream.readline()), daemon=True).start()
+    try:
+        return box.get(timeout=timeout).strip()
+    except queue.Empty:
+        return None
+
+
+# ---------------------------------------------------------------------------
+# Ingest runs.
+
+
+@dataclass
+class IngestRun:
+    wall_s: float
+    exit: int
+    summary: dict[str, Any]
+    peak_rss_mb: float
+    fake_calls: int
+    fake_busy_s: float
+    cpu_s: float = 0.0
+
+
+def run_ingest(python: str, corpus: Path, store: Path, fake: FakeProcess, log_file: Path,
+               timeout_s: float, ingest: Path = PROJECT_DIR / "ingest.py") -> IngestRun:
+    env = {**os.environ, "OLLAMA_HOST": fake.host, "ANONYMIZED_TELEMETRY": "False"}
+    for name in ("RAG_EMBED_MODEL", "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS"):
+        env.pop(name, None)
+    before = fake.stats()
+    with open(log_file, "a") as err, tempfile.TemporaryFile("w+") as out:
+        started = time.perf_counter()
+        proc = subprocess.Popen([python, str(ingest), "--corpus", str(corpus), "--store", str(store),
+                                 "--json"], stdout=out, stderr=err, env=env, text=True)
+        status, rusage = _wait4(proc, timeout_s)
+        wall = time.perf_counter() - started
+        out.seek(0)
+        lines = [ln for ln in out.read().splitlines() if ln.strip()]
+    after = fake.stats()
+    try:
+        summary = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        summary = {}
+    if status != 0:
+        raise RuntimeError(f"ingest exited {status} (see {log_file}): {str(summary)[:500]}")
+    return IngestRun(wall_s=wall, exit=status, summary=summary, peak_rss_mb=rusage.ru_maxrss / 1024,
+                     fake_calls=after["embed_calls"] - before["embed_calls"],
+                     fake_busy_s=after["busy_s"] - before["busy_s"], cpu_s=rusage.ru_utime + rusage.ru_stime)
+
+
+def _wait4(proc: subprocess.Popen[Any], timeout_s: float) -> tuple[int, Any]:
+    """Wait for the child with a deadline; return its exit status and its own rusage (peak RSS)."""
+    box: list[tuple[int, int, Any]] = []
+    waiter = threading.Thread(target=lambda: box.append(os.wait4(proc.pid, 0)), daemon=True)
+    waiter.start()
+    waiter.join(timeout_s)
+    if not box:
+        proc.kill()
+        waiter.join(30)
+        proc.returncode = -9
+        raise RuntimeError(f"{proc.args[1]} did not finish within {timeout_s:.0f} s")
+    _, status, rusage = box[0]
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, rusage
+
+
+# ---------------------------------------------------------------------------
+# MCP over stdio: raw JSON-RPC lines, one request at a time, timed at the client.
+
+HELLO_SERVER = '''\
+"""Bare MCPServer hello-world with one tool: the limit for handshake and stdio round trips."""
+from mcp.server.mcpserver import MCPServer
+
+mcp = MCPServer("hello")
+
+
+@mcp.tool()
+def echo(text: str) -> str:
+    """Echo the text back."""
+    return text
+
+
+if __name__ == "__main__":
+    mcp.run()
+'''
+
+
+class RpcError(RuntimeError):
+    pass
+
+
+class StdioPeer:
+    """A spawned MCP server spoken to with newline-delimited JSON-RPC over its pipes."""
+
+    def __init__(self, argv: Sequence[str], env: dict[str, str], stderr_path: Path, cwd: Path | None = None) -> None:
+        import selectors
+
+        self.stderr_file = open(stderr_path, "ab")
+        self.spawned_at = time.perf_counter()
+        self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr_file, env=env, cwd=cwd, bufsize=0)
+        self.fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.fd, selectors.EVENT_READ)
+        self.buffer = b""
+        self.next_id = 0
+        self.non_json_lines: list[str] = []
+        self.stderr_path = stderr_path
+
+    def _send(self, message: dict[str, Any]) -> None:
+        self.proc.stdin.write((json.dumps(message) + "\n").encode())  # type: ignore[union-attr]
+
+    def _read_message(self, deadline: float) -> dict[str, Any]:
+        while True:
+            newline = self.buffer.find(b"\n")
+            if newline >= 0:
+                line, self.buffer = self.buffer[:newline], self.buffer[newline + 1:]
+                if not line.strip():
+                    continue
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    self.non_json_lines.append(line[:200].decode(errors="replace"))
+                    continue
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                raise RpcError(f"no answer within the deadline (stderr: {self.stderr_path})")
+            if self.selector.select(remaining):
+                block = os.read(self.fd, 1 << 20)
+                if not block:
+                    raise RpcError(f"the server closed stdout (exit {self.proc.poll()}; stderr: {self.stderr_path})")
+                self.buffer += block
+
+    def request(self, method: str, params: dict[str, Any],
+                timeout: float = RPC_TIMEOUT_S) -> tuple[dict[str, Any], float]:
+        """Send one request and wait for its response; returns (result, seconds)."""
+        self.next_id += 1
+        wanted = self.next_id
+        started = time.perf_counter()
+        self._send({"jsonrpc": "2.0", "id": wanted, "method": method, "params": params})
+        deadline = started + timeout
+        while True:
+            message = self._read_message(deadline)
+            if message.get("id") == wanted and ("result" in message or "error" in message):
+                elapsed = time.perf_counter() - started
+                if "error" in message:
+                    raise RpcError(f"{method} failed: {message['error']}")
+                return message["result"], elapsed
+            # Notifications (logging, progress) and server requests are not expected; skip them.
+
+    def notify(self, method: str, params: dict[str, Any] | None = None) -> None:
+        message: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
+        if params is not None:
+            message["params"] = params
+        self._send(message)
+
+    def handshake(self) -> dict[str, float]:
+        """initialize + notifications/initialized + tools/list; seconds from spawn for each step."""
+        init, _ = self.request("initialize", {"protocolVersion": PROTOCOL_VERSION, "capabilities": {},
+                                              "clientInfo": {"name": "local-rag-bench", "version": "1"}},
+                               timeout=SPAWN_TIMEOUT_S)
+        initialized_at = time.perf_counter() - self.spawned_at
+        self.notify("notifications/initialized")
+        tools, _ = self.request("tools/list", {}, timeout=SPAWN_TIMEOUT_S)
+        self.tools = {t["name"]: t for t in tools.get("tools", [])}
+        return {"initialize_s": initialized_at, "tools_list_s": time.perf_counter() - self.spawned_at}
+
+    def call(self, name: str, arguments: dict[str, Any],
+             timeout: float = RPC_TIMEOUT_S) -> tuple[dict[str, Any], float]:
+        return self.request("tools/call", {"name": name, "arguments": arguments}, timeout=timeout)
+
+    def vm_hwm_mb(self) -> float | None:
+        """Peak resident set size of the server process so far (Linux: VmHWM)."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+        except (OSError, ValueError):
+            pass
+        return None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()  # type: ignore[union-attr]
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.selector.close()
+        with contextlib.suppress(OSError):
+            self.proc.stdout.close()  # type: ignore[union-attr]
+        self.stderr_file.close()
+
+    def __enter__(self) -> StdioPeer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def tool_payload(result: dict[str, Any]) -> dict[str, Any]:
+    structured = result.get("structuredContent")
+    if isinstance(structured, dict):
+        return structured
+    for block in result.get("content") or []:
+        if block.get("type") == "text":
+            with contextlib.suppress(ValueError):
+                return json.loads(block["text"])
+    return {}
+
+
+# ---------------------------------------------------------------------------
+# Statistics and figures.
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """Nearest-rank-interpolated percentile (q in 0..100)."""
+    ordered = sorted(samples)
+    if not ordered:
+        return math.nan
+    if len(ordered) == 1:
+        return ordered[0]
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize_ms(samples_s: Sequence[float]) -> dict[str, float]:
+    ms = [s * 1000 for s in samples_s]
+    return {"n": len(ms), "p50_ms": percentile(ms, 50), "p95_ms": percentile(ms, 95), "mean_ms": statistics.fmean(ms),
+            "min_ms": min(ms), "max_ms": max(ms)}
+
+
+def size_label(chunks: int) -> str:
+    return f"{chunks // 1000}k" if chunks % 1000 == 0 else str(chunks)
+
+
+@dataclass
+class Figure:
+    id: str
+    figure: str
+    value: float
+    unit: str
+    goal: str
+    limit: float | None = None
+    limit_what: str | None = None
+    ratio: float | None = None
+    passed: bool | None = None  # None: reported, no goal
+    size: int | None = None
+    note: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"id": self.id, "figure": self.figure, "value": _num(self.value), "unit": self.unit,
+                "limit": _num(self.limit), "limit_what": self.limit_what, "ratio": _num(self.ratio),
+                "goal": self.goal, "pass": self.passed, "size_chunks": self.size, "note": self.note}
+
+
+def _num(value: float | None) -> float | None:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return None
+    return round(float(value), 4)
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if unit in ("calls", "chunks"):
+        return f"{value:.0f} {unit}"
+    if abs(value) >= 100:
+        return f"{value:,.0f} {unit}"
+    if abs(value) >= 10:
+        return f"{value:.1f} {unit}"
+    return f"{value:.2f} {unit}" if abs(value) >= 1 else f"{value:.3f} {unit}"
+
+
+def markdown_table(figures: Sequence[Figure]) -> str:
+    rows = ["| Figure | Value | Limit | Ratio | Goal | Result |", "| --- | ---: | ---: | ---: | --- | --- |"]
+    for f in figures:
+        limit = "-" if f.limit is None else _fmt(f.limit, f.unit)
+        ratio = "-" if f.ratio is None else f"{f.ratio:.2f}x"
+        result = {True: "pass", False: "**FAIL**", None: "-"}[f.passed]
+        rows.append(f"| {f.figure} | {_fmt(f.value, f.unit)} | {limit} | {ratio} | {f.goal} | {result} |")
+    return "\n".join(rows)
+
+
+def machine_line(machine: dict[str, Any]) -> str:
+    load = machine.get("loadavg_at_start")
+    line = (f"Machine: {machine['nproc']} CPUs ({machine['usable_cpus']} usable), {machine['cpu_model']}, "
+            f"{machine['ram_gb']} GB RAM, Python {machine['python']}, {machine['platform']}; "
+            + ", ".join(f"{k} {v}" for k, v in machine["packages"].items()))
+    if load:
+        line += f"; load average at start {load[0]:.2f}"
+        if machine.get("loadavg_at_end"):
+            line += f", at end {machine['loadavg_at_end'][0]:.2f}"
+    return line
+
+
+# ---------------------------------------------------------------------------
+# Measurements.
+
+
+def server_channel_candidates(server_path: Path) -> int:
+    """n_results the server asks Chroma for (CHANNEL_CANDIDATES in server.py), so the raw limit asks the same."""
+    import ast
+
+    with contextlib.suppress(OSError, SyntaxError):
+        for node in ast.parse(server_path.read_text(encoding="utf-8")).body:
+            targets = [getattr(t, "id", None) for t in getattr(node, "targets", [])]
+            if isinstance(node, ast.Assign) and "CHANNEL_CANDIDATES" in targets:
+                value = ast.literal_eval(node.value)
+                if isinstance(value, int):
+                    return value
+    return 50
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.quick = args.quick
+        self.python = args.python
+        self.server = Path(args.server).resolve()
+        self.ingest = Path(args.ingest).resolve()
+        self.work = Path(args.workdir)
+        self.figures: list[Figure] = []
+        self.details: dict[str, Any] = {}
+        self.fake: FakeProcess | None = None
+        self.hello = self.work / "hello_server.py"
+        self.hello.write_text(HELLO_SERVER, encoding="utf-8")
+        self.sizes = [1000] if self.quick else [int(s) for s in args.sizes.split(",")]
+        self.reps = {"handshake": 5, "cold": 1 if self.quick else 3, "roundtrip": 100 if self.quick else 300,
+                     "warmup": 5 if self.quick else 10, "hybrid": 40 if self.quick else 120,
+                     "other_modes": 30 if self.quick else 60, "raw": 100 if self.quick else 300}
+        self.vectors = FastVectors(DIMS)
+        self.n_results = server_channel_candidates(self.server)
+        self.stores: dict[int, Path] = {}
+        self.corpora: dict[int, Path] = {}
+
+    # helpers --------------------------------------------------------------------------------------
+    def add(self, figure: Figure) -> None:
+        self.figures.append(figure)
+        value = _fmt(figure.value, figure.unit)
+        extra = f" (limit {_fmt(figure.limit, figure.unit)}, {figure.ratio:.2f}x)" if figure.ratio is not None else ""
+        log(f"{figure.figure}: {value}{extra}")
+
+    def server_env(self, size: int) -> dict[str, str]:
+        env = {**os.environ, "RAG_STORE_DIR": str(self.stores[size]), "RAG_CORPUS_DIR": str(self.corpora[size]),
+               "OLLAMA_HOST": self.fake.host, "ANONYMIZED_TELEMETRY": "False", "PYTHONUNBUFFERED": "1"}
+        for name in ("RAG_EMBED_MODEL", "RAG_EMBED_TIMEOUT", "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS",
+                     "RAG_SERVER_WARMUP", "RAG_LOG_LEVEL"):
+            env.pop(name, None)
+        return env
+
+    def spawn_server(self, size: int, tag: str) -> StdioPeer:
+        return StdioPeer([self.python, str(self.server)], self.server_env(size), self.work / f"server-{tag}.stderr",
+                         cwd=self.work)
+
+    def spawn_hello(self, tag: str) -> StdioPeer:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAG_")}
+        return StdioPeer([self.python, str(self.hello)], env, self.work / f"hello-{tag}.stderr", cwd=self.work)
+
+    def query_vector(self, query: str) -> list[float]:
+        sys.path.insert(0, str(PROJECT_DIR))
+        import corpus_rules
+
+        return [float(x) for x in self.vectors.vector(corpus_rules.PREFIX_SCHEMES["embeddinggemma"].query_text(query))]
+
+    # 1. indexes ---------------------------------------------------------------------------------
+    def build_indexes(self) -> None:
+        for size in self.sizes:
+            files = max(1, size // CHUNKS_PER_FILE)
+            corpus = self.work / f"corpus-{size_label(size)}"
+            store = self.work / f"store-{size_label(size)}"
+            started = time.perf_counter()
+            info = write_corpus(corpus, files)
+            info["write_s"] = time.perf_counter() - started
+            shutil.rmtree(store, ignore_errors=True)
+            log(f"ingesting {files} files ({size_label(size)} chunks) ...")
+            run = run_ingest(self.python, corpus, store, self.fake, self.work / "ingest.stderr",
+                             timeout_s=self.args.ingest_timeout, ingest=self.ingest)
+            self.corpora[size], self.stores[size] = corpus, store
+            chunks = int(run.summary.get("chunks_written", 0))
+            seconds = float(run.summary.get("seconds", run.wall_s))
+            self.details.setdefault("ingest", {})[size_label(size)] = {
+                "corpus": info, "chunks_written": chunks, "files": files, "wall_s": run.wall_s, "run_s": seconds,
+                "cpu_s": run.cpu_s, "peak_rss_mb": run.peak_rss_mb,
+                "embedding_calls": run.summary.get("embedding_calls"),
+                "fake_embed_calls": run.fake_calls, "fake_busy_s": run.fake_busy_s,
+                "chunks_per_s_run": chunks / seconds if seconds else None,
+                "chunks_per_s_wall": chunks / run.wall_s if run.wall_s else None}
+            self.add(Figure(f"ingest.build_s@{size_label(size)}", f"Ingest build time, {size_label(size)} chunks "
+                            f"({files} files, process wall)", run.wall_s, "s", "report", size=size,
+                            note=f"{chunks} chunks written; embedder busy {run.fake_busy_s:.2f} s"))
+
+    # 4. ingest throughput vs batched Chroma upserts --------------------------------------------------
+    def throughput(self) -> None:
+        size = 10000 if 10000 in self.sizes else self.sizes[0]
+        detail = self.details["ingest"][size_label(size)]
+        chunks, seconds = detail["chunks_written"], detail["run_s"]
+        limit = self.upsert_limit(self.stores[size], self.work / f"limit-upserts-{size_label(size)}")
+        value = chunks / seconds
+        ratio = value / limit["chunks_per_s"]
+        self.details["upsert_limit"] = limit
+        # CPU seconds are less sensitive to other load on a shared machine than wall time.
+        detail["cpu_ratio"] = limit["cpu_s"] / detail["cpu_s"] if detail.get("cpu_s") else None
+        self.add(Figure(f"ingest.throughput@{size_label(size)}", f"Ingest throughput, {size_label(size)} chunks",
+                        value, "chunks/s", ">= 0.7x", limit=limit["chunks_per_s"],
+                        limit_what="batched Chroma upserts of the same records, fresh collections", ratio=ratio,
+                        passed=ratio >= 0.7, size=size,
+                        note=f"ingest run() time {seconds:.2f} s (process wall {detail['wall_s']:.2f} s); "
+                             f"embedder busy {detail['fake_busy_s']:.2f} s"))
+
+    def upsert_limit(self, store: Path, dest: Path) -> dict[str, Any]:
+        """Upsert the records ingest wrote (ids, vectors, texts, metadata) into fresh collections,
+        grouped and batched exactly as ingest does (files in path order, >= 256 chunks per group,
+        one upsert per lifecycle collection per group, at most 1000 rows each)."""
+        os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
+        import chromadb
+
+        current = json.loads((store / "CURRENT.json").read_text())
+        client = chromadb.PersistentClient(path=str(store / current["index"] / "chroma"))
+        records = []
+        metadata = {}
+        for name in ("chunks_active", "chunks_superseded"):
+            col = client.get_collection(name)
+            metadata[name] = {k: v for k, v in (col.metadata or {}).items() if not k.startswith("stamp_")}
+            got = col.get(include=["embeddings", "documents", "metadatas"])
+            for cid, emb, doc, meta in zip(got["ids"], got["embeddings"], got["documents"], got["metadatas"]):
+                records.append((meta["path"], int(meta["chunk_index"]), cid, [float(x) for x in emb], doc, meta))
+        records.sort(key=lambda r: (r[0], r[1]))
+        groups: list[list[tuple[Any, ...]]] = []
+        group: list[tuple[Any, ...]] = []
+        for i, record in enumerate(records):
+            group.append(record)
+            last_of_file = i + 1 == len(records) or records[i + 1][0] != record[0]
+            if last_of_file and len(group) >= 256:
+                groups.append(group)
+                group = []
+        if group:
+            groups.append(group)
+        shutil.rmtree(dest, ignore_errors=True)
+        fresh = chromadb.PersistentClient(path=str(dest))
+        cols = {lc: fresh.get_or_create_collection(name, metadata={"hnsw:space": "cosine", **metadata[name]})
+                for lc, name in (("active", "chunks_active"), ("superseded", "chunks_superseded"))}
+        upserts = 0
+        cpu_started = time.process_time()
+        started = time.perf_counter()
+        for group in groups:
+            for lifecycle, col in cols.items():
+                rows = [r for r in group if r[5]["lifecycle"] == lifecycle]
+                for at in range(0, len(rows), 1000):
+                    batch = rows[at:at + 1000]
+                    col.upsert(ids=[r[2] for r in batch], embeddings=[r[3] for r in batch],
+                               documents=[r[4] for r in batch], metadatas=[r[5] for r in batch])
+                    upserts += 1
+        seconds = time.perf_counter() - started
+        cpu_s = time.process_time() - cpu_started
+        with contextlib.suppress(Exception):
+            fresh.close()
+        with contextlib.suppress(Exception):
+            client.close()
+        shutil.rmtree(dest, ignore_errors=True)
+        return {"records": len(records), "groups": len(groups), "upsert_calls": upserts, "seconds": seconds,
+                "cpu_s": cpu_s, "chunks_per_s": len(records) / seconds}
+
+    # 5. no-op re-ingest --------------------------------------------------------------------------
+    def noop_reingest(self) -> None:
+        size = max(self.sizes)
+        files = size // CHUNKS_PER_FILE
+        run = run_ingest(self.python, self.corpora[size], self.stores[size], self.fake, self.work / "ingest.stderr",
+                         timeout_s=self.args.ingest_timeout, ingest=self.ingest)
+        calls_summary = int(run.summary.get("embedding_calls", -1))
+        calls = max(calls_summary, run.fake_calls)
+        self.details["noop_reingest"] = {"files": files, "wall_s": run.wall_s, "run_s": run.summary.get("seconds"),
+                                         "embedding_calls_summary": calls_summary, "fake_embed_calls": run.fake_calls,
+                                         "unchanged": run.summary.get("unchanged"), "peak_rss_mb": run.peak_rss_mb}
+        label = f"{files // 1000}k" if files % 1000 == 0 else str(files)
+        self.add(Figure(f"reingest.noop_s@{label}files", f"No-op re-ingest, {files} unchanged files (process wall)",
+                        run.wall_s, "s", "<= 3 s", passed=run.wall_s <= 3.0, size=size,
+                        note=f"ingest run() {float(run.summary.get('seconds', 0)):.2f} s"))
+        self.add(Figure(f"reingest.noop_calls@{label}files", f"No-op re-ingest, embedding calls ({files} files)",
+                        float(calls), "calls", "0 calls", passed=calls == 0, size=size,
+                        note=f"ingest summary {calls_summary}, fake's record {run.fake_calls}"))
+
+    # 1. handshake -----------------------------------------------------------------------------
+    def handshakes(self) -> None:
+        size = self.sizes[0]
+        server_s, hello_s = [], []
+        for rep in range(self.reps["handshake"]):
+            for which in ("hello", "server"):
+                peer = self.spawn_server(size, f"handshake{rep}") if which == "server" else self.spawn_hello(f"hs{rep}")
+                with peer:
+                    steps = peer.handshake()
+                    if which == "server" and "search_corpus" not in peer.tools:
+                        raise RuntimeError(f"server.py lists no search_corpus tool: {sorted(peer.tools)}")
+                (server_s if which == "server" else hello_s).append(steps["tools_list_s"])
+        value, limit = statistics.median(server_s), statistics.median(hello_s)
+        self.details["handshake"] = {"server_s": server_s, "hello_s": hello_s}
+        self.add(Figure("handshake.median_s", "Handshake: spawn + initialize + tools/list (median of "
+                        f"{len(server_s)})", value * 1000, "ms", "<= 1.2x", limit=limit * 1000,
+                        limit_what="bare MCPServer hello-world, same run", ratio=value / limit,
+                        passed=value / limit <= 1.2))
+
+    # bare stdio round trip ------------------------------------------------------------------------
+    def roundtrip(self) -> None:
+        with self.spawn_hello("roundtrip") as peer:
+            peer.handshake()
+            for i in range(20):
+                peer.call("echo", {"text": f"warm {i}"})
+            samples = []
+            for i in range(self.reps["roundtrip"]):
+                result, seconds = peer.call("echo", {"text": f"how do I drain the stale replica {i}"})
+                samples.append(seconds)
+        self.roundtrip_stats = summarize_ms(samples)
+        self.details["roundtrip"] = self.roundtrip_stats
+        self.add(Figure("stdio.roundtrip_p50_ms", "Bare stdio round trip: hello-world tools/call (p50)",
+                        self.roundtrip_stats["p50_ms"], "ms", "report (part of the search limit)"))
+
+    # 3. raw Chroma query -------------------------------------------------------------------------
+    def raw_queries(self, size: int, queries: Sequence[str]) -> dict[str, float]:
+        os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
+        import chromadb
+
+        current = json.loads((self.stores[size] / "CURRENT.json").read_text())
+        client = chromadb.PersistentClient(path=str(self.stores[size] / current["index"] / "chroma"))
+        col = client.get_collection("chunks_active")
+        vectors = [self.query_vector(q) for q in queries]
+        for vector in vectors[:self.reps["warmup"]]:
+            col.query(query_embeddings=[vector], n_results=self.n_results, include=["distances"])
+        samples = []
+        for vector in vectors[self.reps["warmup"]:]:
+            started = time.perf_counter()
+            col.query(query_embeddings=[vector], n_results=self.n_results, include=["distances"])
+            samples.append(time.perf_counter() - started)
+        with contextlib.suppress(Exception):
+            client.close()
+        return summarize_ms(samples)
+
+    # 2. cold first search ------------------------------------------------------------------------
+    def cold_search(self, size: int, queries: Sequence[str]) -> None:
+        spawn_to_answer, after_handshake, handshake = [], [], []
+        for rep in range(self.reps["cold"]):
+            with self.spawn_server(size, f"cold-{size_label(size)}-{rep}") as peer:
+                steps = peer.handshake()
+                result, seconds = peer.call("search_corpus", {"query": queries[rep]})
+                total = time.perf_counter() - peer.spawned_at
+                if result.get("isError"):
+                    raise RuntimeError(f"first search failed: {tool_payload(result)}")
+            spawn_to_answer.append(total)
+            after_handshake.append(seconds)
+            handshake.append(steps["tools_list_s"])
+        self.details.setdefault("cold", {})[size_label(size)] = {
+            "spawn_to_first_answer_s": spawn_to_answer, "first_call_after_handshake_s": after_handshake,
+            "handshake_s": handshake}
+        value = statistics.median(spawn_to_answer)
+        reps = f"median of {len(spawn_to_answer)}" if len(spawn_to_answer) > 1 else "1 run"
+        self.add(Figure(f"cold.first_search_s@{size_label(size)}",
+                        f"Cold first search, {size_label(size)} chunks: spawn to first answer ({reps})",
+                        value, "s", "<= 2.5 s", passed=value <= 2.5, size=size))
+        self.add(Figure(f"cold.first_call_s@{size_label(size)}",
+                        f"Cold first search, {size_label(size)} chunks: the call alone, after the handshake",
+                        statistics.median(after_handshake), "s", "report", size=size))
+
+    # 3 + 6. warm searches, server memory --------------------------------------------------------
+    def warm_searches(self, size: int, queries: dict[str, list[str]], raw: dict[str, float]) -> None:
+        samples: dict[str, list[float]] = {"hybrid": [], "vector": [], "keyword": []}
+        errors: list[Any] = []
+        count = 0
+        hwm_after_100: float | None = None
+        response_chars: list[int] = []
+        hits: dict[str, list[int]] = {"hybrid": [], "vector": [], "keyword": []}
+        with self.spawn_server(size, f"warm-{size_label(size)}") as peer:
+            peer.handshake()
+            for mode in ("hybrid", "vector", "keyword"):
+                for q in queries[f"warm-{mode}"]:
+                    result, _ = peer.call("search_corpus", {"query": q, "mode": mode})
+                    count += 1
+                    if result.get("isError"):
+                        errors.append(tool_payload(result))
+            plan: list[tuple[str, str]] = []
+            for i in range(max(len(queries["hybrid"]), len(queries["vector"]))):
+                plan += [("hybrid", q) for q in queries["hybrid"][i:i + 1]]
+                plan += [("vector", q) for q in queries["vector"][i:i + 1]]
+                plan += [("keyword", q) for q in queries["keyword"][i:i + 1]]
+            for mode, q in plan:
+                arguments = {"query": q} if mode == "hybrid" else {"query": q, "mode": mode}
+                result, seconds = peer.call("search_corpus", arguments)
+                count += 1
+                samples[mode].append(seconds)
+                if result.get("isError"):
+                    errors.append(tool_payload(result))
+                else:
+                    hits[mode].append(len(tool_payload(result).get("results") or []))
+                    if mode == "hybrid" and len(response_chars) < 50:
+                        response_chars.append(len(json.dumps(result)))
+                if count == 100:
+                    hwm_after_100 = peer.vm_hwm_mb()
+            hwm_end = peer.vm_hwm_mb()
+            non_json = list(peer.non_json_lines)
+        if errors:
+            raise RuntimeError(f"{len(errors)} search_corpus calls failed at {size_label(size)}, e.g. {errors[0]}")
+        stats = {mode: summarize_ms(s) for mode, s in samples.items()}
+        rt = self.roundtrip_stats["p50_ms"]
+        limit = raw["p50_ms"] + rt
+        self.details.setdefault("search", {})[size_label(size)] = {
+            "modes": stats, "raw_chroma_query": raw, "roundtrip_p50_ms": rt, "limit_p50_ms": limit,
+            "n_results": self.n_results, "searches": count, "server_vm_hwm_mb_after_100": hwm_after_100,
+            "server_vm_hwm_mb_end": hwm_end, "non_json_stdout_lines": non_json,
+            "hybrid_response_bytes_median": statistics.median(response_chars) if response_chars else None,
+            "mean_results": {m: statistics.fmean(v) if v else None for m, v in hits.items()}}
+        label = size_label(size)
+        limit_what = (f"raw unfiltered Chroma query of chunks_active (n_results={self.n_results}) p50 "
+                      f"{raw['p50_ms']:.2f} ms + bare stdio round trip p50 {rt:.2f} ms")
+        h = stats["hybrid"]
+        mean_hits = {m: statistics.fmean(v) if v else 0.0 for m, v in hits.items()}
+        self.add(Figure(f"search.hybrid.p50_ms@{label}", f"search_corpus hybrid p50, {label} chunks", h["p50_ms"], "ms",
+                        "<= 3x", limit=limit, limit_what=limit_what, ratio=h["p50_ms"] / limit,
+                        passed=h["p50_ms"] / limit <= 3.0, size=size,
+                        note=f"{mean_hits['hybrid']:.1f} results per search on average (k=5)"))
+        self.add(Figure(f"search.hybrid.p95_ms@{label}", f"search_corpus hybrid p95, {label} chunks", h["p95_ms"], "ms",
+                        "report", limit=raw["p95_ms"] + rt, limit_what="raw query p95 + round trip p50",
+                        ratio=h["p95_ms"] / (raw["p95_ms"] + rt), size=size))
+        for mode in ("vector", "keyword"):
+            m = stats[mode]
+            self.add(Figure(f"search.{mode}.p50_ms@{label}", f"search_corpus {mode}-only p50, {label} chunks",
+                            m["p50_ms"], "ms", "report", limit=limit, limit_what=limit_what,
+                            ratio=m["p50_ms"] / limit, size=size,
+                            note=f"{mean_hits[mode]:.1f} results per search on average (k=5)"))
+            self.add(Figure(f"search.{mode}.p95_ms@{label}", f"search_corpus {mode}-only p95, {label} chunks",
+                            m["p95_ms"], "ms", "report", size=size))
+        self.add(Figure(f"search.raw_chroma_p50_ms@{label}", f"Raw Chroma query p50, {label} chunks "
+                        f"(n_results={self.n_results}, in process)", raw["p50_ms"], "ms", "report (limit)", size=size))
+        if size == max(self.sizes):
+            value = hwm_after_100 if hwm_after_100 is not None else hwm_end
+            self.add(Figure(f"memory.server_peak_rss_mb@{label}", f"Server peak RSS after 100 searches, {label} chunks "
+                            "(VmHWM)", value if value is not None else math.nan, "MB", "report", size=size,
+                            note=f"after {count} searches: {_fmt(hwm_end, 'MB')}"))
+
+    def memory_ingest(self) -> None:
+        size = max(self.sizes)
+        detail = self.details["ingest"][size_label(size)]
+        self.add(Figure(f"memory.ingest_peak_rss_mb@{size_label(size)}", f"Ingest peak RSS, {size_label(size)} chunks "
+                        "(ru_maxrss)", detail["peak_rss_mb"], "MB", "report", size=size))
+
+    # the run ---------------------------------------------------------------------------------
+    def run(self) -> None:
+        with FakeProcess(self.python, self.work) as fake:
+            self.fake = fake
+            self.build_indexes()
+            self.throughput()
+            self.noop_reingest()
+            self.memory_ingest()
+            self.handshakes()
+            self.roundtrip()
+            for size in self.sizes:
+                n_h, n_o, n_w = self.reps["hybrid"], self.reps["other_modes"], self.reps["warmup"]
+                qs = synthetic_queries(self.reps["cold"] + 3 * n_w + n_h + 2 * n_o + self.reps["raw"] + n_w,
+                                       size_label(size))
+                queries: dict[str, list[str]] = {}
+                at = 0
+                for name, n in (("cold", self.reps["cold"]), ("warm-hybrid", n_w), ("warm-vector", n_w),
+                                ("warm-keyword", n_w), ("hybrid", n_h), ("vector", n_o), ("keyword", n_o),
+                                ("raw", self.reps["raw"] + n_w)):
+                    queries[name] = qs[at:at + n]
+                    at += n
+                log(f"searching the {size_label(size)} index ...")
+                raw = self.raw_queries(size, queries["raw"])
+                self.cold_search(size, queries["cold"])
+                self.warm_searches(size, queries, raw)
+            self.details["fake_total"] = fake.stats()
+
+
+def order_figures(figures: Sequence[Figure]) -> list[Figure]:
+    order = ["handshake", "stdio", "cold", "search", "ingest", "reingest", "memory"]
+    return sorted(figures, key=lambda f: (order.index(f.id.split(".")[0]) if f.id.split(".")[0] in order else 99,
+                                          f.size or 0))
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Benchmark local-rag-mcp against its physical limits.")
+    parser.add_argument("--quick", action="store_true", help="1k chunks only, fewer repetitions (CI smoke)")
+    parser.add_argument("--out", default="bench-results.json", help="JSON results file (default: %(default)s)")
+    parser.add_argument("--sizes", default="1000,10000,100000",
+                        help="chunk counts for the full run, comma-separated (default: %(default)s)")
+    parser.add_argument("--workdir", help="keep corpora, stores and logs here (default: a temporary folder, removed)")
+    parser.add_argument("--server", default=str(PROJECT_DIR / "server.py"), help="server to measure")
+    parser.add_argument("--python", default=sys.executable, help="interpreter for ingest and the servers")
+    parser.add_argument("--ingest", default=str(PROJECT_DIR / "ingest.py"),
+                        help="ingest script to measure (to try a change side by side)")
+    parser.add_argument("--ingest-timeout", type=float, default=1500.0, help="seconds before an ingest run is killed")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a goal fails")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--serve-fake"]:
+        return serve_fake(int(argv[1]) if len(argv) > 1 else 0)
+    args = parse_args(argv)
+    if not Path(args.server).is_file():
+        print(f"bench: {args.server} does not exist", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    machine = machine_info()
+    log(machine_line(machine))
+    keep = args.workdir is not None
+    if keep:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    else:
+        args.workdir = tempfile.mkdtemp(prefix="local-rag-bench-")
+    bench = Bench(args)
+    error = None
+    try:
+        bench.run()
+    except (RuntimeError, RpcError, OSError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        log(f"failed: {error}")
+    finally:
+        if not keep:
+            shutil.rmtree(args.workdir, ignore_errors=True)
+    figures = order_figures(bench.figures)
+    duration = time.perf_counter() - started
+    if hasattr(os, "getloadavg"):
+        machine["loadavg_at_end"] = list(os.getloadavg())
+    results = {
+        "format": 1, "quick": args.quick, "sizes_chunks": bench.sizes, "duration_s": round(duration, 1),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine, "error": error,
+        "config": {"chunks_per_file": CHUNKS_PER_FILE, "superseded_share": 1 / SUPERSEDED_EVERY, "dims": DIMS,
+                   "model": MODEL, "protocol_version": PROTOCOL_VERSION, "n_results": bench.n_results,
+                   "repetitions": bench.reps, "server": str(bench.server), "ingest": str(bench.ingest)},
+        "figures": [f.as_json() for f in figures],
+        "details": bench.details,
+    }
+    Path(args.out).write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
+    print(f"local-rag-mcp benchmark ({'quick: 1k chunks' if args.quick else 'full'}), {duration:.0f} s")
+    print()
+    print(machine_line(machine))
+    print()
+    print(markdown_table(figures))
+    noted = [f for f in figures if f.note and (f.passed is not None or f.id.startswith(("search.", "memory.")))]
+    if noted:
+        print()
+        for f in noted:
+            print(f"- {f.figure}: {f.note}")
+    failed = [f.id for f in figures if f.passed is False]
+    print()
+    print(f"{sum(f.passed is True for f in figures)} goals met, {len(failed)} missed"
+          + (f": {', '.join(failed)}" if failed else "") + f". JSON: {args.out}")
+    if error:
+        print(f"\nThe run stopped early: {error}")
+        return 2
+    return 1 if args.strict and failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
