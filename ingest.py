@@ -684,6 +684,7 @@ def run(args: argparse.Namespace) -> Summary:
         embedding = Embedding(embedder, scheme, dims)
         changed_anything = bool(repaired) or store.unpublished()
         written: set[str] = set()
+        run_errors: list[str] = []  # failures of the run itself, after the per-file ones
         if plan.mtime_only:
             store.update_mtimes(plan.mtime_only)
             changed_anything = True
@@ -712,7 +713,7 @@ def run(args: argparse.Namespace) -> Summary:
             for pf in plan.changed:
                 if pf.file.path not in written:
                     plan.failed.setdefault(pf.file.path, f"{pf.file.path}: not embedded: {exc.message}")
-            summary.errors.append(f"{exc.message} ({exc.hint})")
+            run_errors.append(f"{exc.message} ({exc.hint})")
         finally:
             progress.finish()
         if plan.removed:
@@ -720,7 +721,7 @@ def run(args: argparse.Namespace) -> Summary:
             changed_anything = True
         summary.embedding_calls = embedding.calls
         summary.failed = len(plan.failed)
-        summary.errors = [*sorted(plan.failed.values()), *summary.errors]
+        summary.errors = [*sorted(plan.failed.values()), *run_errors]
         summary.commit, summary.dirty = corpus_git_state(corpus)
         files, chunks = store.counts()
         stamp = rules.IndexStamp(commit=summary.commit, dirty=summary.dirty,

@@ -12,9 +12,9 @@ everything else is logged to stderr.
 
 Run: `python server.py` (configuration from RAG_CORPUS_DIR, RAG_STORE_DIR, OLLAMA_HOST,
 RAG_EMBED_MODEL, RAG_EMBED_TIMEOUT; see corpus_rules.load_settings). Server-only knobs:
-RAG_LOG_LEVEL (stderr, default INFO: one line per tool call) and RAG_SERVER_WARMUP=0 (no
+RAG_LOG_LEVEL (stderr, default INFO: one line per tool call), RAG_SERVER_WARMUP=0 (no
 background warm-up; the first call pays the imports, which tests use to see what the handshake
-imports).
+imports) and RAG_STORE_TIMEOUT (seconds a call waits for the vector store, default 20).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
 import json
 import logging
 import math
+import queue
 import sqlite3
 import stat
 import sys
@@ -97,7 +98,15 @@ STALENESS_TTL_S = 5.0
 # File systems and sync tools round mtimes; a smaller difference is not a change.
 MTIME_TOLERANCE_NS = 2_000_000_000
 SQLITE_BUSY_TIMEOUT_S = 5.0
+# Chroma's own SQLite layer waits without limit for a lock another process holds (measured: a
+# search hung for as long as another process held BEGIN EXCLUSIVE on chroma.sqlite3, opening or
+# querying alike). Every Chroma call therefore runs on one worker thread and a tool call waits for
+# it at most this long (RAG_STORE_TIMEOUT overrides). Generous: loading a large HNSW index the
+# first time takes seconds.
+STORE_CALL_TIMEOUT_S = 20.0
 WARMUP_DELAY_S = 0.2
+# SQLite integers are signed 64-bit; a larger offset would crash the query instead of failing validation.
+SQLITE_MAX_INT = 2**63 - 1
 
 INGEST_HINT = "run `python ingest.py` (with the same RAG_STORE_DIR and RAG_CORPUS_DIR as this server)"
 
@@ -187,7 +196,8 @@ class GetFileInput(_ToolInput):
 
 class ListDocumentsInput(_ToolInput):
     path_prefix: str | None = Field(None, description="Only list documents under this corpus-relative folder.")
-    offset: int = Field(0, ge=0, description="Skip this many documents (pagination; see next_offset).")
+    offset: int = Field(0, ge=0, le=SQLITE_MAX_INT, description="Skip this many documents (pagination; see "
+                                                                 "next_offset).")
     limit: int = Field(LIST_LIMIT_DEFAULT, ge=1, le=LIST_LIMIT_MAX,
                        description=f"At most this many documents, 1-{LIST_LIMIT_MAX}.")
 
@@ -332,6 +342,13 @@ def select_top_k(fused: Sequence[tuple[str, float]], channel_bests: Sequence[str
                 chosen.add(best)
                 break
     return sorted(top, key=lambda entry: position[entry[0]])
+
+
+def shown(value: Any, limit: int = 200) -> str:
+    """A client-supplied value quoted in a message: repr (escapes control characters and lone
+    surrogates), cut so that a megabyte argument is not echoed back whole."""
+    text = str(value)
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
 
 
 def truncate_text(text: str, limit: int) -> tuple[str, bool]:
@@ -500,12 +517,118 @@ def _chromadb() -> Any:
 
 def _store_error(exc: BaseException, what: str) -> RagError:
     text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    if "unapplied migrations" in text.lower():
+        return RagError(ErrorCode.INDEX_INCOMPATIBLE, f"the {what} was written by another Chroma version: {text}",
+                        "run `python ingest.py` with this installation; it upgrades the store")
     if "locked" in text.lower() or "busy" in text.lower():
         return RagError(ErrorCode.INTERNAL, f"the {what} is locked: {text}",
                         "another process holds it; retry in a moment (an ingest may be running)")
     return RagError(ErrorCode.INTERNAL, f"the {what} could not be read: {text}",
                     "if an ingest is running, retry when it finishes; otherwise rebuild the index with "
                     "`python ingest.py --full`")
+
+
+def _probe_chroma_sqlite(sqlite_file: Path) -> None:
+    """Refuse a chroma.sqlite3 that is not a Chroma database before Chroma sees it: given an empty
+    or foreign file, PersistentClient writes a fresh schema into it (the server never writes the
+    store). Waits for a lock at most SQLITE_BUSY_TIMEOUT_S."""
+    try:
+        # mode=rw: never creates the file, and can roll back a journal left by a killed ingest
+        # (as Chroma's own connection would); only SELECTs run here.
+        db = sqlite3.connect(sqlite_file.as_uri() + "?mode=rw", uri=True, timeout=SQLITE_BUSY_TIMEOUT_S)
+        try:
+            db.execute("SELECT 1 FROM migrations LIMIT 1").fetchall()
+            db.execute("SELECT 1 FROM collections LIMIT 1").fetchall()
+        finally:
+            db.close()
+    except sqlite3.OperationalError as exc:
+        if "no such table" in str(exc):
+            raise RagError(ErrorCode.INDEX_MISSING, f"the vector store {sqlite_file} holds no Chroma database "
+                           f"({exc})", INGEST_HINT) from None
+        raise _store_error(exc, f"vector store {sqlite_file}") from None
+    except sqlite3.Error as exc:
+        raise _store_error(exc, f"vector store {sqlite_file}") from None
+
+
+def store_call_timeout() -> float:
+    raw = os.environ.get("RAG_STORE_TIMEOUT", "").strip()
+    try:
+        value = float(raw) if raw else STORE_CALL_TIMEOUT_S
+    except ValueError:
+        return STORE_CALL_TIMEOUT_S
+    return value if value > 0 and math.isfinite(value) else STORE_CALL_TIMEOUT_S
+
+
+class _Job:
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.lock = threading.Lock()
+        self.state: Literal["queued", "running", "abandoned"] = "queued"
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class ChromaWorker:
+    """Runs every Chroma call on one daemon thread; callers wait a bounded time.
+
+    A call stuck on a lock held by another process keeps the worker busy until the lock goes,
+    but its caller gets a structured error after the timeout, later callers time out in the
+    queue the same way (their jobs are dropped unstarted), and the other tools keep answering
+    (they use the keyword database only). One thread also means the Chroma client is never used
+    concurrently. Daemon: a stuck call must not keep the process alive after stdin closes.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], Any]) -> _Job:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="rag-chroma", daemon=True)
+                self._thread.start()
+        job = _Job(fn)
+        self._queue.put(job)
+        return job
+
+    def wait_idle(self, timeout: float) -> bool:
+        """True once every call submitted so far has finished (at once if none ever ran)."""
+        if self._thread is None:
+            return True
+        return self.submit(lambda: None).done.wait(timeout)
+
+    def call(self, fn: Callable[[], Any], what: str, timeout: float | None = None) -> Any:
+        timeout = store_call_timeout() if timeout is None else timeout
+        job = self.submit(fn)
+        if not job.done.wait(timeout):
+            with job.lock:
+                if job.state == "queued":
+                    job.state = "abandoned"
+            raise RagError(ErrorCode.INTERNAL, f"the {what} did not answer within {timeout:g} s",
+                           "another process may hold it locked (an ingest, a backup or a database browser); "
+                           "retry in a moment. mode='keyword' does not need it")
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _serve(self) -> None:
+        while True:
+            job = self._queue.get()
+            with job.lock:
+                if job.state == "abandoned":
+                    continue
+                job.state = "running"
+            try:
+                job.result = job.fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                job.error = exc
+            finally:
+                job.done.set()
+
+
+CHROMA_WORKER = ChromaWorker()
 
 
 @dataclass(frozen=True)
@@ -588,9 +711,10 @@ class OpenIndex:
             self.db.close()
         except sqlite3.Error:
             pass
-        self._reset_chroma()
+        # On the Chroma thread, after any call still using the client (never waited for).
+        CHROMA_WORKER.submit(self._reset_chroma)
 
-    # Chroma ------------------------------------------------------------------------------
+    # Chroma: every method below runs on CHROMA_WORKER's thread (through _chroma_read) --------
     def collection(self, lifecycle: str) -> Any:
         if self._client is None:
             self._open_chroma()
@@ -606,6 +730,7 @@ class OpenIndex:
         # PersistentClient creates whatever is missing: look before constructing it.
         if not sqlite_file.is_file():
             raise RagError(ErrorCode.INDEX_MISSING, f"the vector store {sqlite_file} does not exist", INGEST_HINT)
+        _probe_chroma_sqlite(sqlite_file)
         chromadb = _chromadb()
         from chromadb.api.shared_system_client import SharedSystemClient  # noqa: PLC0415
         from chromadb.config import Settings as ChromaSettings  # noqa: PLC0415
@@ -617,8 +742,11 @@ class OpenIndex:
         client: Any = None
         collections: dict[str, Any | None] = {}
         try:
+            # migrations="validate": a store written by another Chroma version is reported, never
+            # migrated by the reader (ingest migrates it).
             client = chromadb.PersistentClient(path=str(self.chroma_dir),
-                                               settings=ChromaSettings(anonymized_telemetry=False, allow_reset=False))
+                                               settings=ChromaSettings(anonymized_telemetry=False, allow_reset=False,
+                                                                       migrations="validate"))
             # Both collections now, while the client is fresh: a missing one is remembered as None
             # and reported (index_missing) only when a search needs it.
             for lifecycle, name in COLLECTION_BY_LIFECYCLE.items():
@@ -642,7 +770,12 @@ class OpenIndex:
         state in memory and Chroma fails with "Error finding id" for labels whose ids are gone;
         a fresh client reads the current files. Measured: 23 of 185 searches failed during a
         re-ingest before this retry, none after.
+
+        Runs on the Chroma worker thread; the caller waits at most RAG_STORE_TIMEOUT.
         """
+        return CHROMA_WORKER.call(lambda: self._chroma_read_now(lifecycle, read), f"vector store {self.chroma_dir}")
+
+    def _chroma_read_now(self, lifecycle: str, read: Callable[[Any], Any]) -> Any:
         try:
             return read(self.collection(lifecycle))
         except RagError:
@@ -833,6 +966,11 @@ class StoreManager:
             self._current, self._stat = current, key
         return self._current
 
+    def close(self) -> None:
+        if self._open is not None:
+            self._open.close()
+            self._open = None
+
     def open(self) -> OpenIndex:
         current = self.current()
         key = (current.index, current.generation)
@@ -907,6 +1045,7 @@ class RetrievalService:
         self._stale_cache: tuple[tuple[str, int], float, int] | None = None
         self._stale_refreshing = False
         self._warm_started = False
+        self._warm_thread: threading.Thread | None = None
         # Only touched under the store lock.
         self._chunk_vectors: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
@@ -931,7 +1070,25 @@ class RetrievalService:
         if self._warm_started or os.environ.get("RAG_SERVER_WARMUP", "1").strip() in ("0", "false", "no"):
             return
         self._warm_started = True
-        threading.Thread(target=self._warmup, args=(delay,), name="rag-warmup", daemon=True).start()
+        self._warm_thread = threading.Thread(target=self._warmup, args=(delay,), name="rag-warmup", daemon=True)
+        self._warm_thread.start()
+
+    def close(self, timeout: float) -> bool:
+        """Let go of the store before the interpreter exits: wait for the warm-up, close the Chroma
+        client on its thread, and wait until that thread is idle. Finalizing the interpreter while
+        Chroma's native code runs on another thread crashed the process (SIGSEGV, measured: 2 exits
+        in 12 right after a search). False when the store did not let go within `timeout`."""
+        deadline = time.monotonic() + timeout
+        if self._warm_thread is not None:
+            self._warm_thread.join(timeout)
+        manager = self._manager
+        if manager is not None and manager.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            try:
+                manager.close()
+            finally:
+                manager.lock.release()
+        # At least a moment: an idle worker still has to pick up the marker job.
+        return CHROMA_WORKER.wait_idle(max(0.5, deadline - time.monotonic()))
 
     def _warmup(self, delay: float) -> None:
         time.sleep(delay)  # let the tools/list answer reach the client first
@@ -1062,7 +1219,7 @@ class RetrievalService:
             if not any(by_lc.get(lc) for lc in lifecycles):
                 hidden = "" if args.include_superseded or not by_lc.get("superseded") else (
                     " (only superseded documents are there: pass include_superseded=true)")
-                return empty(f"no indexed document under path_prefix {prefix!r}{hidden}; "
+                return empty(f"no indexed document under path_prefix {shown(prefix)}{hidden}; "
                              "see list_documents for the indexed paths")
             totals = index.counts_by_lifecycle()
             for lc in lifecycles:
@@ -1199,7 +1356,7 @@ class RetrievalService:
             corpus = self._corpus_dir(index.current)
             doc = index.document(args.path)
             if doc is None:
-                raise RagError(ErrorCode.NOT_INDEXED, f"{args.path!r} is not in the index",
+                raise RagError(ErrorCode.NOT_INDEXED, f"{shown(args.path)} is not in the index",
                                "only indexed documents can be read: call list_documents (or search_corpus) "
                                "for the exact path")
         raw = read_indexed_file(corpus, doc)
@@ -1231,7 +1388,7 @@ class RetrievalService:
         end = args.offset + len(entries)
         message = None
         if total == 0:
-            message = (f"no indexed document under path_prefix {args.path_prefix!r}" if args.path_prefix
+            message = (f"no indexed document under path_prefix {shown(args.path_prefix)}" if args.path_prefix
                        else f"the index is empty: {INGEST_HINT}")
         elif not entries:
             message = f"offset {args.offset} is past the end ({total} documents)"
@@ -1404,7 +1561,7 @@ def describe_validation_error(exc: ValidationError) -> str:
     for err in exc.errors(include_url=False, include_input=False):
         where = ".".join(str(p) for p in err["loc"]) or "arguments"
         if err["type"] == "extra_forbidden":
-            problems.append(f"unknown argument {where!r}")
+            problems.append(f"unknown argument {shown(where)}")
         else:
             problems.append(f"{where}: {err['msg']}")
     return "; ".join(problems[:10])
@@ -1447,7 +1604,7 @@ def dispatch(service: RetrievalService, name: str, arguments: Mapping[str, Any] 
     try:
         spec = TOOLS.get(name)
         if spec is None:
-            raise RagError(ErrorCode.INVALID_ARGUMENT, f"unknown tool {name!r}", f"tools: {', '.join(TOOLS)}")
+            raise RagError(ErrorCode.INVALID_ARGUMENT, f"unknown tool {shown(name)}", f"tools: {', '.join(TOOLS)}")
         try:
             args = spec.input_model.model_validate(dict(arguments or {}))
         except ValidationError as exc:
@@ -1479,6 +1636,51 @@ def tool_definitions() -> list[Any]:
             for spec in TOOLS.values()]
 
 
+def _lenient_int(digits: str) -> int | None:
+    # Python refuses int() of more than 4300 digits; such a number is never a usable request id.
+    return int(digits) if len(digits) <= 100 else None
+
+
+def answer_unreadable_request(exc: BaseException) -> Any | None:
+    """The answer to a request line the SDK's JSON parser rejected, or None.
+
+    pydantic-core refuses JSON that Python's parser reads: lone surrogate escapes ("\\udc80",
+    which clients produce from unpaired UTF-16 halves) and numbers of thousands of digits. The SDK
+    then drops the line without a word and the client waits for that id forever. When the line is
+    still a request with an id, answer it: tools/call with the structured invalid_argument tool
+    error (as the tool's own validation would), any other method with a JSON-RPC parse error.
+    Nothing of the unreadable text is echoed back.
+    """
+    from mcp.types import PARSE_ERROR, ErrorData, JSONRPCError, JSONRPCResponse  # noqa: PLC0415
+
+    if not isinstance(exc, ValidationError):
+        return None
+    errors = exc.errors(include_url=False)
+    raw = next((e.get("input") for e in errors if e.get("type") == "json_invalid"), None)
+    if not isinstance(raw, str):
+        return None
+    try:
+        message = json.loads(raw, parse_int=_lenient_int)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(message, dict) or not isinstance(message.get("method"), str):
+        return None
+    request_id = message.get("id")
+    if not ((isinstance(request_id, int) and not isinstance(request_id, bool))
+            or (isinstance(request_id, str) and not _has_surrogates(request_id))):
+        return None  # a notification, or an id that cannot be written back
+    reason = str(errors[0].get("msg", "invalid JSON"))
+    log.warning("answering request %s, which the MCP SDK could not parse: %s", shown(request_id), reason)
+    if message["method"] == "tools/call":
+        error = RagError(ErrorCode.INVALID_ARGUMENT, f"the request could not be read: {reason}",
+                         "send valid Unicode JSON: a \\uD800-\\uDFFF escape must be half of a surrogate pair, and "
+                         "numbers must be of ordinary size")
+        result = error_result(error).model_dump(by_alias=True, mode="json", exclude_none=True)
+        return JSONRPCResponse(jsonrpc="2.0", id=request_id, result=result)
+    return JSONRPCError(jsonrpc="2.0", id=request_id,
+                        error=ErrorData(code=PARSE_ERROR, message=f"Parse error: {reason}"))
+
+
 def build_server(service: RetrievalService | None = None) -> Any:
     """The MCPServer, with our own tool table and dispatcher instead of signature introspection:
     input models forbid unknown keys and every failure is a structured error."""
@@ -1497,6 +1699,29 @@ def build_server(service: RetrievalService | None = None) -> Any:
             # Store and embedder calls block: run them off the event loop.
             return await anyio.to_thread.run_sync(dispatch, service, name, arguments)
 
+        async def run_stdio_async(self) -> None:
+            """MCPServer.run_stdio_async, with lines the SDK could not parse answered (see
+            answer_unreadable_request) instead of dropped."""
+            from mcp.server.stdio import stdio_server  # noqa: PLC0415
+            from mcp.shared.message import SessionMessage  # noqa: PLC0415
+
+            async with stdio_server() as (read_stream, write_stream):
+                checked_send, checked_read = anyio.create_memory_object_stream[Any](0)
+
+                async def screen() -> None:
+                    async with checked_send:
+                        async for item in read_stream:
+                            answer = answer_unreadable_request(item) if isinstance(item, Exception) else None
+                            if answer is None:
+                                await checked_send.send(item)
+                            else:
+                                await write_stream.send(SessionMessage(answer))
+
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(screen)
+                    await self._lowlevel_server.run(checked_read, write_stream,
+                                                    self._lowlevel_server.create_initialization_options())
+
     return RagServer(name="local-rag", title="Local Markdown RAG", version=TOOL_VERSION,
                      instructions=INSTRUCTIONS, log_level="WARNING")
 
@@ -1513,12 +1738,18 @@ def configure_logging() -> None:
 
 def main() -> int:
     configure_logging()
-    server = build_server()
+    service = RetrievalService()
+    server = build_server(service)
     log.info("local-rag-mcp %s starting (stdio)", TOOL_VERSION)
     try:
         server.run("stdio")
     except KeyboardInterrupt:
         pass
+    if not service.close(timeout=store_call_timeout()):
+        # A Chroma call is stuck on a lock another process holds: exit without finalizing.
+        log.warning("the vector store did not let go; exiting without waiting for it")
+        logging.shutdown()
+        os._exit(0)
     return 0
 
 

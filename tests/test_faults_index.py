@@ -1,0 +1,240 @@
+"""Scenario 7: a damaged, missing, foreign or locked store. Every tool answers with a structured
+result or error, within a bound, the server stays up, and it never creates or repairs the store."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from fake_ollama import FakeOllama
+from faultlib import (
+    call,
+    copy_sample,
+    file_listing,
+    index_dir,
+    raw_server,
+    run_ingest,
+    search_paths,
+    server_env,
+    stderr_text,
+)
+from test_server_e2e import connect, tool
+
+QUERY = "who gets paged for a sev-1"
+ESCALATION = "oncall/escalation.md"
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeOllama]:
+    with FakeOllama(models=("embeddinggemma", "nomic-embed-text")) as instance:
+        yield instance
+
+
+@dataclass
+class Built:
+    corpus: Path
+    store: Path
+
+
+@pytest.fixture(scope="module")
+def built(fake: FakeOllama, tmp_path_factory: pytest.TempPathFactory) -> Built:
+    tmp = tmp_path_factory.mktemp("index-faults")
+    corpus, store = copy_sample(tmp), tmp / "store"
+    done = run_ingest(fake, corpus, store)
+    assert done.code == 0, done.err
+    return Built(corpus, store)
+
+
+def copy_store(built: Built, tmp_path: Path) -> Path:
+    store = tmp_path / "store"
+    shutil.copytree(built.store, store)
+    return store
+
+
+def store_files(store: Path) -> dict[str, tuple[int, bytes]]:
+    """The store's files and bytes, without the -wal/-shm files any SQLite reader of a WAL
+    database creates beside it."""
+    return {name: value for name, value in file_listing(store).items() if not name.endswith(("-wal", "-shm"))}
+
+
+def every_tool(server: Any) -> dict[str, tuple[bool, dict[str, Any]]]:
+    """One call of each tool and search mode; each answer checked for its structured shape."""
+    return {
+        "hybrid": call(server, "search_corpus", {"query": QUERY}),
+        "vector": call(server, "search_corpus", {"query": QUERY, "mode": "vector"}),
+        "keyword": call(server, "search_corpus", {"query": QUERY, "mode": "keyword"}),
+        "get_file": call(server, "get_file", {"path": ESCALATION, "end_line": 3}),
+        "list_documents": call(server, "list_documents", {}),
+    }
+
+
+def codes(answers: dict[str, tuple[bool, dict[str, Any]]]) -> dict[str, str]:
+    return {name: payload["error"]["code"] if is_error else "ok" for name, (is_error, payload) in answers.items()}
+
+
+def test_missing_store_is_index_missing_and_never_created(built: Built, fake: FakeOllama, tmp_path: Path) -> None:
+    store = tmp_path / "absent" / "store"
+    with raw_server(store, built.corpus, fake.host) as server:
+        answers = every_tool(server)
+        assert set(codes(answers).values()) == {"index_missing"}
+        for _, payload in answers.values():
+            assert str(store) in payload["error"]["message"] and "python ingest.py" in payload["error"]["hint"]
+    assert not store.exists() and not store.parent.exists()
+
+
+def test_store_built_with_another_model_is_index_incompatible(built: Built, fake: FakeOllama, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    done = run_ingest(fake, built.corpus, store, RAG_EMBED_MODEL="nomic-embed-text")
+    assert done.code == 0, done.err
+
+    async def scenario() -> None:
+        # Through the SDK client: RawServer deliberately drops RAG_EMBED_MODEL from the environment.
+        env = server_env(store, built.corpus, fake.host, RAG_EMBED_MODEL="embeddinggemma")
+        async with connect(env) as client:
+            for mode in ("hybrid", "vector"):
+                is_error, payload = await tool(client, "search_corpus", query=QUERY, mode=mode)
+                assert is_error and payload["error"]["code"] == "index_incompatible", payload
+                assert "embeddinggemma" in payload["error"]["message"]
+                assert "nomic-embed-text" in payload["error"]["message"]
+            for name, args in (("search_corpus", {"query": QUERY, "mode": "keyword"}), ("list_documents", {}),
+                               ("get_file", {"path": ESCALATION, "end_line": 2})):
+                assert not (await tool(client, name, **args))[0], name
+
+    anyio.run(scenario)
+    # Without RAG_EMBED_MODEL the server follows the index's manifest.
+    with raw_server(store, built.corpus, fake.host) as server:
+        assert set(codes(every_tool(server)).values()) == {"ok"}
+
+
+def test_unreadable_current_json_is_index_incompatible(built: Built, fake: FakeOllama, tmp_path: Path) -> None:
+    store = copy_store(built, tmp_path)
+    current = json.loads((store / "CURRENT.json").read_text(encoding="utf-8"))
+    variants = {
+        "garbage": "{ not json",
+        "unknown prefix scheme": json.dumps({**current, "manifest": {**current["manifest"], "prefix_scheme": "x9"}}),
+        "missing index folder": json.dumps({**current, "index": "idx-000000000000"}),
+    }
+    expected = {"garbage": "index_incompatible", "unknown prefix scheme": "index_incompatible",
+                "missing index folder": "index_missing"}
+    with raw_server(store, built.corpus, fake.host) as server:
+        for name, text in variants.items():
+            (store / "CURRENT.json").write_text(text, encoding="utf-8")
+            assert set(codes(every_tool(server)).values()) == {expected[name]}, name
+        (store / "CURRENT.json").write_text(json.dumps(current), encoding="utf-8")
+        assert set(codes(every_tool(server)).values()) == {"ok"}
+
+
+def _truncate(path: Path, fraction: float) -> None:
+    with open(path, "r+b") as fh:
+        fh.truncate(int(path.stat().st_size * fraction))
+
+
+KEYWORD_FAULTS = {
+    "missing": (lambda db: db.unlink(), "index_missing"),
+    "garbage": (lambda db: db.write_bytes(b"garbage" * 1000), "internal"),
+    "truncated to half": (lambda db: _truncate(db, 0.5), "internal"),
+    "emptied": (lambda db: _truncate(db, 0.0), "internal"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(KEYWORD_FAULTS))
+def test_keyword_index_missing_or_corrupt(built: Built, fake: FakeOllama, tmp_path: Path, fault: str) -> None:
+    store = copy_store(built, tmp_path)
+    db = index_dir(store) / "keywords.sqlite3"
+    original = db.read_bytes()
+    damage, expected = KEYWORD_FAULTS[fault]
+    damage(db)
+    with raw_server(store, built.corpus, fake.host) as server:
+        answers = every_tool(server)
+        assert set(codes(answers).values()) == {expected}
+        hint = answers["list_documents"][1]["error"]["hint"]
+        assert "ingest.py" in hint
+        # Repaired on disk: the same server process serves again.
+        db.write_bytes(original)
+        assert search_paths(server, QUERY)[0] == ESCALATION
+    if fault == "missing":
+        return
+    assert db.read_bytes() == original  # and it never wrote to it
+
+
+def test_keyword_table_dropped_fails_the_search_not_the_server(built: Built, fake: FakeOllama, tmp_path: Path) -> None:
+    store = copy_store(built, tmp_path)
+    with sqlite3.connect(index_dir(store) / "keywords.sqlite3") as con:
+        con.execute("DROP TABLE chunks_fts")
+    with raw_server(store, built.corpus, fake.host) as server:
+        assert codes(every_tool(server)) == {"hybrid": "internal", "vector": "ok", "keyword": "internal",
+                                             "get_file": "ok", "list_documents": "ok"}
+
+
+CHROMA_FAULTS = {
+    "truncated to half": (lambda db: _truncate(db, 0.5), "internal"),
+    "emptied": (lambda db: _truncate(db, 0.0), "index_missing"),
+    "garbage": (lambda db: db.write_bytes(b"garbage" * 1000), "internal"),
+    "missing": (lambda db: db.unlink(), "index_missing"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(CHROMA_FAULTS))
+def test_chroma_database_truncated_or_missing(built: Built, fake: FakeOllama, tmp_path: Path, fault: str) -> None:
+    store = copy_store(built, tmp_path)
+    db = index_dir(store) / "chroma" / "chroma.sqlite3"
+    damage, expected = CHROMA_FAULTS[fault]
+    damage(db)
+    before = store_files(store)
+    with raw_server(store, built.corpus, fake.host) as server:
+        answers = every_tool(server)
+        assert codes(answers) == {"hybrid": expected, "vector": expected, "keyword": "ok", "get_file": "ok",
+                                  "list_documents": "ok"}
+        assert "ingest.py" in answers["hybrid"][1]["error"]["hint"]
+    # The reader wrote nothing: no fresh Chroma schema in an emptied file, no file created.
+    assert store_files(store) == before
+
+
+@contextmanager
+def exclusive_lock(db: Path) -> Iterator[None]:
+    holder = sqlite3.connect(db, isolation_level=None)
+    try:
+        holder.execute("BEGIN EXCLUSIVE")
+        yield
+        holder.execute("ROLLBACK")
+    finally:
+        holder.close()
+
+
+def assert_locked_search_fails_fast(server: Any, mode: str) -> None:
+    is_error, payload = call(server, "search_corpus", {"query": QUERY, "mode": mode}, timeout=30)
+    assert is_error and payload["error"]["code"] == "internal", payload
+    assert "did not answer within 2 s" in payload["error"]["message"]
+    assert "keyword" in payload["error"]["hint"]
+
+
+def test_chroma_database_locked_is_a_bounded_error(built: Built, fake: FakeOllama, tmp_path: Path) -> None:
+    store = copy_store(built, tmp_path)
+    chroma = index_dir(store) / "chroma" / "chroma.sqlite3"
+    with raw_server(store, built.corpus, fake.host, RAG_STORE_TIMEOUT="2") as server:
+        # Locked before the server ever opened Chroma (its warm-up is stuck behind the lock too):
+        # a search waits at most the store timeout, the tools that need no vectors keep answering.
+        with exclusive_lock(chroma):
+            assert_locked_search_fails_fast(server, "hybrid")
+            assert search_paths(server, QUERY, mode="keyword")[0] == ESCALATION
+            assert not call(server, "list_documents", {})[0]
+            assert not call(server, "get_file", {"path": ESCALATION, "end_line": 2})[0]
+        assert search_paths(server, QUERY)[0] == ESCALATION
+        # Locked while Chroma is open.
+        with exclusive_lock(chroma):
+            assert_locked_search_fails_fast(server, "vector")
+        assert search_paths(server, QUERY, mode="vector")[0] == ESCALATION
+    # Stdin closes while a search is stuck on the lock: the server still exits, promptly.
+    with exclusive_lock(chroma), raw_server(store, built.corpus, fake.host, RAG_STORE_TIMEOUT="2",
+                                            RAG_SERVER_WARMUP="0") as server:
+        assert_locked_search_fails_fast(server, "hybrid")
+    assert "exiting without waiting" in stderr_text(server)

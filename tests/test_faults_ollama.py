@@ -1,0 +1,210 @@
+"""Scenario 1: Ollama faults while `python ingest.py` runs, through the loopback fake.
+
+Each test indexes revision A of a corpus (the sample corpus plus two generated handbooks large
+enough to need several embedding calls and two commit groups), rewrites every file to revision B,
+runs ingest under one fault, checks what the store holds, clears the fault, and checks that the
+next run converges to exactly what a clean ingest of revision B produces.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from fake_ollama import FakeOllama
+from faultlib import (
+    Done,
+    chroma_state,
+    chunk_counts,
+    clean_reference,
+    committed_hashes,
+    copy_sample,
+    corpus_hashes,
+    edit,
+    embed_calls_by_file,
+    file_listing,
+    finish,
+    index_dir,
+    poll,
+    run_ingest,
+    snapshot,
+    start_ingest,
+    write_handbooks,
+)
+
+# aa- sorts first: a group of its own (>= COMMIT_BATCH_CHUNKS chunks), then ab- shares the second
+# group with the sample files, and needs two embedding calls of its own.
+HANDBOOKS = {"aa-handbook.md": 260, "ab-handbook.md": 100}
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeOllama]:
+    with FakeOllama() as instance:
+        yield instance
+
+
+@pytest.fixture
+def ollama(fake: FakeOllama) -> Iterator[FakeOllama]:
+    if not fake.running:
+        fake.restart()
+    fake.reset()
+    yield fake
+    if not fake.running:
+        fake.restart()
+    fake.reset()
+
+
+@dataclass
+class Revisions:
+    corpus: Path
+    store: Path
+    old_state: dict
+    old_hashes: dict[str, str]
+    new_hashes: dict[str, str]
+    calls: dict[str, list[int]]  # file -> embedding calls of a run that re-embeds revision B
+
+
+@pytest.fixture
+def revisions(ollama: FakeOllama, tmp_path: Path) -> Revisions:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    write_handbooks(corpus, HANDBOOKS, "A")
+    first = run_ingest(ollama, corpus, store)
+    assert first.code == 0, first.err
+    old_state, old_hashes = chroma_state(store), corpus_hashes(corpus)
+    write_handbooks(corpus, HANDBOOKS, "B")
+    for path in sorted(corpus.rglob("*.md")):
+        if path.relative_to(corpus).as_posix() not in HANDBOOKS:
+            edit(path, path.read_text(encoding="utf-8") + "\nRevision B closing line.\n")
+    new_hashes = corpus_hashes(corpus)
+    calls = embed_calls_by_file(chunk_counts(corpus))
+    # The premise of "mid-file": ab-handbook.md needs two calls of its own, after aa's group.
+    assert len(calls["ab-handbook.md"]) >= 2 and calls["ab-handbook.md"][0] > calls["aa-handbook.md"][-1]
+    ollama.reset()
+    return Revisions(corpus, store, old_state, old_hashes, new_hashes, calls)
+
+
+def assert_old_or_new(rev: Revisions, *, new: set[str]) -> None:
+    """Files in `new` committed revision B; every other file still has revision A's chunks,
+    untouched: same ids, texts, metadata and vectors."""
+    committed = committed_hashes(index_dir(rev.store))
+    state = chroma_state(rev.store)
+    indexed = set(rev.old_hashes) - {"private/offsite-backup.md"}
+    assert set(committed) == indexed
+    for path in indexed:
+        if path in new:
+            assert committed[path] == rev.new_hashes[path], path
+        else:
+            assert committed[path] == rev.old_hashes[path], path
+            for name, collection in rev.old_state.items():
+                old = {i: v for i, v in collection.items() if v[1]["path"] == path}
+                assert {i: v for i, v in state[name].items() if v[1]["path"] == path} == old, path
+
+
+def assert_converges(ollama: FakeOllama, rev: Revisions, tmp_path: Path) -> Done:
+    again = run_ingest(ollama, rev.corpus, rev.store)
+    assert again.code == 0, again.err
+    assert snapshot(rev.store) == clean_reference(ollama, rev.corpus, tmp_path)
+    return again
+
+
+def test_ollama_down_at_start_changes_nothing_then_converges(ollama: FakeOllama, revisions: Revisions,
+                                                              tmp_path: Path) -> None:
+    before = file_listing(revisions.store)
+    ollama.stop()
+    for store in (revisions.store, tmp_path / "fresh"):
+        done = run_ingest(ollama, revisions.corpus, store)
+        assert done.code == 2, done.err
+        assert done.summary["error"]["code"] == "embedder_unavailable"
+        assert "start Ollama" in done.err and "ollama pull embeddinggemma" in done.err
+    assert file_listing(revisions.store) == before
+    assert not (tmp_path / "fresh").exists()
+    ollama.restart()
+    assert_converges(ollama, revisions, tmp_path)
+
+
+def run_with_fault_at(ollama: FakeOllama, rev: Revisions, call_number: int, fault: Callable[[], None]) -> Done:
+    """Run ingest with slow embedding calls and apply `fault` while call `call_number` of the run
+    is in flight (the fake answers after its delay, so the fault hits that call)."""
+    ollama.configure(delay_seconds=0.3)
+    base = ollama.embed_calls
+    proc = start_ingest(ollama, rev.corpus, rev.store)
+    trigger = threading.Thread(target=lambda: (
+        poll(lambda: ollama.embed_calls >= base + call_number or proc.poll() is not None), fault()))
+    trigger.start()
+    done = finish(proc)
+    trigger.join(timeout=60)
+    return done
+
+
+def test_ollama_process_dies_mid_file_keeps_that_files_old_chunks(ollama: FakeOllama, revisions: Revisions,
+                                                                  tmp_path: Path) -> None:
+    # Ollama goes away (connections dropped, then refused) during the second call that carries
+    # ab-handbook.md: aa-handbook.md's group is committed, ab-handbook.md keeps its old chunks.
+    done = run_with_fault_at(ollama, revisions, revisions.calls["ab-handbook.md"][1], ollama.stop)
+    assert done.code == 1 and "Traceback" not in done.err, done.err
+    assert "ab-handbook.md: not embedded" in done.err and ollama.host in done.err
+    assert_old_or_new(revisions, new={"aa-handbook.md"})
+    ollama.restart()
+    ollama.configure(delay_seconds=0.0)
+    assert_converges(ollama, revisions, tmp_path)
+
+
+def test_ollama_500s_mid_file_keep_that_files_old_chunks(ollama: FakeOllama, revisions: Revisions,
+                                                        tmp_path: Path) -> None:
+    # The runner dies after the first call carrying ab-handbook.md: its second call and every
+    # later one answer HTTP 500.
+    ollama.configure(fail_after=revisions.calls["ab-handbook.md"][0])
+    done = run_ingest(ollama, revisions.corpus, revisions.store)
+    assert done.code == 1, done.err
+    assert "Traceback" not in done.err and "HTTP 500" in done.err
+    assert "ab-handbook.md: not embedded" in done.err
+    assert_old_or_new(revisions, new={"aa-handbook.md"})
+    assert done.summary["failed"] == len(revisions.calls) - 1
+    ollama.configure(fail_after=None)
+    assert assert_converges(ollama, revisions, tmp_path).summary["updated"] == len(revisions.calls) - 1
+
+
+def test_ollama_500s_from_the_first_call_keep_every_file(ollama: FakeOllama, revisions: Revisions,
+                                                         tmp_path: Path) -> None:
+    ollama.configure(fail_after=0)
+    done = run_ingest(ollama, revisions.corpus, revisions.store)
+    assert done.code == 1 and "HTTP 500" in done.err and "Traceback" not in done.err
+    assert done.summary["chunks_written"] == 0 and done.summary["failed"] == len(revisions.calls)
+    assert_old_or_new(revisions, new=set())
+    ollama.configure(fail_after=None)
+    assert_converges(ollama, revisions, tmp_path)
+
+
+def test_ollama_slower_than_the_timeout_keeps_every_file(ollama: FakeOllama, revisions: Revisions,
+                                                         tmp_path: Path) -> None:
+    ollama.configure(delay_seconds=2.0)
+    done = run_ingest(ollama, revisions.corpus, revisions.store, RAG_EMBED_TIMEOUT="0.5")
+    assert done.code == 1 and "Traceback" not in done.err, done.err
+    assert "did not answer within 0.5 s" in done.err and "RAG_EMBED_TIMEOUT" in done.err
+    assert_old_or_new(revisions, new=set())
+    ollama.configure(delay_seconds=0.0)
+    assert_converges(ollama, revisions, tmp_path)
+
+
+def test_model_404_at_start_and_mid_run(ollama: FakeOllama, revisions: Revisions, tmp_path: Path) -> None:
+    before = file_listing(revisions.store)
+    ollama.configure(missing_models=["embeddinggemma"])
+    done = run_ingest(ollama, revisions.corpus, revisions.store)
+    assert done.code == 2 and done.summary["error"]["code"] == "model_not_found"
+    assert "ollama pull embeddinggemma" in done.err
+    assert file_listing(revisions.store) == before
+    # Mid-run: the model disappears while the call that starts ab-handbook.md is in flight (the
+    # fake checks the model after its delay).
+    ollama.configure(missing_models=[])
+    done = run_with_fault_at(ollama, revisions, revisions.calls["ab-handbook.md"][0],
+                             lambda: ollama.configure(missing_models=["embeddinggemma"]))
+    assert done.code == 1 and "Traceback" not in done.err, done.err
+    assert "ollama pull embeddinggemma" in done.err
+    assert_old_or_new(revisions, new={"aa-handbook.md"})
+    ollama.configure(missing_models=[], delay_seconds=0.0)
+    assert_converges(ollama, revisions, tmp_path)
+
