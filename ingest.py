@@ -304,6 +304,7 @@ class Store:
         self.collections = {lc: self.client.get_or_create_collection(name, metadata=meta)
                             for lc, name in rules.COLLECTION_BY_LIFECYCLE.items()}
         self.db = open_keyword_db(layout.keyword_db(self.name))
+        self._vector_writes_marked = False
 
     def reconcile(self) -> int:
         """Delete vectors no committed chunk owns (left by a crash); return how many.
@@ -330,6 +331,7 @@ class Store:
         return removed
 
     def write(self, files: Sequence[PreparedFile]) -> None:
+        self._begin_vector_writes()
         new_ids: set[str] = set()
         for lifecycle, col in self.collections.items():
             ids, vectors, texts, metas = [], [], [], []
@@ -355,6 +357,7 @@ class Store:
         self._delete_vectors({i: lc for i, lc in old.items() if i not in new_ids})
 
     def remove(self, paths: Sequence[str]) -> None:
+        self._begin_vector_writes()
         old = self._chunk_ids_of(paths)
         with transaction(self.db):
             self._delete_rows(paths)
@@ -363,6 +366,7 @@ class Store:
 
     def update_mtimes(self, updates: Sequence[tuple[CorpusFile, DocumentRow]]) -> None:
         """Content unchanged, mtime moved: no embedding, but chunks carry the file's mtime."""
+        self._begin_vector_writes()
         for file, row in updates:
             ids = list(self._chunk_ids_of([file.path]))
             if ids:
@@ -374,6 +378,27 @@ class Store:
             self.db.executemany("UPDATE documents SET mtime_ns = ?, size = ? WHERE path = ?",
                                 [(f.mtime_ns, f.size, f.path) for f, _ in updates])
             self._mark_unpublished()
+
+    # Chroma may hold vectors that SQLite does not own (a run writing them was killed) only while
+    # this flag is set: set before a run's first vector write, cleared when the run ends normally.
+    # Reconciling reads every id (~1 s at 100k chunks), so a clean no-op run skips it.
+    def _begin_vector_writes(self) -> None:
+        if not self._vector_writes_marked:
+            with transaction(self.db):
+                self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('vector_writes', '1')")
+            self._vector_writes_marked = True
+
+    def needs_reconcile(self) -> bool:
+        """After an interrupted run, or when the vector counts disagree with the committed rows
+        (vectors lost or added behind ingest's back); counting is cheap, listing ids is not."""
+        if self.db.execute("SELECT 1 FROM meta WHERE key = 'vector_writes'").fetchone() is not None:
+            return True
+        committed = dict(self.db.execute("SELECT lifecycle, count(*) FROM chunks GROUP BY lifecycle"))
+        return any(col.count() != committed.get(lifecycle, 0) for lifecycle, col in self.collections.items())
+
+    def end_vector_writes(self) -> None:
+        with transaction(self.db):
+            self.db.execute("DELETE FROM meta WHERE key = 'vector_writes'")
 
     # Committed changes not yet announced in CURRENT.json (generation): set in the transaction that
     # commits them, cleared after CURRENT.json is replaced, so a crash in between is published by
@@ -674,7 +699,7 @@ def run(args: argparse.Namespace) -> Summary:
         if summary.rebuilt and current is not None:
             log.info("index manifest changed (%s -> %s): rebuilding into a new index; the old one stays live "
                      "until the new one is complete", current.index, store.name)
-        repaired = store.reconcile()
+        repaired = store.reconcile() if args.full or store.needs_reconcile() else 0
         if repaired:
             log.info("removed %d vectors left by an interrupted run", repaired)
         registry = load_registry(store.db)
@@ -702,6 +727,8 @@ def run(args: argparse.Namespace) -> Summary:
                     pf.chunks = renumber(pf.chunks)
                 if group:
                     store.write(group)
+                    for pf in group:
+                        pf.vectors = []  # 100k chunks of Python float lists would hold GBs until the end
                     written.update(pf.file.path for pf in group)
                     changed_anything = True
                     summary.chunks_written += sum(len(pf.chunks) for pf in group)
@@ -719,6 +746,7 @@ def run(args: argparse.Namespace) -> Summary:
         if plan.removed:
             store.remove(plan.removed)
             changed_anything = True
+        store.end_vector_writes()  # every vector written this run is owned by a committed row
         summary.embedding_calls = embedding.calls
         summary.failed = len(plan.failed)
         summary.errors = [*sorted(plan.failed.values()), *run_errors]
