@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import re
 import signal
 import socket
@@ -520,13 +521,19 @@ def main(argv: list[str] | None = None) -> int:
         context_length=args.context_length,
         port=args.port,
     )
+    return serve_until_signalled(fake)
+
+
+def serve_until_signalled(fake: FakeOllama) -> int:
+    """Start `fake`, announce its host on stdout, and serve until SIGTERM/SIGINT or until the
+    parent process is gone (a crashed test or benchmark must not leave the fake behind)."""
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
     fake.start()
     print(f"FAKE_OLLAMA_READY {fake.host}", flush=True)
     try:
-        while not done.wait(0.2):
+        while not done.wait(0.2) and os.getppid() != 1:
             pass
     finally:
         fake.stop()

@@ -33,7 +33,6 @@ import queue
 import random
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -391,23 +390,9 @@ def serve_fake(port: int) -> int:
 
     original_dispatch = fake_ollama._Handler._dispatch
     fake_ollama._Handler._dispatch = dispatch  # this process only
-    # Headers and body leave in two writes: without TCP_NODELAY every small reply waits ~40 ms for
-    # a delayed ACK (real Ollama, Go net/http, sets it). tests/fake_ollama.py sets it too.
-    fake_ollama._Handler.disable_nagle_algorithm = True
     fake = BenchFake(models=(MODEL,), dims=DIMS, port=port)
     fake._record = lambda *a, **k: None  # no per-request record: 100k chunks would pile up in memory
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    fake.start()
-    print(f"FAKE_OLLAMA_READY {fake.host}", flush=True)
-    try:
-        while not done.wait(0.2):
-            if os.getppid() == 1:  # the bench died: do not linger
-                break
-    finally:
-        fake.stop()
-    return 0
+    return fake_ollama.serve_until_signalled(fake)
 
 
 class FakeProcess:
