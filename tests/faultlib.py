@@ -14,6 +14,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,7 +52,39 @@ def ingest_args(corpus: Path, store: Path, *extra: str) -> list[str]:
     return [sys.executable, str(INGEST), "--corpus", str(corpus), "--store", str(store), "--json", *extra]
 
 
-def start_ingest(fake: FakeOllama, corpus: Path, store: Path, *extra: str, **env: str) -> subprocess.Popen[str]:
+class OllamaProcess:
+    """The fake Ollama as a process of its own (`python tests/fake_ollama.py`), so that it can die
+    for real: SIGKILL drops its connections mid-answer, and later ones are refused. Configured and
+    watched over its control endpoints."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_ollama.py"), "--port", "0"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert self.proc.stdout is not None
+        ready = self.proc.stdout.readline()  # EOF (bounded) if it cannot start
+        assert ready.startswith("FAKE_OLLAMA_READY "), ready
+        self.host = ready.split()[1]
+
+    def _call(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.host + path, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read())
+
+    def configure(self, **fields: Any) -> None:
+        self._call("/_fake/config", fields)
+
+    def embed_calls(self) -> int:
+        return int(self._call("/_fake/calls")["embed_calls"])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def start_ingest(fake: FakeOllama | OllamaProcess, corpus: Path, store: Path, *extra: str,
+                 **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(ingest_args(corpus, store, *extra), env=child_env(fake, **env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT.parent)
 
@@ -115,11 +148,12 @@ def committed_hashes(index: Path) -> dict[str, str]:
 
 
 @contextmanager
-def write_lock(db: Path) -> Iterator[sqlite3.Connection]:
-    """Hold SQLite's write lock on a database (another process's writers wait for it)."""
+def write_lock(db: Path, kind: str = "IMMEDIATE") -> Iterator[sqlite3.Connection]:
+    """Hold SQLite's write lock on a database: other processes' writers wait for it (EXCLUSIVE:
+    readers too, in a rollback-journal database such as Chroma's)."""
     con = sqlite3.connect(db, timeout=30, isolation_level=None)
     try:
-        con.execute("BEGIN IMMEDIATE")
+        con.execute(f"BEGIN {kind}")
         yield con
         con.execute("ROLLBACK")
     finally:

@@ -7,7 +7,6 @@ import json
 import shutil
 import sqlite3
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from faultlib import (
     search_paths,
     server_env,
     stderr_text,
+    write_lock,
 )
 from test_server_e2e import connect, tool
 
@@ -199,17 +199,6 @@ def test_chroma_database_truncated_or_missing(built: Built, fake: FakeOllama, tm
     assert store_files(store) == before
 
 
-@contextmanager
-def exclusive_lock(db: Path) -> Iterator[None]:
-    holder = sqlite3.connect(db, isolation_level=None)
-    try:
-        holder.execute("BEGIN EXCLUSIVE")
-        yield
-        holder.execute("ROLLBACK")
-    finally:
-        holder.close()
-
-
 def assert_locked_search_fails_fast(server: Any, mode: str) -> None:
     is_error, payload = call(server, "search_corpus", {"query": QUERY, "mode": mode}, timeout=30)
     assert is_error and payload["error"]["code"] == "internal", payload
@@ -223,18 +212,18 @@ def test_chroma_database_locked_is_a_bounded_error(built: Built, fake: FakeOllam
     with raw_server(store, built.corpus, fake.host, RAG_STORE_TIMEOUT="2") as server:
         # Locked before the server ever opened Chroma (its warm-up is stuck behind the lock too):
         # a search waits at most the store timeout, the tools that need no vectors keep answering.
-        with exclusive_lock(chroma):
+        with write_lock(chroma, "EXCLUSIVE"):
             assert_locked_search_fails_fast(server, "hybrid")
             assert search_paths(server, QUERY, mode="keyword")[0] == ESCALATION
             assert not call(server, "list_documents", {})[0]
             assert not call(server, "get_file", {"path": ESCALATION, "end_line": 2})[0]
         assert search_paths(server, QUERY)[0] == ESCALATION
         # Locked while Chroma is open.
-        with exclusive_lock(chroma):
+        with write_lock(chroma, "EXCLUSIVE"):
             assert_locked_search_fails_fast(server, "vector")
         assert search_paths(server, QUERY, mode="vector")[0] == ESCALATION
     # Stdin closes while a search is stuck on the lock: the server still exits, promptly.
-    with exclusive_lock(chroma), raw_server(store, built.corpus, fake.host, RAG_STORE_TIMEOUT="2",
+    with write_lock(chroma, "EXCLUSIVE"), raw_server(store, built.corpus, fake.host, RAG_STORE_TIMEOUT="2",
                                             RAG_SERVER_WARMUP="0") as server:
         assert_locked_search_fails_fast(server, "hybrid")
     assert "exiting without waiting" in stderr_text(server)

@@ -18,6 +18,7 @@ import pytest
 from fake_ollama import FakeOllama
 from faultlib import (
     Done,
+    OllamaProcess,
     chroma_state,
     chunk_counts,
     clean_reference,
@@ -142,14 +143,21 @@ def run_with_fault_at(ollama: FakeOllama, rev: Revisions, call_number: int, faul
 
 def test_ollama_process_dies_mid_file_keeps_that_files_old_chunks(ollama: FakeOllama, revisions: Revisions,
                                                                   tmp_path: Path) -> None:
-    # Ollama goes away (connections dropped, then refused) during the second call that carries
+    # The Ollama process is SIGKILLed while it answers the second call that carries
     # ab-handbook.md: aa-handbook.md's group is committed, ab-handbook.md keeps its old chunks.
-    done = run_with_fault_at(ollama, revisions, revisions.calls["ab-handbook.md"][1], ollama.stop)
+    dying = OllamaProcess()
+    try:
+        dying.configure(delay_seconds=0.3)
+        proc = start_ingest(dying, revisions.corpus, revisions.store)
+        poll(lambda: dying.embed_calls() >= revisions.calls["ab-handbook.md"][1] or proc.poll() is not None,
+             interval=0.01)
+        dying.kill()
+        done = finish(proc)
+    finally:
+        dying.kill()
     assert done.code == 1 and "Traceback" not in done.err, done.err
-    assert "ab-handbook.md: not embedded" in done.err and ollama.host in done.err
+    assert "ab-handbook.md: not embedded" in done.err and dying.host in done.err
     assert_old_or_new(revisions, new={"aa-handbook.md"})
-    ollama.restart()
-    ollama.configure(delay_seconds=0.0)
     assert_converges(ollama, revisions, tmp_path)
 
 
