@@ -243,12 +243,21 @@ class SourceDocument:
         return len(self.lines)
 
 
-def _split_lines(text: str) -> list[str]:
+def split_lines(text: str) -> list[str]:
     # Physical lines as editors count them: split on LF only; tolerate CRLF.
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
     return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+# File systems and sync tools round mtimes (FAT: 2 s); within this an unchanged size means unchanged.
+MTIME_TOLERANCE_NS = 2_000_000_000
+
+
+def looks_unchanged(size: int, mtime_ns: int, indexed_size: int, indexed_mtime_ns: int) -> bool:
+    """Ingest skips such a file without reading it; the server's staleness hint counts the others."""
+    return size == indexed_size and abs(mtime_ns - indexed_mtime_ns) <= MTIME_TOLERANCE_NS
 
 
 def decode_markdown(raw: bytes, path: str) -> str:
@@ -268,7 +277,7 @@ def parse_document(raw: bytes, path: str) -> SourceDocument:
     import yaml
 
     text = decode_markdown(raw, path)
-    lines = _split_lines(text)
+    lines = split_lines(text)
     meta: dict[str, Any] = {}
     body_start = 1
     if lines and _FM_BOUNDARY.match(lines[0]):

@@ -34,8 +34,6 @@ from corpus_rules import ErrorCode, RagError  # noqa: E402
 
 log = logging.getLogger("ingest")
 
-# File systems and sync tools round mtimes (FAT: 2 s); within this an unchanged size means unchanged.
-MTIME_TOLERANCE_NS = 2_000_000_000
 EMBED_BATCH = 64  # chunks per /api/embed call
 COMMIT_BATCH_CHUNKS = 256  # chunks per Chroma upsert + SQLite transaction
 
@@ -598,7 +596,7 @@ def plan_changes(walk: Walk, registry: dict[str, DocumentRow], root: Path, budge
     for file in walk.files:
         seen.add(file.path)
         row = registry.get(file.path)
-        if row and not full and row.size == file.size and abs(row.mtime_ns - file.mtime_ns) <= MTIME_TOLERANCE_NS:
+        if row and not full and rules.looks_unchanged(file.size, file.mtime_ns, row.size, row.mtime_ns):
             plan.unchanged.append(file)
             continue
         try:

@@ -55,15 +55,16 @@ from corpus_rules import (
     RagError,
     Settings,
     StoreLayout,
-    _split_lines,
     content_hash,
     is_within,
     keyword_terms,
     load_settings,
+    looks_unchanged,
     nfc,
     normalize_relative_path,
     path_matches_prefix,
     same_model,
+    split_lines,
 )
 
 log = logging.getLogger("local-rag.server")
@@ -95,8 +96,6 @@ QUERY_CACHE_SIZE = 256
 CHUNK_VECTOR_CACHE_SIZE = 4096
 # The staleness hint stats every indexed file; once every few seconds keeps searches cheap.
 STALENESS_TTL_S = 5.0
-# File systems and sync tools round mtimes; a smaller difference is not a change.
-MTIME_TOLERANCE_NS = 2_000_000_000
 SQLITE_BUSY_TIMEOUT_S = 5.0
 # Chroma's own SQLite layer waits without limit for a lock another process holds (measured: a
 # search hung for as long as another process held BEGIN EXCLUSIVE on chroma.sqlite3, opening or
@@ -392,11 +391,6 @@ def fit_hits(payload: dict[str, Any], budget: int = SEARCH_RESPONSE_MAX_CHARS,
     for hit, original in zip(results, originals):
         hit["truncated"] = hit["truncated"] or len(hit["text"]) < len(original)
     return out
-
-
-def split_lines(text: str) -> list[str]:
-    """Physical lines exactly as ingest numbers them (LF, a trailing CR stripped)."""
-    return _split_lines(text)
 
 
 @dataclass(frozen=True)
@@ -1410,7 +1404,7 @@ def count_changed_files(corpus_dir: Path, docs: Sequence[DocumentRow]) -> int:
         except OSError:
             changed += 1
             continue
-        if st.st_size != doc.size or abs(st.st_mtime_ns - doc.mtime_ns) > MTIME_TOLERANCE_NS:
+        if not looks_unchanged(st.st_size, st.st_mtime_ns, doc.size, doc.mtime_ns):
             changed += 1
     return changed
 
