@@ -28,12 +28,14 @@ import json
 import logging
 import math
 import queue
+import re
 import sqlite3
 import stat
 import sys
 import threading
 import time
 import traceback
+import typing
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +43,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from corpus_rules import (
     CHUNKER_VERSION,
@@ -107,6 +109,9 @@ WARMUP_DELAY_S = 0.2
 # SQLite integers are signed 64-bit; a larger offset would crash the query instead of failing validation.
 SQLITE_MAX_INT = 2**63 - 1
 
+# Embedder failures that hybrid search survives by answering from the keyword channel.
+DEGRADABLE_EMBEDDER_ERRORS = (ErrorCode.EMBEDDER_UNAVAILABLE, ErrorCode.MODEL_NOT_FOUND)
+
 INGEST_HINT = "run `python ingest.py` (with the same RAG_STORE_DIR and RAG_CORPUS_DIR as this server)"
 
 INSTRUCTIONS = (
@@ -151,9 +156,41 @@ def _clean_prefix(value: str | None) -> str | None:
     return normalize_relative_path(value, allow_empty=True) or None
 
 
+# Some clients send numbers as JSON strings ("start_line": "9"), and some send text that looks
+# like a number as a JSON number (the MCP Inspector turns `query=2024` into 2024). Neither is
+# ambiguous: a string of digits is read as the number, an integer given for a text field as its
+# digits. Everything else still meets the strict check: booleans, floats for integers ("9.5", 9.5),
+# "nan", "inf" and junk are refused.
+_NUMBER_TEXT = {int: re.compile(r"[+-]?\d{1,30}"),
+                float: re.compile(r"[+-]?(?:\d{1,30}(?:\.\d{0,30})?|\.\d{1,30})(?:[eE][+-]?\d{1,3})?")}
+
+
+def _scalar_kind(annotation: Any) -> type | None:
+    """int, float or str for those types and their optional forms; None for anything else."""
+    kinds = {arg for arg in typing.get_args(annotation) if arg is not type(None)} or {annotation}
+    kind = next(iter(kinds)) if len(kinds) == 1 else None
+    return kind if kind in (int, float, str) else None
+
+
 class _ToolInput(BaseModel):
-    # strict: the schema says integer/boolean, so "5" or true-for-1 are mistakes worth reporting.
+    # strict: the schema says integer/boolean, so true-for-1 or 2.5-for-2 are mistakes worth
+    # reporting (numbers and text interchanged are the one leniency, see _numbers_and_text_interchanged).
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_and_text_interchanged(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        converted = dict(data)
+        for name, info in cls.model_fields.items():
+            value = converted.get(name)
+            kind = _scalar_kind(info.annotation)
+            if kind in _NUMBER_TEXT and isinstance(value, str) and _NUMBER_TEXT[kind].fullmatch(value.strip()):
+                converted[name] = kind(value.strip())
+            elif kind is str and isinstance(value, int) and not isinstance(value, bool) and abs(value) < 10**30:
+                converted[name] = str(value)
+        return converted
 
 
 class SearchCorpusInput(_ToolInput):
@@ -247,6 +284,10 @@ class SearchResponse(BaseModel):
     results: list[SearchHit]
     dropped_below_min_score: int = 0
     message: str | None = None
+    degraded: Literal["embedder_unavailable", "model_not_found"] | None = Field(
+        None, description="Set when hybrid search could not embed the query and answered from the keyword "
+                          "channel alone (scores are null); see hint.")
+    hint: str | None = Field(None, description="What happened and what to do, when degraded is set.")
     index: IndexInfo
     staleness: Staleness
 
@@ -1179,16 +1220,26 @@ class RetrievalService:
         manager = self.manager
         vector: list[float] | None = None
         embedded_for: Any = None
+        degraded: RagError | None = None
         for _attempt in range(3):
             with manager.lock:
                 index = manager.open()
-                if args.mode == "keyword" or (vector is not None and embedded_for == index.current.manifest):
-                    return self._search_locked(index, args, vector)
+                if (args.mode == "keyword" or degraded is not None
+                        or (vector is not None and embedded_for == index.current.manifest)):
+                    return self._search_locked(index, args, vector, degraded)
                 current = index.current
             # The embedding call can take seconds (Ollama loading the model): never under the lock.
             # (Running it beside the keyword channel in another thread was measured: the thread
             # hand-off cost more than the overlap saved.)
-            vector = self._query_vector(args.query, current)
+            try:
+                vector = self._query_vector(args.query, current)
+            except RagError as exc:
+                # A dependency that is down degrades hybrid search to its keyword channel; vector
+                # mode has nothing to fall back on.
+                if args.mode != "hybrid" or exc.code not in DEGRADABLE_EMBEDDER_ERRORS:
+                    raise
+                log.warning("search degraded to keyword results: %s", exc.message)
+                degraded = exc
             embedded_for = current.manifest
         raise RagError(ErrorCode.INTERNAL, "the index kept changing during the search", "retry")
 
@@ -1196,15 +1247,22 @@ class RetrievalService:
     def _lifecycles(args: SearchCorpusInput) -> list[str]:
         return ["active", "superseded"] if args.include_superseded else ["active"]
 
-    def _search_locked(self, index: OpenIndex, args: SearchCorpusInput, vector: list[float] | None) -> SearchResponse:
+    def _search_locked(self, index: OpenIndex, args: SearchCorpusInput, vector: list[float] | None,
+                       degraded: RagError | None = None) -> SearchResponse:
         lifecycles = self._lifecycles(args)
         prefix = args.path_prefix
         info = self._index_info(index.current)
         staleness = self._staleness(index)
+        degraded_fields: dict[str, Any] = {}
+        if degraded is not None:
+            degraded_fields = {"degraded": str(degraded.code),
+                               "hint": f"{degraded.message}: keyword results only. {degraded.hint}"}
+            if args.min_score is not None:
+                degraded_fields["hint"] += "; min_score was not applied (it needs the query's embedding)"
 
         def empty(message: str) -> SearchResponse:
             return SearchResponse(query=args.query, mode=args.mode, results=[], message=message,
-                                  index=info, staleness=staleness)
+                                  index=info, staleness=staleness, **degraded_fields)
 
         # Which documents the pre-filter lets through, per lifecycle (None: the whole collection).
         allowed: dict[str, list[str] | None] = {lc: None for lc in lifecycles}
@@ -1226,8 +1284,7 @@ class RetrievalService:
         plan: KeywordPlan | None = None
         rows: dict[str, ChunkRow] = {}
         dropped: set[str] = set()
-        if args.mode in ("hybrid", "vector"):
-            assert vector is not None
+        if args.mode in ("hybrid", "vector") and vector is not None:
             vector_hits, rows = self._vector_channel(index, vector, lifecycles, allowed, prefix, args.k)
         if args.mode in ("hybrid", "keyword"):
             keyword_rows, plan = index.keyword_rows(args.query, lifecycles, prefix, max(CHANNEL_CANDIDATES, args.k))
@@ -1235,9 +1292,8 @@ class RetrievalService:
             keyword_ids = [row.id for row in keyword_rows]
 
         scores: dict[str, float | None] = {c.id: c.score for c in vector_hits}
-        if args.min_score is not None:
+        if args.min_score is not None and vector is not None:
             # Every candidate needs its similarity before fusion, so a weak one never takes a slot.
-            assert vector is not None
             scores.update(self._stored_scores(index, vector, [i for i in keyword_ids if i not in scores], rows))
             floor = args.min_score
             dropped = {i for i, s in scores.items() if s is None or s < floor}
@@ -1280,7 +1336,7 @@ class RetrievalService:
                 message = "no matching passages"
         response = SearchResponse(query=args.query, mode=args.mode, results=hits,
                                   dropped_below_min_score=len(dropped), message=message,
-                                  index=info, staleness=staleness)
+                                  index=info, staleness=staleness, **degraded_fields)
         fitted = fit_hits(response.model_dump(mode="json"))
         return SearchResponse.model_validate(fitted)
 
@@ -1584,9 +1640,10 @@ def _argument_hint(spec: ToolSpec) -> str:
 def error_result(error: RagError) -> Any:
     from mcp.types import CallToolResult, TextContent  # noqa: PLC0415
 
+    # Text content only: TypeScript-SDK clients (MCP Inspector and others) check structuredContent
+    # against the tool's outputSchema even on errors, and an error payload does not fit it.
     payload = error.payload()
-    return CallToolResult(is_error=True, structured_content=payload,
-                          content=[TextContent(type="text", text=json.dumps(payload, ensure_ascii=False))])
+    return CallToolResult(is_error=True, content=[TextContent(type="text", text=json.dumps(payload, ensure_ascii=False))])
 
 
 def dispatch(service: RetrievalService, name: str, arguments: Mapping[str, Any] | None) -> Any:
@@ -1675,7 +1732,7 @@ def answer_unreadable_request(exc: BaseException) -> Any | None:
                         error=ErrorData(code=PARSE_ERROR, message=f"Parse error: {reason}"))
 
 
-def build_server(service: RetrievalService | None = None) -> Any:
+def build_server(service: RetrievalService | None = None, instructions: str = INSTRUCTIONS) -> Any:
     """The MCPServer, with our own tool table and dispatcher instead of signature introspection:
     input models forbid unknown keys and every failure is a structured error."""
     import anyio  # noqa: PLC0415
@@ -1717,7 +1774,7 @@ def build_server(service: RetrievalService | None = None) -> Any:
                                                     self._lowlevel_server.create_initialization_options())
 
     return RagServer(name="local-rag", title="Local Markdown RAG", version=TOOL_VERSION,
-                     instructions=INSTRUCTIONS, log_level="WARNING")
+                     instructions=instructions, log_level="WARNING")
 
 
 def configure_logging() -> None:
@@ -1730,10 +1787,56 @@ def configure_logging() -> None:
     log.setLevel(level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO")
 
 
-def main() -> int:
+def startup_problems(settings_loader: Callable[[], Settings] = load_settings) -> list[str]:
+    """What would make every tool call fail, found before the client connects (cheap: no chromadb,
+    no Ollama): a configuration error, a missing or unreadable store, a corpus that is not the one
+    indexed. MCP clients report a server as connected regardless, so this is the first place a
+    user can see it: one stderr line each, and a note in the instructions the agent reads."""
+    try:
+        settings = settings_loader()
+    except RagError as exc:
+        return [f"configuration error: {exc.message} ({exc.hint})"]
+    layout = StoreLayout(settings.store_dir)
+    try:
+        current = layout.read_current()
+    except RagError as exc:
+        return [f"the index at {settings.store_dir} is unreadable: {exc.message}; {exc.hint}"]
+    if current is None:
+        return [f"there is no index at {settings.store_dir} yet: every tool will answer index_missing until you "
+                f"{INGEST_HINT}"]
+    if settings.corpus_dir_explicit and current.corpus_dir and Path(current.corpus_dir) != settings.corpus_dir:
+        return [f"RAG_CORPUS_DIR={settings.corpus_dir} but the index at {settings.store_dir} was built from "
+                f"{current.corpus_dir}: get_file will refuse its files; point both at the same folder"]
+    return []
+
+
+def instructions_with(problems: Sequence[str]) -> str:
+    if not problems:
+        return INSTRUCTIONS
+    return INSTRUCTIONS + "\n\nNot ready: " + " ".join(problems)
+
+
+def parse_args(argv: Sequence[str] | None) -> Any:
+    import argparse  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(
+        prog="server.py",
+        description="local-rag-mcp: read-only MCP retrieval server over a folder of Markdown indexed by ingest.py. "
+                    "With no arguments it speaks MCP over stdio (what MCP clients start).",
+        epilog="Configuration comes from the environment (RAG_CORPUS_DIR, RAG_STORE_DIR, OLLAMA_HOST, "
+               "RAG_EMBED_MODEL, RAG_EMBED_TIMEOUT, RAG_STORE_TIMEOUT, RAG_LOG_LEVEL, RAG_SERVER_WARMUP); see README.md.")
+    parser.add_argument("--version", action="version", version=f"local-rag-mcp {TOOL_VERSION}")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parse_args(argv)
     configure_logging()
     service = RetrievalService()
-    server = build_server(service)
+    problems = startup_problems()
+    for problem in problems:
+        log.warning("%s", problem)
+    server = build_server(service, instructions_with(problems))
     log.info("local-rag-mcp %s starting (stdio)", TOOL_VERSION)
     try:
         server.run("stdio")

@@ -22,6 +22,7 @@ from typing import Any
 
 import corpus_rules as rules
 from fake_ollama import FakeOllama
+from helpers import tool_payload
 from test_ingest import (  # noqa: F401 - re-exported for the fault modules
     ROOT,
     Run as Done,  # exit code, stdout, stderr and the --json summary of one ingest
@@ -41,7 +42,6 @@ from test_server_e2e import RawServer
 INGEST = ROOT / "ingest.py"
 # Upper bound for any single wait in the suite: nothing may hang a CI run.
 PROCESS_TIMEOUT_S = 240.0
-ERROR_KEYS = {"code", "message", "hint"}
 
 
 # ---------------------------------------------------------------------------
@@ -199,18 +199,7 @@ def call(server: RawServer, name: str, arguments: Any, timeout: float = 60.0) ->
     errors the {"error": {code, message, hint}} shape."""
     response = server.request("tools/call", {"name": name, "arguments": arguments}, timeout=timeout)
     assert "result" in response, response
-    return check_tool_result(response["result"])
-
-
-def check_tool_result(result: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
-    payload = result.get("structuredContent")
-    assert isinstance(payload, dict), result
-    assert json.loads(result["content"][0]["text"]) == payload
-    is_error = bool(result.get("isError"))
-    if is_error:
-        assert set(payload) == {"error"} and set(payload["error"]) == ERROR_KEYS, payload
-        assert all(isinstance(payload["error"][k], str) and payload["error"][k] for k in ("code", "message"))
-    return is_error, payload
+    return tool_payload(name, response["result"])
 
 
 def search_paths(server: RawServer, query: str, **args: Any) -> list[str]:

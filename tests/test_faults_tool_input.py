@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fake_ollama import FakeOllama
-from faultlib import call, check_tool_result, copy_sample, raw_server, run_ingest
+from faultlib import call, copy_sample, raw_server, run_ingest
+from helpers import tool_payload
 from test_server_e2e import RawServer
 
 EXAMPLES = 500
@@ -92,7 +93,7 @@ def exchange(server: RawServer, tool: str, arguments: dict[str, Any]) -> tuple[b
         if message.get("id") == wanted:
             break
     assert "result" in message, message
-    return check_tool_result(message["result"])
+    return tool_payload(tool, message["result"])
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +173,7 @@ def test_unreadable_requests_are_answered_not_dropped(server: RawServer) -> None
                     f'{fragment}}}}}\n'.encode())
         message = server._messages.get(timeout=60)
         assert message.get("id") == wanted, (name, message)
-        is_error, payload = check_tool_result(message["result"])
+        is_error, payload = tool_payload("search_corpus", message["result"])
         assert is_error and payload["error"]["code"] == "invalid_argument", (name, payload)
     server._next_id += 1
     server.send(f'{{"jsonrpc":"2.0","id":{server._next_id},"method":"tools/list","params":{{"cursor":"\\udc80"}}}}\n'

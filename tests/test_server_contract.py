@@ -34,10 +34,10 @@ from corpus_rules import (
     path_matches_prefix,
 )
 from fake_ollama import FakeOllama, fake_embedding
+from helpers import tool_payload
 
 ROOT = Path(server.__file__).resolve().parent
 SAMPLE = ROOT / "sample-corpus"
-ERROR_CODES = {str(code) for code in ErrorCode}
 
 
 # ---------------------------------------------------------------------------
@@ -111,16 +111,10 @@ def service(built: Built, host: str | None = None, **env: str) -> server.Retriev
 
 
 def call(svc: server.RetrievalService, tool: str, **args: Any) -> tuple[bool, dict[str, Any]]:
-    result = server.dispatch(svc, tool, args)
-    payload = result.structured_content
-    text = json.loads(result.content[0].text)
-    assert text == payload, "the text content must carry the same JSON as the structured content"
-    if result.is_error:
-        assert set(payload) == {"error"} and set(payload["error"]) == {"code", "message", "hint"}
-        assert payload["error"]["code"] in ERROR_CODES
-    else:
+    is_error, payload = tool_payload(tool, server.dispatch(svc, tool, args))
+    if not is_error:
         server.TOOLS[tool].output_model.model_validate(payload)
-    return result.is_error, payload
+    return is_error, payload
 
 
 def error_code(svc: server.RetrievalService, tool: str, **args: Any) -> str:
@@ -300,11 +294,16 @@ def no_store(tmp_path: Path) -> tuple[server.RetrievalService, Path]:
     ("search_corpus", {"query": "x" * 2001}, "invalid_argument"),
     ("search_corpus", {"query": "a\x00b"}, "invalid_argument"),
     ("search_corpus", {"query": "bad \ud800 surrogate"}, "invalid_argument"),
-    ("search_corpus", {"query": 42}, "invalid_argument"),
+    ("search_corpus", {"query": 4.2}, "invalid_argument"),
+    ("search_corpus", {"query": True}, "invalid_argument"),
+    ("search_corpus", {"query": ["rollback"]}, "invalid_argument"),
     ("search_corpus", {"query": "q", "k": 0}, "invalid_argument"),
     ("search_corpus", {"query": "q", "k": 21}, "invalid_argument"),
     ("search_corpus", {"query": "q", "k": True}, "invalid_argument"),
-    ("search_corpus", {"query": "q", "k": "5"}, "invalid_argument"),
+    ("search_corpus", {"query": "q", "k": "five"}, "invalid_argument"),
+    ("search_corpus", {"query": "q", "k": "2.5"}, "invalid_argument"),
+    ("search_corpus", {"query": "q", "min_score": "nan"}, "invalid_argument"),
+    ("get_file", {"path": "x.md", "start_line": "0"}, "invalid_argument"),
     ("search_corpus", {"query": "q", "k": 2.5}, "invalid_argument"),
     ("search_corpus", {"query": "q", "mode": "fuzzy"}, "invalid_argument"),
     ("search_corpus", {"query": "q", "min_score": 1.5}, "invalid_argument"),
@@ -471,21 +470,34 @@ def test_vectors_of_another_dimension_are_index_incompatible(base: Built) -> Non
         assert "384" in payload["error"]["message"] and "768" in payload["error"]["message"]
 
 
-def test_embedder_faults_are_structured_and_keyword_mode_still_works(base: Built) -> None:
+def test_embedder_faults_degrade_hybrid_and_fail_vector_mode(base: Built) -> None:
     other = FakeOllama().start()
     svc = service(base, host=other.host)
     try:
         other.configure(missing_models=["embeddinggemma"])
-        is_error, payload = call(svc, "search_corpus", query="who gets paged for a sev-1")
+        is_error, payload = call(svc, "search_corpus", query="who gets paged for a sev-1", mode="vector")
         assert is_error and payload["error"]["code"] == "model_not_found"
         assert "ollama pull embeddinggemma" in payload["error"]["hint"]
+        is_error, payload = call(svc, "search_corpus", query="who gets paged for a sev-1")
+        assert not is_error and payload["degraded"] == "model_not_found"
+        assert "ollama pull embeddinggemma" in payload["hint"]
+        assert payload["results"][0]["path"] == "oncall/escalation.md"
     finally:
         other.stop()
-    is_error, payload = call(svc, "search_corpus", query="rollback steps")
+    is_error, payload = call(svc, "search_corpus", query="rollback steps", mode="vector")
     assert is_error and payload["error"]["code"] == "embedder_unavailable"
     assert other.host in payload["error"]["message"]
+    # Hybrid (the default) answers from the keyword channel and says so.
+    is_error, payload = call(svc, "search_corpus", query="rollback steps", min_score=0.2)
+    assert not is_error and payload["degraded"] == "embedder_unavailable" and payload["results"]
+    assert "start Ollama" in payload["hint"] and "min_score was not applied" in payload["hint"]
+    assert all(hit["matched"] == ["keyword"] and hit["score"] is None for hit in payload["results"])
+    assert payload["results"][0]["path"] == "runbooks/deploy.md"
     is_error, payload = call(svc, "search_corpus", query="rollback steps", mode="keyword")
-    assert not is_error and payload["results"]
+    assert not is_error and payload["results"] and payload["degraded"] is None
+    # Healthy again: no degradation.
+    is_error, payload = call(service(base), "search_corpus", query="rollback steps")
+    assert not is_error and payload["degraded"] is None and payload["hint"] is None
 
 
 def test_repeated_queries_reuse_the_query_embedding(base: Built) -> None:
@@ -871,9 +883,11 @@ def test_embedder_timeout_is_embedder_unavailable_not_a_hang(base: Built) -> Non
     with FakeOllama() as slow:
         slow.configure(delay_seconds=5)
         svc = service(base, host=slow.host, RAG_EMBED_TIMEOUT="0.5")
-        is_error, payload = call(svc, "search_corpus", query="who gets paged for a sev-1")
+        is_error, payload = call(svc, "search_corpus", query="who gets paged for a sev-1", mode="vector")
         assert is_error and payload["error"]["code"] == "embedder_unavailable"
         assert "did not answer" in payload["error"]["message"]
+        is_error, payload = call(svc, "search_corpus", query="who gets paged for a sev-1")
+        assert not is_error and payload["degraded"] == "embedder_unavailable" and payload["results"]
 
 
 def test_an_index_from_another_chunker_version_is_served_with_a_hint(base: Built, tmp_path: Path) -> None:

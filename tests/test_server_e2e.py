@@ -29,6 +29,7 @@ from mcp.client.stdio import stdio_client
 
 from corpus_rules import StoreLayout
 from fake_ollama import FakeOllama
+from helpers import tool_payload
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "sample-corpus"
@@ -99,13 +100,7 @@ async def connect(env: dict[str, str], errlog: TextIO | None = None, mode: str =
 
 
 async def tool(client: Client, name: str, **args: Any) -> tuple[bool, dict[str, Any]]:
-    result = await client.call_tool(name, args)
-    payload = result.structured_content
-    assert isinstance(payload, dict)
-    assert json.loads(result.content[0].text) == payload  # type: ignore[union-attr]
-    if result.is_error:
-        assert set(payload["error"]) == {"code", "message", "hint"}
-    return bool(result.is_error), payload
+    return tool_payload(name, await client.call_tool(name, args))
 
 
 async def error_code(client: Client, name: str, **args: Any) -> str:
@@ -272,9 +267,12 @@ def test_embedder_down_is_embedder_unavailable(built: Built) -> None:
 
     async def scenario() -> None:
         async with connect(server_env(built, host)) as client:
-            is_error, payload = await tool(client, "search_corpus", query="who gets paged for a sev-1")
+            is_error, payload = await tool(client, "search_corpus", query="who gets paged for a sev-1", mode="vector")
             assert is_error and payload["error"]["code"] == "embedder_unavailable"
             assert host in payload["error"]["message"] and "ollama" in payload["error"]["hint"].lower()
+            is_error, payload = await tool(client, "search_corpus", query="who gets paged for a sev-1")
+            assert not is_error and payload["degraded"] == "embedder_unavailable"
+            assert payload["results"][0]["path"] == "oncall/escalation.md" and "start Ollama" in payload["hint"]
             is_error, payload = await tool(client, "search_corpus", query="sev-1 page", mode="keyword")
             assert not is_error and payload["results"][0]["path"] == "oncall/escalation.md"
 
@@ -287,9 +285,11 @@ def test_missing_model_is_model_not_found(built: Built) -> None:
 
         async def scenario() -> None:
             async with connect(server_env(built, other.host)) as client:
-                is_error, payload = await tool(client, "search_corpus", query="rollback")
+                is_error, payload = await tool(client, "search_corpus", query="rollback", mode="vector")
                 assert is_error and payload["error"]["code"] == "model_not_found"
                 assert "ollama pull embeddinggemma" in payload["error"]["hint"]
+                is_error, payload = await tool(client, "search_corpus", query="rollback")
+                assert not is_error and payload["degraded"] == "model_not_found" and payload["results"]
 
         run(scenario)
 
@@ -464,8 +464,8 @@ def test_stdout_is_pure_jsonrpc_including_error_paths(built: Built, fake: FakeOl
     raw = RawServer(server_env(built, fake.host))
     try:
         assert raw.handshake() == ["search_corpus", "get_file", "list_documents"]
-        ok = raw.call("search_corpus", {"query": "who gets paged for a sev-1"})
-        assert not ok["isError"] and ok["structuredContent"]["results"][0]["path"] == "oncall/escalation.md"
+        is_error, ok = tool_payload("search_corpus", raw.call("search_corpus", {"query": "who gets paged for a sev-1"}))
+        assert not is_error and ok["results"][0]["path"] == "oncall/escalation.md"
         for name, arguments, code in [
             ("search_corpus", {"query": "q", "k": 0}, "invalid_argument"),
             ("search_corpus", {"query": "q", "surprise": True}, "invalid_argument"),
@@ -473,8 +473,8 @@ def test_stdout_is_pure_jsonrpc_including_error_paths(built: Built, fake: FakeOl
             ("get_file", {"path": "private/offsite-backup.md"}, "not_indexed"),
             ("nope", {}, "invalid_argument"),
         ]:
-            result = raw.call(name, arguments)
-            assert result["isError"] and result["structuredContent"]["error"]["code"] == code
+            is_error, payload = tool_payload(name, raw.call(name, arguments))
+            assert is_error and payload["error"]["code"] == code
         assert not raw.call("get_file", {"path": "reference/api.md"})["isError"]
         assert not raw.call("list_documents", {})["isError"]
         raw.send(b"this is not json\n")
@@ -485,8 +485,9 @@ def test_stdout_is_pure_jsonrpc_including_error_paths(built: Built, fake: FakeOl
     raw_down = RawServer(server_env(built, down_host))
     try:
         raw_down.handshake()
-        result = raw_down.call("search_corpus", {"query": "rollback"})
-        assert result["isError"] and result["structuredContent"]["error"]["code"] == "embedder_unavailable"
+        is_error, payload = tool_payload("search_corpus", raw_down.call("search_corpus", {"query": "rollback",
+                                                                                      "mode": "vector"}))
+        assert is_error and payload["error"]["code"] == "embedder_unavailable"
     finally:
         raw_down.close()
     for server in (raw, raw_down):
@@ -549,3 +550,120 @@ def test_server_without_corpus_variable_reads_the_folder_the_index_records(built
     expected = (built.corpus / "oncall" / "escalation.md").read_text(encoding="utf-8").split("\n")[:3]
     assert payload["text"].split("\n") == expected
     assert StoreLayout(built.store).read_current().corpus_dir == str(built.corpus)  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------------
+# First-time users and every client.
+
+
+def test_a_missing_store_is_said_at_start_on_stderr_and_in_the_instructions(built: Built, fake: FakeOllama,
+                                                                           tmp_path: Path) -> None:
+    store = tmp_path / "not-built"
+    raw = RawServer(server_env(Built(built.corpus, store), fake.host))
+    try:
+        init = raw.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                                           "clientInfo": {"name": "e2e", "version": "0"}})
+        instructions = init["result"]["instructions"]
+        assert "Not ready" in instructions and str(store) in instructions and "python ingest.py" in instructions
+        raw.wait_for_stderr(f"there is no index at {store}")
+    finally:
+        assert raw.close() == 0
+    warnings = [line for line in raw.stderr_lines if "WARNING" in line]
+    assert len(warnings) == 1 and "python ingest.py" in warnings[0]
+    # A ready store: no warning, and the plain instructions.
+    ready = RawServer(server_env(built, fake.host))
+    try:
+        init = ready.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                                             "clientInfo": {"name": "e2e", "version": "0"}})
+        assert "Not ready" not in init["result"]["instructions"]
+    finally:
+        assert ready.close() == 0
+    assert not any("WARNING" in line for line in ready.stderr_lines)
+
+
+def test_a_corpus_variable_that_disagrees_with_the_index_is_warned_about(built: Built, fake: FakeOllama,
+                                                                        tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    raw = RawServer(server_env(Built(elsewhere, built.store), fake.host))
+    try:
+        raw.handshake()
+        raw.wait_for_stderr("but the index at")
+    finally:
+        assert raw.close() == 0
+    line = next(line for line in raw.stderr_lines if "but the index at" in line)
+    assert str(elsewhere) in line and str(built.corpus) in line
+
+
+def test_help_prints_usage_and_exits() -> None:
+    done = subprocess.run([sys.executable, str(SERVER), "--help"], capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0 and done.stdout.startswith("usage: server.py")
+    assert "RAG_STORE_DIR" in done.stdout and "stdio" in done.stdout
+    bad = subprocess.run([sys.executable, str(SERVER), "--no-such-flag"], capture_output=True, text=True, timeout=60,
+                         stdin=subprocess.DEVNULL)
+    assert bad.returncode == 2 and "usage" in bad.stderr and bad.stdout == ""
+
+
+def test_numbers_sent_as_strings_are_read_as_numbers(built: Built, fake: FakeOllama) -> None:
+    async def scenario() -> None:
+        async with connect(server_env(built, fake.host)) as client:
+            is_error, lines = await tool(client, "get_file", path="oncall/escalation.md", start_line="2", end_line="4")
+            assert not is_error and (lines["start_line"], lines["end_line"]) == (2, 4)
+            is_error, found = await tool(client, "search_corpus", query="rollback", k="2", min_score="-1")
+            assert not is_error and len(found["results"]) == 2
+            is_error, listed = await tool(client, "list_documents", offset="1", limit="2")
+            assert not is_error and (listed["offset"], len(listed["documents"])) == (1, 2)
+            is_error, numeric = await tool(client, "search_corpus", query=2048, mode="keyword")
+            assert not is_error and numeric["query"] == "2048"
+            assert await error_code(client, "search_corpus", query=True) == "invalid_argument"
+            assert await error_code(client, "get_file", path=1.5) == "invalid_argument"
+            for args in ({"k": "2.5"}, {"k": "two"}, {"k": True}, {"k": 2.0}, {"min_score": "nan"}):
+                assert await error_code(client, "search_corpus", query="rollback", **args) == "invalid_argument"
+
+    run(scenario)
+
+
+def test_every_tool_result_fits_the_declared_output_schema(built: Built, fake: FakeOllama, tmp_path: Path) -> None:
+    """Conformance, through the real server and the SDK client: successes and errors of every tool
+    (tool_payload validates each against the outputSchema from tools/list, the way TypeScript-SDK
+    clients do, and checks that errors carry no structured content)."""
+    down = FakeOllama().start()
+    down_host = down.host
+    down.stop()
+    cases: list[tuple[str, dict[str, Any], str | None]] = [
+        ("search_corpus", {"query": "who gets paged for a sev-1"}, None),
+        ("search_corpus", {"query": "rollback", "mode": "keyword", "path_prefix": "runbooks"}, None),
+        ("search_corpus", {"query": "deploy", "include_superseded": True, "k": 20, "min_score": 0.0}, None),
+        ("search_corpus", {"query": "zzzz-nothing-matches", "mode": "keyword"}, None),
+        ("search_corpus", {"query": "q", "k": 0}, "invalid_argument"),
+        ("search_corpus", {"query": ""}, "invalid_argument"),
+        ("search_corpus", {"query": "q", "path_prefix": "../x"}, "path_rejected"),
+        ("get_file", {"path": "runbooks/deploy.md", "start_line": 3, "end_line": 9}, None),
+        ("get_file", {"path": "private/offsite-backup.md"}, "not_indexed"),
+        ("get_file", {"path": "../../etc/passwd"}, "path_rejected"),
+        ("get_file", {"path": "runbooks/deploy.md", "start_line": 100000}, "invalid_argument"),
+        ("list_documents", {}, None),
+        ("list_documents", {"path_prefix": "nowhere"}, None),
+        ("list_documents", {"limit": 0}, "invalid_argument"),
+        ("no_such_tool", {}, "invalid_argument"),
+    ]
+
+    async def scenario(env: dict[str, str], cases: list[tuple[str, dict[str, Any], str | None]]) -> None:
+        async with connect(env) as client:
+            declared = {t.name: t.output_schema for t in (await client.list_tools()).tools}
+            assert all(declared.values())
+            for name, args, code in cases:
+                is_error, payload = await tool(client, name, **args)
+                assert is_error == (code is not None), (name, args, payload)
+                if code is not None:
+                    assert payload["error"]["code"] == code, (name, args, payload)
+
+    run(lambda: scenario(server_env(built, fake.host), cases))
+    missing = Built(built.corpus, tmp_path / "no-store")
+    run(lambda: scenario(server_env(missing, fake.host), [
+        ("search_corpus", {"query": "q"}, "index_missing"), ("get_file", {"path": "a.md"}, "index_missing"),
+        ("list_documents", {}, "index_missing")]))
+    run(lambda: scenario(server_env(built, down_host), [
+        ("search_corpus", {"query": "rollback"}, None), ("search_corpus", {"query": "rollback", "mode": "vector"},
+                                                          "embedder_unavailable")]))

@@ -1,0 +1,98 @@
+"""The real MCP Inspector CLI (the protocol's reference TypeScript client) against the real
+`python server.py`, when node and npm are on the machine.
+
+TypeScript-SDK clients check a result's structuredContent against the tool's outputSchema even
+when isError is true; the Python SDK does not, so only a TypeScript client can show that every
+error is readable. Two Inspector generations are driven: 0.15 (the newest that declares no
+engine requirement; 0.16+ want node 22 but run on 20) and 2.x. npx fetches each once from the
+npm registry into its cache; without node/npm, or without registry access, the test skips and
+says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fake_ollama import FakeOllama
+from faultlib import copy_sample, run_ingest
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER = ROOT / "server.py"
+INSPECTORS = ("0.15.0", "2.12.0")
+NETWORK_FAILURES = ("ENOTFOUND", "ENOTCACHED", "EAI_AGAIN", "ETIMEDOUT", "ECONNREFUSED", "ECONNRESET",
+                    "network", "Could not resolve")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path, str]]:
+    if shutil.which("npx") is None or shutil.which("node") is None:
+        pytest.skip("node/npx are not installed: the MCP Inspector cannot run here")
+    tmp = tmp_path_factory.mktemp("inspector")
+    with FakeOllama() as fake:
+        corpus, store = copy_sample(tmp), tmp / "store"
+        done = run_ingest(fake, corpus, store)
+        assert done.code == 0, done.err
+        yield corpus, store, fake.host
+
+
+def inspector(version: str, env: dict[str, str], tool: str, **args: Any) -> dict[str, Any]:
+    """One tools/call through `npx @modelcontextprotocol/inspector@VERSION --cli`; the parsed
+    CallToolResult it prints. Tool errors exit 0 (0.x) or 5 (2.x) with the result on stdout;
+    a protocol or schema failure exits 1 with the message on stderr (that is the bug this
+    guards against)."""
+    command = ["npx", "--prefer-offline", "-y", f"@modelcontextprotocol/inspector@{version}", "--cli"]
+    for key, value in env.items():  # 2.x does not pass its own environment on to the server
+        command += ["-e", f"{key}={value}"]
+    command += [sys.executable, str(SERVER), "--method", "tools/call", "--tool-name", tool]
+    for key, value in args.items():
+        command += ["--tool-arg", f"{key}={value}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+                          env={**os.environ, **env, "npm_config_update_notifier": "false"})
+    if done.returncode not in (0, 5) and any(word in done.stderr for word in NETWORK_FAILURES):
+        pytest.skip(f"the npm registry is out of reach, so Inspector {version} cannot be fetched: "
+                    f"{done.stderr.strip()[-300:]}")
+    assert done.returncode in (0, 5), f"Inspector {version} failed (exit {done.returncode}):\n{done.stderr[-2000:]}"
+    return json.loads(done.stdout)
+
+
+def error_of(result: dict[str, Any]) -> dict[str, str]:
+    assert result.get("isError") is True, result
+    assert "structuredContent" not in result, result
+    return json.loads(result["content"][0]["text"])["error"]
+
+
+@pytest.mark.parametrize("version", INSPECTORS)
+def test_results_and_errors_are_readable_in_the_inspector(built: tuple[Path, Path, str], version: str,
+                                                           tmp_path: Path) -> None:
+    corpus, store, host = built
+    env = {"RAG_CORPUS_DIR": str(corpus), "RAG_STORE_DIR": str(store), "OLLAMA_HOST": host,
+           "ANONYMIZED_TELEMETRY": "False", "RAG_SERVER_WARMUP": "0"}
+    found = inspector(version, env, "search_corpus", query="who gets paged for a sev-1", mode="keyword")
+    assert not found.get("isError") and found["structuredContent"]["results"][0]["path"] == "oncall/escalation.md"
+    lines = inspector(version, env, "get_file", path="runbooks/deploy.md", start_line=1, end_line=3)
+    assert lines["structuredContent"]["end_line"] == 3
+    # Inspector 0.16+ sends any value that parses as JSON as that JSON value: a number for a query.
+    numeric = inspector(version, env, "search_corpus", query="2048", mode="keyword")
+    assert not numeric.get("isError") and numeric["structuredContent"]["query"] == "2048"
+    listed = inspector(version, env, "list_documents")
+    assert listed["structuredContent"]["total"] == 6
+    for tool, args, code in [
+        ("search_corpus", {"query": "rollback", "k": 0}, "invalid_argument"),
+        ("search_corpus", {"query": " "}, "invalid_argument"),
+        ("get_file", {"path": "../../etc/passwd"}, "path_rejected"),
+        ("get_file", {"path": "private/offsite-backup.md"}, "not_indexed"),
+    ]:
+        error = error_of(inspector(version, env, tool, **args))
+        assert error["code"] == code and error["message"] and error["hint"], (tool, args, error)
+    missing = {**env, "RAG_STORE_DIR": str(tmp_path / "no-store")}
+    error = error_of(inspector(version, missing, "search_corpus", query="rollback"))
+    assert error["code"] == "index_missing" and "python ingest.py" in error["hint"]
