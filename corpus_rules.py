@@ -42,6 +42,7 @@ class ErrorCode(StrEnum):
     DOCUMENT_INVALID = "document_invalid"
     CORPUS_MISSING = "corpus_missing"
     CORPUS_EMPTY = "corpus_empty"
+    CORPUS_MISMATCH = "corpus_mismatch"
     LOCK_HELD = "lock_held"
 
 
@@ -796,6 +797,13 @@ class IndexManifest:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> IndexManifest:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+def manifest_for(settings: Settings, prefix_scheme: str, dims: int) -> IndexManifest:
+    """The manifest an index built with these settings has (the dry run and the real run alike)."""
+    return IndexManifest(model=settings.embed_model, dims=dims, prefix_scheme=prefix_scheme,
+                         chunker_version=CHUNKER_VERSION, chunk_max_tokens=settings.chunk_max_tokens,
+                         chunk_min_tokens=settings.chunk_min_tokens)
 
 
 @dataclass(frozen=True)

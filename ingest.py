@@ -21,11 +21,12 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -35,6 +36,9 @@ from corpus_rules import ErrorCode, RagError  # noqa: E402
 log = logging.getLogger("ingest")
 
 EMBED_BATCH = 64  # chunks per /api/embed call
+# How long a run with nothing to embed waits for Ollama's answer about the model.
+OPTIONAL_PROBE_TIMEOUT_S = 5.0
+PROGRESS_EVERY_S = 5.0  # a progress line at least this often when stderr is not a terminal
 COMMIT_BATCH_CHUNKS = 256  # chunks per Chroma upsert + SQLite transaction
 
 
@@ -155,10 +159,12 @@ class DocumentRow:
     content_hash: str
     size: int
     mtime_ns: int
+    disk_path: str
+    real_path: str
 
 
 def load_registry(con: sqlite3.Connection) -> dict[str, DocumentRow]:
-    rows = con.execute("SELECT path, lifecycle, content_hash, size, mtime_ns FROM documents")
+    rows = con.execute("SELECT path, lifecycle, content_hash, size, mtime_ns, disk_path, real_path FROM documents")
     return {r[0]: DocumentRow(*r) for r in rows}
 
 
@@ -220,6 +226,7 @@ class Embedding:
         self.scheme = scheme
         self.dims = dims
         self.calls = 0
+        self.on_embedded: Callable[[int], None] = lambda chunks: None  # progress, after every call
 
     def _text(self, doc: rules.SourceDocument, chunk: rules.Chunk) -> str:
         return rules.embedded_document_text(self.scheme, doc.title, chunk.heading, chunk.text)
@@ -227,6 +234,7 @@ class Embedding:
     def _embed(self, texts: Sequence[str]) -> list[list[float]]:
         self.calls += 1
         vectors = self.embedder.embed(texts)
+        self.on_embedded(len(texts))
         wrong = {len(v) for v in vectors if len(v) != self.dims}
         if wrong:
             raise RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
@@ -304,6 +312,9 @@ class Store:
         self.db = open_keyword_db(layout.keyword_db(self.name))
         self._vector_writes_marked = False
 
+    def close(self) -> None:
+        self.db.close()
+
     def reconcile(self) -> int:
         """Delete vectors no committed chunk owns (left by a crash); return how many.
 
@@ -375,6 +386,14 @@ class Store:
         with transaction(self.db):
             self.db.executemany("UPDATE documents SET mtime_ns = ?, size = ? WHERE path = ?",
                                 [(f.mtime_ns, f.size, f.path) for f, _ in updates])
+            self._mark_unpublished()
+
+    def relocate(self, files: Sequence[CorpusFile]) -> None:
+        """Unchanged files whose location on disk changed (the corpus folder moved): record where they
+        are now, which get_file checks, without embedding anything."""
+        with transaction(self.db):
+            self.db.executemany("UPDATE documents SET disk_path = ?, real_path = ? WHERE path = ?",
+                                [(f.disk_path, f.real_path, f.path) for f in files])
             self._mark_unpublished()
 
     # Chroma may hold vectors that SQLite does not own (a run writing them was killed) only while
@@ -514,30 +533,67 @@ def _lock_holder(fd: int) -> str:
 
 
 class Progress:
-    """Progress on stderr: live on a terminal, a line every few seconds otherwise."""
+    """Progress on stderr: live on a terminal, otherwise a line every PROGRESS_EVERY_S seconds.
 
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.done = 0
-        self.chunks = 0
-        self.start = time.monotonic()
+    A ticker thread prints the non-terminal lines, so a slow embedding call cannot make ingest go
+    silent: the line then says how long the current call has been waiting."""
+
+    def __init__(self, files: int, chunks: int) -> None:
+        self.files, self.chunks = files, chunks
+        self.files_done = self.chunks_done = 0
+        self.start = self.call_started = time.monotonic()
         self.last = 0.0
         self.tty = sys.stderr.isatty()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+        if not self.tty and files:
+            self._ticker = threading.Thread(target=self._tick, name="ingest-progress", daemon=True)
+            self._ticker.start()
 
-    def advance(self, files: int, chunks: int) -> None:
-        self.done += files
-        self.chunks += chunks
+    def embedded(self, chunks: int) -> None:
+        with self._lock:
+            self.chunks_done += chunks
+            self.call_started = time.monotonic()
+        if self.tty:
+            self._print_if_due(0.2)
+
+    def committed(self, files: int) -> None:
+        with self._lock:
+            self.files_done += files
+        if self.tty:
+            self._print_if_due(0.2)
+
+    def line(self) -> str:
+        with self._lock:
+            now = time.monotonic()
+            elapsed = now - self.start
+            rate = self.chunks_done / elapsed if elapsed > 0 else 0.0
+            left = max(0, self.chunks - self.chunks_done)
+            eta = f"ETA {left / rate:.0f} s" if rate > 0 else "ETA unknown"
+            waiting = now - self.call_started
+            line = (f"ingest: {self.files_done}/{self.files} files, {self.chunks_done}/{self.chunks} chunks embedded, "
+                    f"{rate:.1f} chunks/s, {eta}")
+            if waiting >= PROGRESS_EVERY_S and left:
+                line += f"; waiting {waiting:.0f} s for Ollama"
+            return line
+
+    def _print_if_due(self, every: float) -> None:
         now = time.monotonic()
-        if now - self.last < (0.2 if self.tty else 5.0) and self.done < self.total:
+        if now - self.last < every:
             return
         self.last = now
-        elapsed = now - self.start
-        rate = self.chunks / elapsed if elapsed > 0 else 0.0
-        eta = (self.total - self.done) * elapsed / self.done if self.done else 0.0
-        line = f"ingest: {self.done}/{self.total} files, {self.chunks} chunks, {rate:.0f} chunks/s, ETA {eta:.0f} s"
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+        print("\r" + self.line(), end="", file=sys.stderr, flush=True)
+
+    def _tick(self) -> None:
+        while not self._stop.wait(PROGRESS_EVERY_S):
+            print(self.line(), file=sys.stderr, flush=True)
 
     def finish(self) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=5)
+            print(self.line(), file=sys.stderr, flush=True)  # where the run got to, for the log
         if self.tty and self.last:
             print(file=sys.stderr)
 
@@ -580,17 +636,22 @@ class Summary:
 
 @dataclass
 class Plan:
-    """What the walk found, compared with the registry."""
+    """What the walk found, compared with the registry. `changed` files are parsed, not chunked yet
+    (chunking needs the model's context length)."""
 
     unchanged: list[CorpusFile] = field(default_factory=list)
     mtime_only: list[tuple[CorpusFile, DocumentRow]] = field(default_factory=list)
+    # Unchanged content at a new location on disk (the corpus folder moved).
+    relocated: list[CorpusFile] = field(default_factory=list)
     changed: list[PreparedFile] = field(default_factory=list)
     excluded: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     removed: list[str] = field(default_factory=list)
 
 
-def plan_changes(walk: Walk, registry: dict[str, DocumentRow], root: Path, budget_for: Any, full: bool) -> Plan:
+def plan_changes(walk: Walk, registry: dict[str, DocumentRow], root: Path, full: bool) -> Plan:
+    """Compare the walk with the registry: stat first, content hash only for files whose size or
+    mtime moved. Needs neither Ollama nor a write."""
     plan = Plan(failed=dict(walk.failures))
     seen = set(walk.failures)
     for file in walk.files:
@@ -598,6 +659,8 @@ def plan_changes(walk: Walk, registry: dict[str, DocumentRow], root: Path, budge
         row = registry.get(file.path)
         if row and not full and rules.looks_unchanged(file.size, file.mtime_ns, row.size, row.mtime_ns):
             plan.unchanged.append(file)
+            if (file.disk_path, file.real_path) != (row.disk_path, row.real_path):
+                plan.relocated.append(file)
             continue
         try:
             raw = (root / file.disk_path).read_bytes()
@@ -607,6 +670,8 @@ def plan_changes(walk: Walk, registry: dict[str, DocumentRow], root: Path, budge
         digest = rules.content_hash(raw)
         if row and not full and row.content_hash == digest:
             plan.mtime_only.append((file, row))
+            if (file.disk_path, file.real_path) != (row.disk_path, row.real_path):
+                plan.relocated.append(file)
             continue
         try:
             doc = rules.parse_document(raw, file.path)
@@ -616,15 +681,15 @@ def plan_changes(walk: Walk, registry: dict[str, DocumentRow], root: Path, budge
         if not doc.rag:
             plan.excluded.append(file.path)
             continue
-        chunks = rules.chunk_document(doc, budget_for(doc.title), rules_min_tokens(budget_for))
-        plan.changed.append(PreparedFile(file, doc, digest, chunks))
+        plan.changed.append(PreparedFile(file, doc, digest, []))
     excluded = set(plan.excluded)
     plan.removed = sorted(p for p in registry if p not in seen or p in excluded)
     return plan
 
 
-def rules_min_tokens(budget_for: Any) -> int:
-    return getattr(budget_for, "min_tokens", rules.DEFAULT_CHUNK_MIN_TOKENS)
+def chunk_files(files: Sequence[PreparedFile], budget: Budget) -> None:
+    for pf in files:
+        pf.chunks = rules.chunk_document(pf.doc, budget(pf.doc.title), budget.min_tokens)
 
 
 @dataclass
@@ -638,14 +703,99 @@ class Budget:
         return chunk_budget(self.context_length, self.target, self.scheme, title)
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What ingest needs to know about the embedding model, asked of Ollama once per run."""
+
+    dims: int
+    context_length: int
+
+
+def probe_model(embedder: rules.OllamaEmbedder, scheme: rules.PrefixScheme, settings: rules.Settings) -> ModelFacts:
+    """Ask Ollama for the model's dimensions and context length (RagError when it is down or lacks
+    the model). Called before the store is touched whenever anything may need embedding."""
+    info = embedder.model_info()
+    dims = info.dims or len(embedder.embed([scheme.query_text("dimension probe")])[0])
+    return ModelFacts(dims=dims, context_length=info.context_length or settings.chunk_max_tokens)
+
+
+def probe_model_if_reachable(settings: rules.Settings, scheme: rules.PrefixScheme) -> ModelFacts | None:
+    quick = rules.OllamaEmbedder(settings.ollama_host, settings.embed_model,
+                                 min(settings.embed_timeout_s, OPTIONAL_PROBE_TIMEOUT_S))
+    try:
+        return probe_model(quick, scheme, settings)
+    except RagError as exc:
+        log.info("nothing to embed, so this run goes on without Ollama (%s)", exc.message)
+        return None
+
+
+def scheme_for(model: str) -> rules.PrefixScheme:
+    scheme = rules.prefix_scheme_for(model)
+    if scheme is None:
+        log.warning("unknown embedding model %r: no query/document prefixes will be used", model)
+        return rules.PREFIX_SCHEMES["none"]
+    return scheme
+
+
 def _registry_of(layout: rules.StoreLayout, current: rules.CurrentIndex | None) -> dict[str, DocumentRow]:
+    """The live index's registry, read without leaving a trace: a read-only WAL connection would
+    create the -wal and -shm files. immutable=1 reads the database file as it is; when that fails
+    (a writer is mid-transaction), a plain read-only connection does."""
     if current is None or not layout.keyword_db(current.index).exists():
         return {}
-    con = sqlite3.connect(f"file:{layout.keyword_db(current.index)}?mode=ro", uri=True, timeout=30)
-    try:
-        return load_registry(con)
-    finally:
-        con.close()
+    uri = layout.keyword_db(current.index).as_uri()
+    for options in ("?mode=ro&immutable=1", "?mode=ro"):
+        try:
+            con = sqlite3.connect(uri + options, uri=True, timeout=30)
+            try:
+                return load_registry(con)
+            finally:
+                con.close()
+        except sqlite3.DatabaseError:
+            if options == "?mode=ro":
+                raise
+    raise AssertionError("unreachable")
+
+
+def check_same_corpus(current: rules.CurrentIndex | None, corpus: Path, store: Path, replace: bool) -> None:
+    """A store holds the index of one corpus folder. Indexing another one into it would delete the
+    first one's chunks (files it does not have count as removed), so that takes --replace-corpus."""
+    if current is None or not current.corpus_dir or replace:
+        return
+    indexed = Path(current.corpus_dir)
+    if indexed == corpus:
+        return
+    with contextlib.suppress(OSError):  # the indexed folder may be gone (moved)
+        if os.path.samefile(indexed, corpus):
+            return
+    raise RagError(ErrorCode.CORPUS_MISMATCH,
+                   f"the store {store} holds the index of {indexed}; this run would index {corpus} into it and "
+                   f"remove every file {corpus} does not have",
+                   "to index a second folder, give it its own store (--store DIR or RAG_STORE_DIR); if the folder "
+                   "moved, or you mean to replace the index, pass --replace-corpus (files unchanged at the same "
+                   "relative path keep their embeddings)")
+
+
+def dry_run(args: argparse.Namespace, settings: rules.Settings, layout: rules.StoreLayout, walk: Walk,
+            current: rules.CurrentIndex | None, summary: Summary) -> Summary:
+    """What a real run would change, without Ollama and without writing anything."""
+    registry = _registry_of(layout, current)
+    _guard_empty(walk, registry, args.allow_empty)
+    scheme = scheme_for(settings.embed_model)
+    # No Ollama in a dry run: the registry's context length stands in for /api/show, and the live
+    # index's dimensions for the model's (a dimension change alone goes unnoticed).
+    context = rules.REGISTRY_CONTEXT_LENGTH.get(scheme.name, settings.chunk_max_tokens)
+    likely = rules.manifest_for(settings, scheme.name, dims=current.manifest.dims if current else 0)
+    summary.index = current.index if current else ""
+    if current is not None and likely.index_name() != current.index:
+        summary.rebuilt = True  # a real run would rebuild everything into a new index
+        summary.index = likely.index_name()
+        registry = {}
+    plan = plan_changes(walk, registry, settings.corpus_dir, args.full)
+    chunk_files(plan.changed, Budget(context, settings.chunk_max_tokens, settings.chunk_min_tokens, scheme))
+    _fill_summary(summary, plan, registry)
+    summary.estimated_chunks = sum(len(pf.chunks) for pf in plan.changed)
+    return summary
 
 
 def run(args: argparse.Namespace) -> Summary:
@@ -662,123 +812,144 @@ def run(args: argparse.Namespace) -> Summary:
         log.warning("%s", warning)
     summary = Summary(scanned=len(walk.files) + len(walk.failures), dry_run=args.dry_run)
     current = layout.read_current()
-
+    check_same_corpus(current, corpus, settings.store_dir, args.replace_corpus)
     if args.dry_run:
-        registry = _registry_of(layout, current)
-        _guard_empty(walk, registry, args.allow_empty)
-        scheme = rules.prefix_scheme_for(settings.embed_model) or rules.PREFIX_SCHEMES["none"]
-        # No Ollama in a dry run: the registry's context length stands in for /api/show, and the
-        # live index's dimensions for the model's (a dimension change alone goes unnoticed).
-        context = rules.REGISTRY_CONTEXT_LENGTH.get(scheme.name, settings.chunk_max_tokens)
-        budget = Budget(context, settings.chunk_max_tokens, settings.chunk_min_tokens, scheme)
-        likely = rules.IndexManifest(model=settings.embed_model, dims=current.manifest.dims if current else 0,
-                                     prefix_scheme=scheme.name, chunker_version=rules.CHUNKER_VERSION,
-                                     chunk_max_tokens=settings.chunk_max_tokens,
-                                     chunk_min_tokens=settings.chunk_min_tokens)
-        summary.index = current.index if current else ""
-        if current is not None and likely.index_name() != current.index:
-            summary.rebuilt = True  # a real run would rebuild everything into a new index
-            summary.index = likely.index_name()
-            registry = {}
-        plan = plan_changes(walk, registry, corpus, budget, args.full)
-        _fill_summary(summary, plan, registry)
-        summary.estimated_chunks = sum(len(pf.chunks) for pf in plan.changed)
+        dry_run(args, settings, layout, walk, current, summary)
         summary.seconds = time.monotonic() - started
         return summary
 
-    # Ollama is asked before the lock is taken: when it is down or lacks the model, nothing in the
-    # store is touched (not even created).
+    scheme = scheme_for(settings.embed_model)
     embedder = rules.OllamaEmbedder(settings.ollama_host, settings.embed_model, settings.embed_timeout_s)
-    info = embedder.model_info()
-    scheme = rules.prefix_scheme_for(settings.embed_model)
-    if scheme is None:
-        log.warning("unknown embedding model %r: no query/document prefixes will be used", settings.embed_model)
-        scheme = rules.PREFIX_SCHEMES["none"]
-    dims = info.dims or len(embedder.embed([scheme.query_text("dimension probe")])[0])
-    context = info.context_length or settings.chunk_max_tokens
+    # Ollama is asked before the store is touched whenever anything may need embedding (when it is
+    # down or lacks the model, nothing in the store changes, not even the lock file). A run with
+    # nothing to embed does not need it: it still asks, briefly, to notice a model re-pulled with
+    # other dimensions (a rebuild), and goes on without it when it does not answer.
+    if (current is None or args.full
+            or rules.manifest_for(settings, scheme.name, current.manifest.dims).index_name() != current.index
+            or plan_changes(walk, _registry_of(layout, current), corpus, False).changed):
+        model: ModelFacts | None = probe_model(embedder, scheme, settings)
+    else:
+        model = probe_model_if_reachable(settings, scheme)
 
     with ingest_lock(layout):
         current = layout.read_current()
+        check_same_corpus(current, corpus, settings.store_dir, args.replace_corpus)
         _guard_empty(walk, _registry_of(layout, current), args.allow_empty)
-        manifest = rules.IndexManifest(model=settings.embed_model, dims=dims, prefix_scheme=scheme.name,
-                                       chunker_version=rules.CHUNKER_VERSION, chunk_max_tokens=settings.chunk_max_tokens,
-                                       chunk_min_tokens=settings.chunk_min_tokens)
-        store = Store(layout, manifest)
-        summary.index = store.name
-        summary.rebuilt = current is None or current.index != store.name
-        if summary.rebuilt and current is not None:
-            log.info("index manifest changed (%s -> %s): rebuilding into a new index; the old one stays live "
-                     "until the new one is complete", current.index, store.name)
-        repaired = store.reconcile() if args.full or store.needs_reconcile() else 0
-        if repaired:
-            log.info("removed %d vectors left by an interrupted run", repaired)
-        registry = load_registry(store.db)
-        budget = Budget(context, settings.chunk_max_tokens, settings.chunk_min_tokens, scheme)
-        plan = plan_changes(walk, registry, corpus, budget, args.full)
-        _fill_summary(summary, plan, registry)
-        embedding = Embedding(embedder, scheme, dims)
-        changed_anything = bool(repaired) or store.unpublished()
-        written: set[str] = set()
-        run_errors: list[str] = []  # failures of the run itself, after the per-file ones
-        if plan.mtime_only:
-            store.update_mtimes(plan.mtime_only)
-            changed_anything = True
-        progress = Progress(len(plan.changed))
+        dims = model.dims if model is not None else current.manifest.dims  # type: ignore[union-attr]
+        store, plan, repaired = _open_and_plan(layout, settings, scheme, dims, walk, args.full)
+        if plan.changed and model is None:
+            # Another ingest or an editor changed files since the look before the lock.
+            model = probe_model(embedder, scheme, settings)
+            if model.dims != dims:
+                store.close()
+                store, plan, repaired = _open_and_plan(layout, settings, scheme, model.dims, walk, args.full)
         try:
-            for group in _groups(plan.changed):
-                try:
-                    embedding.embed_files(group)
-                except RagError as exc:
-                    if exc.code is ErrorCode.DOCUMENT_INVALID:
-                        group = _embed_individually(embedding, group, plan, summary)
-                    else:
-                        raise
-                for pf in group:
-                    pf.chunks = renumber(pf.chunks)
-                if group:
-                    store.write(group)
-                    for pf in group:
-                        pf.vectors = []  # 100k chunks of Python float lists would hold GBs until the end
-                    written.update(pf.file.path for pf in group)
-                    changed_anything = True
-                    summary.chunks_written += sum(len(pf.chunks) for pf in group)
-                progress.advance(len(group), sum(len(pf.chunks) for pf in group))
-        except RagError as exc:
-            if exc.code not in (ErrorCode.EMBEDDER_UNAVAILABLE, ErrorCode.MODEL_NOT_FOUND):
-                raise
-            # The embedder went away mid-run: what was committed stays, the rest keeps its old chunks.
-            for pf in plan.changed:
-                if pf.file.path not in written:
-                    plan.failed.setdefault(pf.file.path, f"{pf.file.path}: not embedded: {exc.message}")
-            run_errors.append(f"{exc.message} ({exc.hint})")
+            manifest = store.manifest
+            registry = load_registry(store.db)
+            summary.index = store.name
+            summary.rebuilt = current is None or current.index != store.name
+            if summary.rebuilt and current is not None:
+                log.info("index manifest changed (%s -> %s): rebuilding into a new index; the old one stays live "
+                         "until the new one is complete", current.index, store.name)
+            if repaired:
+                log.info("removed %d vectors left by an interrupted run", repaired)
+            _fill_summary(summary, plan, registry)
+            if model is not None:
+                chunk_files(plan.changed, Budget(model.context_length, settings.chunk_max_tokens,
+                                                 settings.chunk_min_tokens, scheme))
+            changed_anything = bool(repaired) or store.unpublished()
+            if plan.mtime_only:
+                store.update_mtimes(plan.mtime_only)
+                changed_anything = True
+            if plan.relocated:
+                store.relocate(plan.relocated)
+                changed_anything = True
+            embedding = Embedding(embedder, scheme, manifest.dims)
+            written, run_errors = _embed_and_write(store, embedding, plan, summary)
+            changed_anything = changed_anything or bool(written)
+            if plan.removed:
+                store.remove(plan.removed)
+                changed_anything = True
+            store.end_vector_writes()  # every vector written this run is owned by a committed row
+            summary.embedding_calls = embedding.calls
+            summary.failed = len(plan.failed)
+            summary.errors = [*sorted(plan.failed.values()), *run_errors]
+            _publish(layout, store, current, corpus, summary, plan, changed_anything)
         finally:
-            progress.finish()
-        if plan.removed:
-            store.remove(plan.removed)
-            changed_anything = True
-        store.end_vector_writes()  # every vector written this run is owned by a committed row
-        summary.embedding_calls = embedding.calls
-        summary.failed = len(plan.failed)
-        summary.errors = [*sorted(plan.failed.values()), *run_errors]
-        summary.commit, summary.dirty = corpus_git_state(corpus)
-        files, chunks = store.counts()
-        stamp = rules.IndexStamp(commit=summary.commit, dirty=summary.dirty,
-                                 ingested_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                                 files=files, chunks=chunks)
-        store.stamp(stamp)
-        if summary.rebuilt and plan.failed and current is not None:
-            summary.errors.append(f"the new index {store.name} is incomplete; {current.index} stays live until a "
-                                  "run completes without failures")
-        elif (summary.rebuilt or changed_anything or current is None or current.corpus_dir != str(corpus)
-              or (current.stamp.commit, current.stamp.dirty) != (stamp.commit, stamp.dirty)):
-            generation = (current.generation + 1) if current else 1
-            layout.write_current(rules.CurrentIndex(index=store.name, generation=generation, manifest=manifest, stamp=stamp,
-                                                     corpus_dir=str(corpus)))
-            store.mark_published()
-            if current is not None and current.index != store.name:
-                shutil.rmtree(layout.index_dir(current.index), ignore_errors=True)
+            store.close()
     summary.seconds = time.monotonic() - started
     return summary
+
+
+def _open_and_plan(layout: rules.StoreLayout, settings: rules.Settings, scheme: rules.PrefixScheme, dims: int,
+                   walk: Walk, full: bool) -> tuple[Store, Plan, int]:
+    """Open (or create) the index for these settings, repair what an interrupted run left, and
+    compare the corpus with what it holds."""
+    store = Store(layout, rules.manifest_for(settings, scheme.name, dims))
+    repaired = store.reconcile() if full or store.needs_reconcile() else 0
+    return store, plan_changes(walk, load_registry(store.db), settings.corpus_dir, full), repaired
+
+
+def _embed_and_write(store: Store, embedding: Embedding, plan: Plan, summary: Summary) -> tuple[set[str], list[str]]:
+    """Embed the changed files a commit group at a time and write each group as soon as it is
+    embedded. Returns the paths written and the run's own errors (the embedder going away)."""
+    written: set[str] = set()
+    run_errors: list[str] = []
+    progress = Progress(len(plan.changed), sum(len(pf.chunks) for pf in plan.changed))
+    embedding.on_embedded = progress.embedded
+    try:
+        for group in _groups(plan.changed):
+            try:
+                embedding.embed_files(group)
+            except RagError as exc:
+                if exc.code is ErrorCode.DOCUMENT_INVALID:
+                    group = _embed_individually(embedding, group, plan, summary)
+                else:
+                    raise
+            for pf in group:
+                pf.chunks = renumber(pf.chunks)
+            if group:
+                store.write(group)
+                for pf in group:
+                    pf.vectors = []  # 100k chunks of Python float lists would hold GBs until the end
+                written.update(pf.file.path for pf in group)
+                summary.chunks_written += sum(len(pf.chunks) for pf in group)
+            progress.committed(len(group))
+    except RagError as exc:
+        if exc.code not in (ErrorCode.EMBEDDER_UNAVAILABLE, ErrorCode.MODEL_NOT_FOUND):
+            raise
+        # The embedder went away mid-run: what was committed stays, the rest keeps its old chunks.
+        for pf in plan.changed:
+            if pf.file.path not in written:
+                plan.failed.setdefault(pf.file.path, f"{pf.file.path}: not embedded: {exc.message}")
+        run_errors.append(f"{exc.message} ({exc.hint})")
+    finally:
+        progress.finish()
+    return written, run_errors
+
+
+def _publish(layout: rules.StoreLayout, store: Store, current: rules.CurrentIndex | None, corpus: Path,
+             summary: Summary, plan: Plan, changed_anything: bool) -> None:
+    """Stamp the index and, when anything changed, point CURRENT.json at it with a new generation
+    (running servers reopen on it). A rebuild with failures stays unpublished."""
+    summary.commit, summary.dirty = corpus_git_state(corpus)
+    files, chunks = store.counts()
+    stamp = rules.IndexStamp(commit=summary.commit, dirty=summary.dirty,
+                             ingested_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                             files=files, chunks=chunks)
+    store.stamp(stamp)
+    if summary.rebuilt and plan.failed and current is not None:
+        summary.errors.append(f"the new index {store.name} is incomplete; {current.index} stays live until a "
+                              "run completes without failures")
+        return
+    if (summary.rebuilt or changed_anything or current is None or current.corpus_dir != str(corpus)
+            or (current.stamp.commit, current.stamp.dirty) != (stamp.commit, stamp.dirty)):
+        generation = (current.generation + 1) if current else 1
+        layout.write_current(rules.CurrentIndex(index=store.name, generation=generation, manifest=store.manifest,
+                                                 stamp=stamp, corpus_dir=str(corpus)))
+        store.mark_published()
+        if current is not None and current.index != store.name:
+            shutil.rmtree(layout.index_dir(current.index), ignore_errors=True)
 
 
 def _embed_individually(embedding: Embedding, group: list[PreparedFile], plan: Plan, summary: Summary) -> list[PreparedFile]:
@@ -833,6 +1004,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="report what would change; embed and write nothing")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     parser.add_argument("--allow-empty", action="store_true", help="allow an empty corpus to empty the index")
+    parser.add_argument("--replace-corpus", action="store_true",
+                        help="index this corpus into a store built from another folder (a moved corpus, or a "
+                             "deliberate switch); without it such a run is refused")
     return parser.parse_args(argv)
 
 

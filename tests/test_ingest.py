@@ -768,7 +768,7 @@ def test_ollama_unreachable_at_start_changes_nothing(tmp_path: Path, fake_ollama
     edit(corpus / "reference/glossary.md", "changed\n")
     fake_ollama_env.stop()
     run = ingest_run(corpus, store)
-    assert run.code == 2
+    assert run.code == 2 and run.summary["error"]["code"] == "embedder_unavailable"
     assert file_listing(store) == listing
 
 
@@ -1060,3 +1060,90 @@ def test_corpus_git_stamp_and_generation(tmp_path: Path, fake_ollama_env: FakeOl
     # A no-op run after that changes nothing.
     ingest_run(corpus, store)
     assert current_of(store)["generation"] == generation + 1
+
+
+# ---------------------------------------------------------------------------
+# One store, one corpus; Ollama only when something needs embedding; progress that keeps talking.
+
+
+def test_indexing_another_folder_into_a_store_is_refused(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    first, store = copy_sample(tmp_path, "first"), tmp_path / "store"
+    assert ingest_run(first, store).code == 0
+    listing = file_listing(store)
+    second = tmp_path / "second"
+    second.mkdir()
+    (second / "other.md").write_text("# Other\n\nA different corpus.\n", encoding="utf-8")
+    fake_ollama_env.reset()
+    run = ingest_run(second, store)
+    assert run.code == 2 and run.summary["error"]["code"] == "corpus_mismatch"
+    message = run.summary["error"]["message"] + " " + run.summary["error"]["hint"]
+    assert str(first) in message and str(second) in message
+    assert "--store" in message and "RAG_STORE_DIR" in message and "--replace-corpus" in message
+    assert file_listing(store) == listing
+    assert fake_ollama_env.requests == []  # refused before Ollama is asked anything
+    # The same folder through another spelling of its path is the same corpus.
+    (tmp_path / "alias").symlink_to(first)
+    assert ingest_run(tmp_path / "alias", store).code == 0
+    # A second corpus gets its own store; the first store is untouched by it.
+    assert ingest_run(second, tmp_path / "store2").code == 0
+    assert current_of(store)["stamp"]["files"] == 6
+    # An explicit switch replaces the index.
+    switched = ingest_run(second, store, "--replace-corpus")
+    assert switched.code == 0 and switched.summary["removed"] == 6 and switched.summary["added"] == 1
+    assert current_of(store)["corpus_dir"] == str(second)
+
+
+def test_a_moved_corpus_is_taken_over_without_re_embedding(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus, store = copy_sample(tmp_path, "docs"), tmp_path / "store"
+    assert ingest_run(corpus, store).code == 0
+    moved = tmp_path / "docs-moved"
+    corpus.rename(moved)
+    refused = ingest_run(moved, store)
+    assert refused.code == 2 and refused.summary["error"]["code"] == "corpus_mismatch"
+    fake_ollama_env.reset()
+    run = ingest_run(moved, store, "--replace-corpus")
+    assert run.code == 0, run.err
+    assert (run.summary["unchanged"], run.summary["removed"], run.summary["embedding_calls"]) == (6, 0, 0)
+    assert current_of(store)["corpus_dir"] == str(moved)
+    real_paths = dict(keyword_db(store).execute("SELECT path, real_path FROM documents"))
+    assert real_paths and all(p.startswith(str(moved) + os.sep) for p in real_paths.values())
+    assert ingest_run(moved, store).code == 0  # and from now on it is simply this store's corpus
+
+
+def test_nothing_to_embed_needs_no_ollama(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    assert ingest_run(corpus, store).code == 0
+    generation = current_of(store)["generation"]
+    fake_ollama_env.stop()
+    noop = ingest_run(corpus, store)
+    assert noop.code == 0, noop.err
+    assert (noop.summary["unchanged"], noop.summary["embedding_calls"], noop.summary["failed"]) == (6, 0, 0)
+    # Changes that need no embedding are applied too: a deletion and an mtime-only touch.
+    (corpus / "oncall/escalation.md").unlink()
+    os.utime(corpus / "reference/api.md", ns=(time.time_ns(), time.time_ns()))
+    pruned = ingest_run(corpus, store)
+    assert pruned.code == 0, pruned.err
+    assert (pruned.summary["removed"], pruned.summary["unchanged"]) == (1, 5)
+    assert current_of(store)["generation"] == generation + 1
+    # Something to embed: Ollama is needed, and its absence is exit 2 with nothing lost.
+    edit(corpus / "reference/glossary.md", "# Glossary\n\nRewritten while Ollama is down.\n")
+    blocked = ingest_run(corpus, store)
+    assert blocked.code == 2 and blocked.summary["error"]["code"] == "embedder_unavailable"
+    assert current_of(store)["stamp"]["files"] == 5
+
+
+def test_progress_keeps_talking_while_a_slow_call_runs(tmp_path: Path, fake_ollama_env: FakeOllama,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not on a terminal, a progress line comes every PROGRESS_EVERY_S even while one embedding call
+    takes much longer than that (it once printed nothing for 46 s)."""
+    monkeypatch.setattr(ingest, "PROGRESS_EVERY_S", 0.3)
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    fake_ollama_env.configure(delay_seconds=2.0)
+    run = ingest_run(corpus, store)
+    assert run.code == 0, run.err
+    lines = [line for line in run.err.splitlines() if line.startswith("ingest: 0/6 files")]
+    assert len(lines) >= 3, run.err
+    assert any("waiting" in line and "for Ollama" in line for line in lines), lines
+    assert "chunks/s" in lines[0] and "ETA" in lines[0]
+    final = [line for line in run.err.splitlines() if line.startswith("ingest: 6/6 files")]
+    assert final and f"{sample_chunk_count()}/{sample_chunk_count()} chunks embedded" in final[-1]
