@@ -1,0 +1,72 @@
+"""tools/quickstart.py as a first-time user runs it: a real process, the loopback fake Ollama, a real
+ingest into a temporary store. The environment step is given this test's interpreter (--python) so
+that no network install runs; creating .venv is what `.ci/run` itself does on every CI run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from fake_ollama import FakeOllama
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICKSTART = ROOT / "tools" / "quickstart.py"
+
+
+def quickstart(host: str, *args: str, path: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAG_")}
+    env.update(OLLAMA_HOST=host, ANONYMIZED_TELEMETRY="False")
+    if path is not None:
+        env["PATH"] = path
+    return subprocess.run([sys.executable, str(QUICKSTART), "--python", sys.executable, *args], env=env,
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+
+def test_indexes_and_prints_registration_commands_with_absolute_paths(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with FakeOllama() as fake:
+        done = quickstart(fake.host, "--store", str(store))
+    assert done.returncode == 0, done.stderr
+    current = json.loads((store / "CURRENT.json").read_text(encoding="utf-8"))
+    assert current["stamp"]["files"] == 6 and current["corpus_dir"] == str(ROOT / "sample-corpus")
+    out = done.stdout
+    server = str(ROOT / "server.py")
+    # -e must follow the server's name (claude's -e takes several values).
+    assert f"claude mcp add -s user local-rag -e RAG_STORE_DIR={store} -- {sys.executable} {server}" in out
+    assert f"codex mcp add --env RAG_STORE_DIR={store} local-rag -- {sys.executable} {server}" in out
+    assert "[mcp_servers.local-rag]" in out and f'command = "{sys.executable}"' in out
+    assert "startup_timeout_sec" in out and "claude mcp list" in out
+    # Again: nothing to do, same answer.
+    with FakeOllama() as fake:
+        again = quickstart(fake.host, "--store", str(store))
+        assert again.returncode == 0, again.stderr
+        assert fake.embed_calls == 0
+
+
+def test_own_corpus_gets_its_own_store_and_both_variables(tmp_path: Path) -> None:
+    corpus = tmp_path / "my-docs"
+    corpus.mkdir()
+    (corpus / "a.md").write_text("# Alpha\n\nThe alpha procedure.\n", encoding="utf-8")
+    store = tmp_path / "mine"
+    with FakeOllama() as fake:
+        done = quickstart(fake.host, "--corpus", str(corpus), "--store", str(store))
+    assert done.returncode == 0, done.stderr
+    assert f"local-rag -e RAG_CORPUS_DIR={corpus} -e RAG_STORE_DIR={store} --" in done.stdout
+    assert json.loads((store / "CURRENT.json").read_text(encoding="utf-8"))["corpus_dir"] == str(corpus)
+
+
+def test_ollama_down_or_without_the_model_says_what_to_do(tmp_path: Path) -> None:
+    down = FakeOllama().start()
+    host = down.host
+    down.stop()
+    done = quickstart(host, "--store", str(tmp_path / "s1"))
+    assert done.returncode == 2 and "Ollama does not answer" in done.stderr and "ollama serve" in done.stderr
+    with FakeOllama() as fake:
+        fake.configure(missing_models=["embeddinggemma"])
+        # No `ollama` command on PATH: the user is told the exact pull command.
+        done = quickstart(fake.host, "--store", str(tmp_path / "s2"), path=str(Path(sys.executable).parent))
+    assert done.returncode == 2 and "ollama pull embeddinggemma" in done.stderr
+    assert not (tmp_path / "s1").exists() and not (tmp_path / "s2").exists()

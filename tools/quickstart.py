@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""From a fresh clone to a registered search server in one command (needs Python 3.11+ and Ollama).
+
+    python3 tools/quickstart.py                      # the sample corpus
+    python3 tools/quickstart.py --corpus ~/my-docs   # your own folder of Markdown, in its own store
+
+It creates .venv next to the code (unless it exists), installs local-rag-mcp into it, checks that
+Ollama answers and has the embedding model (pulling it with the `ollama` command when it is
+missing), indexes the corpus with ingest.py, and prints the exact commands that register the
+server with Claude Code and Codex, with absolute paths. Standard library only: it runs before
+anything is installed. Safe to run again: every step is skipped or incremental when done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+DEFAULT_HOST = "http://127.0.0.1:11434"
+DEFAULT_MODEL = "embeddinggemma"
+DEFAULT_STORE = Path("~/.local-rag-mcp/store").expanduser()
+
+
+def say(text: str) -> None:
+    print(f"quickstart: {text}", file=sys.stderr, flush=True)
+
+
+def fail(text: str) -> int:
+    say(text)
+    return 2
+
+
+def environment(python: str | None) -> Path:
+    """The interpreter of the project's environment: the one given, or .venv (created when missing)."""
+    if python:
+        return Path(python)
+    venv = PROJECT_DIR / ".venv"
+    interpreter = venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    if not interpreter.exists():
+        say(f"creating the environment {venv}")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    say("installing local-rag-mcp and its dependencies (a minute or two the first time)")
+    subprocess.run([str(interpreter), "-m", "pip", "install", "--quiet", "--upgrade", "pip"], check=True)
+    subprocess.run([str(interpreter), "-m", "pip", "install", "--quiet", "-e", str(PROJECT_DIR)], check=True)
+    return interpreter
+
+
+def ollama_models(host: str) -> list[str] | None:
+    """Model names Ollama has (`GET /api/tags`), or None when it does not answer."""
+    try:
+        with urllib.request.urlopen(host.rstrip("/") + "/api/tags", timeout=5) as response:
+            return [str(m.get("name", "")) for m in json.loads(response.read()).get("models", [])]
+    except (OSError, ValueError, urllib.error.URLError):
+        return None
+
+
+def has_model(names: list[str], model: str) -> bool:
+    wanted = model if ":" in model.rsplit("/", 1)[-1] else model + ":latest"
+    return any(name == wanted or name == model for name in names)
+
+
+def ensure_model(host: str, model: str) -> str | None:
+    """None when Ollama answers and has the model; otherwise what the user must do."""
+    names = ollama_models(host)
+    if names is None:
+        return (f"Ollama does not answer at {host}. Start it (`ollama serve`, or the Ollama app), or set "
+                "OLLAMA_HOST to where it runs, then run this again.")
+    if has_model(names, model):
+        return None
+    if shutil.which("ollama") is None:
+        return f"Ollama at {host} does not have {model!r}: run `ollama pull {model}`, then run this again."
+    say(f"pulling {model} into Ollama (once; a few hundred MB)")
+    if subprocess.run(["ollama", "pull", model]).returncode != 0 or not has_model(ollama_models(host) or [], model):
+        return f"`ollama pull {model}` did not succeed; run it yourself, then run this again."
+    return None
+
+
+def registration(python: Path, env: dict[str, str]) -> str:
+    server = PROJECT_DIR / "server.py"
+    command = [str(python), str(server)]
+    claude_env = "".join(f" -e {shlex.quote(f'{k}={v}')}" for k, v in env.items())
+    codex_env = "".join(f" --env {shlex.quote(f'{k}={v}')}" for k, v in env.items())
+    toml_env = ""
+    if env:
+        pairs = ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.items())
+        toml_env = f"env = {{ {pairs} }}\n"
+    quoted = " ".join(shlex.quote(part) for part in command)
+    return (
+        "Register the server (stdio) with your agent:\n\n"
+        "  Claude Code (every directory: -s user; -e goes after the name):\n"
+        f"    claude mcp add -s user local-rag{claude_env} -- {quoted}\n"
+        "    claude mcp list        # expect: local-rag: ... - ✔ Connected\n\n"
+        "  Codex:\n"
+        f"    codex mcp add{codex_env} local-rag -- {quoted}\n"
+        "  or in ~/.codex/config.toml:\n"
+        "    [mcp_servers.local-rag]\n"
+        f"    command = {json.dumps(str(python))}\n"
+        f"    args = [{json.dumps(str(server))}]\n"
+        f"    {toml_env}"
+        "    startup_timeout_sec = 30\n\n"
+        "Then ask your agent something the documents answer; it calls search_corpus.\n"
+        f"Re-index after editing the documents: {shlex.quote(str(python))} {shlex.quote(str(PROJECT_DIR / 'ingest.py'))}"
+        + "".join(f" --{'corpus' if k == 'RAG_CORPUS_DIR' else 'store'} {shlex.quote(v)}" for k, v in env.items())
+        + "\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--corpus", help="folder of Markdown to index (default: the sample corpus)")
+    parser.add_argument("--store", help="where the index lives (default: ~/.local-rag-mcp/store for the sample "
+                                        "corpus, ~/.local-rag-mcp/stores/<folder name> for your own)")
+    parser.add_argument("--python", help="use this Python environment instead of creating .venv")
+    args = parser.parse_args(argv)
+    if sys.version_info < (3, 11):
+        return fail(f"Python 3.11 or newer is needed; this is {sys.version.split()[0]}")
+    host = os.environ.get("OLLAMA_HOST", "").strip() or DEFAULT_HOST
+    host = host if "://" in host else "http://" + host
+    model = os.environ.get("RAG_EMBED_MODEL", "").strip() or DEFAULT_MODEL
+
+    python = environment(args.python)
+    problem = ensure_model(host, model)
+    if problem:
+        return fail(problem)
+    env: dict[str, str] = {}
+    ingest = [str(python), str(PROJECT_DIR / "ingest.py")]
+    if args.corpus:
+        corpus = Path(args.corpus).expanduser().resolve()
+        # One store per corpus: the default store belongs to the sample corpus.
+        store = Path(args.store).expanduser().resolve() if args.store else (
+            DEFAULT_STORE.parent / "stores" / corpus.name)
+        env = {"RAG_CORPUS_DIR": str(corpus), "RAG_STORE_DIR": str(store)}
+        ingest += ["--corpus", str(corpus), "--store", str(store)]
+    elif args.store:
+        env = {"RAG_STORE_DIR": str(Path(args.store).expanduser().resolve())}
+        ingest += ["--store", env["RAG_STORE_DIR"]]
+    say("indexing: " + " ".join(shlex.quote(part) for part in ingest))
+    code = subprocess.run(ingest).returncode
+    if code == 2:
+        return fail("ingest did nothing (see its message above); fix that and run this again")
+    if code == 1:
+        say("some files failed to index (listed above); the rest is searchable")
+    print(registration(python, env))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
