@@ -10,17 +10,22 @@ handshake before paying for them.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import errno
 import functools
 import hashlib
 import json
 import math
 import os
 import re
+import stat
+import threading
+import time
 import unicodedata
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 TOOL_VERSION = "0.1.0"
 PROJECT_DIR = Path(__file__).resolve().parent
@@ -43,6 +48,7 @@ class ErrorCode(StrEnum):
     CORPUS_MISSING = "corpus_missing"
     CORPUS_EMPTY = "corpus_empty"
     CORPUS_MISMATCH = "corpus_mismatch"
+    STORE_UNWRITABLE = "store_unwritable"
     LOCK_HELD = "lock_held"
 
 
@@ -174,6 +180,14 @@ def normalize_relative_path(raw: str, *, allow_empty: bool = False) -> str:
         if allow_empty:
             return ""
         raise RagError(ErrorCode.INVALID_ARGUMENT, "path is empty", "pass a path as listed by list_documents")
+    reasons = _path_problems(text)
+    if reasons:
+        raise RagError(ErrorCode.PATH_REJECTED, f"path {text[:200]!r} {' and '.join(reasons)}",
+                       "pass a path relative to the corpus root, as listed by list_documents")
+    return "/".join(p for p in text.split("/") if p not in ("", "."))
+
+
+def _path_problems(text: str) -> list[str]:
     reasons = []
     if "\x00" in text:
         reasons.append("contains NUL")
@@ -189,10 +203,18 @@ def normalize_relative_path(raw: str, *, allow_empty: bool = False) -> str:
         reasons.append("contains control characters")
     if any(0xD800 <= ord(ch) <= 0xDFFF for ch in text):
         reasons.append("contains lone surrogates")
-    if reasons:
-        raise RagError(ErrorCode.PATH_REJECTED, f"path {text[:200]!r} {' and '.join(reasons)}",
-                       "pass a path relative to the corpus root, as listed by list_documents")
-    return "/".join(parts)
+    return reasons
+
+
+def unservable_path_reason(path: str) -> str | None:
+    """Why get_file could not serve a file stored under `path` (None when it can): one rule for
+    both sides, so ingest refuses (as a per-file error) exactly the names the server would refuse."""
+    problems = _path_problems(path)
+    if problems:
+        return "its name " + " and ".join(problems).replace("is absolute", "looks like an absolute path")
+    if normalize_relative_path(path) != path:
+        return "its name starts or ends with white space, or has empty or '.' segments"
+    return None
 
 
 def relative_corpus_path(root: Path, file_path: Path) -> str:
@@ -217,11 +239,92 @@ def path_matches_prefix(path: str, prefix: str) -> bool:
 
 
 # ---------------------------------------------------------------------------
+# Opening corpus files without following anything that was not checked (ingest reads, get_file).
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO swapped in must not hang the open
+# What an O_NOFOLLOW/O_DIRECTORY open answers when a component is not what was checked.
+_SWAPPED = {errno.ELOOP, errno.ENOTDIR, errno.EMLINK, errno.ENXIO}
+
+
+class PathChanged(Exception):
+    """A file or one of its folders is not what was checked: a link, a FIFO, a device, another
+    file, or a folder of another identity in its place."""
+
+
+def open_folder(path: str | os.PathLike[str], identity: tuple[int, int] | None = None) -> int:
+    """A descriptor of the folder at `path` (already resolved), refusing a link in its place and,
+    when `identity` (device, inode) is given, any other folder. FileNotFoundError when gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _DIRECTORY | _NOFOLLOW)
+    except OSError as exc:
+        if exc.errno in _SWAPPED:
+            raise PathChanged(f"{path} is not a folder") from None
+        raise
+    if identity is not None:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != tuple(identity):
+            os.close(fd)
+            raise PathChanged(f"{path} is not the folder that was indexed")
+    return fd
+
+
+def read_beneath(root_fd: int, parts: Sequence[str], *, identity: tuple[int, int] | None = None,
+                 size: int | None = None) -> bytes:
+    """The bytes of the regular file at root/parts, each component opened beneath the one before
+    with O_NOFOLLOW, so a link anywhere below the root is refused rather than followed.
+
+    `identity` (device, inode) and `size` are what the caller saw when it chose the file; any
+    difference raises PathChanged. Reads stop at the size fstat reports at the open (or `size`),
+    so a file that grows while it is read, or a device, cannot make this read without end.
+    FileNotFoundError when the file or a folder on its path is gone.
+    """
+    if not parts:
+        raise PathChanged("no file name")
+    fd = os.dup(root_fd)
+    try:
+        for index, part in enumerate(parts):
+            last = index == len(parts) - 1
+            flags = os.O_RDONLY | _NOFOLLOW | (_NONBLOCK if last else _DIRECTORY)
+            try:
+                next_fd = os.open(part, flags, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in _SWAPPED:
+                    raise PathChanged(f"{'/'.join(parts)} changed into a link or another kind of file") from None
+                raise
+            os.close(fd)
+            fd = next_fd
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PathChanged(f"{'/'.join(parts)} is not a regular file")
+        if identity is not None and (st.st_dev, st.st_ino) != tuple(identity):
+            raise PathChanged(f"{'/'.join(parts)} was replaced by another file")
+        if size is not None and st.st_size != size:
+            raise PathChanged(f"{'/'.join(parts)} changed size while it was being read")
+        os.set_blocking(fd, True)
+        limit = st.st_size if size is None else size
+        pieces: list[bytes] = []
+        remaining = limit
+        while remaining > 0:
+            block = os.read(fd, min(remaining, 1 << 20))
+            if not block:
+                break
+            pieces.append(block)
+            remaining -= len(block)
+        data = b"".join(pieces)
+        if size is not None and len(data) != size:
+            raise PathChanged(f"{'/'.join(parts)} changed size while it was being read")
+        return data
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------
 # Frontmatter conventions.
 
 CHUNK_MODES = ("whole", "headings")
 LIFECYCLES = ("active", "superseded")
-_FM_BOUNDARY = re.compile(r"^-{3,}\s*$")
 
 
 @dataclass(frozen=True)
@@ -272,42 +375,104 @@ def decode_markdown(raw: bytes, path: str) -> str:
                        "re-save the file as UTF-8") from None
 
 
+@functools.cache
+def frontmatter_handlers() -> tuple[tuple[str, Any], ...]:
+    """python-frontmatter's handlers, by kind: YAML between `---` lines, TOML between `+++` lines
+    (Hugo), JSON between a `{` line and a `}` line. The library's own TOMLHandler needs the
+    third-party `toml` package; the standard library's tomllib reads TOML as well."""
+    import tomllib
+
+    from frontmatter.default_handlers import BaseHandler, JSONHandler, YAMLHandler
+
+    class TOMLHandler(BaseHandler):  # type: ignore[misc]
+        FM_BOUNDARY = re.compile(r"^\+{3,}\s*$", re.MULTILINE)
+        START_DELIMITER = END_DELIMITER = "+++"
+
+        def load(self, fm: str, **kwargs: Any) -> Any:
+            return tomllib.loads(fm)
+
+    return (("YAML", YAMLHandler()), ("TOML", TOMLHandler()), ("JSON", JSONHandler()))
+
+
+def read_frontmatter(lines: Sequence[str], path: str) -> tuple[dict[str, Any], int]:
+    """(metadata, 1-based line where the body starts) of a file's lines.
+
+    A handler's opening boundary on the first line and its closing boundary on a later line make
+    frontmatter; the handler splits that block and parses it. Line numbers come from the lines
+    themselves, so they stay exact whatever the boundary regexes would swallow. YAML aliases are
+    refused before anything is built (a few hundred bytes of nested aliases expand to gigabytes).
+    """
+    if not lines:
+        return {}, 1
+    for kind, handler in frontmatter_handlers():
+        if not handler.FM_BOUNDARY.fullmatch(lines[0]):
+            continue
+        closing = next((i for i in range(1, len(lines)) if handler.FM_BOUNDARY.fullmatch(lines[i])), None)
+        if closing is None:
+            return {}, 1  # an opening line alone is not frontmatter: the file is all body
+        fm, _ = handler.split("\n".join(lines[:closing + 1]) + "\n")
+        try:
+            if kind == "YAML":
+                _refuse_yaml_aliases(fm)
+            loaded = handler.load(fm)
+        except RagError as exc:
+            raise RagError(exc.code, f"{path}: {exc.message}", exc.hint) from None
+        except RecursionError:
+            raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: {kind} frontmatter nested too deeply",
+                           "flatten the frontmatter") from None
+        except Exception as exc:  # noqa: BLE001 - yaml, tomllib and json each raise their own
+            first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: malformed {kind} frontmatter: {first}",
+                           f"fix the frontmatter between the {handler.START_DELIMITER or '{ }'} lines") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: frontmatter is not a mapping",
+                           "write frontmatter as key: value lines")
+        return loaded, closing + 2
+    return {}, 1
+
+
+def _refuse_yaml_aliases(fm: str) -> None:
+    import yaml
+    from frontmatter.default_handlers import SafeLoader
+
+    for event in yaml.parse(fm, Loader=SafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            raise RagError(ErrorCode.DOCUMENT_INVALID, "YAML frontmatter uses an alias (*name); aliases are not "
+                           "supported", "write the value out instead of referring to an &anchor")
+
+
+def shown(value: Any, limit: int = 200) -> str:
+    """A value from a file or a request, quoted in a message: repr (control characters and lone
+    surrogates escaped), cut at `limit` characters. Containers are named, never formatted: a YAML
+    value can expand without bound, and a megabyte argument is not echoed back whole."""
+    if isinstance(value, (dict, list, tuple, set)):
+        return f"a {type(value).__name__}"
+    try:
+        text = value if isinstance(value, str) else str(value)
+    except ValueError:  # an integer too long to print
+        return f"a {type(value).__name__}"
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
 def parse_document(raw: bytes, path: str) -> SourceDocument:
     """Apply the frontmatter conventions to one file's bytes. Raises RagError(document_invalid)."""
-    import frontmatter
-    import yaml
-
     text = decode_markdown(raw, path)
     lines = split_lines(text)
-    meta: dict[str, Any] = {}
-    body_start = 1
-    if lines and _FM_BOUNDARY.match(lines[0]):
-        closing = next((i for i in range(1, len(lines)) if _FM_BOUNDARY.match(lines[i])), None)
-        if closing is not None:
-            try:
-                loaded = yaml.load("\n".join(lines[1:closing]), Loader=frontmatter.default_handlers.SafeLoader)
-            except yaml.YAMLError as exc:
-                raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: malformed YAML frontmatter: {str(exc).splitlines()[0]}",
-                               "fix the frontmatter between the --- lines") from None
-            if loaded is None:
-                loaded = {}
-            if not isinstance(loaded, dict):
-                raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: frontmatter is not a mapping",
-                               "write frontmatter as key: value lines")
-            meta = loaded
-            body_start = closing + 2
+    meta, body_start = read_frontmatter(lines, path)
     rag = meta.get("rag", True)
     if not isinstance(rag, bool):  # `rag: 0` equals False in Python but is not a YAML boolean
-        raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: rag must be true or false, got {rag!r}",
+        raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: rag must be true or false, got {shown(rag, 80)}",
                        "write `rag: false` to exclude the file, or remove the key")
     chunk_mode = meta.get("rag_chunk", "whole")
-    if chunk_mode not in CHUNK_MODES:
-        raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: rag_chunk must be one of {CHUNK_MODES}, got {chunk_mode!r}",
-                       "write `rag_chunk: headings` or remove the key")
+    if not (isinstance(chunk_mode, str) and chunk_mode in CHUNK_MODES):
+        raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: rag_chunk must be one of {CHUNK_MODES}, got "
+                       f"{shown(chunk_mode, 80)}", "write `rag_chunk: headings` or remove the key")
     lifecycle = meta.get("lifecycle", "active")
-    if lifecycle not in LIFECYCLES:
-        raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: lifecycle must be one of {LIFECYCLES}, got {lifecycle!r}",
-                       "write `lifecycle: superseded` or remove the key")
+    if not (isinstance(lifecycle, str) and lifecycle in LIFECYCLES):
+        raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: lifecycle must be one of {LIFECYCLES}, got "
+                       f"{shown(lifecycle, 80)}", "write `lifecycle: superseded` or remove the key")
     title = meta.get("title")
     structure = None
     if not (isinstance(title, str) and title.strip()):
@@ -733,6 +898,8 @@ def fts_match_expression(query: str) -> str | None:
 # Store layout, ids, metadata keys, manifest.
 
 CURRENT_FILE = "CURRENT.json"
+CURRENT_MAX_BYTES = 1 << 20
+INDEX_NAME = re.compile(r"idx-[0-9a-f]{12}")
 LOCK_FILE = "ingest.lock"
 CHROMA_SUBDIR = "chroma"
 KEYWORD_DB = "keywords.sqlite3"
@@ -827,18 +994,55 @@ class CurrentIndex:
     # The folder ingest indexed: the server reads files from it unless RAG_CORPUS_DIR is set,
     # so a server registered without the variable still finds a corpus indexed with --corpus.
     corpus_dir: str = ""
+    # (device, inode) of that folder at ingest: get_file serves files only from beneath a folder
+    # with this identity, so a look-alike tree swapped in at the same path is refused.
+    corpus_id: tuple[int, int] | None = None
 
     def to_json(self) -> str:
         return json.dumps({"format": 1, "index": self.index, "generation": self.generation,
                            "manifest": self.manifest.to_dict(), "stamp": asdict(self.stamp),
-                           "corpus_dir": self.corpus_dir}, indent=2, sort_keys=True)
+                           "corpus_dir": self.corpus_dir,
+                           "corpus_id": list(self.corpus_id) if self.corpus_id else None}, indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> CurrentIndex:
+        """Parse CURRENT.json, trusting nothing in it: the index name must be one ingest creates
+        (it becomes a path), numbers must be integers in range. ValueError otherwise."""
         data = json.loads(text)
-        return cls(index=data["index"], generation=int(data["generation"]),
-                   manifest=IndexManifest.from_dict(data["manifest"]), stamp=IndexStamp(**data["stamp"]),
-                   corpus_dir=str(data.get("corpus_dir", "")))
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        index = data.get("index")
+        if not (isinstance(index, str) and INDEX_NAME.fullmatch(index)):
+            raise ValueError(f"index {str(index)[:80]!r} is not an index folder name (idx-<12 hex digits>)")
+        manifest, stamp = data.get("manifest"), data.get("stamp")
+        if not isinstance(manifest, dict) or not isinstance(stamp, dict):
+            raise ValueError("manifest and stamp must be objects")
+        corpus_id = data.get("corpus_id")
+        if corpus_id is not None:
+            if not (isinstance(corpus_id, list) and len(corpus_id) == 2):
+                raise ValueError("corpus_id must be [device, inode]")
+            corpus_id = (_whole(corpus_id[0], "corpus_id"), _whole(corpus_id[1], "corpus_id"))
+        parsed_manifest = IndexManifest.from_dict(manifest)
+        for name in ("model", "prefix_scheme", "chunker_version"):
+            if not isinstance(getattr(parsed_manifest, name), str):
+                raise ValueError(f"manifest.{name} must be text")
+        for name in ("dims", "chunk_max_tokens", "chunk_min_tokens"):
+            _whole(getattr(parsed_manifest, name), f"manifest.{name}")
+        parsed_stamp = IndexStamp(**stamp)
+        _whole(parsed_stamp.files, "stamp.files")
+        _whole(parsed_stamp.chunks, "stamp.chunks")
+        corpus_dir = data.get("corpus_dir", "")
+        if not isinstance(corpus_dir, str):
+            raise ValueError("corpus_dir must be text")
+        return cls(index=index, generation=_whole(data.get("generation"), "generation"), manifest=parsed_manifest,
+                   stamp=parsed_stamp, corpus_dir=corpus_dir, corpus_id=corpus_id)
+
+
+def _whole(value: Any, name: str) -> int:
+    """A JSON integer in 0..2**63-1 (not a boolean, not a float such as 1e400)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
+        raise ValueError(f"{name} must be a whole number in range, got {str(value)[:40]}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -854,6 +1058,11 @@ class StoreLayout:
         return self.root / LOCK_FILE
 
     def index_dir(self, name: str) -> Path:
+        # Every index path is built here: only names ingest creates, so a tampered CURRENT.json
+        # can never point ingest (which deletes old index folders) outside the store.
+        if not INDEX_NAME.fullmatch(name):
+            raise RagError(ErrorCode.INDEX_INCOMPATIBLE, f"{name[:80]!r} is not an index folder name",
+                           "run `python ingest.py --full` to rebuild the index")
         return self.root / name
 
     def chroma_dir(self, name: str) -> Path:
@@ -864,17 +1073,35 @@ class StoreLayout:
 
     def read_current(self) -> CurrentIndex | None:
         try:
-            return CurrentIndex.from_json(self.current_file.read_text(encoding="utf-8"))
+            fd = os.open(self.current_file, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise RagError(ErrorCode.INDEX_INCOMPATIBLE, f"{self.current_file} cannot be opened ({exc.strerror}): a "
+                           "link or something else that ingest did not write", "remove it and run `python ingest.py "
+                           "--full`") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError("not a regular file")
+            raw = os.read(fd, CURRENT_MAX_BYTES + 1)
+            if len(raw) > CURRENT_MAX_BYTES:
+                raise ValueError(f"larger than {CURRENT_MAX_BYTES} bytes")
+            return CurrentIndex.from_json(raw.decode("utf-8"))
         except (ValueError, KeyError, TypeError) as exc:
-            raise RagError(ErrorCode.INDEX_INCOMPATIBLE, f"{self.current_file} is unreadable: {exc}",
+            raise RagError(ErrorCode.INDEX_INCOMPATIBLE, f"{self.current_file} is unreadable: {str(exc)[:300]}",
                            "run `python ingest.py --full` to rebuild the index") from None
+        finally:
+            os.close(fd)
 
     def write_current(self, current: CurrentIndex) -> None:
-        """Atomic replace: a reader sees the old or the new pointer, never half a file."""
+        """Atomic replace: a reader sees the old or the new pointer, never half a file. The
+        temporary file is created anew (O_EXCL, O_NOFOLLOW): a link planted under its name is
+        removed, never written through."""
         tmp = self.current_file.with_suffix(".tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+        with open(fd, "w", encoding="utf-8") as fh:
             fh.write(current.to_json())
             fh.flush()
             os.fsync(fh.fileno())
@@ -910,19 +1137,107 @@ REGISTRY_CONTEXT_LENGTH = {"embeddinggemma": 2048, "nomic-embed-text": 2048, "mx
                            "e5": 512}
 
 
+class InvalidVectors(RagError):
+    """Ollama answered, but with vectors that cannot be stored or compared: NaN or infinite values,
+    or rows of different lengths. The texts of that call fail; the embedder is not declared down."""
+
+
+class EmbedderTimeout(RagError):
+    """Ollama did not answer a call within its time (down hard, stalled, or overloaded)."""
+
+
+def call_within(fn: Callable[[], Any], seconds: float) -> Any:
+    """fn() on a daemon thread; TimeoutError when it has not finished within `seconds`.
+
+    An HTTP client's timeout bounds each read, not the call: an endpoint that sends its headers and
+    then a byte a second would keep a call alive for ever. The caller gets its answer within the
+    bound whatever the other side does; the abandoned call ends on its own (see _DeadlineStream),
+    and a daemon thread never keeps the process from exiting."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="ollama-call", daemon=True).start()
+    if not done.wait(seconds):
+        raise TimeoutError(f"no answer within {seconds:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+@functools.cache
+def _deadline_transport_class() -> type:
+    import httpx
+
+    class DeadlineStream(httpx.SyncByteStream):
+        def __init__(self, inner: Any, deadline: float) -> None:
+            self.inner, self.deadline = inner, deadline
+
+        def __iter__(self) -> Any:
+            for chunk in self.inner:
+                if time.monotonic() > self.deadline:
+                    raise httpx.ReadTimeout("the answer was still arriving when the call's time was up")
+                yield chunk
+
+        def close(self) -> None:
+            self.inner.close()
+
+    class DeadlineTransport(httpx.HTTPTransport):
+        """Ends a response whose body is still arriving when the call's time is up, so a call
+        abandoned by call_within does not trickle on for ever."""
+
+        def __init__(self, seconds: float) -> None:
+            super().__init__()
+            self.seconds = seconds
+
+        def handle_request(self, request: Any) -> Any:
+            deadline = time.monotonic() + self.seconds
+            response = super().handle_request(request)
+            response.stream = DeadlineStream(response.stream, deadline)
+            return response
+
+    return DeadlineTransport
+
+
 @dataclass
 class OllamaEmbedder:
+    """The embedder client: every call bounded as a whole by `timeout_s`, every failure mapped to
+    the error vocabulary, every vector checked before anyone stores or compares it."""
+
     host: str
     model: str
     timeout_s: float
+    # Asked of Ollama with every embed call: how long to keep the model loaded afterwards
+    # (ingest keeps it for the run; None leaves Ollama's default).
+    keep_alive: str | None = None
     _client: Any = field(default=None, init=False, repr=False)
 
     def _get_client(self) -> Any:
         if self._client is None:
             import ollama
 
-            self._client = ollama.Client(host=self.host, timeout=self.timeout_s)
+            self._client = ollama.Client(host=self.host, timeout=self.timeout_s,
+                                         transport=_deadline_transport_class()(self.timeout_s))
         return self._client
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return call_within(fn, self.timeout_s)
+        except TimeoutError:
+            raise self._timed_out() from None
+        except Exception as exc:  # noqa: BLE001 - translated below
+            raise self._translate(exc) from exc
+
+    def _timed_out(self) -> RagError:
+        return EmbedderTimeout(ErrorCode.EMBEDDER_UNAVAILABLE, f"Ollama at {self.host} did not answer within {self.timeout_s:g} s",
+                        "retry; if Ollama is loading the model, wait for it, or raise RAG_EMBED_TIMEOUT")
 
     def _translate(self, exc: BaseException) -> BaseException:
         import httpx
@@ -934,44 +1249,57 @@ class OllamaEmbedder:
                                 f"run `ollama pull {self.model}`")
             if exc.status_code == 400 and "context length" in str(exc.error):
                 return InputTooLong(str(exc.error))
-            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"Ollama at {self.host} answered HTTP {exc.status_code}: {exc.error}",
+            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
+                            f"Ollama at {self.host} answered HTTP {exc.status_code}: {shown(exc.error, 300)}",
                             "check the Ollama server log; retry when it is healthy")
         if isinstance(exc, (ConnectionError, httpx.ConnectError)):
             return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"cannot reach Ollama at {self.host}",
                             f"start Ollama (`ollama serve`) and `ollama pull {self.model}`, or set OLLAMA_HOST")
         if isinstance(exc, httpx.TimeoutException):
-            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"Ollama at {self.host} did not answer within {self.timeout_s:g} s",
-                            "retry; if Ollama is loading the model, wait for it, or raise RAG_EMBED_TIMEOUT")
+            return self._timed_out()
         if isinstance(exc, httpx.HTTPError):
-            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"HTTP error talking to Ollama at {self.host}: {exc}",
+            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"HTTP error talking to Ollama at {self.host}: {shown(exc, 300)}",
                             "check that OLLAMA_HOST points to an Ollama server")
+        if isinstance(exc, (ValueError, TypeError)):  # an answer that is not Ollama's JSON
+            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"Ollama at {self.host} gave an unreadable answer: "
+                            f"{shown(exc, 200)}", "check that OLLAMA_HOST points to an Ollama server")
         return exc
 
     def model_info(self) -> ModelInfo:
         """Context length and dimensions from `POST /api/show`, registry values as fallback."""
-        try:
-            shown = self._get_client().show(self.model)
-        except Exception as exc:  # noqa: BLE001 - translated below
-            raise self._translate(exc) from exc
-        info = dict(shown.modelinfo or {})
+        shown_model = self._call(lambda: self._get_client().show(self.model))
+        info = dict(shown_model.modelinfo or {})
         arch = info.get("general.architecture")
         context = info.get(f"{arch}.context_length") if arch else None
         dims = info.get(f"{arch}.embedding_length") if arch else None
-        if not isinstance(context, int):
+        if not isinstance(context, int) or isinstance(context, bool) or context <= 0:
             family = prefix_scheme_for(self.model)
             context = REGISTRY_CONTEXT_LENGTH.get(family.name if family else "", None)
-        return ModelInfo(context_length=context, dims=dims if isinstance(dims, int) else None)
+        return ModelInfo(context_length=context,
+                         dims=dims if isinstance(dims, int) and not isinstance(dims, bool) and dims > 0 else None)
 
-    def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        try:
-            response = self._get_client().embed(model=self.model, input=list(texts), truncate=False)
-        except Exception as exc:  # noqa: BLE001 - translated below
-            raise self._translate(exc) from exc
-        vectors = [list(map(float, v)) for v in response.embeddings]
-        if len(vectors) != len(texts):
+    def embed(self, texts: Sequence[str]) -> Any:
+        """One vector per text, as a float32 matrix (rows in order). InvalidVectors when Ollama's
+        answer holds NaN or infinite values, or rows of different lengths."""
+        import numpy as np
+
+        options: dict[str, Any] = {"keep_alive": self.keep_alive} if self.keep_alive is not None else {}
+        response = self._call(lambda: self._get_client().embed(model=self.model, input=list(texts), truncate=False,
+                                                               **options))
+        if len(response.embeddings) != len(texts):
             raise RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
-                           f"Ollama returned {len(vectors)} embeddings for {len(texts)} inputs", "retry")
-        return vectors
+                           f"Ollama returned {len(response.embeddings)} embeddings for {len(texts)} inputs", "retry")
+        try:
+            matrix = np.asarray(response.embeddings, dtype=np.float32)
+        except (ValueError, TypeError):
+            matrix = None
+        if matrix is None or matrix.ndim != 2 or matrix.shape[1] == 0:
+            raise InvalidVectors(ErrorCode.EMBEDDER_UNAVAILABLE, f"Ollama at {self.host} returned vectors of "
+                                 "different lengths", "check the model; re-pull it with `ollama pull " f"{self.model}`")
+        if not np.isfinite(matrix).all():
+            raise InvalidVectors(ErrorCode.EMBEDDER_UNAVAILABLE, f"Ollama at {self.host} returned vectors with NaN or "
+                                 "infinite values", f"check the model; re-pull it with `ollama pull {self.model}`")
+        return matrix
 
 
 def batched(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:

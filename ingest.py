@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
 import shutil
 import sqlite3
+import stat
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -53,20 +56,35 @@ class CorpusFile:
     real_path: str
     size: int
     mtime_ns: int
+    identity: tuple[int, int] = (0, 0)  # (device, inode) the walk saw: the read insists on it
+
+    def parts_below(self, root_real: str) -> list[str]:
+        """The components of the file's real path below the corpus root."""
+        return os.path.relpath(self.real_path, root_real).split(os.sep)
 
 
 @dataclass
 class Walk:
+    root_real: str = ""
+    root_id: tuple[int, int] = (0, 0)
     files: list[CorpusFile] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     failures: dict[str, str] = field(default_factory=dict)  # path -> reason (name problems)
+    # Folders that could not be listed (corpus-relative, "" for the root's own entries): what is
+    # indexed below them is kept, not removed, and counts as failed.
+    unreadable: dict[str, str] = field(default_factory=dict)
 
 
 def walk_corpus(root: Path) -> Walk:
     """Every *.md below root; dot-folders skipped; symlinks followed only inside the root."""
-    walk = Walk()
-    root_real = Path(os.path.realpath(root))
-    seen_dirs = {str(root_real)}
+    root_real = os.path.realpath(root)
+    try:
+        root_id = os.stat(root_real)
+    except OSError as exc:
+        raise RagError(ErrorCode.CORPUS_MISSING, f"corpus folder {root} cannot be read ({exc.strerror})",
+                       "check the folder and its permissions, or set RAG_CORPUS_DIR / --corpus") from None
+    walk = Walk(root_real=root_real, root_id=(root_id.st_dev, root_id.st_ino))
+    seen_dirs = {root_real}
     seen_paths: set[str] = set()
     pending = [root]
     while pending:
@@ -74,20 +92,34 @@ def walk_corpus(root: Path) -> Walk:
         try:
             entries = sorted(os.scandir(directory), key=lambda e: e.name)
         except OSError as exc:
-            walk.warnings.append(f"cannot list {directory}: {exc.strerror}")
+            if directory == root:
+                raise RagError(ErrorCode.CORPUS_MISSING, f"corpus folder {root} cannot be listed ({exc.strerror})",
+                               "check the folder's permissions") from None
+            folder = rules.relative_corpus_path(root, Path(directory))
+            walk.unreadable[folder] = exc.strerror or str(exc)
+            walk.warnings.append(f"cannot list {directory}: {exc.strerror}; what is indexed below it is kept")
             continue
         for entry in entries:
             link = entry.is_symlink()
             real = os.path.realpath(entry.path)
-            if link and not rules.is_within(root_real, Path(real)):
+            if link and not rules.is_within(Path(root_real), Path(real)):
                 walk.warnings.append(f"skipped symlink {entry.path}: it resolves outside the corpus ({real})")
                 continue
+            markdown = entry.name.lower().endswith(".md")
             try:
                 st = os.stat(entry.path)
             except OSError as exc:
-                walk.warnings.append(f"skipped {entry.path}: {exc.strerror}")
+                if exc.errno in (errno.ENOENT, errno.ELOOP):
+                    # Gone since the listing, or a link that leads nowhere: nothing to index.
+                    walk.warnings.append(f"skipped {entry.path}: {exc.strerror}")
+                elif markdown:  # there, but unreadable: what is indexed of it stays
+
+                    walk.failures[rules.relative_corpus_path(root, Path(entry.path))] = (
+                        f"{Path(entry.path).relative_to(root).as_posix()}: cannot be read ({exc.strerror})")
+                else:
+                    walk.warnings.append(f"skipped {entry.path}: {exc.strerror}")
                 continue
-            if os.path.isdir(real) and _is_dir_mode(st.st_mode):
+            if stat.S_ISDIR(st.st_mode):
                 if entry.name.startswith("."):
                     continue
                 if real in seen_dirs:
@@ -96,7 +128,7 @@ def walk_corpus(root: Path) -> Walk:
                 seen_dirs.add(real)
                 pending.append(Path(entry.path))
                 continue
-            if not entry.name.lower().endswith(".md") or not _is_file_mode(st.st_mode):
+            if not markdown or not stat.S_ISREG(st.st_mode):
                 continue
             try:
                 disk_rel = Path(entry.path).relative_to(root).as_posix()
@@ -109,21 +141,13 @@ def walk_corpus(root: Path) -> Walk:
                 walk.failures[path] = f"{disk_rel}: another file has the same name after Unicode NFC normalisation"
                 continue
             seen_paths.add(path)
-            walk.files.append(CorpusFile(path, disk_rel, real, st.st_size, st.st_mtime_ns))
+            unservable = rules.unservable_path_reason(path)
+            if unservable:
+                walk.failures[path] = f"{disk_rel!r}: {unservable}; rename the file to index it"
+                continue
+            walk.files.append(CorpusFile(path, disk_rel, real, st.st_size, st.st_mtime_ns, (st.st_dev, st.st_ino)))
     walk.files.sort(key=lambda f: f.path)
     return walk
-
-
-def _is_dir_mode(mode: int) -> bool:
-    import stat
-
-    return stat.S_ISDIR(mode)
-
-
-def _is_file_mode(mode: int) -> bool:
-    import stat
-
-    return stat.S_ISREG(mode)
 
 
 # ---------------------------------------------------------------------------
@@ -487,10 +511,23 @@ class Store:
 # Stamp, lock, progress.
 
 
+# The corpus is untrusted input, and so is the git repository around it: its .git/config can
+# name programs that `git status` would run (an fsmonitor hook, clean filters for files it
+# re-hashes, hooks run when the index is refreshed, commands in submodules). Git is asked only
+# for the commit and for whether anything under the corpus changed, with all of that switched off.
+GIT_TIMEOUT_S = 20.0
+_GIT_SAFETY = ("-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null", "-c", "core.untrackedCache=false",
+               "-c", "protocol.allow=never", "-c", "core.pager=cat", "-c", "diff.external=")
+
+
 def corpus_git_state(corpus: Path) -> tuple[str | None, bool | None]:
+    """(HEAD commit, dirty) of the git work tree the corpus is in; (None, None) outside git."""
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0", "GIT_PAGER": "cat"}
+
     def git(*args: str) -> str | None:
         try:
-            done = subprocess.run(["git", "-C", str(corpus), *args], capture_output=True, text=True, timeout=20)
+            done = subprocess.run(["git", *_GIT_SAFETY, "-C", str(corpus), *args], capture_output=True, text=True,
+                                  timeout=GIT_TIMEOUT_S, env=env, stdin=subprocess.DEVNULL)
         except (OSError, subprocess.TimeoutExpired):
             return None
         return done.stdout if done.returncode == 0 else None
@@ -498,14 +535,29 @@ def corpus_git_state(corpus: Path) -> tuple[str | None, bool | None]:
     head = git("rev-parse", "HEAD")
     if head is None:
         return None, None
-    status = git("status", "--porcelain", "--", ".")
-    return head.strip(), bool(status and status.strip())
+    # Filter programs come from the repository's config; each one named there is set to nothing.
+    filters = git("config", "--name-only", "--get-regexp", r"^filter\..*\.(clean|smudge|process)$") or ""
+    disabled = [arg for name in filters.split() for arg in ("-c", f"{name}=")]
+    disabled += [arg for name in {n.rsplit(".", 1)[0] for n in filters.split()} for arg in ("-c", f"{name}.required=false")]
+    status = git(*disabled, "status", "--porcelain", "--ignore-submodules=all", "--", ".")
+    return head.strip(), None if status is None else bool(status.strip())
 
 
 @contextlib.contextmanager
 def ingest_lock(layout: rules.StoreLayout) -> Iterator[None]:
     layout.root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(layout.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    # O_NOFOLLOW: a link planted under the lock's name is refused, never truncated through.
+    try:
+        fd = os.open(layout.lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RagError(ErrorCode.STORE_UNWRITABLE, f"{layout.lock_file} is a symbolic link; ingest does not write "
+                           "through links in the store", f"remove {layout.lock_file} and run ingest again") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise RagError(ErrorCode.STORE_UNWRITABLE, f"{layout.lock_file} is not a regular file",
+                       f"remove {layout.lock_file} and run ingest again")
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -649,11 +701,29 @@ class Plan:
     removed: list[str] = field(default_factory=list)
 
 
-def plan_changes(walk: Walk, registry: dict[str, DocumentRow], root: Path, full: bool) -> Plan:
+def plan_changes(walk: Walk, registry: dict[str, DocumentRow], full: bool) -> Plan:
     """Compare the walk with the registry: stat first, content hash only for files whose size or
     mtime moved. Needs neither Ollama nor a write."""
     plan = Plan(failed=dict(walk.failures))
     seen = set(walk.failures)
+    for folder, reason in walk.unreadable.items():
+        for path in registry:
+            if rules.path_matches_prefix(path, folder):
+                plan.failed.setdefault(path, f"{path}: kept as indexed: its folder {folder} cannot be listed ({reason})")
+                seen.add(path)
+    root_fd = rules.open_folder(walk.root_real, walk.root_id) if walk.files else -1
+    try:
+        _compare_files(plan, seen, walk, registry, root_fd, full)
+    finally:
+        if root_fd >= 0:
+            os.close(root_fd)
+    excluded = set(plan.excluded)
+    plan.removed = sorted(p for p in registry if p not in seen or p in excluded)
+    return plan
+
+
+def _compare_files(plan: Plan, seen: set[str], walk: Walk, registry: dict[str, DocumentRow], root_fd: int,
+                   full: bool) -> None:
     for file in walk.files:
         seen.add(file.path)
         row = registry.get(file.path)
@@ -663,7 +733,12 @@ def plan_changes(walk: Walk, registry: dict[str, DocumentRow], root: Path, full:
                 plan.relocated.append(file)
             continue
         try:
-            raw = (root / file.disk_path).read_bytes()
+            # Opened beneath the root without following links, and only if it is still the file the
+            # walk saw (a swap for a link, FIFO or device in between is refused, never followed).
+            raw = rules.read_beneath(root_fd, file.parts_below(walk.root_real), identity=file.identity, size=file.size)
+        except rules.PathChanged as exc:
+            plan.failed[file.path] = f"{file.path}: not read: {exc}; run ingest again"
+            continue
         except OSError as exc:
             plan.failed[file.path] = f"{file.path}: cannot read ({exc.strerror})"
             continue
@@ -682,9 +757,6 @@ def plan_changes(walk: Walk, registry: dict[str, DocumentRow], root: Path, full:
             plan.excluded.append(file.path)
             continue
         plan.changed.append(PreparedFile(file, doc, digest, []))
-    excluded = set(plan.excluded)
-    plan.removed = sorted(p for p in registry if p not in seen or p in excluded)
-    return plan
 
 
 def chunk_files(files: Sequence[PreparedFile], budget: Budget) -> None:
@@ -791,14 +863,17 @@ def dry_run(args: argparse.Namespace, settings: rules.Settings, layout: rules.St
         summary.rebuilt = True  # a real run would rebuild everything into a new index
         summary.index = likely.index_name()
         registry = {}
-    plan = plan_changes(walk, registry, settings.corpus_dir, args.full)
+    plan = plan_changes(walk, registry, args.full)
     chunk_files(plan.changed, Budget(context, settings.chunk_max_tokens, settings.chunk_min_tokens, scheme))
     _fill_summary(summary, plan, registry)
     summary.estimated_chunks = sum(len(pf.chunks) for pf in plan.changed)
     return summary
 
 
-def run(args: argparse.Namespace) -> Summary:
+def run(args: argparse.Namespace, summary: Summary | None = None) -> Summary:
+    """One ingest run. `summary` is filled in as the run goes, so a run that stops on an error can
+    still report what it did."""
+    summary = Summary(dry_run=args.dry_run) if summary is None else summary
     started = time.monotonic()
     settings = rules.load_settings(corpus_dir=args.corpus, store_dir=args.store)
     log.info("resolved configuration: %s", settings.describe())
@@ -810,7 +885,7 @@ def run(args: argparse.Namespace) -> Summary:
     walk = walk_corpus(corpus)
     for warning in walk.warnings:
         log.warning("%s", warning)
-    summary = Summary(scanned=len(walk.files) + len(walk.failures), dry_run=args.dry_run)
+    summary.scanned = len(walk.files) + len(walk.failures)
     current = layout.read_current()
     check_same_corpus(current, corpus, settings.store_dir, args.replace_corpus)
     if args.dry_run:
@@ -826,7 +901,7 @@ def run(args: argparse.Namespace) -> Summary:
     # other dimensions (a rebuild), and goes on without it when it does not answer.
     if (current is None or args.full
             or rules.manifest_for(settings, scheme.name, current.manifest.dims).index_name() != current.index
-            or plan_changes(walk, _registry_of(layout, current), corpus, False).changed):
+            or plan_changes(walk, _registry_of(layout, current), False).changed):
         model: ModelFacts | None = probe_model(embedder, scheme, settings)
     else:
         model = probe_model_if_reachable(settings, scheme)
@@ -874,7 +949,7 @@ def run(args: argparse.Namespace) -> Summary:
             summary.embedding_calls = embedding.calls
             summary.failed = len(plan.failed)
             summary.errors = [*sorted(plan.failed.values()), *run_errors]
-            _publish(layout, store, current, corpus, summary, plan, changed_anything)
+            _publish(layout, store, current, corpus, walk, summary, plan, changed_anything)
         finally:
             store.close()
     summary.seconds = time.monotonic() - started
@@ -887,7 +962,7 @@ def _open_and_plan(layout: rules.StoreLayout, settings: rules.Settings, scheme: 
     compare the corpus with what it holds."""
     store = Store(layout, rules.manifest_for(settings, scheme.name, dims))
     repaired = store.reconcile() if full or store.needs_reconcile() else 0
-    return store, plan_changes(walk, load_registry(store.db), settings.corpus_dir, full), repaired
+    return store, plan_changes(walk, load_registry(store.db), full), repaired
 
 
 def _embed_and_write(store: Store, embedding: Embedding, plan: Plan, summary: Summary) -> tuple[set[str], list[str]]:
@@ -902,10 +977,9 @@ def _embed_and_write(store: Store, embedding: Embedding, plan: Plan, summary: Su
             try:
                 embedding.embed_files(group)
             except RagError as exc:
-                if exc.code is ErrorCode.DOCUMENT_INVALID:
-                    group = _embed_individually(embedding, group, plan, summary)
-                else:
+                if not _fails_files_alone(exc):
                     raise
+                group = _embed_individually(embedding, group, plan)
             for pf in group:
                 pf.chunks = renumber(pf.chunks)
             if group:
@@ -929,7 +1003,7 @@ def _embed_and_write(store: Store, embedding: Embedding, plan: Plan, summary: Su
 
 
 def _publish(layout: rules.StoreLayout, store: Store, current: rules.CurrentIndex | None, corpus: Path,
-             summary: Summary, plan: Plan, changed_anything: bool) -> None:
+             walk: Walk, summary: Summary, plan: Plan, changed_anything: bool) -> None:
     """Stamp the index and, when anything changed, point CURRENT.json at it with a new generation
     (running servers reopen on it). A rebuild with failures stays unpublished."""
     summary.commit, summary.dirty = corpus_git_state(corpus)
@@ -943,26 +1017,34 @@ def _publish(layout: rules.StoreLayout, store: Store, current: rules.CurrentInde
                               "run completes without failures")
         return
     if (summary.rebuilt or changed_anything or current is None or current.corpus_dir != str(corpus)
+            or current.corpus_id != walk.root_id
             or (current.stamp.commit, current.stamp.dirty) != (stamp.commit, stamp.dirty)):
         generation = (current.generation + 1) if current else 1
         layout.write_current(rules.CurrentIndex(index=store.name, generation=generation, manifest=store.manifest,
-                                                 stamp=stamp, corpus_dir=str(corpus)))
+                                                 stamp=stamp, corpus_dir=str(corpus), corpus_id=walk.root_id))
         store.mark_published()
         if current is not None and current.index != store.name:
             shutil.rmtree(layout.index_dir(current.index), ignore_errors=True)
 
 
-def _embed_individually(embedding: Embedding, group: list[PreparedFile], plan: Plan, summary: Summary) -> list[PreparedFile]:
-    """A passage that cannot be split under the context fails its own file, not the batch."""
+def _fails_files_alone(exc: RagError) -> bool:
+    """A passage that cannot be split under the context, or texts Ollama answers with NaN or
+    infinite vectors: the files they belong to fail, the run goes on."""
+    return exc.code is ErrorCode.DOCUMENT_INVALID or isinstance(exc, rules.InvalidVectors)
+
+
+def _embed_individually(embedding: Embedding, group: list[PreparedFile], plan: Plan) -> list[PreparedFile]:
+    """Embed a group's files one by one, so only the files at fault fail (keeping their old chunks)."""
     kept = []
     for pf in group:
         try:
             embedding.embed_files([pf])
             kept.append(pf)
         except RagError as exc:
-            if exc.code is not ErrorCode.DOCUMENT_INVALID:
+            if not _fails_files_alone(exc):
                 raise
-            plan.failed[pf.file.path] = exc.message
+            plan.failed[pf.file.path] = exc.message if exc.message.startswith(pf.file.path) else (
+                f"{pf.file.path}: not indexed: {exc.message}")
     return kept
 
 
@@ -1010,18 +1092,43 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def failure_of(exc: BaseException) -> RagError:
+    """A run that stopped on something other than a RagError, in the error vocabulary: the store
+    could not be written (disk full, read-only, another user's), or an unexpected failure (its
+    trace goes to the log). What was committed before it stays; the next run carries on."""
+    text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    errno_code = getattr(exc, "errno", None)
+    lowered = text.lower()
+    if errno_code in (errno.ENOSPC, errno.EFBIG) or any(
+            words in lowered for words in ("disk is full", "no space left", "file too large", "disk i/o error")):
+        return RagError(ErrorCode.STORE_UNWRITABLE, f"the store could not be written (is the disk full?): {text}",
+                        "free some space and run ingest again; what was committed is kept")
+    if errno_code in (errno.EACCES, errno.EPERM, errno.EROFS) or "readonly" in lowered or "read-only" in lowered \
+            or "permission denied" in lowered or "unable to open database" in lowered:
+        return RagError(ErrorCode.STORE_UNWRITABLE, f"the store cannot be written: {text}",
+                        "check that RAG_STORE_DIR (or --store) is a folder this user can write, then run ingest again")
+    if isinstance(exc, (OSError, sqlite3.Error)):
+        return RagError(ErrorCode.STORE_UNWRITABLE, f"the store could not be written: {text}",
+                        "check the disk and RAG_STORE_DIR, then run ingest again; what was committed is kept")
+    log.error("ingest failed unexpectedly:\n%s", traceback.format_exc())
+    return RagError(ErrorCode.INTERNAL, f"ingest failed unexpectedly: {type(exc).__name__}: {text}",
+                    "the trace is above; run ingest again, and report it if it repeats")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     args = parse_args(argv)
+    summary = Summary(dry_run=args.dry_run)
     try:
-        summary = run(args)
-    except RagError as exc:
-        log.error("%s", exc.message)
-        if exc.hint:
-            log.error("next: %s", exc.hint)
+        run(args, summary)
+    except Exception as exc:  # noqa: BLE001 - every way a run can stop ends in the vocabulary
+        error = exc if isinstance(exc, RagError) else failure_of(exc)
+        log.error("%s", error.message)
+        if error.hint:
+            log.error("next: %s", error.hint)
         if args.json:
-            print(json.dumps({"exit": 2, **exc.payload()}))
+            print(json.dumps({"exit": 2, **error.payload(), **asdict(summary)}, ensure_ascii=False))
         return 2
     for error in summary.errors:
         log.error("%s", error)

@@ -30,7 +30,6 @@ import math
 import queue
 import re
 import sqlite3
-import stat
 import sys
 import threading
 import time
@@ -52,8 +51,10 @@ from corpus_rules import (
     PREFIX_SCHEMES,
     TOOL_VERSION,
     CurrentIndex,
+    EmbedderTimeout,
     ErrorCode,
     OllamaEmbedder,
+    PathChanged,
     RagError,
     Settings,
     StoreLayout,
@@ -64,8 +65,11 @@ from corpus_rules import (
     looks_unchanged,
     nfc,
     normalize_relative_path,
+    open_folder,
     path_matches_prefix,
+    read_beneath,
     same_model,
+    shown,
     split_lines,
 )
 
@@ -93,6 +97,8 @@ LIST_LIMIT_DEFAULT = 100
 LIST_LIMIT_MAX = 500
 QUERY_EMBED_TIMEOUT_S = 30.0
 QUERY_CACHE_SIZE = 256
+# After a query embedding timed out, further ones fail at once for this long (see QueryEmbeddings).
+EMBEDDER_REST_S = 15.0
 # Stored chunk vectors (for keyword-only hits' scores). Ids are content-addressed, so an entry
 # can never go stale within an index; 4096 x 768 float32 is 12 MB.
 CHUNK_VECTOR_CACHE_SIZE = 4096
@@ -382,13 +388,6 @@ def select_top_k(fused: Sequence[tuple[str, float]], channel_bests: Sequence[str
                 chosen.add(best)
                 break
     return sorted(top, key=lambda entry: position[entry[0]])
-
-
-def shown(value: Any, limit: int = 200) -> str:
-    """A client-supplied value quoted in a message: repr (escapes control characters and lone
-    surrogates), cut so that a megabyte argument is not echoed back whole."""
-    text = str(value)
-    return repr(text[:limit]) + ("..." if len(text) > limit else "")
 
 
 def truncate_text(text: str, limit: int) -> tuple[str, bool]:
@@ -838,8 +837,11 @@ class OpenIndex:
                      paths: Sequence[str] | None) -> list[tuple[str, float]]:
         """(id, cosine distance) best first. paths=None: unfiltered (the fast path)."""
         where = {"path": {"$in": list(paths)}} if paths is not None else None
+        import numpy as np  # noqa: PLC0415 - only reached after chromadb has been imported
+
+        query = np.asarray(vector, dtype=np.float32)
         found = self._chroma_read(lifecycle, lambda col: col.query(
-            query_embeddings=[list(vector)], n_results=n, where=where, include=["distances"]))
+            query_embeddings=[query], n_results=n, where=where, include=["distances"]))
         ids = (found.get("ids") or [[]])[0]
         distances = (found.get("distances") or [[]])[0]
         return [(str(i), float(d)) for i, d in zip(ids, distances)]
@@ -1029,13 +1031,20 @@ class StoreManager:
 
 
 class QueryEmbeddings:
-    """Query vectors through Ollama with a small LRU cache (agents repeat queries)."""
+    """Query vectors through Ollama with a small LRU cache (agents repeat queries).
+
+    The cache is keyed by the index generation as well as the text: after a re-ingest (new weights
+    pulled under the same name, say) a cached vector could disagree with the index. Only vectors
+    that passed every check are cached. After a call that timed out, calls to that Ollama fail at
+    once for EMBEDDER_REST_S, so a stalled embedder costs one timeout, not one per search
+    (hybrid search answers from the keyword channel meanwhile)."""
 
     def __init__(self, size: int = QUERY_CACHE_SIZE) -> None:
         self.size = size
-        self._cache: OrderedDict[tuple[str, str, str], list[float]] = OrderedDict()
+        self._cache: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._lock = threading.Lock()
         self._embedders: dict[tuple[str, str, float], OllamaEmbedder] = {}
+        self._resting: dict[tuple[str, str], tuple[float, RagError]] = {}
 
     def embedder(self, host: str, model: str, timeout: float) -> OllamaEmbedder:
         key = (host, model, timeout)
@@ -1044,14 +1053,28 @@ class QueryEmbeddings:
                 self._embedders[key] = OllamaEmbedder(host, model, timeout)
             return self._embedders[key]
 
-    def embed(self, host: str, model: str, text: str, timeout: float) -> list[float]:
-        key = (host, model, text)
+    def embed(self, host: str, model: str, text: str, timeout: float, dims: int, generation: Any) -> Any:
+        key = (host, model, text, generation)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        vector = self.embedder(host, model, timeout).embed([text])[0]
+            resting = self._resting.get((host, model))
+        if resting is not None and time.monotonic() < resting[0]:
+            raise resting[1]
+        try:
+            vector = self.embedder(host, model, timeout).embed([text])[0]
+        except EmbedderTimeout as exc:
+            with self._lock:
+                self._resting[(host, model)] = (time.monotonic() + EMBEDDER_REST_S, exc)
+            raise
+        if len(vector) != dims:
+            raise RagError(ErrorCode.INDEX_INCOMPATIBLE,
+                           f"Ollama's {model!r} returns {len(vector)}-dimensional vectors but the index "
+                           f"holds {dims}-dimensional ones",
+                           "the model changed under the same name: rebuild with `python ingest.py --full`")
         with self._lock:
+            self._resting.pop((host, model), None)
             self._cache[key] = vector
             self._cache.move_to_end(key)
             while len(self._cache) > self.size:
@@ -1194,7 +1217,7 @@ class RetrievalService:
             return self.settings.corpus_dir
         return Path(current.corpus_dir)
 
-    def _query_vector(self, query: str, current: CurrentIndex) -> list[float]:
+    def _query_vector(self, query: str, current: CurrentIndex) -> Sequence[float]:
         settings = self.settings
         manifest = current.manifest
         if settings.embed_model_explicit and not same_model(settings.embed_model, manifest.model):
@@ -1204,13 +1227,8 @@ class RetrievalService:
                            f"{manifest.model!r}")
         text = PREFIX_SCHEMES[manifest.prefix_scheme].query_text(query)
         timeout = min(settings.embed_timeout_s, QUERY_EMBED_TIMEOUT_S)
-        vector = self.queries.embed(settings.ollama_host, manifest.model, text, timeout)
-        if len(vector) != manifest.dims:
-            raise RagError(ErrorCode.INDEX_INCOMPATIBLE,
-                           f"Ollama's {manifest.model!r} returns {len(vector)}-dimensional vectors but the index "
-                           f"holds {manifest.dims}-dimensional ones",
-                           "the model changed under the same name: rebuild with `python ingest.py --full`")
-        return vector
+        return self.queries.embed(settings.ollama_host, manifest.model, text, timeout, manifest.dims,
+                                  (current.index, current.generation))
 
     # search_corpus ----------------------------------------------------------------------------
     def search(self, args: SearchCorpusInput) -> SearchResponse:
@@ -1218,7 +1236,7 @@ class RetrievalService:
             raise RagError(ErrorCode.INVALID_ARGUMENT, "min_score needs similarity scores, which keyword mode "
                            "does not compute", "drop min_score, or use mode 'hybrid' or 'vector'")
         manager = self.manager
-        vector: list[float] | None = None
+        vector: Sequence[float] | None = None
         embedded_for: Any = None
         degraded: RagError | None = None
         for _attempt in range(3):
@@ -1247,7 +1265,7 @@ class RetrievalService:
     def _lifecycles(args: SearchCorpusInput) -> list[str]:
         return ["active", "superseded"] if args.include_superseded else ["active"]
 
-    def _search_locked(self, index: OpenIndex, args: SearchCorpusInput, vector: list[float] | None,
+    def _search_locked(self, index: OpenIndex, args: SearchCorpusInput, vector: Sequence[float] | None,
                        degraded: RagError | None = None) -> SearchResponse:
         lifecycles = self._lifecycles(args)
         prefix = args.path_prefix
@@ -1340,7 +1358,7 @@ class RetrievalService:
         fitted = fit_hits(response.model_dump(mode="json"))
         return SearchResponse.model_validate(fitted)
 
-    def _vector_channel(self, index: OpenIndex, vector: list[float], lifecycles: Sequence[str],
+    def _vector_channel(self, index: OpenIndex, vector: Sequence[float], lifecycles: Sequence[str],
                         allowed: Mapping[str, list[str] | None], prefix: str | None,
                         k: int) -> tuple[list[_Candidate], dict[str, ChunkRow]]:
         """Vector candidates whose chunk rows are committed, best first, with those rows.
@@ -1373,7 +1391,7 @@ class RetrievalService:
         candidates = [_Candidate(i, 1.0 - d, ["vector"]) for i, d in valid[:max(CHANNEL_CANDIDATES, k)]]
         return candidates, {c.id: rows[c.id] for c in candidates}
 
-    def _stored_scores(self, index: OpenIndex, vector: list[float], ids: Sequence[str],
+    def _stored_scores(self, index: OpenIndex, vector: Sequence[float], ids: Sequence[str],
                        rows: Mapping[str, ChunkRow]) -> dict[str, float | None]:
         """Cosine similarity of keyword-only candidates, from their stored embeddings."""
         out: dict[str, float | None] = {i: None for i in ids}
@@ -1409,7 +1427,7 @@ class RetrievalService:
                 raise RagError(ErrorCode.NOT_INDEXED, f"{shown(args.path)} is not in the index",
                                "only indexed documents can be read: call list_documents (or search_corpus) "
                                "for the exact path")
-        raw = read_indexed_file(corpus, doc)
+        raw = read_indexed_file(corpus, doc, index.current.corpus_id)
         if raw is None:
             with manager.lock:
                 chunks = manager.open().chunks_of(doc.path)
@@ -1471,74 +1489,46 @@ def _reject(path: str, why: str) -> RagError:
                     "`python ingest.py`")
 
 
-def read_indexed_file(corpus_dir: Path, doc: DocumentRow) -> bytes | None:
+def read_indexed_file(corpus_dir: Path, doc: DocumentRow, corpus_id: tuple[int, int] | None) -> bytes | None:
     """The bytes of an indexed file, or None when it is gone from disk.
 
-    The path is resolved and must be the real path recorded at ingest and lie inside the corpus
-    root; then it is opened one component at a time with O_NOFOLLOW below the root, so a link
-    swapped in between the check and the open is refused rather than followed.
+    The file must lie at the real path recorded at ingest, inside the corpus root. The root is
+    opened as a descriptor (a link in its place refused) and must be the folder that was indexed
+    (its device and inode, recorded at ingest); the file is opened beneath it one component at a
+    time with O_NOFOLLOW. So nothing swapped in after ingest, a link, a FIFO or a look-alike tree
+    at the root's path, is ever followed.
     """
-    root_real = os.path.realpath(corpus_dir)
-    disk = os.path.join(corpus_dir, doc.disk_path)
-    if not os.path.lexists(disk):
-        # Gone (corpus moved or file deleted): the caller serves the indexed passages instead,
-        # which are exactly what ingest accepted, so nothing outside the corpus can leak this way.
-        return None
-    real = os.path.realpath(disk)
+    try:
+        root_real = os.path.realpath(corpus_dir)
+    except OSError as exc:  # a racing swap can make resolving fail (EINVAL, ELOOP)
+        raise _reject(doc.path, f"lies in a corpus folder that cannot be resolved ({exc.strerror})") from None
     if not is_within(Path(root_real), Path(doc.real_path)):
+        if not os.path.lexists(corpus_dir):
+            return None  # the corpus moved or is on another machine: the indexed passages stand in
         raise RagError(ErrorCode.PATH_REJECTED,
                        f"{doc.path!r} was indexed from {doc.real_path}, outside this server's corpus folder {root_real}",
                        "set RAG_CORPUS_DIR to the folder ingest indexed, or re-run `python ingest.py` for this one")
-    if not is_within(Path(root_real), Path(real)):
-        raise _reject(doc.path, "resolves outside the corpus folder")
-    if real != doc.real_path:
-        raise _reject(doc.path, "no longer resolves to the file that was indexed")
-    relative = os.path.relpath(real, root_real).split(os.sep)
-    fd = _open_beneath(root_real, relative, doc.path)
+    parts = os.path.relpath(doc.real_path, root_real).split(os.sep)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _reject(doc.path, "is not a regular file")
-        try:
-            expected = os.stat(real)
-        except OSError:
-            raise _reject(doc.path, "changed while it was being opened") from None
-        if (st.st_dev, st.st_ino) != (expected.st_dev, expected.st_ino):
-            raise _reject(doc.path, "changed while it was being opened")
-        chunks = []
-        while True:
-            block = os.read(fd, 1 << 20)
-            if not block:
-                break
-            chunks.append(block)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def _open_beneath(root_real: str, parts: Sequence[str], shown: str) -> int:
-    nofollow = getattr(os, "O_NOFOLLOW", 0)
-    directory = getattr(os, "O_DIRECTORY", 0)
-    nonblock = getattr(os, "O_NONBLOCK", 0)  # a FIFO swapped in must not hang the open
-    if os.open not in os.supports_dir_fd:  # pragma: no cover - Windows: realpath + fstat checks only
-        return os.open(os.path.join(root_real, *parts), os.O_RDONLY | nofollow | nonblock)
-    dir_fd = os.open(root_real, os.O_RDONLY | directory)
+        root_fd = open_folder(root_real, corpus_id)
+    except FileNotFoundError:
+        return None
+    except PathChanged:
+        raise _reject(doc.path, "lies in a corpus folder that is not the one indexed (replaced or swapped)") from None
+    except OSError as exc:
+        raise _reject(doc.path, f"lies in a corpus folder that cannot be opened ({exc.strerror})") from None
     try:
-        for part in parts[:-1]:
-            try:
-                next_fd = os.open(part, os.O_RDONLY | directory | nofollow, dir_fd=dir_fd)
-            except OSError:
-                raise _reject(shown, "lies under a folder that changed while it was being opened") from None
-            os.close(dir_fd)
-            dir_fd = next_fd
-        try:
-            fd = os.open(parts[-1], os.O_RDONLY | nofollow | nonblock, dir_fd=dir_fd)
-        except OSError:
-            raise _reject(shown, "changed while it was being opened") from None
-        os.set_blocking(fd, True)
-        return fd
+        return read_beneath(root_fd, parts)
+    except FileNotFoundError:
+        # Gone (deleted, or a folder on its path): the caller serves the indexed passages instead,
+        # which are exactly what ingest accepted, so nothing outside the corpus can leak this way.
+        return None
+    except PathChanged as exc:
+        raise _reject(doc.path, f"no longer is the file that was indexed ({exc})") from None
+    except OSError as exc:
+        raise _reject(doc.path, f"cannot be opened ({exc.strerror})") from None
     finally:
-        os.close(dir_fd)
+        os.close(root_fd)
 
 
 def file_from_chunks(doc: DocumentRow, chunks: Sequence[ChunkRow], start_line: int | None,

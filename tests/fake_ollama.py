@@ -220,10 +220,34 @@ class _Handler(BaseHTTPRequestHandler):
         if not path.startswith("/_fake/"):
             fake._record(method, path, body)
         status, payload = fake._handle(method, path, body)
-        if isinstance(payload, str):
+        if isinstance(payload, _Trickle):
+            self._send_trickling(status, payload)
+        elif isinstance(payload, str):
             self._send(status, payload.encode("utf-8"), "text/plain; charset=utf-8")
         else:
             self._send_json(status, payload)
+
+    def _send_trickling(self, status: int, trickle: _Trickle) -> None:
+        """Headers at once, then the body a byte at a time: a stalled server that is not silent."""
+        body = json.dumps(trickle.payload).encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.flush()
+        for i in range(len(body)):
+            if self.server.fake._stopping.wait(trickle.interval):
+                return
+            try:
+                self.wfile.write(body[i:i + 1])
+                self.wfile.flush()
+            except OSError:
+                return  # the client gave up
+
+
+class _Trickle:
+    def __init__(self, payload: Any, interval: float) -> None:
+        self.payload, self.interval = payload, interval
 
 
 class FakeOllama:
@@ -254,6 +278,10 @@ class FakeOllama:
         self.delay_seconds: float = 0.0
         self.max_input_tokens: int | None = None
         self.wrong_dims: int | None = None
+        # Faults of a broken or hostile endpoint: answer embed calls a byte every this many
+        # seconds; put NaN into the vectors of inputs containing this text ("" = every input).
+        self.trickle_seconds: float | None = None
+        self.nan_for: str | None = None
         self.embed_calls = 0
         self.embedded_inputs: list[str] = []
         self.requests: list[tuple[str, str, Any]] = []
@@ -324,6 +352,10 @@ class FakeOllama:
                     setattr(self, key, None if value is None else int(value))
                 elif key == "delay_seconds":
                     self.delay_seconds = float(value)
+                elif key == "trickle_seconds":
+                    self.trickle_seconds = None if value is None else float(value)
+                elif key == "nan_for":
+                    self.nan_for = None if value is None else str(value)
                 else:
                     raise ValueError(f"unknown fake config field: {key}")
             return self._config_locked()
@@ -342,6 +374,8 @@ class FakeOllama:
             "delay_seconds": self.delay_seconds,
             "max_input_tokens": self.max_input_tokens,
             "wrong_dims": self.wrong_dims,
+            "trickle_seconds": self.trickle_seconds,
+            "nan_for": self.nan_for,
         }
 
     def reset(self) -> None:
@@ -358,6 +392,8 @@ class FakeOllama:
         self.delay_seconds = 0.0
         self.max_input_tokens = None
         self.wrong_dims = None
+        self.trickle_seconds = None
+        self.nan_for = None
         self.embed_calls = 0
         self.embedded_inputs = []
         self.requests = []
@@ -498,13 +534,18 @@ class FakeOllama:
         vectors = [fake_embedding(text, dims) for text in inputs]
         if dimensions is not None and dimensions < dims:
             vectors = [_renormalize(v[:dimensions]) for v in vectors]
-        return 200, {
+        with self._lock:
+            nan_for, trickle = self.nan_for, self.trickle_seconds
+        if nan_for is not None:
+            vectors = [[math.nan] * len(v) if nan_for in text else v for v, text in zip(vectors, inputs)]
+        payload = {
             "model": name,
             "embeddings": vectors,
             "total_duration": time.perf_counter_ns() - started,
             "load_duration": 0,
             "prompt_eval_count": sum(min(c, limit) for c in counts),
         }
+        return 200, (payload if trickle is None else _Trickle(payload, trickle))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,7 @@ from test_ingest import (  # noqa: F401 - re-exported for the fault modules
     file_listing,
     keyword_db,
     snapshot,
+    store_bytes,
 )
 from test_server_e2e import RawServer
 

@@ -362,6 +362,35 @@ def test_invalid_documents_are_document_invalid_with_the_path(raw: bytes, reason
     assert caught.value.hint
 
 
+def test_toml_and_json_frontmatter_keep_exact_line_numbers() -> None:
+    toml = _doc('+++\ntitle = "Hugo page"\nrag_chunk = "headings"\nlifecycle = "superseded"\n+++\n# Body\n\n## A\ntext\n')
+    assert (toml.title, toml.chunk_mode, toml.lifecycle, toml.body_start) == ("Hugo page", "headings", "superseded", 6)
+    assert toml.lines[toml.body_start - 1] == "# Body"
+    json_fm = _doc('{\n  "title": "JSON page",\n  "rag": false\n}\n\n# Body\n')
+    assert (json_fm.title, json_fm.rag, json_fm.body_start) == ("JSON page", False, 5)
+    # Trailing white space on a boundary line, and blank lines after it, stay body lines.
+    spaced = _doc("---   \ntitle: Spaced\n---  \n\n\n# Body\n")
+    assert (spaced.title, spaced.body_start, spaced.lines[5]) == ("Spaced", 4, "# Body")
+    chunks = rules.chunk_document(toml, 512, 0)
+    assert chunks[0].start_line == 6 and chunks[-1].end_line == toml.line_count
+
+
+@pytest.mark.parametrize(("raw", "reason"), [
+    (b'+++\ntitle = "unclosed\n+++\nx\n', "malformed TOML frontmatter"),
+    (b'+++\nrag = "no"\n+++\nx\n', "rag must be true or false"),
+    (b'{\n"title": [1,\n}\nx\n', "malformed JSON frontmatter"),
+    (b'{\n"rag": 1\n}\nx\n', "rag must be true or false"),
+    (b"---\nx: &a [1]\ny: *a\n---\nx\n", "alias"),
+    (b"---\ntitle: " + b"[" * 5000 + b"]" * 5000 + b"\n---\nx\n", "frontmatter"),
+    (b"---\nlifecycle: " + b"x" * 100_000 + b"\n---\nx\n", "lifecycle must be one of"),
+])
+def test_invalid_toml_json_and_hostile_yaml_frontmatter(raw: bytes, reason: str) -> None:
+    with pytest.raises(RagError) as caught:
+        rules.parse_document(raw, "notes/bad.md")
+    assert caught.value.code is ErrorCode.DOCUMENT_INVALID and reason in caught.value.message
+    assert len(caught.value.message) < 600  # a value from the file is never quoted whole
+
+
 def test_bom_and_crlf_before_frontmatter() -> None:
     doc = _doc(b"\xef\xbb\xbf---\r\ntitle: With BOM\r\nlifecycle: superseded\r\n---\r\n# Other\r\nline\r\n")
     assert (doc.title, doc.lifecycle, doc.body_start, doc.line_count) == ("With BOM", "superseded", 5, 6)

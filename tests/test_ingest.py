@@ -420,14 +420,14 @@ def test_unchanged_corpus_makes_no_embed_calls_and_reads_no_file(
     st = glossary.stat()
     os.utime(glossary, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     fake_ollama_env.reset()
-    read: list[Path] = []
-    original = Path.read_bytes
+    read: list[str] = []
+    original = rules.read_beneath
 
-    def recording_read_bytes(self: Path) -> bytes:
-        read.append(self)
-        return original(self)
+    def recording_read(root_fd: int, parts: list[str], **checks: Any) -> bytes:
+        read.append("/".join(parts))
+        return original(root_fd, parts, **checks)
 
-    monkeypatch.setattr(Path, "read_bytes", recording_read_bytes)
+    monkeypatch.setattr(rules, "read_beneath", recording_read)
     run = ingest_run(corpus, store)
     monkeypatch.undo()
     assert run.code == 0, run.err
@@ -435,7 +435,7 @@ def test_unchanged_corpus_makes_no_embed_calls_and_reads_no_file(
     assert (run.summary["unchanged"], run.summary["added"], run.summary["updated"]) == (6, 0, 0)
     # Only the excluded file is read: it has no registry row, so only reading it tells whether it
     # is still `rag: false`.
-    assert {p.relative_to(corpus).as_posix() for p in read if p.is_relative_to(corpus)} == {"private/offsite-backup.md"}
+    assert set(read) == {"private/offsite-backup.md"}
     # A no-op run keeps the generation (and CURRENT.json) as it was.
     assert (store / rules.CURRENT_FILE).read_bytes() == current_bytes
     assert snapshot(store) == before
@@ -733,8 +733,11 @@ def test_empty_corpus_guard_and_allow_empty(tmp_path: Path, fake_ollama_env: Fak
     (corpus / "notes.txt").write_text("not markdown\n")
     run = ingest_run(corpus, store)
     assert run.code == 2
+    # The error, and what the run did before it stopped (here: nothing).
     assert run.summary == {"exit": 2, "error": {"code": "corpus_empty", "message": run.summary["error"]["message"],
-                                                "hint": run.summary["error"]["hint"]}}
+                                                "hint": run.summary["error"]["hint"]},
+                           **{key: run.summary[key] for key in SUMMARY_KEYS - {"exit"}}}
+    assert (run.summary["scanned"], run.summary["chunks_written"], run.summary["removed"]) == (0, 0, 0)
     assert "refusing to delete" in run.err and "--allow-empty" in run.err
     assert snapshot(store) == before and current_of(store)["generation"] == generation
     emptied = ingest_run(corpus, store, "--allow-empty")

@@ -97,11 +97,16 @@ def _swappable(fake: FakeOllama, tmp_path_factory: pytest.TempPathFactory) -> Bu
 
 @pytest.fixture
 def swappable(_swappable: Built) -> Iterator[Built]:
-    """An index whose corpus a test may vandalise; the corpus is put back afterwards (same
-    absolute path, so the recorded real paths still hold). The store must not be changed."""
+    """An index whose corpus a test may vandalise; the corpus is put back afterwards (the same
+    folder, so the recorded real paths and the root's identity still hold). The store must not be
+    changed."""
     yield _swappable
-    shutil.rmtree(_swappable.corpus)
-    shutil.copytree(SAMPLE, _swappable.corpus)
+    for child in _swappable.corpus.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    shutil.copytree(SAMPLE, _swappable.corpus, dirs_exist_ok=True)
 
 
 def service(built: Built, host: str | None = None, **env: str) -> server.RetrievalService:
