@@ -18,6 +18,8 @@ import json
 import math
 import os
 import re
+import secrets
+import shutil
 import stat
 import threading
 import time
@@ -68,6 +70,33 @@ class RagError(Exception):
         return f"{self.code}: {self.message}" + (f" ({self.hint})" if self.hint else "")
 
 
+def store_failure(exc: BaseException, what: str) -> RagError:
+    """A failure of the store (keyword database or vector store) in the vocabulary: another Chroma
+    version, a lock held elsewhere, a disk that is full or read-only, or something else."""
+    if isinstance(exc, RagError):
+        return exc
+    text = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+    lowered = text.lower()
+    code = getattr(exc, "errno", None)
+    if "unapplied migrations" in lowered:
+        return RagError(ErrorCode.INDEX_INCOMPATIBLE, f"the {what} was written by another Chroma version: {text}",
+                        "run `python ingest.py` with this installation; it upgrades the store")
+    if code in (errno.ENOSPC, errno.EFBIG) or any(
+            words in lowered for words in ("disk is full", "no space left", "file too large", "disk i/o error")):
+        return RagError(ErrorCode.STORE_UNWRITABLE, f"the {what} could not be written (is the disk full?): {text}",
+                        "free some space and run ingest again; what was committed is kept")
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS) or any(
+            words in lowered for words in ("readonly", "read-only", "permission denied", "unable to open database")):
+        return RagError(ErrorCode.STORE_UNWRITABLE, f"the {what} cannot be written: {text}",
+                        "check that RAG_STORE_DIR (or --store) is a folder this user can write")
+    if "locked" in lowered or "busy" in lowered:
+        return RagError(ErrorCode.INTERNAL, f"the {what} is locked: {text}",
+                        "another process holds it; retry in a moment (an ingest may be running)")
+    return RagError(ErrorCode.INTERNAL, f"the {what} failed: {text}",
+                    "if an ingest is running, retry when it finishes; otherwise rebuild the index with "
+                    "`python ingest.py --full`")
+
+
 # ---------------------------------------------------------------------------
 # Configuration.
 
@@ -85,23 +114,66 @@ def _abs_path(value: str | os.PathLike[str]) -> Path:
     return Path(os.path.abspath(os.path.expanduser(str(value))))
 
 
-def _int_env(env: Mapping[str, str], name: str, default: int, lowest: int) -> int:
+def _setting_error(name: str, raw: str, wanted: str) -> RagError:
+    return RagError(ErrorCode.INVALID_ARGUMENT, f"configuration error: {name}={raw[:100]!r} is not {wanted}",
+                    f"set {name} to {wanted}, or unset it for the default")
+
+
+def _int_env(env: Mapping[str, str], name: str, default: int, lowest: int, highest: int = 2**31) -> int:
     raw = env.get(name, "").strip()
     if not raw:
         return default
     try:
         value = int(raw)
     except ValueError:
-        raise RagError(ErrorCode.INVALID_ARGUMENT, f"{name}={raw!r} is not a whole number",
-                       f"set {name} to an integer >= {lowest} or unset it") from None
-    if value < lowest:
-        raise RagError(ErrorCode.INVALID_ARGUMENT, f"{name}={value} is below {lowest}",
-                       f"set {name} to an integer >= {lowest} or unset it")
+        raise _setting_error(name, raw, f"a whole number from {lowest} to {highest}") from None
+    if not lowest <= value <= highest:
+        raise _setting_error(name, raw, f"a whole number from {lowest} to {highest}")
     return value
+
+
+def _seconds_env(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise _setting_error(name, raw, "a positive number of seconds, e.g. 60")
+    return value
+
+
+def _flag_env(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise _setting_error(name, raw, "1 or 0 (true or false)")
+
+
+def _choice_env(env: Mapping[str, str], name: str, default: str, choices: Sequence[str]) -> str:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    if raw.upper() not in choices:
+        raise _setting_error(name, raw, "one of " + ", ".join(choices))
+    return raw.upper()
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+DEFAULT_STORE_TIMEOUT_S = 20.0
 
 
 @dataclass(frozen=True)
 class Settings:
+    """Every knob of both programs, read and checked in one place (load_settings): a bad value
+    is a configuration error that names the variable, never a silent default."""
+
     corpus_dir: Path
     # False when corpus_dir is the default: the server then prefers the folder the index records.
     corpus_dir_explicit: bool
@@ -113,6 +185,14 @@ class Settings:
     embed_timeout_s: float
     chunk_max_tokens: int
     chunk_min_tokens: int
+    # Server: how long a call waits for the vector store; stderr log level; background warm-up.
+    store_timeout_s: float = DEFAULT_STORE_TIMEOUT_S
+    log_level: str = "INFO"
+    server_warmup: bool = True
+    # Vectors on a Chroma server instead of the embedded store (RAG_CHROMA_URL), and the headers
+    # its requests carry (RAG_CHROMA_HEADERS, a JSON object: an auth proxy's token, say).
+    chroma_url: str | None = None
+    chroma_headers: Mapping[str, str] = field(default_factory=dict)
 
     def describe(self) -> str:
         return (f"corpus={self.corpus_dir} store={self.store_dir} ollama={self.ollama_host} "
@@ -128,14 +208,6 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
     """
     env = os.environ if env is None else env
     model = env.get("RAG_EMBED_MODEL", "").strip()
-    timeout_raw = env.get("RAG_EMBED_TIMEOUT", "").strip()
-    try:
-        timeout = float(timeout_raw) if timeout_raw else DEFAULT_EMBED_TIMEOUT_S
-        if not timeout > 0:
-            raise ValueError
-    except ValueError:
-        raise RagError(ErrorCode.INVALID_ARGUMENT, f"RAG_EMBED_TIMEOUT={timeout_raw!r} is not a positive number",
-                       "set it to seconds, e.g. 60, or unset it") from None
     max_tokens = _int_env(env, "RAG_CHUNK_MAX_TOKENS", DEFAULT_CHUNK_MAX_TOKENS, 32)
     min_tokens = _int_env(env, "RAG_CHUNK_MIN_TOKENS", DEFAULT_CHUNK_MIN_TOKENS, 0)
     corpus_choice = corpus_dir or env.get("RAG_CORPUS_DIR", "").strip()
@@ -149,10 +221,45 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
         ollama_host=host,
         embed_model=model or DEFAULT_EMBED_MODEL,
         embed_model_explicit=bool(model),
-        embed_timeout_s=timeout,
+        embed_timeout_s=_seconds_env(env, "RAG_EMBED_TIMEOUT", DEFAULT_EMBED_TIMEOUT_S),
         chunk_max_tokens=max_tokens,
         chunk_min_tokens=min(min_tokens, max_tokens),
+        store_timeout_s=_seconds_env(env, "RAG_STORE_TIMEOUT", DEFAULT_STORE_TIMEOUT_S),
+        log_level=_choice_env(env, "RAG_LOG_LEVEL", "INFO", LOG_LEVELS),
+        server_warmup=_flag_env(env, "RAG_SERVER_WARMUP", True),
+        chroma_url=_url_env(env, "RAG_CHROMA_URL"),
+        chroma_headers=_headers_env(env, "RAG_CHROMA_HEADERS"),
     )
+
+
+def _url_env(env: Mapping[str, str], name: str) -> str | None:
+    from urllib.parse import urlsplit
+
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        parts = urlsplit(raw)
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port is not None
+    except ValueError:
+        valid = False
+    if not valid or parts.path not in ("", "/") or parts.query:
+        raise _setting_error(name, raw, "a URL such as http://127.0.0.1:8000 (scheme, host and port)")
+    return raw.rstrip("/")
+
+
+def _headers_env(env: Mapping[str, str], name: str) -> dict[str, str]:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not (isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())):
+        raise _setting_error(name, "(hidden)", 'a JSON object of header names and values, e.g. {"Authorization": '
+                             '"Bearer ..."}')
+    return value
 
 
 # ---------------------------------------------------------------------------
@@ -201,9 +308,14 @@ def _path_problems(text: str) -> list[str]:
         reasons.append("contains '..'")
     if any(unicodedata.category(ch) == "Cc" and ch != "\x00" for ch in text):
         reasons.append("contains control characters")
-    if any(0xD800 <= ord(ch) <= 0xDFFF for ch in text):
+    if has_lone_surrogates(text):
         reasons.append("contains lone surrogates")
     return reasons
+
+
+def has_lone_surrogates(text: str) -> bool:
+    """JSON escapes let clients send unpaired UTF-16 halves; they are not valid Unicode text."""
+    return any(0xD800 <= ord(ch) <= 0xDFFF for ch in text)
 
 
 def unservable_path_reason(path: str) -> str | None:
@@ -519,7 +631,7 @@ _ANCHOR_SUFFIX = re.compile(r"\s*\{#[^}]*\}\s*$")
 
 @dataclass(frozen=True)
 class Heading:
-    line: int  # 0-based line index within the lines given to markdown_headings
+    line: int  # 0-based line index within the body that was parsed
     end: int  # exclusive
     level: int
     text: str
@@ -543,12 +655,6 @@ def _markdown_tokens(lines: Sequence[str]) -> list[Any]:
     # pass (emphasis, links) took 40% of parsing a 20 MB file. Heading text is the inline token's
     # content, which the block pass already sets.
     return MarkdownIt("commonmark").disable(["inline", "text_join"]).parse("\n".join(lines).replace("\r", " "))
-
-
-def markdown_headings(lines: Sequence[str]) -> list[Heading]:
-    """Top-level ATX and setext headings, as a CommonMark parser sees them (code fences excluded)."""
-    tokens = _markdown_tokens(lines)
-    return _headings_from_tokens(tokens)
 
 
 @dataclass(frozen=True)
@@ -885,28 +991,41 @@ def _run_terms(run: str) -> tuple[str, ...]:
     return tuple(terms)
 
 
-def fts_match_expression(query: str) -> str | None:
-    """An FTS5 MATCH expression that can only mean "any of these terms": every term is quoted,
-    so user text is never FTS5 syntax (quotes, *, NEAR, -, column filters)."""
-    unique = list(dict.fromkeys(keyword_terms(query)))
-    if not unique:
-        return None
-    return " OR ".join('"' + term.replace('"', '""') + '"' for term in unique[:64])
+QUERY_TERMS_MAX = 64
+
+
+def query_terms(query: str) -> list[str]:
+    """A query's keyword terms as the keyword channel searches them: unique, in order, at most 64."""
+    return list(dict.fromkeys(keyword_terms(query)))[:QUERY_TERMS_MAX]
+
+
+def fts_any(terms: Sequence[str]) -> str | None:
+    """An FTS5 MATCH expression that can only mean "any of these terms": every term is quoted, so
+    user text is never FTS5 syntax (quotes, *, NEAR, -, column filters). None for no terms."""
+    return " OR ".join('"' + term.replace('"', '""') + '"' for term in terms) or None
 
 
 # ---------------------------------------------------------------------------
 # Store layout, ids, metadata keys, manifest.
 
 CURRENT_FILE = "CURRENT.json"
+STORE_ID_FILE = "store-id"
+STORE_ID = re.compile(r"[0-9a-f]{16}")
 CURRENT_MAX_BYTES = 1 << 20
 INDEX_NAME = re.compile(r"idx-[0-9a-f]{12}")
 LOCK_FILE = "ingest.lock"
 CHROMA_SUBDIR = "chroma"
 KEYWORD_DB = "keywords.sqlite3"
 COLLECTION_BY_LIFECYCLE = {"active": "chunks_active", "superseded": "chunks_superseded"}
-# Chroma metadata keys written on every chunk.
+# Chroma metadata keys written on every chunk (chunk_metadata builds them, in this order).
 META_KEYS = ("path", "title", "heading", "chunk_index", "start_line", "end_line", "lifecycle",
              "content_hash", "mtime_ns", "chunk_mode")
+
+
+def chunk_metadata(doc: SourceDocument, chunk: Chunk, content_hash: str, mtime_ns: int) -> dict[str, Any]:
+    """What is stored with every chunk's vector, `lifecycle` included (the pre-filter's key)."""
+    return dict(zip(META_KEYS, (doc.path, doc.title, chunk.heading, chunk.index, chunk.start_line, chunk.end_line,
+                                doc.lifecycle, content_hash, mtime_ns, doc.chunk_mode), strict=True))
 
 KEYWORD_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -927,6 +1046,47 @@ CREATE VIRTUAL TABLE IF NOT EXISTS chunks_fts USING fts5(
 """
 # bm25 column weights (title, heading, body): a heading or title hit says more than a body hit.
 FTS_WEIGHTS = (2.0, 3.0, 1.0)
+
+
+@dataclass(frozen=True)
+class DocumentRow:
+    """A row of `documents` (DOCUMENT_COLUMNS, in this order)."""
+
+    path: str
+    title: str
+    lifecycle: str
+    chunk_mode: str
+    content_hash: str
+    size: int
+    mtime_ns: int
+    disk_path: str
+    real_path: str
+    line_count: int
+    chunk_count: int
+
+
+DOCUMENT_COLUMNS = ", ".join(DocumentRow.__dataclass_fields__)
+
+
+@dataclass(frozen=True)
+class ChunkRow:
+    """A row of `chunks` with its document's title joined in (CHUNK_SELECT), so a search needs no
+    separate title query."""
+
+    id: str
+    path: str
+    chunk_index: int
+    start_line: int
+    end_line: int
+    heading: str
+    lifecycle: str
+    text: str
+    title: str
+
+
+CHUNK_COLUMNS = ("c.id, c.path, c.chunk_index, c.start_line, c.end_line, c.heading, c.lifecycle, c.text, "
+                 "coalesce(d.title, c.path)")
+CHUNK_SELECT = f"SELECT {CHUNK_COLUMNS} FROM chunks c LEFT JOIN documents d ON d.path = c.path"
 
 
 def chunk_id(path: str, content_hash: str, index: int) -> str:
@@ -1109,12 +1269,298 @@ class StoreLayout:
         _fsync_dir(self.root)
 
 
+    def store_id(self, create: bool) -> str:
+        """This store's identity on a shared Chroma server: random, made by the first ingest, kept
+        in the store folder. Two stores sharing one server never see each other's collections."""
+        path = self.root / STORE_ID_FILE
+        try:
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
+        except FileNotFoundError:
+            if not create:
+                raise RagError(ErrorCode.INDEX_MISSING, f"{path} does not exist (no index yet)", INGEST_HINT) from None
+            identity = secrets.token_hex(8)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+            with open(fd, "w", encoding="ascii") as fh:
+                fh.write(identity + "\n")
+            return identity
+        try:
+            text = os.read(fd, 64).decode("ascii", "replace").strip()
+        finally:
+            os.close(fd)
+        if not STORE_ID.fullmatch(text):
+            raise RagError(ErrorCode.INDEX_INCOMPATIBLE, f"{path} does not hold a store id",
+                           f"remove {path} and run `python ingest.py --full`")
+        return text
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------------------
+# Where an index's vectors live: the vector-store seam.
+#
+# Both programs reach the vectors through VectorStore: one Chroma collection per lifecycle,
+# either embedded in the index folder (PersistentClient, the default) or on a Chroma server
+# (HttpClient, when RAG_CHROMA_URL is set). Both speak the same Chroma API, so the data operations
+# are written once; the two backends differ in how a client is made, what a collection is called,
+# how an index's vectors are found and dropped, and how their failures read.
+
+INGEST_HINT = "run `python ingest.py` (with the same RAG_STORE_DIR and RAG_CORPUS_DIR as this server)"
+# Ids are listed, and deleted, a page at a time: a Chroma server caps a request's size.
+VECTOR_PAGE = 5000
+
+
+class VectorStore:
+    """One index's vectors. `open(create=True)` (ingest) makes what is missing; `open(create=False)`
+    (the server) never creates anything and answers index_missing instead. Every failure of the
+    store comes out as a RagError of the vocabulary."""
+
+    where = "vector store"
+
+    def __init__(self, index_name: str) -> None:
+        self.index_name = index_name
+        self._client: Any = None
+        self._collections: dict[str, Any] = {}
+
+    # What a backend defines ----------------------------------------------------------------
+    def _connect(self, create: bool) -> Any:
+        raise NotImplementedError
+
+    def collection_name(self, lifecycle: str) -> str:
+        raise NotImplementedError
+
+    def drop(self) -> None:
+        """Remove this index's vectors (an index that is no longer live)."""
+        raise NotImplementedError
+
+    def _failure(self, exc: BaseException) -> RagError:
+        return store_failure(exc, self.where)
+
+    # Shared --------------------------------------------------------------------------------
+    def open(self, create: bool, metadata: Mapping[str, Any] | None = None) -> VectorStore:
+        from chromadb.errors import NotFoundError
+
+        self.close()
+        try:
+            client = self._connect(create)
+            collections: dict[str, Any] = {}
+            for lifecycle in LIFECYCLES:
+                name = self.collection_name(lifecycle)
+                if create:
+                    collections[lifecycle] = client.get_or_create_collection(name, metadata=dict(metadata or {}))
+                else:
+                    try:
+                        collections[lifecycle] = client.get_collection(name)
+                    except NotFoundError:
+                        pass  # reported (index_missing) when a search needs it
+        except RagError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any Chroma failure here is a store problem
+            raise self._failure(exc) from None
+        self._client, self._collections = client, collections
+        return self
+
+    def close(self) -> None:
+        client, self._client, self._collections = self._client, None, {}
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+
+    def collection(self, lifecycle: str) -> Any:
+        if self._client is None:
+            self.open(create=False)
+        found = self._collections.get(lifecycle)
+        if found is None:
+            raise RagError(ErrorCode.INDEX_MISSING, f"the collection {self.collection_name(lifecycle)!r} is missing "
+                           f"from the {self.where}", INGEST_HINT)
+        return found
+
+    def _do(self, lifecycle: str, operation: Callable[[Any], Any]) -> Any:
+        collection = self.collection(lifecycle)
+        try:
+            return operation(collection)
+        except RagError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - translated into the vocabulary
+            raise self._failure(exc) from None
+
+    def upsert(self, lifecycle: str, ids: Sequence[str], embeddings: Sequence[Any], documents: Sequence[str],
+               metadatas: Sequence[Mapping[str, Any]]) -> None:
+        self._do(lifecycle, lambda col: col.upsert(ids=list(ids), embeddings=list(embeddings),
+                                                   documents=list(documents), metadatas=list(metadatas)))
+
+    def delete(self, lifecycle: str, ids: Sequence[str]) -> None:
+        for page in batched(list(ids), VECTOR_PAGE):
+            self._do(lifecycle, lambda col, page=page: col.delete(ids=list(page)))
+
+    def ids(self, lifecycle: str) -> list[str]:
+        """Every id in a collection, a page at a time."""
+        found: list[str] = []
+        while True:
+            page = self._do(lifecycle, lambda col: col.get(include=[], limit=VECTOR_PAGE, offset=len(found)))["ids"]
+            found.extend(str(i) for i in page)
+            if len(page) < VECTOR_PAGE:
+                return found
+
+    def count(self, lifecycle: str) -> int:
+        return int(self._do(lifecycle, lambda col: col.count()))
+
+    def embeddings(self, lifecycle: str, ids: Sequence[str]) -> tuple[list[str], Any]:
+        """Stored vectors of these ids: (ids found, one row each)."""
+        if not ids:
+            return [], []
+        got = self._do(lifecycle, lambda col: col.get(ids=list(ids), include=["embeddings"]))
+        vectors = got.get("embeddings")
+        if vectors is None or len(vectors) == 0:
+            return [], []
+        return [str(i) for i in got["ids"]], vectors
+
+    def metadatas(self, lifecycle: str, ids: Sequence[str]) -> tuple[list[str], list[dict[str, Any]]]:
+        got = self._do(lifecycle, lambda col: col.get(ids=list(ids), include=["metadatas"]))
+        return [str(i) for i in got["ids"]], [dict(m) for m in got["metadatas"]]
+
+    def update_metadatas(self, lifecycle: str, ids: Sequence[str], metadatas: Sequence[Mapping[str, Any]]) -> None:
+        self._do(lifecycle, lambda col: col.update(ids=list(ids), metadatas=list(metadatas)))
+
+    def query(self, lifecycle: str, vector: Sequence[float], n: int,
+              paths: Sequence[str] | None) -> list[tuple[str, float]]:
+        """(id, cosine distance), best first; paths=None: unfiltered (the fast path)."""
+        import numpy as np
+
+        where = {"path": {"$in": list(paths)}} if paths is not None else None
+        query = np.asarray(vector, dtype=np.float32)
+        found = self._do(lifecycle, lambda col: col.query(query_embeddings=[query], n_results=n, where=where,
+                                                          include=["distances"]))
+        ids = (found.get("ids") or [[]])[0]
+        distances = (found.get("distances") or [[]])[0]
+        return [(str(i), float(d)) for i, d in zip(ids, distances)]
+
+    def merge_metadata(self, updates: Mapping[str, Any]) -> None:
+        """Add keys to every collection's own metadata (the index stamp)."""
+        for lifecycle in LIFECYCLES:
+            def merged(col: Any) -> None:
+                meta = dict(col.metadata or {})
+                meta.pop("hnsw:space", None)  # the distance space cannot be modified after creation
+                meta.update(updates)
+                col.modify(metadata=meta)
+
+            self._do(lifecycle, merged)
+
+
+class EmbeddedVectors(VectorStore):
+    """Chroma's PersistentClient on the index folder's chroma/ (the default)."""
+
+    def __init__(self, chroma_dir: Path, index_name: str) -> None:
+        super().__init__(index_name)
+        self.chroma_dir = chroma_dir
+        self.where = f"vector store {chroma_dir}"
+
+    def collection_name(self, lifecycle: str) -> str:
+        return COLLECTION_BY_LIFECYCLE[lifecycle]
+
+    def _connect(self, create: bool) -> Any:
+        os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
+        import chromadb
+        from chromadb.api.shared_system_client import SharedSystemClient
+        from chromadb.config import Settings as ChromaSettings
+
+        if not create:
+            # PersistentClient creates whatever is missing: look before constructing it.
+            self._probe(self.chroma_dir / "chroma.sqlite3")
+        # A cached system would serve an older view of the files (a long-lived client does not see
+        # another process's writes).
+        SharedSystemClient.clear_system_cache()
+        # A reader validates migrations: a store written by another Chroma version is reported,
+        # never migrated by the server (ingest migrates it).
+        return chromadb.PersistentClient(path=str(self.chroma_dir), settings=ChromaSettings(
+            anonymized_telemetry=False, allow_reset=False, migrations="apply" if create else "validate"))
+
+    def _probe(self, sqlite_file: Path) -> None:
+        """Refuse a chroma.sqlite3 that is missing or is not a Chroma database before Chroma sees
+        it: given an empty or foreign file, PersistentClient writes a fresh schema into it."""
+        import sqlite3
+
+        if not sqlite_file.is_file():
+            raise RagError(ErrorCode.INDEX_MISSING, f"the vector store {sqlite_file} does not exist", INGEST_HINT)
+        try:
+            # mode=rw: never creates the file, and can roll back a journal left by a killed ingest
+            # (as Chroma's own connection would); only SELECTs run here.
+            db = sqlite3.connect(sqlite_file.as_uri() + "?mode=rw", uri=True, timeout=5.0)
+            try:
+                db.execute("SELECT 1 FROM migrations LIMIT 1").fetchall()
+                db.execute("SELECT 1 FROM collections LIMIT 1").fetchall()
+            finally:
+                db.close()
+        except sqlite3.OperationalError as exc:
+            if "no such table" in str(exc):
+                raise RagError(ErrorCode.INDEX_MISSING, f"the vector store {sqlite_file} holds no Chroma database "
+                               f"({exc})", INGEST_HINT) from None
+            raise self._failure(exc) from None
+        except sqlite3.Error as exc:
+            raise self._failure(exc) from None
+
+    def drop(self) -> None:
+        self.close()
+        shutil.rmtree(self.chroma_dir, ignore_errors=True)
+
+
+class ServerVectors(VectorStore):
+    """chromadb.HttpClient on a Chroma server (RAG_CHROMA_URL). Collections are named
+    lr-<store id>-<index name>-<lifecycle>: the index name carries the manifest fingerprint, so a
+    rebuild writes new collections and goes live only when complete, and the store id keeps
+    stores that share one server apart."""
+
+    def __init__(self, url: str, headers: Mapping[str, str], store_id: str, index_name: str,
+                 timeout_s: float) -> None:
+        super().__init__(index_name)
+        self.url, self.headers, self.store_id, self.timeout_s = url, dict(headers), store_id, timeout_s
+        self.where = f"Chroma server at {url}"
+
+    def collection_name(self, lifecycle: str) -> str:
+        return f"lr-{self.store_id}-{self.index_name}-{lifecycle}"
+
+    def _connect(self, create: bool) -> Any:
+        os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
+        from urllib.parse import urlsplit
+
+        import chromadb
+        from chromadb.config import Settings as ChromaSettings
+
+        parts = urlsplit(self.url)
+        client = chromadb.HttpClient(host=parts.hostname or "", port=parts.port or 8000, ssl=parts.scheme == "https",
+                                     headers=self.headers, settings=ChromaSettings(anonymized_telemetry=False))
+        client.heartbeat()
+        return client
+
+    def _failure(self, exc: BaseException) -> RagError:
+        failure = store_failure(exc, self.where)
+        if failure.code is ErrorCode.INTERNAL:
+            return RagError(ErrorCode.INTERNAL, failure.message,
+                            f"check that the Chroma server at RAG_CHROMA_URL={self.url} is running and reachable "
+                            f"(`chroma run --path DIR --port N`), then retry")
+        return failure
+
+    def drop(self) -> None:
+        from chromadb.errors import NotFoundError
+
+        client = self._client if self._client is not None else self._connect(create=False)
+        for lifecycle in LIFECYCLES:
+            with contextlib.suppress(NotFoundError):
+                client.delete_collection(self.collection_name(lifecycle))
+        self.close()
+
+
+def vector_store(settings: Settings, layout: StoreLayout, index_name: str, *, create: bool = False) -> VectorStore:
+    """The one factory: where this store keeps the vectors of `index_name`."""
+    if settings.chroma_url:
+        return ServerVectors(settings.chroma_url, settings.chroma_headers, layout.store_id(create), index_name,
+                             settings.store_timeout_s)
+    return EmbeddedVectors(layout.chroma_dir(index_name), index_name)
 
 
 # ---------------------------------------------------------------------------

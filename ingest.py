@@ -29,12 +29,10 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import corpus_rules as rules  # noqa: E402
-from corpus_rules import ErrorCode, RagError  # noqa: E402
+import corpus_rules as rules
+from corpus_rules import DocumentRow, ErrorCode, RagError
 
 log = logging.getLogger("ingest")
 
@@ -43,6 +41,7 @@ EMBED_BATCH = 64  # chunks per /api/embed call
 OPTIONAL_PROBE_TIMEOUT_S = 5.0
 PROGRESS_EVERY_S = 5.0  # a progress line at least this often when stderr is not a terminal
 COMMIT_BATCH_CHUNKS = 256  # chunks per Chroma upsert + SQLite transaction
+UPSERT_BATCH = 1000  # records per Chroma upsert call
 
 
 # ---------------------------------------------------------------------------
@@ -176,19 +175,8 @@ def transaction(con: sqlite3.Connection) -> Iterator[None]:
     con.execute("COMMIT")
 
 
-@dataclass(frozen=True)
-class DocumentRow:
-    path: str
-    lifecycle: str
-    content_hash: str
-    size: int
-    mtime_ns: int
-    disk_path: str
-    real_path: str
-
-
 def load_registry(con: sqlite3.Connection) -> dict[str, DocumentRow]:
-    rows = con.execute("SELECT path, lifecycle, content_hash, size, mtime_ns, disk_path, real_path FROM documents")
+    rows = con.execute(f"SELECT {rules.DOCUMENT_COLUMNS} FROM documents")
     return {r[0]: DocumentRow(*r) for r in rows}
 
 
@@ -314,30 +302,22 @@ def renumber(chunks: Sequence[rules.Chunk]) -> list[rules.Chunk]:
 # Writing: vectors first, then the SQLite commit, then old vectors out.
 
 
-def chunk_metadata(pf: PreparedFile, chunk: rules.Chunk) -> dict[str, Any]:
-    return {"path": pf.file.path, "title": pf.doc.title, "heading": chunk.heading, "chunk_index": chunk.index,
-            "start_line": chunk.start_line, "end_line": chunk.end_line, "lifecycle": pf.doc.lifecycle,
-            "content_hash": pf.content_hash, "mtime_ns": pf.file.mtime_ns, "chunk_mode": pf.doc.chunk_mode}
-
-
 class Store:
-    """One index folder: Chroma collections per lifecycle plus the SQLite keyword index."""
+    """One index: its vectors (a collection per lifecycle, embedded or on a Chroma server) plus
+    the SQLite keyword index in the index folder."""
 
-    def __init__(self, layout: rules.StoreLayout, manifest: rules.IndexManifest) -> None:
-        os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
-        import chromadb
-
+    def __init__(self, layout: rules.StoreLayout, manifest: rules.IndexManifest, settings: rules.Settings) -> None:
         self.name = manifest.index_name()
         self.manifest = manifest
-        self.client = chromadb.PersistentClient(path=str(layout.chroma_dir(self.name)))
         meta = {"hnsw:space": "cosine", **{f"manifest_{k}": v for k, v in manifest.to_dict().items()}}
-        self.collections = {lc: self.client.get_or_create_collection(name, metadata=meta)
-                            for lc, name in rules.COLLECTION_BY_LIFECYCLE.items()}
+        layout.index_dir(self.name).mkdir(parents=True, exist_ok=True)
+        self.vectors = rules.vector_store(settings, layout, self.name, create=True).open(create=True, metadata=meta)
         self.db = open_keyword_db(layout.keyword_db(self.name))
         self._vector_writes_marked = False
 
     def close(self) -> None:
         self.db.close()
+        self.vectors.close()
 
     def reconcile(self) -> int:
         """Delete vectors no committed chunk owns (left by a crash); return how many.
@@ -347,12 +327,11 @@ class Store:
         committed = committed_chunk_ids(self.db)
         removed = 0
         present: set[str] = set()
-        for lifecycle, col in self.collections.items():
-            ids = col.get(include=[])["ids"]
+        for lifecycle in rules.LIFECYCLES:
+            ids = self.vectors.ids(lifecycle)
             stray = [i for i in ids if committed.get(i) != lifecycle]
             present.update(i for i in ids if committed.get(i) == lifecycle)
-            for batch in rules.batched(stray, 5000):
-                col.delete(ids=list(batch))
+            self.vectors.delete(lifecycle, stray)
             removed += len(stray)
         missing = [i for i in committed if i not in present]
         if missing:
@@ -366,20 +345,15 @@ class Store:
     def write(self, files: Sequence[PreparedFile]) -> None:
         self._begin_vector_writes()
         new_ids: set[str] = set()
-        for lifecycle, col in self.collections.items():
-            ids, vectors, texts, metas = [], [], [], []
-            for pf in files:
-                if pf.doc.lifecycle != lifecycle:
-                    continue
-                for chunk, vector in zip(pf.chunks, pf.vectors):
-                    ids.append(rules.chunk_id(pf.file.path, pf.content_hash, chunk.index))
-                    vectors.append(vector)
-                    texts.append(chunk.text)
-                    metas.append(chunk_metadata(pf, chunk))
-            new_ids.update(ids)
-            for start in range(0, len(ids), 1000):
-                col.upsert(ids=ids[start:start + 1000], embeddings=vectors[start:start + 1000],
-                           documents=texts[start:start + 1000], metadatas=metas[start:start + 1000])
+        for lifecycle in rules.LIFECYCLES:
+            records = [(rules.chunk_id(pf.file.path, pf.content_hash, chunk.index), vector, chunk.text,
+                        rules.chunk_metadata(pf.doc, chunk, pf.content_hash, pf.file.mtime_ns))
+                       for pf in files if pf.doc.lifecycle == lifecycle
+                       for chunk, vector in zip(pf.chunks, pf.vectors, strict=True)]
+            new_ids.update(record[0] for record in records)
+            for batch in rules.batched(records, UPSERT_BATCH):
+                ids, vectors, texts, metas = zip(*batch)
+                self.vectors.upsert(lifecycle, ids, vectors, texts, metas)
         paths = [pf.file.path for pf in files]
         old = self._chunk_ids_of(paths)
         with transaction(self.db):
@@ -403,10 +377,8 @@ class Store:
         for file, row in updates:
             ids = list(self._chunk_ids_of([file.path]))
             if ids:
-                col = self.collections[row.lifecycle]
-                metas = col.get(ids=ids, include=["metadatas"])
-                new_metas = [{**m, "mtime_ns": file.mtime_ns} for m in metas["metadatas"]]
-                col.update(ids=metas["ids"], metadatas=new_metas)
+                found, metas = self.vectors.metadatas(row.lifecycle, ids)
+                self.vectors.update_metadatas(row.lifecycle, found, [{**m, "mtime_ns": file.mtime_ns} for m in metas])
         with transaction(self.db):
             self.db.executemany("UPDATE documents SET mtime_ns = ?, size = ? WHERE path = ?",
                                 [(f.mtime_ns, f.size, f.path) for f, _ in updates])
@@ -435,7 +407,7 @@ class Store:
         if self.db.execute("SELECT 1 FROM meta WHERE key = 'vector_writes'").fetchone() is not None:
             return True
         committed = dict(self.db.execute("SELECT lifecycle, count(*) FROM chunks GROUP BY lifecycle"))
-        return any(col.count() != committed.get(lifecycle, 0) for lifecycle, col in self.collections.items())
+        return any(self.vectors.count(lifecycle) != committed.get(lifecycle, 0) for lifecycle in rules.LIFECYCLES)
 
     def end_vector_writes(self) -> None:
         with transaction(self.db):
@@ -485,10 +457,8 @@ class Store:
              pf.file.disk_path, pf.file.real_path, doc.line_count, len(pf.chunks)))
 
     def _delete_vectors(self, ids: dict[str, str]) -> None:
-        for lifecycle, col in self.collections.items():
-            doomed = [i for i, lc in ids.items() if lc == lifecycle]
-            for batch in rules.batched(doomed, 5000):
-                col.delete(ids=list(batch))
+        for lifecycle in rules.LIFECYCLES:
+            self.vectors.delete(lifecycle, [i for i, lc in ids.items() if lc == lifecycle])
 
     def counts(self) -> tuple[int, int]:
         files = self.db.execute("SELECT count(*) FROM documents").fetchone()[0]
@@ -500,11 +470,7 @@ class Store:
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('stamp', ?)", (json.dumps(asdict(stamp)),))
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('manifest', ?)",
                             (json.dumps(self.manifest.to_dict()),))
-        for col in self.collections.values():
-            meta = dict(col.metadata or {})
-            meta.pop("hnsw:space", None)  # the distance space cannot be modified after creation
-            meta.update({f"stamp_{k}": v for k, v in asdict(stamp).items() if v is not None})
-            col.modify(metadata=meta)
+        self.vectors.merge_metadata({f"stamp_{k}": v for k, v in asdict(stamp).items() if v is not None})
 
 
 # ---------------------------------------------------------------------------
@@ -949,7 +915,7 @@ def run(args: argparse.Namespace, summary: Summary | None = None) -> Summary:
             summary.embedding_calls = embedding.calls
             summary.failed = len(plan.failed)
             summary.errors = [*sorted(plan.failed.values()), *run_errors]
-            _publish(layout, store, current, corpus, walk, summary, plan, changed_anything)
+            _publish(layout, settings, store, current, walk, summary, plan, changed_anything)
         finally:
             store.close()
     summary.seconds = time.monotonic() - started
@@ -960,7 +926,7 @@ def _open_and_plan(layout: rules.StoreLayout, settings: rules.Settings, scheme: 
                    walk: Walk, full: bool) -> tuple[Store, Plan, int]:
     """Open (or create) the index for these settings, repair what an interrupted run left, and
     compare the corpus with what it holds."""
-    store = Store(layout, rules.manifest_for(settings, scheme.name, dims))
+    store = Store(layout, rules.manifest_for(settings, scheme.name, dims), settings)
     repaired = store.reconcile() if full or store.needs_reconcile() else 0
     return store, plan_changes(walk, load_registry(store.db), full), repaired
 
@@ -1002,11 +968,11 @@ def _embed_and_write(store: Store, embedding: Embedding, plan: Plan, summary: Su
     return written, run_errors
 
 
-def _publish(layout: rules.StoreLayout, store: Store, current: rules.CurrentIndex | None, corpus: Path,
+def _publish(layout: rules.StoreLayout, settings: rules.Settings, store: Store, current: rules.CurrentIndex | None,
              walk: Walk, summary: Summary, plan: Plan, changed_anything: bool) -> None:
     """Stamp the index and, when anything changed, point CURRENT.json at it with a new generation
     (running servers reopen on it). A rebuild with failures stays unpublished."""
-    summary.commit, summary.dirty = corpus_git_state(corpus)
+    summary.commit, summary.dirty = corpus_git_state(settings.corpus_dir)
     files, chunks = store.counts()
     stamp = rules.IndexStamp(commit=summary.commit, dirty=summary.dirty,
                              ingested_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -1016,14 +982,16 @@ def _publish(layout: rules.StoreLayout, store: Store, current: rules.CurrentInde
         summary.errors.append(f"the new index {store.name} is incomplete; {current.index} stays live until a "
                               "run completes without failures")
         return
-    if (summary.rebuilt or changed_anything or current is None or current.corpus_dir != str(corpus)
+    if (summary.rebuilt or changed_anything or current is None or current.corpus_dir != str(settings.corpus_dir)
             or current.corpus_id != walk.root_id
             or (current.stamp.commit, current.stamp.dirty) != (stamp.commit, stamp.dirty)):
         generation = (current.generation + 1) if current else 1
         layout.write_current(rules.CurrentIndex(index=store.name, generation=generation, manifest=store.manifest,
-                                                 stamp=stamp, corpus_dir=str(corpus), corpus_id=walk.root_id))
+                                                 stamp=stamp, corpus_dir=str(settings.corpus_dir), corpus_id=walk.root_id))
         store.mark_published()
         if current is not None and current.index != store.name:
+            # The previous index is no longer live: its vectors and its folder go.
+            rules.vector_store(settings, layout, current.index).drop()
             shutil.rmtree(layout.index_dir(current.index), ignore_errors=True)
 
 

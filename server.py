@@ -26,7 +26,6 @@ os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
 
 import json
 import logging
-import math
 import queue
 import re
 import sqlite3
@@ -45,12 +44,19 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from corpus_rules import (
+    CHUNK_COLUMNS,
+    CHUNK_SELECT,
     CHUNKER_VERSION,
     COLLECTION_BY_LIFECYCLE,
+    DOCUMENT_COLUMNS,
+    INGEST_HINT,
     FTS_WEIGHTS,
     PREFIX_SCHEMES,
     TOOL_VERSION,
+    ChunkRow,
+    DEFAULT_STORE_TIMEOUT_S,
     CurrentIndex,
+    DocumentRow,
     EmbedderTimeout,
     ErrorCode,
     OllamaEmbedder,
@@ -58,19 +64,25 @@ from corpus_rules import (
     RagError,
     Settings,
     StoreLayout,
+    VectorStore,
+    batched,
     content_hash,
+    fts_any,
+    has_lone_surrogates,
     is_within,
-    keyword_terms,
     load_settings,
     looks_unchanged,
     nfc,
     normalize_relative_path,
     open_folder,
     path_matches_prefix,
+    query_terms,
     read_beneath,
     same_model,
     shown,
     split_lines,
+    store_failure,
+    vector_store,
 )
 
 log = logging.getLogger("local-rag.server")
@@ -105,12 +117,6 @@ CHUNK_VECTOR_CACHE_SIZE = 4096
 # The staleness hint stats every indexed file; once every few seconds keeps searches cheap.
 STALENESS_TTL_S = 5.0
 SQLITE_BUSY_TIMEOUT_S = 5.0
-# Chroma's own SQLite layer waits without limit for a lock another process holds (measured: a
-# search hung for as long as another process held BEGIN EXCLUSIVE on chroma.sqlite3, opening or
-# querying alike). Every Chroma call therefore runs on one worker thread and a tool call waits for
-# it at most this long (RAG_STORE_TIMEOUT overrides). Generous: loading a large HNSW index the
-# first time takes seconds.
-STORE_CALL_TIMEOUT_S = 20.0
 WARMUP_DELAY_S = 0.2
 # SQLite integers are signed 64-bit; a larger offset would crash the query instead of failing validation.
 SQLITE_MAX_INT = 2**63 - 1
@@ -118,7 +124,6 @@ SQLITE_MAX_INT = 2**63 - 1
 # Embedder failures that hybrid search survives by answering from the keyword channel.
 DEGRADABLE_EMBEDDER_ERRORS = (ErrorCode.EMBEDDER_UNAVAILABLE, ErrorCode.MODEL_NOT_FOUND)
 
-INGEST_HINT = "run `python ingest.py` (with the same RAG_STORE_DIR and RAG_CORPUS_DIR as this server)"
 
 INSTRUCTIONS = (
     "local-rag searches a local folder of Markdown documentation (runbooks, references, policies, "
@@ -139,7 +144,7 @@ INSTRUCTIONS = (
 
 def _clean_query(value: str) -> str:
     # Lone surrogates arrive through JSON escapes and would crash the embedder's HTTP encoding.
-    if _has_surrogates(value):
+    if has_lone_surrogates(value):
         raise ValueError("contains lone surrogates (not valid Unicode)")
     text = nfc(value.strip())
     if "\x00" in text:
@@ -149,10 +154,6 @@ def _clean_query(value: str) -> str:
     if len(text) > QUERY_MAX_CHARS:
         raise ValueError(f"is {len(text)} characters; the limit is {QUERY_MAX_CHARS}")
     return text
-
-
-def _has_surrogates(text: str) -> bool:
-    return any(0xD800 <= ord(ch) <= 0xDFFF for ch in text)
 
 
 def _clean_prefix(value: str | None) -> str | None:
@@ -234,6 +235,13 @@ class GetFileInput(_ToolInput):
     @classmethod
     def _path(cls, value: str) -> str:
         return normalize_relative_path(value)
+
+    @model_validator(mode="after")
+    def _lines_in_order(self) -> GetFileInput:
+        if self.start_line is not None and self.end_line is not None and self.end_line < self.start_line:
+            raise ValueError(f"end_line {self.end_line} is before start_line {self.start_line}; pass end_line >= "
+                             "start_line, or omit it to read to the end")
+        return self
 
 
 class ListDocumentsInput(_ToolInput):
@@ -446,14 +454,12 @@ def slice_lines(lines: Sequence[str], start_line: int | None, end_line: int | No
                 max_chars: int = FILE_TEXT_MAX_CHARS) -> LineSlice:
     """Lines start..end (1-based, inclusive, clamped to the file) within `max_chars`.
 
-    Raises RagError(invalid_argument) for a start past the end or an end before the start.
-    A cut keeps whole lines; only a single line longer than the cap is cut inside.
+    Raises RagError(invalid_argument) for a start past the end (GetFileInput has already refused
+    an end before the start). A cut keeps whole lines; only a single line longer than the cap is
+    cut inside.
     """
     total = len(lines)
     start = start_line or 1
-    if end_line is not None and end_line < start:
-        raise RagError(ErrorCode.INVALID_ARGUMENT, f"end_line {end_line} is before start_line {start}",
-                       "pass end_line >= start_line, or omit it to read to the end")
     if total == 0:
         if start > 1:
             raise RagError(ErrorCode.INVALID_ARGUMENT, f"start_line {start} is past the end: the file is empty",
@@ -501,20 +507,6 @@ class KeywordPlan:
     kind: Literal["all", "rare", "too_common", "no_terms"]
 
 
-def fts_quote(term: str) -> str:
-    return '"' + term.replace('"', '""') + '"'
-
-
-def query_terms(query: str) -> list[str]:
-    """The query's keyword terms, as corpus_rules.fts_match_expression takes them (unique, <= 64)."""
-    return list(dict.fromkeys(keyword_terms(query)))[:64]
-
-
-def fts_or(terms: Sequence[str]) -> str:
-    """The same escaped "any of these terms" expression as corpus_rules.fts_match_expression."""
-    return " OR ".join(fts_quote(t) for t in terms)
-
-
 def cosine_many(query: Sequence[float], matrix: Any) -> list[float | None]:
     """Cosine similarity of one vector with each row (numpy: chromadb depends on it anyway)."""
     import numpy as np  # noqa: PLC0415 - only reached after chromadb has been imported
@@ -530,15 +522,6 @@ def cosine_many(query: Sequence[float], matrix: Any) -> list[float | None]:
     return [float(d / n) if n > 0 else None for d, n in zip(dots, norms)]
 
 
-def cosine(a: Sequence[float], b: Sequence[float]) -> float | None:
-    dot = sum(x * y for x, y in zip(a, b))
-    na = math.sqrt(sum(x * x for x in a))
-    nb = math.sqrt(sum(y * y for y in b))
-    if na == 0 or nb == 0 or len(a) != len(b):
-        return None
-    return dot / (na * nb)
-
-
 # ---------------------------------------------------------------------------
 # The store, as of one generation.
 
@@ -547,50 +530,6 @@ def _chromadb() -> Any:
     import chromadb  # noqa: PLC0415 - the import costs ~1 s; never during the handshake
 
     return chromadb
-
-
-def _store_error(exc: BaseException, what: str) -> RagError:
-    text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-    if "unapplied migrations" in text.lower():
-        return RagError(ErrorCode.INDEX_INCOMPATIBLE, f"the {what} was written by another Chroma version: {text}",
-                        "run `python ingest.py` with this installation; it upgrades the store")
-    if "locked" in text.lower() or "busy" in text.lower():
-        return RagError(ErrorCode.INTERNAL, f"the {what} is locked: {text}",
-                        "another process holds it; retry in a moment (an ingest may be running)")
-    return RagError(ErrorCode.INTERNAL, f"the {what} could not be read: {text}",
-                    "if an ingest is running, retry when it finishes; otherwise rebuild the index with "
-                    "`python ingest.py --full`")
-
-
-def _probe_chroma_sqlite(sqlite_file: Path) -> None:
-    """Refuse a chroma.sqlite3 that is not a Chroma database before Chroma sees it: given an empty
-    or foreign file, PersistentClient writes a fresh schema into it (the server never writes the
-    store). Waits for a lock at most SQLITE_BUSY_TIMEOUT_S."""
-    try:
-        # mode=rw: never creates the file, and can roll back a journal left by a killed ingest
-        # (as Chroma's own connection would); only SELECTs run here.
-        db = sqlite3.connect(sqlite_file.as_uri() + "?mode=rw", uri=True, timeout=SQLITE_BUSY_TIMEOUT_S)
-        try:
-            db.execute("SELECT 1 FROM migrations LIMIT 1").fetchall()
-            db.execute("SELECT 1 FROM collections LIMIT 1").fetchall()
-        finally:
-            db.close()
-    except sqlite3.OperationalError as exc:
-        if "no such table" in str(exc):
-            raise RagError(ErrorCode.INDEX_MISSING, f"the vector store {sqlite_file} holds no Chroma database "
-                           f"({exc})", INGEST_HINT) from None
-        raise _store_error(exc, f"vector store {sqlite_file}") from None
-    except sqlite3.Error as exc:
-        raise _store_error(exc, f"vector store {sqlite_file}") from None
-
-
-def store_call_timeout() -> float:
-    raw = os.environ.get("RAG_STORE_TIMEOUT", "").strip()
-    try:
-        value = float(raw) if raw else STORE_CALL_TIMEOUT_S
-    except ValueError:
-        return STORE_CALL_TIMEOUT_S
-    return value if value > 0 and math.isfinite(value) else STORE_CALL_TIMEOUT_S
 
 
 class _Job:
@@ -605,6 +544,12 @@ class _Job:
 
 class ChromaWorker:
     """Runs every Chroma call on one daemon thread; callers wait a bounded time.
+
+    Chroma's own SQLite layer waits without limit for a lock another process holds (measured: a
+    search hung for as long as another process held BEGIN EXCLUSIVE on chroma.sqlite3, opening or
+    querying alike). Every Chroma call therefore runs on one worker thread and a tool call waits for
+    it at most RAG_STORE_TIMEOUT seconds (default 20: generous, since loading a large HNSW index
+    the first time takes seconds).
 
     A call stuck on a lock held by another process keeps the worker busy until the lock goes,
     but its caller gets a structured error after the timeout, later callers time out in the
@@ -633,8 +578,7 @@ class ChromaWorker:
             return True
         return self.submit(lambda: None).done.wait(timeout)
 
-    def call(self, fn: Callable[[], Any], what: str, timeout: float | None = None) -> Any:
-        timeout = store_call_timeout() if timeout is None else timeout
+    def call(self, fn: Callable[[], Any], what: str, timeout: float) -> Any:
         job = self.submit(fn)
         if not job.done.wait(timeout):
             with job.lock:
@@ -665,58 +609,22 @@ class ChromaWorker:
 CHROMA_WORKER = ChromaWorker()
 
 
-@dataclass(frozen=True)
-class ChunkRow:
-    id: str
-    path: str
-    chunk_index: int
-    start_line: int
-    end_line: int
-    heading: str
-    lifecycle: str
-    text: str
-    title: str  # the document's, joined in so a search needs no separate title query
-
-
-# One SELECT for a chunk with its document title; every chunk query uses it.
-_CHUNK_COLUMNS = ("c.id, c.path, c.chunk_index, c.start_line, c.end_line, c.heading, c.lifecycle, c.text, "
-                  "coalesce(d.title, c.path)")
-_CHUNK_FROM = "chunks c LEFT JOIN documents d ON d.path = c.path"
-
-
-@dataclass(frozen=True)
-class DocumentRow:
-    path: str
-    title: str
-    lifecycle: str
-    size: int
-    mtime_ns: int
-    disk_path: str
-    real_path: str
-    line_count: int
-    chunk_count: int
-    content_hash: str
-
-
 class OpenIndex:
     """Read-only handles on one index generation: the keyword db now, Chroma on first need.
 
     Not thread-safe on its own: StoreManager serializes every use under its lock.
     """
 
-    def __init__(self, layout: StoreLayout, current: CurrentIndex) -> None:
+    def __init__(self, layout: StoreLayout, current: CurrentIndex, vectors: VectorStore,
+                 store_timeout_s: float) -> None:
         self.layout = layout
+        self.store_timeout_s = store_timeout_s
         self.current = current
         self.key = (current.index, current.generation)
-        self.chroma_dir = layout.chroma_dir(current.index)
         self.keyword_path = layout.keyword_db(current.index)
         self.db = self._open_keywords()
-        self._client: Any = None
-        self._collections: dict[str, Any | None] = {}
+        self.vectors = vectors  # opened on first need, on the Chroma thread
         self._term_counts: dict[tuple[str, int], int] = {}
-        columns = {row[1] for row in self._sql("PRAGMA table_info(documents)")}
-        # disk_path (the file system's spelling, maybe NFD) came with a later schema; path otherwise.
-        self._disk_col = "disk_path" if "disk_path" in columns else "path"
 
     def _open_keywords(self) -> sqlite3.Connection:
         path = self.keyword_path
@@ -730,14 +638,14 @@ class OpenIndex:
             db.execute("PRAGMA query_only = 1")
             db.execute("SELECT 1 FROM chunks LIMIT 1").fetchall()
         except sqlite3.Error as exc:
-            raise _store_error(exc, f"keyword index {path}") from None
+            raise store_failure(exc, f"keyword index {path}") from None
         return db
 
     def _sql(self, query: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         try:
             return self.db.execute(query, list(params)).fetchall()
         except sqlite3.Error as exc:
-            raise _store_error(exc, f"keyword index {self.keyword_path}") from None
+            raise store_failure(exc, f"keyword index {self.keyword_path}") from None
 
     def close(self) -> None:
         """Release the handles of a generation that is no longer live (HNSW memory, files)."""
@@ -746,115 +654,37 @@ class OpenIndex:
         except sqlite3.Error:
             pass
         # On the Chroma thread, after any call still using the client (never waited for).
-        CHROMA_WORKER.submit(self._reset_chroma)
+        CHROMA_WORKER.submit(self.vectors.close)
 
-    # Chroma: every method below runs on CHROMA_WORKER's thread (through _chroma_read) --------
-    def collection(self, lifecycle: str) -> Any:
-        if self._client is None:
-            self._open_chroma()
-        found = self._collections.get(lifecycle)
-        if found is None:
-            name = COLLECTION_BY_LIFECYCLE[lifecycle]
-            raise RagError(ErrorCode.INDEX_MISSING, f"the collection {name!r} is missing from {self.chroma_dir}",
-                           INGEST_HINT)
-        return found
-
-    def _open_chroma(self) -> None:
-        sqlite_file = self.chroma_dir / "chroma.sqlite3"
-        # PersistentClient creates whatever is missing: look before constructing it.
-        if not sqlite_file.is_file():
-            raise RagError(ErrorCode.INDEX_MISSING, f"the vector store {sqlite_file} does not exist", INGEST_HINT)
-        _probe_chroma_sqlite(sqlite_file)
-        chromadb = _chromadb()
-        from chromadb.api.shared_system_client import SharedSystemClient  # noqa: PLC0415
-        from chromadb.config import Settings as ChromaSettings  # noqa: PLC0415
-        from chromadb.errors import NotFoundError  # noqa: PLC0415
-
-        # A cached system would serve an older view of the files (a long-lived client does not see
-        # another process's writes).
-        SharedSystemClient.clear_system_cache()
-        client: Any = None
-        collections: dict[str, Any | None] = {}
-        try:
-            # migrations="validate": a store written by another Chroma version is reported, never
-            # migrated by the reader (ingest migrates it).
-            client = chromadb.PersistentClient(path=str(self.chroma_dir),
-                                               settings=ChromaSettings(anonymized_telemetry=False, allow_reset=False,
-                                                                       migrations="validate"))
-            # Both collections now, while the client is fresh: a missing one is remembered as None
-            # and reported (index_missing) only when a search needs it.
-            for lifecycle, name in COLLECTION_BY_LIFECYCLE.items():
-                try:
-                    collections[lifecycle] = client.get_collection(name)
-                except NotFoundError:
-                    collections[lifecycle] = None
-        except Exception as exc:  # noqa: BLE001 - any Chroma failure here is a store problem
-            if client is not None:
-                try:
-                    client.close()
-                except Exception:  # noqa: BLE001
-                    pass
-            raise _store_error(exc, f"vector store {self.chroma_dir}") from None
-        self._client, self._collections = client, collections
-
-    def _chroma_read(self, lifecycle: str, read: Callable[[Any], Any]) -> Any:
-        """Run a read on a collection; on failure reopen the client once and retry.
+    # Vectors: every call runs on CHROMA_WORKER's thread ---------------------------------------
+    def _vector_read(self, read: Callable[[VectorStore], Any]) -> Any:
+        """Run a read on the vector store; on failure reopen the client once and retry.
 
         While an ingest deletes vectors, this process's client still holds the previous HNSW
         state in memory and Chroma fails with "Error finding id" for labels whose ids are gone;
         a fresh client reads the current files. Measured: 23 of 185 searches failed during a
-        re-ingest before this retry, none after.
-
-        Runs on the Chroma worker thread; the caller waits at most RAG_STORE_TIMEOUT.
+        re-ingest before this retry, none after. The caller waits at most RAG_STORE_TIMEOUT.
         """
-        return CHROMA_WORKER.call(lambda: self._chroma_read_now(lifecycle, read), f"vector store {self.chroma_dir}")
-
-    def _chroma_read_now(self, lifecycle: str, read: Callable[[Any], Any]) -> Any:
-        try:
-            return read(self.collection(lifecycle))
-        except RagError:
-            raise
-        except Exception as first:  # noqa: BLE001 - any Chroma failure: one fresh attempt
-            log.info("vector store read failed (%s); reopening the Chroma client", str(first).splitlines()[0][:200])
-        self._reset_chroma()
-        try:
-            return read(self.collection(lifecycle))
-        except RagError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise _store_error(exc, f"vector store {self.chroma_dir}") from None
-
-    def _reset_chroma(self) -> None:
-        if self._client is not None:
+        def attempt() -> Any:
             try:
-                self._client.close()
-            except Exception:  # noqa: BLE001
-                log.debug("closing the Chroma client failed:\n%s", traceback.format_exc())
-        self._client = None
-        self._collections = {}
+                return read(self.vectors)
+            except RagError as first:
+                if first.code is not ErrorCode.INTERNAL:
+                    raise
+                log.info("vector store read failed (%s); reopening the Chroma client", first.message[:200])
+            self.vectors.close()
+            return read(self.vectors)
+
+        return CHROMA_WORKER.call(attempt, self.vectors.where, self.store_timeout_s)
 
     def vector_query(self, lifecycle: str, vector: Sequence[float], n: int,
                      paths: Sequence[str] | None) -> list[tuple[str, float]]:
         """(id, cosine distance) best first. paths=None: unfiltered (the fast path)."""
-        where = {"path": {"$in": list(paths)}} if paths is not None else None
-        import numpy as np  # noqa: PLC0415 - only reached after chromadb has been imported
-
-        query = np.asarray(vector, dtype=np.float32)
-        found = self._chroma_read(lifecycle, lambda col: col.query(
-            query_embeddings=[query], n_results=n, where=where, include=["distances"]))
-        ids = (found.get("ids") or [[]])[0]
-        distances = (found.get("distances") or [[]])[0]
-        return [(str(i), float(d)) for i, d in zip(ids, distances)]
+        return self._vector_read(lambda vectors: vectors.query(lifecycle, vector, n, paths))
 
     def embeddings(self, lifecycle: str, ids: Sequence[str]) -> tuple[list[str], Any]:
         """Stored vectors of these ids: (ids found, matrix with one row each)."""
-        if not ids:
-            return [], []
-        got = self._chroma_read(lifecycle, lambda col: col.get(ids=list(ids), include=["embeddings"]))
-        vectors = got.get("embeddings")
-        if vectors is None or len(vectors) == 0:
-            return [], []
-        return [str(i) for i in got["ids"]], vectors
+        return self._vector_read(lambda vectors: vectors.embeddings(lifecycle, ids))
 
     # Keyword db ----------------------------------------------------------------------------
     def _bounded_matches(self, expression: str, budget: int) -> int:
@@ -870,7 +700,7 @@ class OpenIndex:
         terms = query_terms(query)
         if not terms:
             return KeywordPlan(None, terms, "no_terms")
-        everything = fts_or(terms)
+        everything = fts_any(terms)
         # An index no bigger than the budget cannot exceed it: skip the probe (small corpora).
         if self.current.stamp.chunks <= budget or self._bounded_matches(everything, budget) <= budget:
             return KeywordPlan(everything, terms, "all")
@@ -884,7 +714,7 @@ class OpenIndex:
             picked.append(term)
             total += counts[term]
         if picked:
-            return KeywordPlan(fts_or(picked), picked, "rare")
+            return KeywordPlan(fts_any(picked), picked, "rare")
         # Not "chunks holding all the terms": FTS5 intersects by walking every term's full
         # posting list, so an AND of common words costs as much as ranking them (measured: p95
         # 11 ms at 100k chunks). Common words are what the vector channel already covers.
@@ -895,7 +725,7 @@ class OpenIndex:
         if key not in self._term_counts:
             if len(self._term_counts) > 20_000:  # a bounded cache; counts are only cost estimates
                 self._term_counts.clear()
-            self._term_counts[key] = self._bounded_matches(fts_quote(term), budget)
+            self._term_counts[key] = self._bounded_matches(fts_any([term]) or "", budget)
         return self._term_counts[key]
 
     def keyword_rows(self, query: str, lifecycles: Sequence[str], prefix: str | None, n: int,
@@ -910,7 +740,7 @@ class OpenIndex:
         weights = ", ".join(str(float(w)) for w in FTS_WEIGHTS)
         # Rank on rowids first; the texts and titles are read for the n winners only.
         rows = self._sql(
-            f"SELECT {_CHUNK_COLUMNS} FROM ("
+            f"SELECT {CHUNK_COLUMNS} FROM ("
             f"SELECT chunks_fts.rowid AS r, bm25(chunks_fts, {weights}) AS s, c.id AS cid "
             f"FROM chunks_fts JOIN chunks c ON c.rowid = chunks_fts.rowid "
             f"WHERE chunks_fts MATCH ? AND c.lifecycle IN ({marks}) AND {where} ORDER BY s, cid LIMIT ?"
@@ -918,36 +748,27 @@ class OpenIndex:
             [plan.expression, *lifecycles, *params, n])
         return [ChunkRow(*r) for r in rows], plan
 
-    def keyword_query(self, query: str, lifecycles: Sequence[str], prefix: str | None, n: int) -> list[str]:
-        return [row.id for row in self.keyword_rows(query, lifecycles, prefix, n)[0]]
-
     def chunks_by_id(self, ids: Sequence[str]) -> dict[str, ChunkRow]:
         out: dict[str, ChunkRow] = {}
-        for start in range(0, len(ids), 500):
-            batch = list(ids[start:start + 500])
-            rows = self._sql(f"SELECT {_CHUNK_COLUMNS} FROM {_CHUNK_FROM} WHERE c.id IN ({','.join('?' * len(batch))})",
-                             batch)
+        for batch in batched(ids, 500):  # SQLite's host-parameter limit
+            rows = self._sql(f"{CHUNK_SELECT} WHERE c.id IN ({','.join('?' * len(batch))})", batch)
             out.update({str(r[0]): ChunkRow(*r) for r in rows})
         return out
 
     def chunks_of(self, path: str) -> list[ChunkRow]:
-        rows = self._sql(f"SELECT {_CHUNK_COLUMNS} FROM {_CHUNK_FROM} WHERE c.path = ? ORDER BY c.chunk_index", [path])
+        rows = self._sql(f"{CHUNK_SELECT} WHERE c.path = ? ORDER BY c.chunk_index", [path])
         return [ChunkRow(*r) for r in rows]
 
-    def _doc_select(self) -> str:
-        return (f"SELECT path, title, lifecycle, size, mtime_ns, {self._disk_col}, real_path, line_count, "
-                f"chunk_count, content_hash FROM documents")
-
     def document(self, path: str) -> DocumentRow | None:
-        rows = self._sql(self._doc_select() + " WHERE path = ?", [path])
+        rows = self._sql(f"SELECT {DOCUMENT_COLUMNS} FROM documents WHERE path = ?", [path])
         return DocumentRow(*rows[0]) if rows else None
 
     def documents(self, prefix: str | None = None, offset: int = 0, limit: int | None = None) -> list[DocumentRow]:
         where, params = prefix_sql("path", prefix)
         tail = " LIMIT ? OFFSET ?" if limit is not None else ""
         extra = [limit, offset] if limit is not None else []
-        return [DocumentRow(*r) for r in self._sql(self._doc_select() + f" WHERE {where} ORDER BY path" + tail,
-                                                   [*params, *extra])]
+        return [DocumentRow(*r) for r in self._sql(f"SELECT {DOCUMENT_COLUMNS} FROM documents WHERE {where} "
+                                                   f"ORDER BY path{tail}", [*params, *extra])]
 
     def count_documents(self, prefix: str | None = None) -> int:
         where, params = prefix_sql("path", prefix)
@@ -978,8 +799,9 @@ class StoreManager:
     All store access happens under `lock` (one call at a time; searches take milliseconds).
     """
 
-    def __init__(self, store_dir: Path) -> None:
-        self.layout = StoreLayout(store_dir)
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.layout = StoreLayout(settings.store_dir)
         self.lock = threading.RLock()
         self._stat: _StatKey | None = None
         self._current: CurrentIndex | None = None
@@ -1022,7 +844,8 @@ class StoreManager:
             raise RagError(ErrorCode.INDEX_INCOMPATIBLE,
                            f"the index uses prefix scheme {current.manifest.prefix_scheme!r}, unknown to this server",
                            "update local-rag-mcp, or rebuild with `python ingest.py --full`")
-        opened = OpenIndex(self.layout, current)
+        vectors = vector_store(self.settings, self.layout, current.index)
+        opened = OpenIndex(self.layout, current, vectors, self.settings.store_timeout_s)
         old, self._open = self._open, opened
         if old is not None:
             old.close()
@@ -1086,25 +909,134 @@ class QueryEmbeddings:
 # The service: the three tools as plain methods (no MCP types below this line's section).
 
 
+class WarmUp:
+    """Pays the imports and the store opening in the background, once, after the handshake: the
+    client has what it needs to start, and the agent's first search does not pay ~2 s of imports."""
+
+    def __init__(self, service: RetrievalService) -> None:
+        self.service = service
+        self._thread: threading.Thread | None = None
+
+    def start(self, delay: float = WARMUP_DELAY_S) -> None:
+        try:
+            wanted = self.service.settings.server_warmup
+        except RagError:
+            return  # a configuration error: every call will say so, nothing to warm up
+        if self._thread is not None or not wanted:
+            return
+        self._thread = threading.Thread(target=self._run, args=(delay,), name="rag-warmup", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self, delay: float) -> None:
+        time.sleep(delay)  # let the tools/list answer reach the client first
+        log.info("warm-up: start")
+        started = time.perf_counter()
+        try:
+            import ollama  # noqa: F401, PLC0415 - only to pay the import now
+
+            _chromadb()
+            manager = self.service.manager
+            with manager.lock:
+                index = manager.open()
+                # One tiny query loads the HNSW segment now rather than in the agent's first search.
+                probe = [1.0] + [0.0] * (index.current.manifest.dims - 1)
+                index.vector_query("active", probe, 1, None)
+        except RagError as exc:
+            log.info("warm-up: store not ready (%s)", exc.code)
+        except Exception:  # noqa: BLE001 - a warm-up failure must never take the server down
+            log.warning("warm-up failed:\n%s", traceback.format_exc())
+        log.info("warm-up: done in %.0f ms", (time.perf_counter() - started) * 1000)
+
+
+class StalenessCheck:
+    """How many indexed files changed on disk since ingest. Counted in the call once per
+    generation; after that a stale count is served while a background thread recounts every
+    STALENESS_TTL_S, so no search waits for thousands of stat calls."""
+
+    def __init__(self) -> None:
+        self._cache: tuple[tuple[str, int], float, int] | None = None
+        self._refreshing = False
+
+    def of(self, index: OpenIndex, corpus_dir: Path, recount: Callable[[], tuple[tuple[str, int], int]]) -> Staleness:
+        now = time.monotonic()
+        cached = self._cache
+        if cached is None or cached[0] != index.key:
+            changed = count_changed_files(corpus_dir, index.documents())
+            self._cache = (index.key, now, changed)
+        else:
+            changed = cached[2]
+            if now - cached[1] >= STALENESS_TTL_S and not self._refreshing:
+                self._refreshing = True
+                threading.Thread(target=self._refresh, args=(recount,), name="rag-staleness", daemon=True).start()
+        hints = []
+        if changed:
+            hints.append(f"{changed} indexed file(s) changed on disk since the last ingest; results may be out of "
+                         f"date: {INGEST_HINT}")
+        if index.current.manifest.chunker_version != CHUNKER_VERSION:
+            # Still served (queries and index use the same words mostly), but keyword terms or
+            # chunking changed since: ingest rebuilds the index on its next run.
+            hints.append(f"the index was built by chunker version {index.current.manifest.chunker_version}, this "
+                         f"server uses {CHUNKER_VERSION}: run `python ingest.py` to rebuild it")
+        return Staleness(changed_files=changed, hint=" ".join(hints) or None)
+
+    def _refresh(self, recount: Callable[[], tuple[tuple[str, int], int]]) -> None:
+        try:
+            key, changed = recount()
+            self._cache = (key, time.monotonic(), changed)
+        except Exception:  # noqa: BLE001 - a hint is not worth a crash; the next call retries
+            log.debug("staleness refresh failed:\n%s", traceback.format_exc())
+        finally:
+            self._refreshing = False
+
+
+@dataclass(frozen=True)
+class SearchScope:
+    """What the pre-filter lets through, before any ranking: the lifecycles, the path prefix, and
+    per lifecycle the whole collection (None) or only these documents. `empty` says why nothing
+    can match, when nothing passes."""
+
+    lifecycles: tuple[str, ...]
+    prefix: str | None
+    paths: Mapping[str, list[str] | None]
+    empty: str | None = None
+
+
 @dataclass
-class _Candidate:
-    id: str
-    score: float | None = None
-    matched: list[str] = field(default_factory=list)
+class Candidates:
+    """What each channel found for the query, best first, with the committed rows and the
+    similarities known so far. `dropped` are the candidates min_score removed."""
+
+    vector: list[str] = field(default_factory=list)
+    keyword: list[str] = field(default_factory=list)
+    rows: dict[str, ChunkRow] = field(default_factory=dict)
+    scores: dict[str, float | None] = field(default_factory=dict)
+    keyword_plan: KeywordPlan | None = None
+    dropped: set[str] = field(default_factory=set)
+
+
+def rank(found: Candidates, k: int) -> list[tuple[str, float]]:
+    """The k candidates to return, best first, with the value that ordered them: reciprocal rank
+    fusion of the channels, every channel's best kept. A reranker would go here."""
+    fused = fuse_rankings(found.vector, found.keyword, RRF_K)
+    bests = [found.vector[0] if found.vector else None, found.keyword[0] if found.keyword else None]
+    return select_top_k(fused, bests, k)
 
 
 class RetrievalService:
+    """The three tools as plain methods over the store; no MCP, HTTP or CLI types in here."""
+
     def __init__(self, settings_loader: Callable[[], Settings] = load_settings) -> None:
         self._settings_loader = settings_loader
         self._settings: Settings | None = None
         self._manager: StoreManager | None = None
         self._init_lock = threading.Lock()
         self.queries = QueryEmbeddings()
-        self._stale_cache: tuple[tuple[str, int], float, int] | None = None
-        self._stale_refreshing = False
-        self._warm_started = False
-        self._warm_thread: threading.Thread | None = None
-        # Only touched under the store lock.
+        self.staleness = StalenessCheck()
+        # Stored vectors of keyword-only hits, for their scores; only touched under the store lock.
         self._chunk_vectors: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
     # set-up -------------------------------------------------------------------------------
@@ -1120,25 +1052,15 @@ class RetrievalService:
         settings = self.settings
         with self._init_lock:
             if self._manager is None:
-                self._manager = StoreManager(settings.store_dir)
+                self._manager = StoreManager(settings)
             return self._manager
 
-    def start_warmup(self, delay: float = WARMUP_DELAY_S) -> None:
-        """Pay the imports and the store opening in the background, once, after the handshake."""
-        if self._warm_started or os.environ.get("RAG_SERVER_WARMUP", "1").strip() in ("0", "false", "no"):
-            return
-        self._warm_started = True
-        self._warm_thread = threading.Thread(target=self._warmup, args=(delay,), name="rag-warmup", daemon=True)
-        self._warm_thread.start()
-
     def close(self, timeout: float) -> bool:
-        """Let go of the store before the interpreter exits: wait for the warm-up, close the Chroma
-        client on its thread, and wait until that thread is idle. Finalizing the interpreter while
-        Chroma's native code runs on another thread crashed the process (SIGSEGV, measured: 2 exits
-        in 12 right after a search). False when the store did not let go within `timeout`."""
+        """Let go of the store before the interpreter exits: close the Chroma client on its thread
+        and wait until that thread is idle. Finalizing the interpreter while Chroma's native code
+        runs on another thread crashed the process (SIGSEGV, measured: 2 exits in 12 right after a
+        search). False when the store did not let go within `timeout`."""
         deadline = time.monotonic() + timeout
-        if self._warm_thread is not None:
-            self._warm_thread.join(timeout)
         manager = self._manager
         if manager is not None and manager.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             try:
@@ -1148,25 +1070,6 @@ class RetrievalService:
         # At least a moment: an idle worker still has to pick up the marker job.
         return CHROMA_WORKER.wait_idle(max(0.5, deadline - time.monotonic()))
 
-    def _warmup(self, delay: float) -> None:
-        time.sleep(delay)  # let the tools/list answer reach the client first
-        log.info("warm-up: start")
-        started = time.perf_counter()
-        try:
-            import ollama  # noqa: F401, PLC0415 - only to pay the import now
-
-            _chromadb()
-            with self.manager.lock:
-                index = self.manager.open()
-                # One tiny query loads the HNSW segment now rather than in the agent's first search.
-                probe = [1.0] + [0.0] * (index.current.manifest.dims - 1)
-                index.vector_query("active", probe, 1, None)
-        except RagError as exc:
-            log.info("warm-up: store not ready (%s)", exc.code)
-        except Exception:  # noqa: BLE001 - a warm-up failure must never take the server down
-            log.warning("warm-up failed:\n%s", traceback.format_exc())
-        log.info("warm-up: done in %.0f ms", (time.perf_counter() - started) * 1000)
-
     # shared pieces ----------------------------------------------------------------------------
     def _index_info(self, current: CurrentIndex) -> IndexInfo:
         stamp = current.stamp
@@ -1175,41 +1078,13 @@ class RetrievalService:
                          files=stamp.files, chunks=stamp.chunks)
 
     def _staleness(self, index: OpenIndex) -> Staleness:
-        """How many indexed files changed on disk. Computed once per generation in the call; after
-        that a stale value is served while a background thread recounts, so no search waits for
-        thousands of stat calls."""
-        now = time.monotonic()
-        cached = self._stale_cache
-        if cached is None or cached[0] != index.key:
-            changed = count_changed_files(self._corpus_dir(index.current), index.documents())
-            self._stale_cache = (index.key, now, changed)
-        else:
-            changed = cached[2]
-            if now - cached[1] >= STALENESS_TTL_S and not self._stale_refreshing:
-                self._stale_refreshing = True
-                threading.Thread(target=self._refresh_staleness, name="rag-staleness", daemon=True).start()
-        hints = []
-        if changed:
-            hints.append(f"{changed} indexed file(s) changed on disk since the last ingest; results may be out of "
-                         f"date: {INGEST_HINT}")
-        if index.current.manifest.chunker_version != CHUNKER_VERSION:
-            # Still served (queries and index use the same words mostly), but keyword terms or
-            # chunking changed since: ingest rebuilds the index on its next run.
-            hints.append(f"the index was built by chunker version {index.current.manifest.chunker_version}, this "
-                         f"server uses {CHUNKER_VERSION}: run `python ingest.py` to rebuild it")
-        return Staleness(changed_files=changed, hint=" ".join(hints) or None)
-
-    def _refresh_staleness(self) -> None:
-        try:
+        def recount() -> tuple[tuple[str, int], int]:
             with self.manager.lock:
-                index = self.manager.open()
-                docs = index.documents()
-            changed = count_changed_files(self._corpus_dir(index.current), docs)
-            self._stale_cache = (index.key, time.monotonic(), changed)
-        except Exception:  # noqa: BLE001 - a hint is not worth a crash; the next call retries
-            log.debug("staleness refresh failed:\n%s", traceback.format_exc())
-        finally:
-            self._stale_refreshing = False
+                latest = self.manager.open()
+                docs = latest.documents()
+            return latest.key, count_changed_files(self._corpus_dir(latest.current), docs)
+
+        return self.staleness.of(index, self._corpus_dir(index.current), recount)
 
     def _corpus_dir(self, current: CurrentIndex) -> Path:
         """RAG_CORPUS_DIR when set, else the folder the index was built from."""
@@ -1232,6 +1107,8 @@ class RetrievalService:
 
     # search_corpus ----------------------------------------------------------------------------
     def search(self, args: SearchCorpusInput) -> SearchResponse:
+        """Embed the query (outside the store lock: it can take seconds), then run the stages
+        on one generation of the index: pre-filter -> candidates -> rank -> hits."""
         if args.mode == "keyword" and args.min_score is not None:
             raise RagError(ErrorCode.INVALID_ARGUMENT, "min_score needs similarity scores, which keyword mode "
                            "does not compute", "drop min_score, or use mode 'hybrid' or 'vector'")
@@ -1244,11 +1121,8 @@ class RetrievalService:
                 index = manager.open()
                 if (args.mode == "keyword" or degraded is not None
                         or (vector is not None and embedded_for == index.current.manifest)):
-                    return self._search_locked(index, args, vector, degraded)
+                    return self._search_index(index, args, vector, degraded)
                 current = index.current
-            # The embedding call can take seconds (Ollama loading the model): never under the lock.
-            # (Running it beside the keyword channel in another thread was measured: the thread
-            # hand-off cost more than the overlap saved.)
             try:
                 vector = self._query_vector(args.query, current)
             except RagError as exc:
@@ -1261,107 +1135,54 @@ class RetrievalService:
             embedded_for = current.manifest
         raise RagError(ErrorCode.INTERNAL, "the index kept changing during the search", "retry")
 
-    @staticmethod
-    def _lifecycles(args: SearchCorpusInput) -> list[str]:
-        return ["active", "superseded"] if args.include_superseded else ["active"]
+    def _search_index(self, index: OpenIndex, args: SearchCorpusInput, vector: Sequence[float] | None,
+                      degraded: RagError | None) -> SearchResponse:
+        scope = self._prefilter(index, args)
+        found = Candidates() if scope.empty else self._candidates(index, args, scope, vector)
+        hits = self._hits(index, rank(found, args.k), found, vector)
+        return self._search_response(index, args, scope, found, hits, degraded)
 
-    def _search_locked(self, index: OpenIndex, args: SearchCorpusInput, vector: Sequence[float] | None,
-                       degraded: RagError | None = None) -> SearchResponse:
-        lifecycles = self._lifecycles(args)
+    def _prefilter(self, index: OpenIndex, args: SearchCorpusInput) -> SearchScope:
+        """Lifecycle and path_prefix, applied before ranking in both channels so a filtered-out
+        chunk never takes a slot."""
+        lifecycles = ("active", "superseded") if args.include_superseded else ("active",)
         prefix = args.path_prefix
-        info = self._index_info(index.current)
-        staleness = self._staleness(index)
-        degraded_fields: dict[str, Any] = {}
-        if degraded is not None:
-            degraded_fields = {"degraded": str(degraded.code),
-                               "hint": f"{degraded.message}: keyword results only. {degraded.hint}"}
-            if args.min_score is not None:
-                degraded_fields["hint"] += "; min_score was not applied (it needs the query's embedding)"
+        if not prefix:
+            return SearchScope(lifecycles, None, {lc: None for lc in lifecycles})
+        by_lc = index.paths_by_lifecycle(prefix)
+        if not any(by_lc.get(lc) for lc in lifecycles):
+            hidden = "" if args.include_superseded or not by_lc.get("superseded") else (
+                " (only superseded documents are there: pass include_superseded=true)")
+            return SearchScope(lifecycles, prefix, {}, empty=f"no indexed document under path_prefix {shown(prefix)}"
+                               f"{hidden}; see list_documents for the indexed paths")
+        totals = index.counts_by_lifecycle()
+        # A prefix covering every document of a collection needs no where clause (the fast path).
+        return SearchScope(lifecycles, prefix, {lc: None if len(by_lc.get(lc, [])) == totals.get(lc, 0)
+                                                else by_lc.get(lc, []) for lc in lifecycles})
 
-        def empty(message: str) -> SearchResponse:
-            return SearchResponse(query=args.query, mode=args.mode, results=[], message=message,
-                                  index=info, staleness=staleness, **degraded_fields)
-
-        # Which documents the pre-filter lets through, per lifecycle (None: the whole collection).
-        allowed: dict[str, list[str] | None] = {lc: None for lc in lifecycles}
-        if prefix:
-            by_lc = index.paths_by_lifecycle(prefix)
-            if not any(by_lc.get(lc) for lc in lifecycles):
-                hidden = "" if args.include_superseded or not by_lc.get("superseded") else (
-                    " (only superseded documents are there: pass include_superseded=true)")
-                return empty(f"no indexed document under path_prefix {shown(prefix)}{hidden}; "
-                             "see list_documents for the indexed paths")
-            totals = index.counts_by_lifecycle()
-            for lc in lifecycles:
-                paths = by_lc.get(lc, [])
-                # A prefix covering every document of a collection needs no where clause (fast path).
-                allowed[lc] = None if len(paths) == totals.get(lc, 0) else paths
-
-        vector_hits: list[_Candidate] = []
-        keyword_ids: list[str] = []
-        plan: KeywordPlan | None = None
-        rows: dict[str, ChunkRow] = {}
-        dropped: set[str] = set()
+    def _candidates(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope,
+                    vector: Sequence[float] | None) -> Candidates:
+        """Each channel's best candidates; with min_score, the ones below it are dropped here,
+        before fusion, so a weak candidate never takes a slot."""
+        found = Candidates()
         if args.mode in ("hybrid", "vector") and vector is not None:
-            vector_hits, rows = self._vector_channel(index, vector, lifecycles, allowed, prefix, args.k)
+            found.vector, found.scores, found.rows = self._vector_channel(index, vector, scope, args.k)
         if args.mode in ("hybrid", "keyword"):
-            keyword_rows, plan = index.keyword_rows(args.query, lifecycles, prefix, max(CHANNEL_CANDIDATES, args.k))
-            rows.update((row.id, row) for row in keyword_rows)
-            keyword_ids = [row.id for row in keyword_rows]
-
-        scores: dict[str, float | None] = {c.id: c.score for c in vector_hits}
+            rows, found.keyword_plan = index.keyword_rows(args.query, scope.lifecycles, scope.prefix,
+                                                          max(CHANNEL_CANDIDATES, args.k))
+            found.rows.update((row.id, row) for row in rows)
+            found.keyword = [row.id for row in rows]
         if args.min_score is not None and vector is not None:
-            # Every candidate needs its similarity before fusion, so a weak one never takes a slot.
-            scores.update(self._stored_scores(index, vector, [i for i in keyword_ids if i not in scores], rows))
-            floor = args.min_score
-            dropped = {i for i, s in scores.items() if s is None or s < floor}
-        vector_ids = [c.id for c in vector_hits if c.id not in dropped]
-        keyword_ids = [i for i in keyword_ids if i not in dropped]
+            unscored = [i for i in found.keyword if i not in found.scores]
+            found.scores.update(self._stored_scores(index, vector, unscored, found.rows))
+            found.dropped = {i for i, s in found.scores.items() if s is None or s < args.min_score}
+            found.vector = [i for i in found.vector if i not in found.dropped]
+            found.keyword = [i for i in found.keyword if i not in found.dropped]
+        return found
 
-        fused = fuse_rankings(vector_ids, keyword_ids, RRF_K)
-        bests = [vector_ids[0] if vector_ids else None, keyword_ids[0] if keyword_ids else None]
-        chosen = select_top_k(fused, bests, args.k)
-        if vector is not None:
-            # Keyword-only hits that made the cut: their cosine from the stored embedding (only
-            # these k, not all candidates: fetching vectors is the dearest step of a search).
-            scores.update(self._stored_scores(index, vector, [i for i, _ in chosen if i not in scores], rows))
-        in_vector, in_keyword = set(vector_ids), set(keyword_ids)
-        hits = []
-        for item, rank_score in chosen:
-            row = rows[item]
-            matched: list[Literal["vector", "keyword"]] = []
-            if item in in_vector:
-                matched.append("vector")
-            if item in in_keyword:
-                matched.append("keyword")
-            score = scores.get(item)
-            hits.append(SearchHit(
-                path=row.path, title=row.title, heading=row.heading,
-                start_line=row.start_line, end_line=row.end_line,
-                score=None if score is None else round(score, 6), rank_score=round(rank_score, 6),
-                lifecycle="superseded" if row.lifecycle == "superseded" else "active",
-                matched=matched, text=row.text, truncated=False))
-        message = None
-        if not hits:
-            if dropped:
-                message = f"nothing scored at least min_score={args.min_score}; {len(dropped)} hit(s) dropped"
-            elif args.mode == "keyword" and plan is not None and plan.kind == "no_terms":
-                message = "the query has no searchable keywords (only stop words or punctuation)"
-            elif args.mode == "keyword" and plan is not None and plan.kind == "too_common":
-                message = ("every word of the query is too common in this corpus for keyword search; add a "
-                           "distinctive term (a name, identifier or error code) or use mode 'hybrid'")
-            else:
-                message = "no matching passages"
-        response = SearchResponse(query=args.query, mode=args.mode, results=hits,
-                                  dropped_below_min_score=len(dropped), message=message,
-                                  index=info, staleness=staleness, **degraded_fields)
-        fitted = fit_hits(response.model_dump(mode="json"))
-        return SearchResponse.model_validate(fitted)
-
-    def _vector_channel(self, index: OpenIndex, vector: Sequence[float], lifecycles: Sequence[str],
-                        allowed: Mapping[str, list[str] | None], prefix: str | None,
-                        k: int) -> tuple[list[_Candidate], dict[str, ChunkRow]]:
-        """Vector candidates whose chunk rows are committed, best first, with those rows.
+    def _vector_channel(self, index: OpenIndex, vector: Sequence[float], scope: SearchScope,
+                        k: int) -> tuple[list[str], dict[str, float | None], dict[str, ChunkRow]]:
+        """Vector candidates whose chunk rows are committed, best first: (ids, similarities, rows).
 
         Over-fetches until at least k committed candidates are found or the store is exhausted:
         vectors without a committed row (an ingest in flight or interrupted) never take a slot.
@@ -1370,8 +1191,8 @@ class RetrievalService:
         while True:
             raw: list[tuple[str, float]] = []
             exhausted = True
-            for lc in lifecycles:
-                paths = allowed.get(lc)
+            for lc in scope.lifecycles:
+                paths = scope.paths.get(lc)
                 if paths is not None and not paths:
                     continue
                 got = index.vector_query(lc, vector, n, paths)
@@ -1383,17 +1204,67 @@ class RetrievalService:
                 best.setdefault(item, distance)
             rows = index.chunks_by_id(list(best))
             # The committed row is the truth: it also re-checks lifecycle and prefix.
-            valid = [(i, d) for i, d in best.items()
-                     if i in rows and rows[i].lifecycle in lifecycles and path_matches_prefix(rows[i].path, prefix or "")]
+            valid = [(i, d) for i, d in best.items() if i in rows and rows[i].lifecycle in scope.lifecycles
+                     and path_matches_prefix(rows[i].path, scope.prefix or "")]
             if len(valid) >= k or exhausted or n >= MAX_VECTOR_FETCH:
                 break
             n = min(n * 4, MAX_VECTOR_FETCH)
-        candidates = [_Candidate(i, 1.0 - d, ["vector"]) for i, d in valid[:max(CHANNEL_CANDIDATES, k)]]
-        return candidates, {c.id: rows[c.id] for c in candidates}
+        kept = valid[:max(CHANNEL_CANDIDATES, k)]
+        return [i for i, _ in kept], {i: 1.0 - d for i, d in kept}, {i: rows[i] for i, _ in kept}
+
+    def _hits(self, index: OpenIndex, ranked: Sequence[tuple[str, float]], found: Candidates,
+              vector: Sequence[float] | None) -> list[SearchHit]:
+        """The ranked candidates as hits: rows, channels, and the cosine of keyword-only winners
+        from their stored embeddings (only these k, not all candidates: fetching vectors is the
+        dearest step of a search)."""
+        if vector is not None:
+            unscored = [i for i, _ in ranked if i not in found.scores]
+            found.scores.update(self._stored_scores(index, vector, unscored, found.rows))
+        in_vector, in_keyword = set(found.vector), set(found.keyword)
+        hits = []
+        for item, rank_score in ranked:
+            row = found.rows[item]
+            matched: list[Literal["vector", "keyword"]] = [
+                channel for channel, ids in (("vector", in_vector), ("keyword", in_keyword)) if item in ids]
+            score = found.scores.get(item)
+            hits.append(SearchHit(path=row.path, title=row.title, heading=row.heading, start_line=row.start_line,
+                                  end_line=row.end_line, score=None if score is None else round(score, 6),
+                                  rank_score=round(rank_score, 6), lifecycle=_lifecycle(row.lifecycle),
+                                  matched=matched, text=row.text, truncated=False))
+        return hits
+
+    def _search_response(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope, found: Candidates,
+                         hits: list[SearchHit], degraded: RagError | None) -> SearchResponse:
+        """The response: hits within the text budget, the index stamp, and a message that says
+        why there is nothing when there is nothing."""
+        extra: dict[str, Any] = {}
+        if degraded is not None:
+            extra = {"degraded": str(degraded.code), "hint": f"{degraded.message}: keyword results only. {degraded.hint}"}
+            if args.min_score is not None:
+                extra["hint"] += "; min_score was not applied (it needs the query's embedding)"
+        plan = found.keyword_plan
+        message = None
+        if scope.empty:
+            message = scope.empty
+        elif not hits:
+            if found.dropped:
+                message = f"nothing scored at least min_score={args.min_score}; {len(found.dropped)} hit(s) dropped"
+            elif args.mode == "keyword" and plan is not None and plan.kind == "no_terms":
+                message = "the query has no searchable keywords (only stop words or punctuation)"
+            elif args.mode == "keyword" and plan is not None and plan.kind == "too_common":
+                message = ("every word of the query is too common in this corpus for keyword search; add a "
+                           "distinctive term (a name, identifier or error code) or use mode 'hybrid'")
+            else:
+                message = "no matching passages"
+        response = SearchResponse(query=args.query, mode=args.mode, results=hits,
+                                  dropped_below_min_score=len(found.dropped), message=message,
+                                  index=self._index_info(index.current), staleness=self._staleness(index), **extra)
+        return SearchResponse.model_validate(fit_hits(response.model_dump(mode="json")))
 
     def _stored_scores(self, index: OpenIndex, vector: Sequence[float], ids: Sequence[str],
                        rows: Mapping[str, ChunkRow]) -> dict[str, float | None]:
-        """Cosine similarity of keyword-only candidates, from their stored embeddings."""
+        """Cosine similarity of candidates the vector channel did not score, from their stored
+        embeddings (cached: ids are content-addressed, so an entry never goes stale)."""
         out: dict[str, float | None] = {i: None for i in ids}
         by_lc: dict[str, list[str]] = {}
         for i in ids:
@@ -1534,9 +1405,6 @@ def read_indexed_file(corpus_dir: Path, doc: DocumentRow, corpus_id: tuple[int, 
 def file_from_chunks(doc: DocumentRow, chunks: Sequence[ChunkRow], start_line: int | None,
                      end_line: int | None) -> FileResponse:
     """The indexed passages of a file that is gone from disk, in chunk order."""
-    if end_line is not None and start_line is not None and end_line < start_line:
-        raise RagError(ErrorCode.INVALID_ARGUMENT, f"end_line {end_line} is before start_line {start_line}",
-                       "pass end_line >= start_line")
     lo, hi = start_line or 1, end_line or max(doc.line_count, 1)
     picked = [c for c in chunks if c.end_line >= lo and c.start_line <= hi]
     pieces: list[str] = []
@@ -1708,7 +1576,7 @@ def answer_unreadable_request(exc: BaseException) -> Any | None:
         return None
     request_id = message.get("id")
     if not ((isinstance(request_id, int) and not isinstance(request_id, bool))
-            or (isinstance(request_id, str) and not _has_surrogates(request_id))):
+            or (isinstance(request_id, str) and not has_lone_surrogates(request_id))):
         return None  # a notification, or an id that cannot be written back
     reason = str(errors[0].get("msg", "invalid JSON"))
     log.warning("answering request %s, which the MCP SDK could not parse: %s", shown(request_id), reason)
@@ -1722,18 +1590,20 @@ def answer_unreadable_request(exc: BaseException) -> Any | None:
                         error=ErrorData(code=PARSE_ERROR, message=f"Parse error: {reason}"))
 
 
-def build_server(service: RetrievalService | None = None, instructions: str = INSTRUCTIONS) -> Any:
+def build_server(service: RetrievalService | None = None, instructions: str = INSTRUCTIONS,
+                 warmup: WarmUp | None = None) -> Any:
     """The MCPServer, with our own tool table and dispatcher instead of signature introspection:
     input models forbid unknown keys and every failure is a structured error."""
     import anyio  # noqa: PLC0415
     from mcp.server.mcpserver import MCPServer  # noqa: PLC0415
 
     service = service or RetrievalService()
+    warmup = warmup or WarmUp(service)
 
     class RagServer(MCPServer):  # type: ignore[misc, type-arg]
         async def list_tools(self) -> list[Any]:
             # The client has what it needs to start; now pay the heavy imports in the background.
-            service.start_warmup()
+            warmup.start()
             return tool_definitions()
 
         async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
@@ -1767,14 +1637,13 @@ def build_server(service: RetrievalService | None = None, instructions: str = IN
                      instructions=instructions, log_level="WARNING")
 
 
-def configure_logging() -> None:
+def configure_logging(level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
-    level = os.environ.get("RAG_LOG_LEVEL", "INFO").strip().upper() or "INFO"
-    log.setLevel(level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO")
+    log.setLevel(level)
 
 
 def startup_problems(settings_loader: Callable[[], Settings] = load_settings) -> list[str]:
@@ -1821,18 +1690,25 @@ def parse_args(argv: Sequence[str] | None) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parse_args(argv)
-    configure_logging()
+    try:
+        settings: Settings | None = load_settings()
+    except RagError:
+        settings = None  # said at start (startup_problems) and by every tool call
+    configure_logging(settings.log_level if settings else "INFO")
     service = RetrievalService()
     problems = startup_problems()
     for problem in problems:
         log.warning("%s", problem)
-    server = build_server(service, instructions_with(problems))
+    warmup = WarmUp(service)
+    server = build_server(service, instructions_with(problems), warmup)
     log.info("local-rag-mcp %s starting (stdio)", TOOL_VERSION)
     try:
         server.run("stdio")
     except KeyboardInterrupt:
         pass
-    if not service.close(timeout=store_call_timeout()):
+    store_timeout = settings.store_timeout_s if settings else DEFAULT_STORE_TIMEOUT_S
+    warmup.join(store_timeout)
+    if not service.close(timeout=store_timeout):
         # A Chroma call is stuck on a lock another process holds: exit without finalizing.
         log.warning("the vector store did not let go; exiting without waiting for it")
         logging.shutdown()

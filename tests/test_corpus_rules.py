@@ -161,7 +161,7 @@ def test_chunker_invariants_on_generated_markdown(generated: Generated, mode: st
     chunks = rules.chunk_document(doc, max_tokens, min(min_tokens, max_tokens))
     assert_chunk_invariants(doc, chunks, max_tokens)
     body = list(doc.lines[doc.body_start - 1:])
-    found = [(h.level, h.text) for h in rules.markdown_headings(body)]
+    found = [(h.level, h.text) for h in rules.body_structure(body).headings]
     # Fence contents (`# ...`, setext-looking lines) and quoted headings are never section headings.
     assert found == generated.headings
     for chunk in chunks:
@@ -179,7 +179,7 @@ def test_headings_mode_starts_sections_at_headings(generated: Generated) -> None
     chunks = rules.chunk_document(doc, 512, 0)
     assert_chunk_invariants(doc, chunks, 512)
     # With no merging, no chunk has text before a heading it contains: headings open chunks.
-    heading_lines = {h.line + doc.body_start for h in rules.markdown_headings(doc.lines[doc.body_start - 1:])}
+    heading_lines = {h.line + doc.body_start for h in rules.body_structure(doc.lines[doc.body_start - 1:]).headings}
     for chunk in chunks:
         for line in heading_lines:
             if chunk.start_line < line <= chunk.end_line:
@@ -196,7 +196,7 @@ def test_setext_and_fenced_hash_lines() -> None:
         "> # quoted, not top level", "",
         "### Third {#third-anchor}", "", "body", ""])
     doc = _doc(text)
-    found = [(h.level, h.text, h.line) for h in rules.markdown_headings(doc.lines)]
+    found = [(h.level, h.text, h.line) for h in rules.body_structure(doc.lines).headings]
     assert found == [(1, "Top title", 0), (2, "Second", 17), (3, "Third", 26)]
     chunks = rules.chunk_document(dataclasses.replace(doc, chunk_mode="headings"), 512, 0)
     assert [c.heading for c in chunks] == ["Top title", "Top title > Second", "Top title > Second > Third"]
@@ -207,7 +207,7 @@ def test_setext_and_fenced_hash_lines() -> None:
 def test_stray_carriage_return_does_not_shift_headings() -> None:
     # A lone CR is not a line break for the chunker's line numbers; the parser must agree.
     doc = _doc(b"# A\n\nfoo\rbar\r\n## B\n\ntext\n## C\n\nmore\n")
-    assert [(h.line, h.text) for h in rules.markdown_headings(doc.lines)] == [(0, "A"), (3, "B"), (6, "C")]
+    assert [(h.line, h.text) for h in rules.body_structure(doc.lines).headings] == [(0, "A"), (3, "B"), (6, "C")]
     chunks = rules.chunk_document(dataclasses.replace(doc, chunk_mode="headings"), 512, 0)
     assert [(c.start_line, c.end_line, c.heading) for c in chunks] == [(1, 3, "A"), (4, 6, "A > B"), (7, 9, "A > C")]
     assert_chunk_invariants(doc, chunks, 512)
@@ -510,7 +510,7 @@ def test_fts_expression_is_always_valid_fts5(text: str) -> None:
     con = _fts_db()
     con.execute("INSERT INTO chunks_fts(rowid, title, heading, body) VALUES (1, 'a', 'b', ?)",
                 (" ".join(rules.keyword_terms(text)),))
-    expression = rules.fts_match_expression(text)
+    expression = rules.fts_any(rules.query_terms(text))
     if expression is None:
         assert rules.keyword_terms(text) == []
         return
@@ -520,9 +520,9 @@ def test_fts_expression_is_always_valid_fts5(text: str) -> None:
 
 
 def test_fts_expression_none_for_stop_words_and_punctuation() -> None:
-    assert rules.fts_match_expression("the of and") is None
-    assert rules.fts_match_expression("  ... ---  ") is None
-    assert rules.fts_match_expression("") is None
+    assert rules.fts_any(rules.query_terms("the of and")) is None
+    assert rules.fts_any(rules.query_terms("  ... ---  ")) is None
+    assert rules.fts_any(rules.query_terms("")) is None
 
 
 # ---------------------------------------------------------------------------
@@ -721,13 +721,24 @@ def test_settings_precedence_and_expansion(tmp_path: Path, monkeypatch: pytest.M
 
 
 @pytest.mark.parametrize("env", [{"RAG_EMBED_TIMEOUT": "soon"}, {"RAG_EMBED_TIMEOUT": "0"},
+                                 {"RAG_EMBED_TIMEOUT": "nan"}, {"RAG_EMBED_TIMEOUT": "inf"},
                                  {"RAG_CHUNK_MAX_TOKENS": "big"}, {"RAG_CHUNK_MAX_TOKENS": "8"},
-                                 {"RAG_CHUNK_MIN_TOKENS": "-1"}])
+                                 {"RAG_CHUNK_MIN_TOKENS": "-1"}, {"RAG_STORE_TIMEOUT": "-5"},
+                                 {"RAG_STORE_TIMEOUT": "forever"}, {"RAG_LOG_LEVEL": "chatty"},
+                                 {"RAG_SERVER_WARMUP": "maybe"}])
 def test_invalid_settings(env: dict[str, str]) -> None:
     with pytest.raises(RagError) as caught:
         rules.load_settings(env)
     assert caught.value.code is ErrorCode.INVALID_ARGUMENT
-    assert next(iter(env)) in caught.value.message
+    assert caught.value.message.startswith("configuration error: ") and next(iter(env)) in caught.value.message
+    assert next(iter(env)) in caught.value.hint
+
+
+def test_server_knobs_are_settings_too() -> None:
+    defaults = rules.load_settings({})
+    assert (defaults.store_timeout_s, defaults.log_level, defaults.server_warmup) == (20.0, "INFO", True)
+    tuned = rules.load_settings({"RAG_STORE_TIMEOUT": "2.5", "RAG_LOG_LEVEL": "debug", "RAG_SERVER_WARMUP": "0"})
+    assert (tuned.store_timeout_s, tuned.log_level, tuned.server_warmup) == (2.5, "DEBUG", False)
 
 
 # ---------------------------------------------------------------------------

@@ -393,9 +393,9 @@ def test_chunk_line_ranges_match_the_source_files(sample_store: Ingested) -> Non
 
 def test_keyword_rows_use_the_shared_terms(sample_store: Ingested) -> None:
     con = keyword_db(sample_store.store)
-    for expression, path in ((rules.fts_match_expression("E4091"), "reference/api.md"),
-                             (rules.fts_match_expression("LOG_RETENTION_DAYS"), "ja/log-collection.md"),
-                             (rules.fts_match_expression("ログ収集"), "ja/log-collection.md")):
+    for expression, path in ((rules.fts_any(rules.query_terms("E4091")), "reference/api.md"),
+                             (rules.fts_any(rules.query_terms("LOG_RETENTION_DAYS")), "ja/log-collection.md"),
+                             (rules.fts_any(rules.query_terms("ログ収集")), "ja/log-collection.md")):
         weights = ", ".join(map(str, rules.FTS_WEIGHTS))
         hits = [p for (p,) in con.execute("SELECT c.path FROM chunks_fts f JOIN chunks c ON c.rowid = f.rowid "
                                           f"WHERE chunks_fts MATCH ? ORDER BY bm25(chunks_fts, {weights})", (expression,))]
@@ -501,7 +501,7 @@ def test_changes_deletions_rag_false_and_lifecycle_flips(tmp_path: Path, fake_ol
         assert con.execute("SELECT count(*) FROM chunks WHERE path = ?", (gone,)).fetchone() == (0,)
         assert con.execute("SELECT count(*) FROM documents WHERE path = ?", (gone,)).fetchone() == (0,)
     assert con.execute("SELECT count(*) FROM chunks_fts WHERE chunks_fts MATCH ?",
-                       (rules.fts_match_expression("E4091"),)).fetchone() == (0,)
+                       (rules.fts_any(rules.query_terms("E4091")),)).fetchone() == (0,)
     glossary_chunks = chunks_of(state, "reference/glossary.md")
     assert glossary_chunks and set(glossary_chunks) <= set(state["chunks_superseded"])
     assert all(m["lifecycle"] == "superseded" for _, m, _ in glossary_chunks.values())
