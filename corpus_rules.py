@@ -1525,17 +1525,49 @@ class ServerVectors(VectorStore):
         return f"lr-{self.store_id}-{self.index_name}-{lifecycle}"
 
     def _connect(self, create: bool) -> Any:
+        """The process's one client for this server (each construction costs ~60 ms and keeps
+        cache entries until the process ends), after a quick heartbeat: HttpClient itself waits
+        without limit on a server that accepts connections but does not answer."""
+        self._heartbeat()
+        key = (self.url, tuple(sorted(self.headers.items())))
+        with _SERVER_CLIENTS_LOCK:
+            client = _SERVER_CLIENTS.get(key)
+            if client is None:
+                client = _SERVER_CLIENTS[key] = self._new_client()
+        return client
+
+    def _heartbeat(self) -> None:
+        import urllib.error
+        import urllib.request
+
+        request = urllib.request.Request(f"{self.url}/api/v2/heartbeat", headers=self.headers)
+        try:
+            with urllib.request.urlopen(request, timeout=HEARTBEAT_TIMEOUT_S) as response:
+                response.read(4096)
+        except (OSError, urllib.error.URLError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise RagError(ErrorCode.INTERNAL, f"the Chroma server at {self.url} does not answer ({reason})",
+                           f"start it (`chroma run --path DIR --port N`) or correct RAG_CHROMA_URL={self.url}, "
+                           "then retry") from None
+
+    def _new_client(self) -> Any:
         os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
         from urllib.parse import urlsplit
 
         import chromadb
+        import httpx
         from chromadb.config import Settings as ChromaSettings
 
         parts = urlsplit(self.url)
         client = chromadb.HttpClient(host=parts.hostname or "", port=parts.port or 8000, ssl=parts.scheme == "https",
                                      headers=self.headers, settings=ChromaSettings(anonymized_telemetry=False))
-        client.heartbeat()
+        # chromadb 1.x builds its HTTP session without any timeout and offers no setting for one;
+        # this bounds every read from a server that stopped answering (pinned by a test).
+        client._server._session.timeout = httpx.Timeout(self.timeout_s, connect=HEARTBEAT_TIMEOUT_S)
         return client
+
+    def close(self) -> None:
+        self._client, self._collections = None, {}  # the shared client stays for the next open
 
     def _failure(self, exc: BaseException) -> RagError:
         failure = store_failure(exc, self.where)
@@ -1548,11 +1580,16 @@ class ServerVectors(VectorStore):
     def drop(self) -> None:
         from chromadb.errors import NotFoundError
 
-        client = self._client if self._client is not None else self._connect(create=False)
+        client = self._connect(create=False)
         for lifecycle in LIFECYCLES:
             with contextlib.suppress(NotFoundError):
                 client.delete_collection(self.collection_name(lifecycle))
         self.close()
+
+
+_SERVER_CLIENTS: dict[tuple[Any, ...], Any] = {}
+_SERVER_CLIENTS_LOCK = threading.Lock()
+HEARTBEAT_TIMEOUT_S = 2.0
 
 
 def vector_store(settings: Settings, layout: StoreLayout, index_name: str, *, create: bool = False) -> VectorStore:

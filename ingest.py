@@ -991,7 +991,10 @@ def _publish(layout: rules.StoreLayout, settings: rules.Settings, store: Store, 
         store.mark_published()
         if current is not None and current.index != store.name:
             # The previous index is no longer live: its vectors and its folder go.
-            rules.vector_store(settings, layout, current.index).drop()
+            try:
+                rules.vector_store(settings, layout, current.index).drop()
+            except RagError as exc:
+                log.warning("the previous index's vectors could not be removed (%s); they stay unused", exc.message)
             shutil.rmtree(layout.index_dir(current.index), ignore_errors=True)
 
 

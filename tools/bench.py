@@ -457,10 +457,12 @@ class IngestRun:
 
 
 def run_ingest(python: str, corpus: Path, store: Path, fake: FakeProcess, log_file: Path,
-               timeout_s: float, ingest: Path = PROJECT_DIR / "ingest.py") -> IngestRun:
+               timeout_s: float, ingest: Path = PROJECT_DIR / "ingest.py", chroma_url: str | None = None) -> IngestRun:
     env = {**os.environ, "OLLAMA_HOST": fake.host, "ANONYMIZED_TELEMETRY": "False"}
-    for name in ("RAG_EMBED_MODEL", "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS"):
+    for name in ("RAG_EMBED_MODEL", "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS", "RAG_CHROMA_URL"):
         env.pop(name, None)
+    if chroma_url:
+        env["RAG_CHROMA_URL"] = chroma_url
     before = fake.stats()
     with open(log_file, "a") as err, tempfile.TemporaryFile("w+") as out:
         started = time.perf_counter()
@@ -782,17 +784,19 @@ class Bench:
         extra = f" (limit {_fmt(figure.limit, figure.unit)}, {figure.ratio:.2f}x)" if figure.ratio is not None else ""
         log(f"{figure.figure}: {value}{extra}")
 
-    def server_env(self, size: int) -> dict[str, str]:
-        env = {**os.environ, "RAG_STORE_DIR": str(self.stores[size]), "RAG_CORPUS_DIR": str(self.corpora[size]),
+    def server_env(self, size: int, store: Path | None = None) -> dict[str, str]:
+        env = {**os.environ, "RAG_STORE_DIR": str(store or self.stores[size]), "RAG_CORPUS_DIR": str(self.corpora[size]),
                "OLLAMA_HOST": self.fake.host, "ANONYMIZED_TELEMETRY": "False", "PYTHONUNBUFFERED": "1"}
         for name in ("RAG_EMBED_MODEL", "RAG_EMBED_TIMEOUT", "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS",
-                     "RAG_SERVER_WARMUP", "RAG_LOG_LEVEL"):
+                     "RAG_SERVER_WARMUP", "RAG_LOG_LEVEL", "RAG_CHROMA_URL"):
             env.pop(name, None)
+        if store is not None and self.args.chroma_url:
+            env["RAG_CHROMA_URL"] = self.args.chroma_url
         return env
 
-    def spawn_server(self, size: int, tag: str) -> StdioPeer:
-        return StdioPeer([self.python, str(self.server)], self.server_env(size), self.work / f"server-{tag}.stderr",
-                         cwd=self.work)
+    def spawn_server(self, size: int, tag: str, store: Path | None = None) -> StdioPeer:
+        return StdioPeer([self.python, str(self.server)], self.server_env(size, store),
+                         self.work / f"server-{tag}.stderr", cwd=self.work)
 
     def spawn_hello(self, tag: str) -> StdioPeer:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAG_")}
@@ -1075,6 +1079,43 @@ class Bench:
                             "(VmHWM)", value if value is not None else math.nan, "MB", "report", size=size,
                             note=f"after {count} searches: {_fmt(hwm_end, 'MB')}"))
 
+    # 7. the vectors on a Chroma server (--chroma-url) -------------------------------------------------
+    def chroma_server(self, queries: Sequence[str]) -> None:
+        """The same corpus ingested into a Chroma server, and searched through it: ingest throughput
+        and search p50 next to the embedded store's figures from this run."""
+        size = 10000 if 10000 in self.sizes else self.sizes[0]
+        label = size_label(size)
+        store = self.work / f"store-server-{label}"
+        shutil.rmtree(store, ignore_errors=True)
+        log(f"ingesting the {label} corpus into the Chroma server at {self.args.chroma_url} ...")
+        run = run_ingest(self.python, self.corpora[size], store, self.fake, self.work / "ingest.stderr",
+                         timeout_s=self.args.ingest_timeout, ingest=self.ingest, chroma_url=self.args.chroma_url)
+        chunks = int(run.summary.get("chunks_written", 0))
+        value = chunks / float(run.summary.get("seconds", run.wall_s))
+        embedded = self.details["ingest"][label]
+        self.add(Figure(f"chroma_server.ingest_chunks_per_s@{label}", f"Ingest throughput into a Chroma server, "
+                        f"{label} chunks", value, "chunks/s", "report", limit=embedded["chunks_per_s_run"],
+                        limit_what="the same ingest into the embedded store, this run",
+                        ratio=value / embedded["chunks_per_s_run"], size=size))
+        samples = []
+        with self.spawn_server(size, f"chroma-server-{label}", store=store) as peer:
+            peer.handshake()
+            for q in queries[:self.reps["warmup"]]:
+                peer.call("search_corpus", {"query": q})
+            for q in queries[self.reps["warmup"]:]:
+                result, seconds = peer.call("search_corpus", {"query": q})
+                if result.get("isError"):
+                    raise RuntimeError(f"search through the Chroma server failed: {tool_payload(result)}")
+                samples.append(seconds)
+        stats = summarize_ms(samples)
+        embedded_p50 = self.details["search"][label]["modes"]["hybrid"]["p50_ms"]
+        self.details["chroma_server"] = {"url": self.args.chroma_url, "ingest": run.summary, "search": stats,
+                                         "embedded_hybrid_p50_ms": embedded_p50}
+        self.add(Figure(f"chroma_server.hybrid.p50_ms@{label}", f"search_corpus hybrid p50 through a Chroma server, "
+                        f"{label} chunks", stats["p50_ms"], "ms", "report", limit=embedded_p50,
+                        limit_what="the same searches on the embedded store, this run",
+                        ratio=stats["p50_ms"] / embedded_p50, size=size))
+
     def memory_ingest(self) -> None:
         size = max(self.sizes)
         detail = self.details["ingest"][size_label(size)]
@@ -1106,11 +1147,13 @@ class Bench:
                 raw = self.raw_queries(size, queries["raw"])
                 self.cold_search(size, queries["cold"])
                 self.warm_searches(size, queries, raw)
+                if self.args.chroma_url and size == (10000 if 10000 in self.sizes else self.sizes[0]):
+                    self.chroma_server(queries["warm-hybrid"] + queries["hybrid"])
             self.details["fake_total"] = fake.stats()
 
 
 def order_figures(figures: Sequence[Figure]) -> list[Figure]:
-    order = ["handshake", "stdio", "cold", "search", "ingest", "reingest", "memory"]
+    order = ["handshake", "stdio", "cold", "search", "ingest", "reingest", "chroma_server", "memory"]
     return sorted(figures, key=lambda f: (order.index(f.id.split(".")[0]) if f.id.split(".")[0] in order else 99,
                                           f.size or 0))
 
@@ -1128,6 +1171,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="ingest script to measure (to try a change side by side)")
     parser.add_argument("--ingest-timeout", type=float, default=1500.0, help="seconds before an ingest run is killed")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a goal fails")
+    parser.add_argument("--chroma-url", help="also ingest and search with the vectors on this Chroma server "
+                                             "(e.g. a local `chroma run --path DIR --port 8000`)")
     return parser.parse_args(argv)
 
 
