@@ -193,6 +193,8 @@ class Settings:
     # its requests carry (RAG_CHROMA_HEADERS, a JSON object: an auth proxy's token, say).
     chroma_url: str | None = None
     chroma_headers: Mapping[str, str] = field(default_factory=dict)
+    # Ingest: leave out what git ignores when the corpus is in a git work tree (RAG_RESPECT_GITIGNORE).
+    respect_gitignore: bool = True
 
     def describe(self) -> str:
         return (f"corpus={self.corpus_dir} store={self.store_dir} ollama={self.ollama_host} "
@@ -229,6 +231,7 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
         server_warmup=_flag_env(env, "RAG_SERVER_WARMUP", True),
         chroma_url=_url_env(env, "RAG_CHROMA_URL"),
         chroma_headers=_headers_env(env, "RAG_CHROMA_HEADERS"),
+        respect_gitignore=_flag_env(env, "RAG_RESPECT_GITIGNORE", True),
     )
 
 
@@ -1036,10 +1039,12 @@ CREATE TABLE IF NOT EXISTS documents(
     path TEXT PRIMARY KEY, title TEXT NOT NULL, lifecycle TEXT NOT NULL, chunk_mode TEXT NOT NULL,
     content_hash TEXT NOT NULL, size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL,
     disk_path TEXT NOT NULL, real_path TEXT NOT NULL, line_count INTEGER NOT NULL, chunk_count INTEGER NOT NULL);
+-- embed_key: embed_key() of the exact text embedded for the chunk (ingest reuses its vector for any
+-- chunk with the same key); NULL only in stores written before it existed, until ingest fills it.
 CREATE TABLE IF NOT EXISTS chunks(
     id TEXT PRIMARY KEY, path TEXT NOT NULL, chunk_index INTEGER NOT NULL,
     start_line INTEGER NOT NULL, end_line INTEGER NOT NULL, heading TEXT NOT NULL,
-    lifecycle TEXT NOT NULL, text TEXT NOT NULL);
+    lifecycle TEXT NOT NULL, text TEXT NOT NULL, embed_key TEXT);
 CREATE INDEX IF NOT EXISTS chunks_by_path ON chunks(path, chunk_index);
 CREATE VIRTUAL TABLE IF NOT EXISTS chunks_fts USING fts5(
     title, heading, body, tokenize="unicode61 remove_diacritics 0 tokenchars '{FTS_TOKENCHARS}'");
@@ -1087,6 +1092,13 @@ class ChunkRow:
 CHUNK_COLUMNS = ("c.id, c.path, c.chunk_index, c.start_line, c.end_line, c.heading, c.lifecycle, c.text, "
                  "coalesce(d.title, c.path)")
 CHUNK_SELECT = f"SELECT {CHUNK_COLUMNS} FROM chunks c LEFT JOIN documents d ON d.path = c.path"
+
+
+def embed_key(embedded_text: str) -> str:
+    """What identifies a vector within an index: the exact text that was embedded (the index's
+    manifest fixes the model, its dimensions and the prefix scheme). Chunks with the same key have
+    the same vector, whichever file, place or run they come from."""
+    return hashlib.sha256(embedded_text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def chunk_id(path: str, content_hash: str, index: int) -> str:

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sqlite3
 import stat
 import subprocess
@@ -29,14 +30,22 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import corpus_rules as rules
 from corpus_rules import DocumentRow, ErrorCode, RagError
 
 log = logging.getLogger("ingest")
 
-EMBED_BATCH = 64  # chunks per /api/embed call
+EMBED_BATCH = 64  # chunks per /api/embed call, at most
+# The first call of a run: small enough for a slow CPU embedder to answer well within the timeout,
+# big enough that one call's fixed cost does not swamp the measured pace (see BatchSizer).
+START_CHUNKS = 8
+# An embedding call should take about this long (and at most this share of RAG_EMBED_TIMEOUT):
+# long enough to amortise the call, short enough that a slow CPU embedder never hits the timeout.
+EMBED_CALL_TARGET_S = 4.0
+EMBED_CALL_SHARE_OF_TIMEOUT = 0.25
+KEEP_ALIVE = "30m"  # asked of Ollama with every call: keep the model loaded for the run
 # How long a run with nothing to embed waits for Ollama's answer about the model.
 OPTIONAL_PROBE_TIMEOUT_S = 5.0
 PROGRESS_EVERY_S = 5.0  # a progress line at least this often when stderr is not a terminal
@@ -62,6 +71,112 @@ class CorpusFile:
         return os.path.relpath(self.real_path, root_real).split(os.sep)
 
 
+# ---------------------------------------------------------------------------
+# Scope: what the walk leaves out, and why.
+
+RAGIGNORE = ".ragignore"
+RAGIGNORE_MAX_BYTES = 1 << 20
+# Folders that are never documentation. A `!name/` rule in a .ragignore brings one back.
+BUILT_IN_EXCLUDES = ("node_modules/", ".venv/", "venv/", "__pycache__/", "site-packages/", "dist/", "build/",
+                     "vendor/", ".*/")
+
+
+@dataclass(frozen=True)
+class _RuleFile:
+    folder: str  # corpus-relative folder the rules apply below ("" for the root)
+    source: str  # what to call it in an explanation
+    lines: tuple[str, ...]  # the pattern lines, as written
+    spec: Any  # pathspec.GitIgnoreSpec of those lines
+
+
+class Scope:
+    """Decides what the walk leaves out: the built-in excludes, then every .ragignore from the
+    corpus root down (gitignore syntax, each file's patterns relative to its folder, the deepest
+    matching rule winning, `!` bringing a path back), then what git ignores when the corpus is in
+    a git work tree. Each exclusion comes with the rule that made it. Patterns are matched by
+    pathspec (git's own wildmatch rules); what git ignores is asked of git itself."""
+
+    def __init__(self, walk_root: str, git_ignored: set[str] | None = None) -> None:
+        self.root = walk_root
+        self.files: list[_RuleFile] = [self._rules("", "built-in rule", BUILT_IN_EXCLUDES)]
+        self.git_ignored = git_ignored or set()
+
+    @staticmethod
+    def _rules(folder: str, source: str, lines: Sequence[str]) -> _RuleFile:
+        import pathspec
+
+        return _RuleFile(folder, source, tuple(lines), pathspec.GitIgnoreSpec.from_lines(lines))
+
+    def enter(self, folder: str, root_fd: int, parts: Sequence[str]) -> str | None:
+        """Read the .ragignore of a folder the walk enters (beneath the root, no links followed).
+        Returns a warning when it cannot be read."""
+        try:
+            raw = rules.read_beneath(root_fd, [*parts, RAGIGNORE])
+        except FileNotFoundError:
+            return None
+        except (OSError, rules.PathChanged) as exc:
+            return f"{folder + '/' if folder else ''}{RAGIGNORE} not read ({exc})"
+        if len(raw) > RAGIGNORE_MAX_BYTES:
+            return f"{folder + '/' if folder else ''}{RAGIGNORE} not read (larger than {RAGIGNORE_MAX_BYTES} bytes)"
+        source = f"{folder + '/' if folder else ''}{RAGIGNORE}"
+        try:
+            self.files.append(self._rules(folder, source, raw.decode("utf-8-sig", "replace").splitlines()))
+        except Exception as exc:  # noqa: BLE001 - pathspec refuses a malformed pattern
+            return f"{source} not used: {rules.shown(exc, 200)}"
+        return None
+
+    def excluded(self, rel: str, is_dir: bool) -> str | None:
+        """The rule that leaves `rel` (corpus-relative, as the file system spells it) out, or None."""
+        verdict: str | None = None
+        for rule_file in self.files:
+            if not rules.path_matches_prefix(rel, rule_file.folder) or rel == rule_file.folder:
+                continue
+            inner = rel[len(rule_file.folder) + 1:] if rule_file.folder else rel
+            found = rule_file.spec.check_file(inner + ("/" if is_dir else ""))
+            if found.include is not None:
+                line = self._line_of(rule_file, found.index)
+                verdict = f"{rule_file.source}: {line}" if found.include else None
+        if verdict is None and (rel + ("/" if is_dir else "")) in self.git_ignored:
+            verdict = "ignored by git"
+        return verdict
+
+    @staticmethod
+    def _line_of(rule_file: _RuleFile, index: int | None) -> str:
+        patterns = [line for line in rule_file.lines if line.strip() and not line.lstrip().startswith("#")]
+        if rule_file.source == "built-in rule" or index is None:
+            return patterns[index] if index is not None and index < len(patterns) else "?"
+        # pathspec numbers the file's lines; say which line, as git check-ignore -v does.
+        return f"line {index + 1}: {rule_file.lines[index].strip()}" if index < len(rule_file.lines) else "?"
+
+
+def git_ignored(corpus: Path) -> tuple[set[str] | None, str | None]:
+    """What git ignores below the corpus (paths relative to it; folders end with /), asked of git
+    itself (.gitignore files, .git/info/exclude, the user's excludes file). (None, None) outside a
+    git work tree; (None, warning) when git's answer cannot be used."""
+    inside = _git(corpus, "rev-parse", "--is-inside-work-tree")
+    if inside is None or inside.strip() != "true":
+        return None, None
+    listed = _git(corpus, "ls-files", "-z", "--others", "--ignored", "--exclude-standard", "--directory", "--", ".")
+    if listed is None:
+        return None, "git did not answer which files it ignores; its ignore rules are not applied"
+    entries = {entry for entry in listed.split("\0") if entry}
+    if entries & {".", "./"}:
+        return None, "git ignores the corpus folder itself; its ignore rules are not applied"
+    return entries, None
+
+
+def explain_git_ignored(corpus: Path, paths: Sequence[str]) -> dict[str, str]:
+    """`source:line:pattern` of the git rule behind each path (for the dry run's listing)."""
+    if not paths:
+        return {}
+    answer = _git(corpus, "check-ignore", "-v", "--no-index", "--", *paths) or ""
+    out = {}
+    for row in answer.splitlines():  # "<source>:<line>:<pattern>\t<path>"
+        rule, _, path = row.partition("\t")
+        out[path] = f"git {rule}"
+    return out
+
+
 @dataclass
 class Walk:
     root_real: str = ""
@@ -72,70 +187,96 @@ class Walk:
     # Folders that could not be listed (corpus-relative, "" for the root's own entries): what is
     # indexed below them is kept, not removed, and counts as failed.
     unreadable: dict[str, str] = field(default_factory=dict)
+    # Left out by the scope: corpus-relative path (folders end with /) -> the rule.
+    ignored: dict[str, str] = field(default_factory=dict)
 
 
-def walk_corpus(root: Path) -> Walk:
-    """Every *.md below root; dot-folders skipped; symlinks followed only inside the root."""
+def walk_corpus(root: Path, respect_gitignore: bool = True) -> Walk:
+    """Every *.md below root that the scope keeps; symlinks followed only inside the root."""
     root_real = os.path.realpath(root)
     try:
         root_id = os.stat(root_real)
-    except OSError as exc:
-        raise RagError(ErrorCode.CORPUS_MISSING, f"corpus folder {root} cannot be read ({exc.strerror})",
+        root_fd = rules.open_folder(root_real)
+    except (OSError, rules.PathChanged) as exc:
+        raise RagError(ErrorCode.CORPUS_MISSING, f"corpus folder {root} cannot be read ({exc})",
                        "check the folder and its permissions, or set RAG_CORPUS_DIR / --corpus") from None
     walk = Walk(root_real=root_real, root_id=(root_id.st_dev, root_id.st_ino))
-    seen_dirs = {root_real}
+    ignored_by_git, warning = git_ignored(root) if respect_gitignore else (None, None)
+    if warning:
+        walk.warnings.append(warning)
+    scope = Scope(root_real, ignored_by_git)
+    try:
+        _walk(root, root_fd, scope, walk)
+    finally:
+        os.close(root_fd)
+    walk.files.sort(key=lambda f: f.path)
+    return walk
+
+
+def _walk(root: Path, root_fd: int, scope: Scope, walk: Walk) -> None:
+    seen_dirs = {walk.root_real}
     seen_paths: set[str] = set()
-    pending = [root]
+    pending: list[tuple[Path, str]] = [(root, walk.root_real)]
     while pending:
-        directory = pending.pop()
+        directory, directory_real = pending.pop()
+        folder = rules.relative_corpus_path(root, directory) if directory != root else ""
+        disk_folder = directory.relative_to(root).as_posix() if directory != root else ""
+        below = [] if directory_real == walk.root_real else os.path.relpath(directory_real, walk.root_real).split(os.sep)
+        problem = scope.enter(disk_folder, root_fd, below)
+        if problem:
+            walk.warnings.append(problem)
         try:
             entries = sorted(os.scandir(directory), key=lambda e: e.name)
         except OSError as exc:
             if directory == root:
                 raise RagError(ErrorCode.CORPUS_MISSING, f"corpus folder {root} cannot be listed ({exc.strerror})",
                                "check the folder's permissions") from None
-            folder = rules.relative_corpus_path(root, Path(directory))
             walk.unreadable[folder] = exc.strerror or str(exc)
             walk.warnings.append(f"cannot list {directory}: {exc.strerror}; what is indexed below it is kept")
             continue
         for entry in entries:
             link = entry.is_symlink()
             real = os.path.realpath(entry.path)
-            if link and not rules.is_within(Path(root_real), Path(real)):
+            if link and not rules.is_within(Path(walk.root_real), Path(real)):
                 walk.warnings.append(f"skipped symlink {entry.path}: it resolves outside the corpus ({real})")
                 continue
             markdown = entry.name.lower().endswith(".md")
+            disk_rel = f"{disk_folder}/{entry.name}" if disk_folder else entry.name
             try:
                 st = os.stat(entry.path)
             except OSError as exc:
                 if exc.errno in (errno.ENOENT, errno.ELOOP):
                     # Gone since the listing, or a link that leads nowhere: nothing to index.
                     walk.warnings.append(f"skipped {entry.path}: {exc.strerror}")
-                elif markdown:  # there, but unreadable: what is indexed of it stays
-
+                elif markdown and not scope.excluded(disk_rel, is_dir=False):
+                    # There, but unreadable: what is indexed of it stays.
                     walk.failures[rules.relative_corpus_path(root, Path(entry.path))] = (
-                        f"{Path(entry.path).relative_to(root).as_posix()}: cannot be read ({exc.strerror})")
+                        f"{disk_rel}: cannot be read ({exc.strerror})")
                 else:
                     walk.warnings.append(f"skipped {entry.path}: {exc.strerror}")
                 continue
             if stat.S_ISDIR(st.st_mode):
-                if entry.name.startswith("."):
-                    continue
-                if real in seen_dirs:
+                reason = scope.excluded(disk_rel, is_dir=True)
+                if reason:
+                    walk.ignored[disk_rel + "/"] = reason
+                elif real in seen_dirs:
                     walk.warnings.append(f"skipped {entry.path}: folder already visited (symlink cycle)")
-                    continue
-                seen_dirs.add(real)
-                pending.append(Path(entry.path))
+                else:
+                    seen_dirs.add(real)
+                    pending.append((Path(entry.path), real))
                 continue
             if not markdown or not stat.S_ISREG(st.st_mode):
                 continue
             try:
-                disk_rel = Path(entry.path).relative_to(root).as_posix()
                 disk_rel.encode("utf-8")
             except UnicodeEncodeError:
                 walk.warnings.append(f"skipped {entry.path!r}: file name is not valid UTF-8")
                 continue
+            reason = scope.excluded(disk_rel, is_dir=False)
             path = rules.relative_corpus_path(root, Path(entry.path))
+            if reason:
+                walk.ignored[path] = reason
+                continue
             if path in seen_paths:
                 walk.failures[path] = f"{disk_rel}: another file has the same name after Unicode NFC normalisation"
                 continue
@@ -145,8 +286,6 @@ def walk_corpus(root: Path) -> Walk:
                 walk.failures[path] = f"{disk_rel!r}: {unservable}; rename the file to index it"
                 continue
             walk.files.append(CorpusFile(path, disk_rel, real, st.st_size, st.st_mtime_ns, (st.st_dev, st.st_ino)))
-    walk.files.sort(key=lambda f: f.path)
-    return walk
 
 
 # ---------------------------------------------------------------------------
@@ -195,7 +334,8 @@ class PreparedFile:
     doc: rules.SourceDocument
     content_hash: str
     chunks: list[rules.Chunk]
-    vectors: list[list[float]] = field(default_factory=list)
+    vectors: list[Any] = field(default_factory=list)  # one per chunk, once embedded
+    keys: list[str] = field(default_factory=list)  # embed_key of each chunk's embedded text
 
 
 def chunk_budget(context_length: int, target: int, scheme: rules.PrefixScheme, title: str) -> int:
@@ -230,23 +370,137 @@ def split_chunk(doc: rules.SourceDocument, chunk: rules.Chunk) -> list[rules.Chu
             rules.Chunk(0, line, chunk.end_line, chunk.heading, text[cut:].strip())]
 
 
-class Embedding:
-    """Embeds chunks in batches; splits a chunk Ollama rejects as too long, never truncates."""
+@dataclass
+class BatchSizer:
+    """How many chunks the next embedding call carries, so that a call takes about `target_s` at
+    the embedder's measured pace (a CPU-only Ollama embeds a few chunks a second; a GPU hundreds).
 
-    def __init__(self, embedder: rules.OllamaEmbedder, scheme: rules.PrefixScheme, dims: int) -> None:
+    The first call of a run carries START_CHUNKS; after every call the pace in estimated tokens per
+    second is re-measured, and the next call takes as many chunks as that pace embeds in `target_s`
+    (at least one, at most EMBED_BATCH). A call that timed out halves the ceiling; calls that
+    succeed double it back."""
+
+    target_s: float
+    pace: float | None = None  # estimated tokens per second, smoothed over calls
+    ceiling: int = EMBED_BATCH
+
+    def size(self, upcoming_tokens: Sequence[int]) -> int:
+        if self.pace is None:
+            return max(1, min(START_CHUNKS, self.ceiling, len(upcoming_tokens)))
+        budget = self.pace * self.target_s
+        count = used = 0
+        for tokens in upcoming_tokens[:self.ceiling]:
+            if count and used + tokens > budget:
+                break
+            count += 1
+            used += tokens
+        return max(1, count)
+
+    def measured(self, tokens: int, seconds: float) -> None:
+        pace = tokens / max(seconds, 1e-3)
+        self.pace = pace if self.pace is None else 0.5 * self.pace + 0.5 * pace
+        self.ceiling = min(EMBED_BATCH, self.ceiling * 2)
+
+    def timed_out(self, size: int) -> None:
+        self.ceiling = max(1, size // 2)
+
+
+class Embedding:
+    """Gives every chunk of a commit group its vector, embedding each distinct text once.
+
+    A chunk whose exact embedded text (title, heading path, text, under this index's manifest)
+    already has a vector in the index reuses it, wherever it came from: the same file after an edit
+    elsewhere, a renamed or copied file. Only new texts go to Ollama, in calls sized by BatchSizer;
+    a call that times out is retried with half as many chunks before the embedder is declared
+    unavailable. A chunk Ollama refuses as too long is split and its pieces embedded; nothing is
+    ever truncated."""
+
+    def __init__(self, embedder: rules.OllamaEmbedder, scheme: rules.PrefixScheme, dims: int,
+                 reuse: Callable[[Sequence[str]], dict[str, Any]]) -> None:
         self.embedder = embedder
         self.scheme = scheme
         self.dims = dims
+        self.reuse = reuse  # embed keys -> stored vectors of those keys (those that exist)
+        self.sizer = BatchSizer(target_s=min(EMBED_CALL_TARGET_S, embedder.timeout_s * EMBED_CALL_SHARE_OF_TIMEOUT))
         self.calls = 0
+        self.embedded = 0  # chunks whose vector Ollama computed in this run
+        self.reused = 0  # chunks that took a vector the index already had
         self.on_embedded: Callable[[int], None] = lambda chunks: None  # progress, after every call
+        self.on_reused: Callable[[int], None] = lambda chunks: None  # progress, after every group
 
-    def _text(self, doc: rules.SourceDocument, chunk: rules.Chunk) -> str:
+    def text(self, doc: rules.SourceDocument, chunk: rules.Chunk) -> str:
         return rules.embedded_document_text(self.scheme, doc.title, chunk.heading, chunk.text)
 
-    def _embed(self, texts: Sequence[str]) -> list[list[float]]:
+    def embed_files(self, files: Sequence[PreparedFile]) -> None:
+        known: dict[str, Any] = {}  # embed key -> vector, for this group
+        fresh: set[str] = set()  # the keys Ollama embedded for this group
+        while True:
+            items = [(pf, chunk, self.text(pf.doc, chunk)) for pf in files for chunk in pf.chunks]
+            keys = [rules.embed_key(text) for _, _, text in items]
+            wanted = {key: text for key, (_, _, text) in zip(keys, items) if key not in known}
+            if not wanted:
+                break
+            stored = self.reuse(list(wanted))
+            known.update(stored)
+            texts = {key: text for key, text in wanted.items() if key not in stored}
+            too_long = set()
+            for key, vector in zip(texts, self._embed_texts(list(texts.values()))):
+                if vector is None:
+                    too_long.add(key)
+                else:
+                    known[key] = vector
+                    fresh.add(key)
+            for pf, chunk, text in items:
+                if rules.embed_key(text) in too_long:
+                    at = pf.chunks.index(chunk)
+                    pf.chunks[at:at + 1] = self._split(pf.doc, chunk)
+        for pf in files:
+            pf.keys = [rules.embed_key(self.text(pf.doc, chunk)) for chunk in pf.chunks]
+            pf.vectors = [known[key] for key in pf.keys]
+        # Every chunk that did not take a vector Ollama computed for it: stored ones, and copies.
+        reused = sum(len(pf.keys) for pf in files) - len(fresh)
+        self.reused += reused
+        self.on_reused(reused)
+
+    def _split(self, doc: rules.SourceDocument, chunk: rules.Chunk) -> list[rules.Chunk]:
+        parts = split_chunk(doc, chunk)
+        if len(parts) < 2:
+            raise RagError(ErrorCode.DOCUMENT_INVALID,
+                           f"{doc.path}: lines {chunk.start_line}-{chunk.end_line} cannot be split below the model's "
+                           "context", "shorten that passage")
+        return parts
+
+    def _embed_texts(self, texts: list[str]) -> list[Any]:
+        """A vector per text, or None for a text Ollama refused as longer than the model's context."""
+        tokens = [rules.estimate_tokens(text) for text in texts]
+        out: list[Any] = []
+        at = 0
+        while at < len(texts):
+            size = self.sizer.size(tokens[at:])
+            batch = texts[at:at + size]
+            started = time.monotonic()
+            try:
+                vectors = self._call(batch)
+            except rules.EmbedderTimeout:
+                if size == 1:
+                    raise
+                log.info("an embedding call of %d chunks timed out; retrying with fewer", size)
+                self.sizer.timed_out(size)
+                continue
+            except rules.InputTooLong:
+                if size > 1:  # find the one: the same texts one at a time
+                    self.sizer.ceiling = 1
+                    continue
+                vectors = [None]
+            else:
+                self.sizer.measured(sum(tokens[at:at + size]), time.monotonic() - started)
+            out.extend(vectors)
+            at += size
+        return out
+
+    def _call(self, texts: Sequence[str]) -> Any:
         self.calls += 1
         vectors = self.embedder.embed(texts)
-        self.on_embedded(len(texts))
         wrong = {len(v) for v in vectors if len(v) != self.dims}
         if wrong:
             raise RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
@@ -254,44 +508,9 @@ class Embedding:
                            f"the index holds {self.dims}-dimensional ones",
                            "the model changed under the same name? run ingest again; it rebuilds when /api/show "
                            "reports the new size")
+        self.embedded += len(texts)
+        self.on_embedded(len(texts))
         return vectors
-
-    def embed_files(self, files: Sequence[PreparedFile]) -> None:
-        pairs = [(pf, chunk) for pf in files for chunk in pf.chunks]
-        vectors: list[list[float]] = []
-        for batch in rules.batched(pairs, EMBED_BATCH):
-            try:
-                vectors.extend(self._embed([self._text(pf.doc, c) for pf, c in batch]))
-            except rules.InputTooLong:
-                vectors.extend(self._embed_one_by_one(batch))
-        position = 0
-        for pf in files:
-            count = len(pf.chunks)
-            pf.vectors = vectors[position:position + count]
-            position += count
-
-    def _embed_one_by_one(self, batch: Sequence[tuple[PreparedFile, rules.Chunk]]) -> list[list[float]]:
-        # Only reached when Ollama refused a batch as too long: find the culprit, split it, and
-        # carry the extra chunks back into the file's chunk list.
-        out: list[list[float]] = []
-        for pf, chunk in batch:
-            pieces = self._embed_splitting(pf.doc, chunk)
-            if len(pieces) > 1:
-                at = pf.chunks.index(chunk)
-                pf.chunks[at:at + 1] = [c for c, _ in pieces]
-            out.extend(v for _, v in pieces)
-        return out
-
-    def _embed_splitting(self, doc: rules.SourceDocument, chunk: rules.Chunk) -> list[tuple[rules.Chunk, list[float]]]:
-        try:
-            return [(chunk, self._embed([self._text(doc, chunk)])[0])]
-        except rules.InputTooLong:
-            parts = split_chunk(doc, chunk)
-            if len(parts) < 2:
-                raise RagError(ErrorCode.DOCUMENT_INVALID,
-                               f"{doc.path}: lines {chunk.start_line}-{chunk.end_line} cannot be split below the model's context",
-                               "shorten that passage") from None
-            return [pair for part in parts for pair in self._embed_splitting(doc, part)]
 
 
 def renumber(chunks: Sequence[rules.Chunk]) -> list[rules.Chunk]:
@@ -313,7 +532,39 @@ class Store:
         layout.index_dir(self.name).mkdir(parents=True, exist_ok=True)
         self.vectors = rules.vector_store(settings, layout, self.name, create=True).open(create=True, metadata=meta)
         self.db = open_keyword_db(layout.keyword_db(self.name))
+        self._fill_embed_keys(rules.PREFIX_SCHEMES.get(manifest.prefix_scheme, rules.PREFIX_SCHEMES["none"]))
         self._vector_writes_marked = False
+
+    def _fill_embed_keys(self, scheme: rules.PrefixScheme) -> None:
+        """Stores written before chunks carried their embed_key get it, computed from what the rows
+        hold (title, heading path, text), so their vectors can be reused too."""
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(chunks)")}
+        with transaction(self.db):
+            if "embed_key" not in columns:
+                self.db.execute("ALTER TABLE chunks ADD COLUMN embed_key TEXT")
+            rows = self.db.execute("SELECT c.rowid, coalesce(d.title, c.path), c.heading, c.text FROM chunks c "
+                                   "LEFT JOIN documents d ON d.path = c.path WHERE c.embed_key IS NULL").fetchall()
+            self.db.executemany("UPDATE chunks SET embed_key = ? WHERE rowid = ?", [
+                (rules.embed_key(rules.embedded_document_text(scheme, title, heading, text)), rowid)
+                for rowid, title, heading, text in rows])
+        self.db.execute("CREATE INDEX IF NOT EXISTS chunks_by_embed_key ON chunks(embed_key)")
+
+    def stored_vectors(self, keys: Sequence[str]) -> dict[str, Any]:
+        """The vectors the index already holds for these embed keys (those it has)."""
+        owners: dict[str, dict[str, str]] = {}  # lifecycle -> chunk id -> key
+        for batch in rules.batched(list(keys), 500):
+            marks = ",".join("?" * len(batch))
+            for chunk, lifecycle, key in self.db.execute(
+                    f"SELECT id, lifecycle, embed_key FROM chunks WHERE embed_key IN ({marks})", list(batch)):
+                owners.setdefault(lifecycle, {}).setdefault(chunk, key)
+        found: dict[str, Any] = {}
+        for lifecycle, by_id in owners.items():
+            ids = [i for i, key in by_id.items() if key not in found]
+            for batch in rules.batched(ids, 1000):
+                got_ids, vectors = self.vectors.embeddings(lifecycle, batch)
+                for chunk, vector in zip(got_ids, vectors):
+                    found.setdefault(by_id[chunk], vector)
+        return found
 
     def close(self) -> None:
         self.db.close()
@@ -441,12 +692,12 @@ class Store:
     def _insert_rows(self, pf: PreparedFile) -> None:
         doc, path = pf.doc, pf.file.path
         title_terms = " ".join(rules.keyword_terms(doc.title))
-        for chunk in pf.chunks:
+        for chunk, key in zip(pf.chunks, pf.keys, strict=True):
             cur = self.db.execute(
-                "INSERT INTO chunks(id, path, chunk_index, start_line, end_line, heading, lifecycle, text) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO chunks(id, path, chunk_index, start_line, end_line, heading, lifecycle, text, embed_key) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (rules.chunk_id(path, pf.content_hash, chunk.index), path, chunk.index, chunk.start_line,
-                 chunk.end_line, chunk.heading, doc.lifecycle, chunk.text))
+                 chunk.end_line, chunk.heading, doc.lifecycle, chunk.text, key))
             self.db.execute("INSERT INTO chunks_fts(rowid, title, heading, body) VALUES (?, ?, ?, ?)",
                             (cur.lastrowid, title_terms, " ".join(rules.keyword_terms(chunk.heading)),
                              " ".join(rules.keyword_terms(chunk.text))))
@@ -483,29 +734,31 @@ class Store:
 # for the commit and for whether anything under the corpus changed, with all of that switched off.
 GIT_TIMEOUT_S = 20.0
 _GIT_SAFETY = ("-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null", "-c", "core.untrackedCache=false",
-               "-c", "protocol.allow=never", "-c", "core.pager=cat", "-c", "diff.external=")
+               "-c", "protocol.allow=never", "-c", "core.pager=cat", "-c", "diff.external=", "-c", "core.quotePath=false")
+
+
+def _git(corpus: Path, *args: str) -> str | None:
+    """git's stdout for one command in the corpus with every safety above, or None on failure."""
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0", "GIT_PAGER": "cat"}
+    try:
+        done = subprocess.run(["git", *_GIT_SAFETY, "-C", str(corpus), *args], capture_output=True, text=True,
+                              timeout=GIT_TIMEOUT_S, env=env, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    # check-ignore answers 1 when nothing given to it is ignored: an answer, not a failure.
+    return done.stdout if done.returncode == 0 or (args[:1] == ("check-ignore",) and done.returncode == 1) else None
 
 
 def corpus_git_state(corpus: Path) -> tuple[str | None, bool | None]:
     """(HEAD commit, dirty) of the git work tree the corpus is in; (None, None) outside git."""
-    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0", "GIT_PAGER": "cat"}
-
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(["git", *_GIT_SAFETY, "-C", str(corpus), *args], capture_output=True, text=True,
-                                  timeout=GIT_TIMEOUT_S, env=env, stdin=subprocess.DEVNULL)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return done.stdout if done.returncode == 0 else None
-
-    head = git("rev-parse", "HEAD")
+    head = _git(corpus, "rev-parse", "HEAD")
     if head is None:
         return None, None
     # Filter programs come from the repository's config; each one named there is set to nothing.
-    filters = git("config", "--name-only", "--get-regexp", r"^filter\..*\.(clean|smudge|process)$") or ""
+    filters = _git(corpus, "config", "--name-only", "--get-regexp", r"^filter\..*\.(clean|smudge|process)$") or ""
     disabled = [arg for name in filters.split() for arg in ("-c", f"{name}=")]
     disabled += [arg for name in {n.rsplit(".", 1)[0] for n in filters.split()} for arg in ("-c", f"{name}.required=false")]
-    status = git(*disabled, "status", "--porcelain", "--ignore-submodules=all", "--", ".")
+    status = _git(corpus, *disabled, "status", "--porcelain", "--ignore-submodules=all", "--", ".")
     return head.strip(), None if status is None else bool(status.strip())
 
 
@@ -564,6 +817,7 @@ class Progress:
         self.tty = sys.stderr.isatty()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.ticked = False
         self._ticker: threading.Thread | None = None
         if not self.tty and files:
             self._ticker = threading.Thread(target=self._tick, name="ingest-progress", daemon=True)
@@ -590,8 +844,8 @@ class Progress:
             left = max(0, self.chunks - self.chunks_done)
             eta = f"ETA {left / rate:.0f} s" if rate > 0 else "ETA unknown"
             waiting = now - self.call_started
-            line = (f"ingest: {self.files_done}/{self.files} files, {self.chunks_done}/{self.chunks} chunks embedded, "
-                    f"{rate:.1f} chunks/s, {eta}")
+            line = (f"ingest: {self.files_done}/{self.files} files, {self.chunks_done}/{self.chunks} chunks embedded "
+                    f"or reused, {rate:.1f} chunks/s, {eta}")
             if waiting >= PROGRESS_EVERY_S and left:
                 line += f"; waiting {waiting:.0f} s for Ollama"
             return line
@@ -605,13 +859,15 @@ class Progress:
 
     def _tick(self) -> None:
         while not self._stop.wait(PROGRESS_EVERY_S):
+            self.ticked = True
             print(self.line(), file=sys.stderr, flush=True)
 
     def finish(self) -> None:
         self._stop.set()
         if self._ticker is not None:
             self._ticker.join(timeout=5)
-            print(self.line(), file=sys.stderr, flush=True)  # where the run got to, for the log
+            if self.ticked:  # a run long enough to report progress says where it got to
+                print(self.line(), file=sys.stderr, flush=True)
         if self.tty and self.last:
             print(file=sys.stderr)
 
@@ -627,9 +883,13 @@ class Summary:
     updated: int = 0
     unchanged: int = 0
     removed: int = 0
-    excluded: int = 0
+    excluded: int = 0  # rag: false
+    ignored: int = 0  # files and folders left out by the scope (built-in rules, .ragignore, git)
     failed: int = 0
     chunks_written: int = 0
+    chunks_embedded: int = 0  # by Ollama, in this run
+    chunks_reused: int = 0  # took a vector the index already had (same embedded text)
+    left_for_next_run: int = 0  # not embedded because the embedder became unavailable
     embedding_calls: int = 0
     seconds: float = 0.0
     commit: str | None = None
@@ -639,17 +899,20 @@ class Summary:
     dry_run: bool = False
     estimated_chunks: int = 0
     errors: list[str] = field(default_factory=list)
+    listing: list[dict[str, str]] = field(default_factory=list)  # dry run: what it would do to each path
 
     def line(self) -> str:
         if self.dry_run:
             return (f"dry run: {self.scanned} scanned, {'would rebuild the index: ' if self.rebuilt else ''}"
                     f"would add {self.added}, update {self.updated}, "
-                    f"remove {self.removed}; {self.unchanged} unchanged, {self.excluded} excluded, "
+                    f"remove {self.removed}; {self.unchanged} unchanged, {self.excluded} excluded, {self.ignored} ignored, "
                     f"{self.failed} failed; about {self.estimated_chunks} chunks to embed")
+        left = f", {self.left_for_next_run} left for the next run" if self.left_for_next_run else ""
         return (f"{self.scanned} scanned, {self.added} added, {self.updated} updated, {self.unchanged} unchanged, "
-                f"{self.removed} removed, {self.excluded} excluded, {self.failed} failed; "
-                f"{self.chunks_written} chunks written, {self.embedding_calls} embedding calls, "
-                f"{self.seconds:.1f} s, corpus commit {self.commit or 'none'}{' (dirty)' if self.dirty else ''}")
+                f"{self.removed} removed, {self.excluded} excluded, {self.ignored} ignored, {self.failed} failed{left}; "
+                f"{self.chunks_written} chunks written ({self.chunks_embedded} embedded, {self.chunks_reused} reused), "
+                f"{self.embedding_calls} embedding calls, {self.seconds:.1f} s, "
+                f"corpus commit {self.commit or 'none'}{' (dirty)' if self.dirty else ''}")
 
 
 @dataclass
@@ -833,7 +1096,27 @@ def dry_run(args: argparse.Namespace, settings: rules.Settings, layout: rules.St
     chunk_files(plan.changed, Budget(context, settings.chunk_max_tokens, settings.chunk_min_tokens, scheme))
     _fill_summary(summary, plan, registry)
     summary.estimated_chunks = sum(len(pf.chunks) for pf in plan.changed)
+    summary.listing = dry_run_listing(walk, plan, registry, settings.corpus_dir)
     return summary
+
+
+def dry_run_listing(walk: Walk, plan: Plan, registry: dict[str, DocumentRow], corpus: Path) -> list[dict[str, str]]:
+    """Every path the run would touch or leave out, with what it would do and why: the scope a user
+    can check before paying for embeddings."""
+    git_rules = explain_git_ignored(corpus, [p for p, why in walk.ignored.items() if why == "ignored by git"])
+    entries = [{"path": pf.file.path, "action": "update" if pf.file.path in registry else "add",
+                "reason": f"{len(pf.chunks)} chunk(s) to embed or reuse"} for pf in plan.changed]
+    entries += [{"path": f.path, "action": "unchanged", "reason": ""} for f in plan.unchanged]
+    entries += [{"path": f.path, "action": "unchanged", "reason": "content unchanged, mtime moved"}
+                for f, _ in plan.mtime_only]
+    entries += [{"path": p, "action": "exclude", "reason": "rag: false"} for p in plan.excluded]
+    entries += [{"path": p, "action": "exclude", "reason": git_rules.get(p, why)} for p, why in walk.ignored.items()]
+    entries += [{"path": p, "action": "fail", "reason": why} for p, why in plan.failed.items()]
+    leaving = {e["path"] for e in entries}
+    entries += [{"path": p, "action": "remove", "reason": "gone from the corpus" if p not in leaving
+                 else "now excluded"} for p in plan.removed]
+    order = {"add": 0, "update": 1, "remove": 2, "exclude": 3, "fail": 4, "unchanged": 5}
+    return sorted(entries, key=lambda e: (order[e["action"]], e["path"]))
 
 
 def run(args: argparse.Namespace, summary: Summary | None = None) -> Summary:
@@ -848,10 +1131,11 @@ def run(args: argparse.Namespace, summary: Summary | None = None) -> Summary:
     if not corpus.is_dir():
         raise RagError(ErrorCode.CORPUS_MISSING, f"corpus folder {corpus} does not exist",
                        "set RAG_CORPUS_DIR or pass --corpus DIR")
-    walk = walk_corpus(corpus)
+    walk = walk_corpus(corpus, settings.respect_gitignore)
     for warning in walk.warnings:
         log.warning("%s", warning)
     summary.scanned = len(walk.files) + len(walk.failures)
+    summary.ignored = len(walk.ignored)
     current = layout.read_current()
     check_same_corpus(current, corpus, settings.store_dir, args.replace_corpus)
     if args.dry_run:
@@ -860,7 +1144,8 @@ def run(args: argparse.Namespace, summary: Summary | None = None) -> Summary:
         return summary
 
     scheme = scheme_for(settings.embed_model)
-    embedder = rules.OllamaEmbedder(settings.ollama_host, settings.embed_model, settings.embed_timeout_s)
+    embedder = rules.OllamaEmbedder(settings.ollama_host, settings.embed_model, settings.embed_timeout_s,
+                                    keep_alive=KEEP_ALIVE)
     # Ollama is asked before the store is touched whenever anything may need embedding (when it is
     # down or lacks the model, nothing in the store changes, not even the lock file). A run with
     # nothing to embed does not need it: it still asks, briefly, to notice a model re-pulled with
@@ -905,7 +1190,9 @@ def run(args: argparse.Namespace, summary: Summary | None = None) -> Summary:
             if plan.relocated:
                 store.relocate(plan.relocated)
                 changed_anything = True
-            embedding = Embedding(embedder, scheme, manifest.dims)
+            # --full is the way to force every chunk through the embedder: no reuse then.
+            embedding = Embedding(embedder, scheme, manifest.dims,
+                                  reuse=(lambda keys: {}) if args.full else store.stored_vectors)
             written, run_errors = _embed_and_write(store, embedding, plan, summary)
             changed_anything = changed_anything or bool(written)
             if plan.removed:
@@ -938,6 +1225,7 @@ def _embed_and_write(store: Store, embedding: Embedding, plan: Plan, summary: Su
     run_errors: list[str] = []
     progress = Progress(len(plan.changed), sum(len(pf.chunks) for pf in plan.changed))
     embedding.on_embedded = progress.embedded
+    embedding.on_reused = progress.embedded
     try:
         for group in _groups(plan.changed):
             try:
@@ -958,13 +1246,15 @@ def _embed_and_write(store: Store, embedding: Embedding, plan: Plan, summary: Su
     except RagError as exc:
         if exc.code not in (ErrorCode.EMBEDDER_UNAVAILABLE, ErrorCode.MODEL_NOT_FOUND):
             raise
-        # The embedder went away mid-run: what was committed stays, the rest keeps its old chunks.
-        for pf in plan.changed:
-            if pf.file.path not in written:
-                plan.failed.setdefault(pf.file.path, f"{pf.file.path}: not embedded: {exc.message}")
-        run_errors.append(f"{exc.message} ({exc.hint})")
+        # The embedder went away mid-run (even one chunk at a time timed out): what was committed
+        # stays, the rest keeps its old chunks and is left for the next run, which starts there.
+        left = [pf.file.path for pf in plan.changed if pf.file.path not in written and pf.file.path not in plan.failed]
+        summary.left_for_next_run = len(left)
+        named = ", ".join(left[:10]) + (f" and {len(left) - 10} more" if len(left) > 10 else "")
+        run_errors.append(f"{exc.message}; {len(left)} file(s) left for the next run: {named} ({exc.hint})")
     finally:
         progress.finish()
+        summary.chunks_embedded, summary.chunks_reused = embedding.embedded, embedding.reused
     return written, run_errors
 
 
@@ -978,7 +1268,7 @@ def _publish(layout: rules.StoreLayout, settings: rules.Settings, store: Store, 
                              ingested_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                              files=files, chunks=chunks)
     store.stamp(stamp)
-    if summary.rebuilt and plan.failed and current is not None:
+    if summary.rebuilt and (plan.failed or summary.left_for_next_run) and current is not None:
         summary.errors.append(f"the new index {store.name} is incomplete; {current.index} stays live until a "
                               "run completes without failures")
         return
@@ -1057,6 +1347,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="report what would change; embed and write nothing")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     parser.add_argument("--allow-empty", action="store_true", help="allow an empty corpus to empty the index")
+    parser.add_argument("--watch", action="store_true",
+                        help="after the run, keep watching the corpus and re-run once changes settle (Ctrl-C stops)")
+    parser.add_argument("--settle", type=float, default=WATCH_SETTLE_S, metavar="SECONDS",
+                        help="with --watch: how long changes must be quiet before a run (default: %(default)s)")
     parser.add_argument("--replace-corpus", action="store_true",
                         help="index this corpus into a store built from another folder (a moved corpus, or a "
                              "deliberate switch); without it such a run is refused")
@@ -1067,29 +1361,18 @@ def failure_of(exc: BaseException) -> RagError:
     """A run that stopped on something other than a RagError, in the error vocabulary: the store
     could not be written (disk full, read-only, another user's), or an unexpected failure (its
     trace goes to the log). What was committed before it stays; the next run carries on."""
-    text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-    errno_code = getattr(exc, "errno", None)
-    lowered = text.lower()
-    if errno_code in (errno.ENOSPC, errno.EFBIG) or any(
-            words in lowered for words in ("disk is full", "no space left", "file too large", "disk i/o error")):
-        return RagError(ErrorCode.STORE_UNWRITABLE, f"the store could not be written (is the disk full?): {text}",
-                        "free some space and run ingest again; what was committed is kept")
-    if errno_code in (errno.EACCES, errno.EPERM, errno.EROFS) or "readonly" in lowered or "read-only" in lowered \
-            or "permission denied" in lowered or "unable to open database" in lowered:
-        return RagError(ErrorCode.STORE_UNWRITABLE, f"the store cannot be written: {text}",
-                        "check that RAG_STORE_DIR (or --store) is a folder this user can write, then run ingest again")
-    if isinstance(exc, (OSError, sqlite3.Error)):
-        return RagError(ErrorCode.STORE_UNWRITABLE, f"the store could not be written: {text}",
-                        "check the disk and RAG_STORE_DIR, then run ingest again; what was committed is kept")
-    log.error("ingest failed unexpectedly:\n%s", traceback.format_exc())
-    return RagError(ErrorCode.INTERNAL, f"ingest failed unexpectedly: {type(exc).__name__}: {text}",
-                    "the trace is above; run ingest again, and report it if it repeats")
+    failure = rules.store_failure(exc, "store")
+    if failure.code is ErrorCode.INTERNAL and not isinstance(exc, (OSError, sqlite3.Error)):
+        log.error("ingest failed unexpectedly:\n%s", traceback.format_exc())
+        text = (str(exc).splitlines() or [""])[0][:300]
+        return RagError(ErrorCode.INTERNAL, f"ingest failed unexpectedly: {type(exc).__name__}: {text}",
+                        "the trace is above; run ingest again, and report it if it repeats")
+    return failure
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    args = parse_args(argv)
+def run_once(args: argparse.Namespace, quiet: bool = False) -> tuple[int, Summary]:
+    """One run and its report: (exit status, summary). Every way a run can stop ends here in the
+    error vocabulary; Ctrl-C propagates (committed work is kept, the next run continues)."""
     summary = Summary(dry_run=args.dry_run)
     try:
         run(args, summary)
@@ -1099,15 +1382,129 @@ def main(argv: Sequence[str] | None = None) -> int:
         if error.hint:
             log.error("next: %s", error.hint)
         if args.json:
-            print(json.dumps({"exit": 2, **error.payload(), **asdict(summary)}, ensure_ascii=False))
-        return 2
+            print(json.dumps({"exit": 2, **error.payload(), **asdict(summary)}, ensure_ascii=False), flush=True)
+        return 2, summary
     for error in summary.errors:
         log.error("%s", error)
-    print(f"ingest: {summary.line()}", file=sys.stderr)
-    status = 1 if summary.failed or summary.errors else 0
+    if summary.dry_run and not args.json:
+        for entry in summary.listing:
+            print(f"{entry['action']:9} {entry['path']}" + (f"  ({entry['reason']})" if entry["reason"] else ""))
+    if not quiet:
+        print(f"ingest: {summary.line()}", file=sys.stderr)
+    if summary.left_for_next_run and not summary.chunks_written:
+        status = 2  # the embedder is unavailable and nothing could be indexed
+    else:
+        status = 1 if summary.failed or summary.errors else 0
     if args.json:
-        print(json.dumps({"exit": status, **asdict(summary)}, ensure_ascii=False))
-    return status
+        print(json.dumps({"exit": status, **asdict(summary)}, ensure_ascii=False), flush=True)
+    return status, summary
+
+
+# ---------------------------------------------------------------------------
+# Fresh by itself: --watch.
+
+WATCH_SETTLE_S = 1.0  # a burst of changes is indexed once it has been quiet this long
+WATCH_GROUP_MAX_S = 10.0  # changes that never stop are indexed at least this often
+WATCH_RETRY_S = (15.0, 60.0, 300.0)  # after a run that could not finish: retry, backing off
+IGNORE_FILES = {RAGIGNORE, ".gitignore"}
+
+
+def relevant_change(path: str) -> bool:
+    """Changes a run would see: Markdown files, ignore files, and what may be a folder (a renamed
+    or deleted folder of documents). Editor temp and swap files (x.md~, .x.md.swp, .#x.md),
+    anything in a dot-folder (.git) and other files are not."""
+    parts = Path(path).parts
+    name = parts[-1] if parts else ""
+    if name in IGNORE_FILES:
+        return not any(part.startswith(".") for part in parts[:-1])
+    if any(part.startswith(".") for part in parts) or name.endswith("~") or name.startswith("#"):
+        return False
+    return name.lower().endswith(".md") or "." not in name
+
+
+def watch(args: argparse.Namespace) -> int:
+    """Index, then keep the index fresh: a run after every burst of changes once it settles. The
+    ingest lock is held only while a run is active, so a manual `python ingest.py` can run between;
+    a run that could not finish (Ollama down, another ingest holding the lock, files left) is
+    retried with a back-off. One line per run. Ctrl-C (or SIGTERM) stops cleanly."""
+    import watchfiles
+
+    settings = rules.load_settings(corpus_dir=args.corpus, store_dir=args.store)
+    corpus = settings.corpus_dir
+    settle_ms = int(args.settle * 1000)
+    signal.signal(signal.SIGTERM, _interrupt)  # systemd's stop: end like Ctrl-C
+    log.info("watching %s (runs once changes have settled for %.1f s)", corpus, args.settle)
+    status, summary = run_once(args, quiet=True)
+    _watch_line("start", status, summary)
+    retries = 0
+    logging.getLogger("ingest").setLevel(logging.WARNING)  # one line per run from here on
+    try:
+        while True:
+            due = WATCH_RETRY_S[min(retries, len(WATCH_RETRY_S) - 1)] if _unfinished(status, summary) else None
+            changes = _next_changes(watchfiles, corpus, settle_ms, due)
+            if changes is None:
+                return 0  # the corpus folder went away
+            if not changes and due is None:
+                continue
+            what = f"{len(changes)} change(s)" if changes else "retry"
+            status, summary = run_once(args, quiet=True)
+            retries = retries + 1 if _unfinished(status, summary) and not changes else 0
+            _watch_line(what, status, summary)
+    except KeyboardInterrupt:
+        print("ingest: watch stopped; what was committed is kept", file=sys.stderr, flush=True)
+        return 0
+
+
+def _interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _unfinished(status: int, summary: Summary) -> bool:
+    return status == 2 or bool(summary.left_for_next_run)
+
+
+def _next_changes(watchfiles: Any, corpus: Path, settle_ms: int, wait_s: float | None) -> set[str] | None:
+    """The relevant paths of the next settled burst of changes; an empty set when `wait_s` passed
+    first (a retry is due); None when the corpus folder is gone."""
+    if not corpus.is_dir():
+        log.error("the corpus folder %s is gone; watch stops", corpus)
+        return None
+    deadline = None if wait_s is None else time.monotonic() + wait_s
+    for batch in watchfiles.watch(corpus, watch_filter=lambda _change, path: relevant_change(path), step=settle_ms,
+                                  debounce=int(WATCH_GROUP_MAX_S * 1000), rust_timeout=1000, yield_on_timeout=True,
+                                  raise_interrupt=True):
+        if batch:
+            return {path for _, path in batch}
+        if deadline is not None and time.monotonic() >= deadline:
+            return set()
+        if not corpus.is_dir():
+            return None
+    return None
+
+
+def _watch_line(what: str, status: int, summary: Summary) -> None:
+    state = {0: "ok", 1: "some files failed", 2: "could not finish; will retry"}.get(status, str(status))
+    print(f"ingest: watch {what}: {summary.added} added, {summary.updated} updated, {summary.removed} removed, "
+          f"{summary.failed} failed; {summary.chunks_written} chunks written ({summary.chunks_embedded} embedded, "
+          f"{summary.chunks_reused} reused) in {summary.seconds:.1f} s [{state}]", file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("watchfiles").setLevel(logging.WARNING)
+    args = parse_args(argv)
+    if args.watch and args.dry_run:
+        print("ingest: --watch and --dry-run do not go together", file=sys.stderr)
+        return 2
+    try:
+        if args.watch:
+            return watch(args)
+        return run_once(args)[0]
+    except KeyboardInterrupt:
+        print("ingest: interrupted; what was committed is kept, and the next run continues from there",
+              file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

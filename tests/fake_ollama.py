@@ -129,6 +129,17 @@ def normalize_model_name(name: str) -> str:
     return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
 
 
+def _hung_up(connection: socket.socket) -> bool:
+    """True when the peer closed the connection (readable with nothing to read)."""
+    import select
+
+    try:
+        readable, _, _ = select.select([connection], [], [], 0)
+        return bool(readable) and connection.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
 def _renormalize(vec: list[float]) -> list[float]:
     norm = math.sqrt(sum(v * v for v in vec))
     return [v / norm for v in vec] if norm else vec
@@ -219,6 +230,8 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if not path.startswith("/_fake/"):
             fake._record(method, path, body)
+        if path == "/api/embed" and not fake._work_per_text(body, self.connection):
+            return  # the client hung up while its texts were being "embedded"
         status, payload = fake._handle(method, path, body)
         if isinstance(payload, _Trickle):
             self._send_trickling(status, payload)
@@ -282,6 +295,10 @@ class FakeOllama:
         # seconds; put NaN into the vectors of inputs containing this text ("" = every input).
         self.trickle_seconds: float | None = None
         self.nan_for: str | None = None
+        # A CPU-only embedder: this many seconds per input text, one call at a time (a single
+        # runner), and the work dropped when the client gives up and disconnects.
+        self.delay_per_text_seconds: float = 0.0
+        self._runner = threading.Lock()
         self.embed_calls = 0
         self.embedded_inputs: list[str] = []
         self.requests: list[tuple[str, str, Any]] = []
@@ -352,6 +369,8 @@ class FakeOllama:
                     setattr(self, key, None if value is None else int(value))
                 elif key == "delay_seconds":
                     self.delay_seconds = float(value)
+                elif key == "delay_per_text_seconds":
+                    self.delay_per_text_seconds = float(value)
                 elif key == "trickle_seconds":
                     self.trickle_seconds = None if value is None else float(value)
                 elif key == "nan_for":
@@ -376,6 +395,7 @@ class FakeOllama:
             "wrong_dims": self.wrong_dims,
             "trickle_seconds": self.trickle_seconds,
             "nan_for": self.nan_for,
+            "delay_per_text_seconds": self.delay_per_text_seconds,
         }
 
     def reset(self) -> None:
@@ -394,6 +414,7 @@ class FakeOllama:
         self.wrong_dims = None
         self.trickle_seconds = None
         self.nan_for = None
+        self.delay_per_text_seconds = 0.0
         self.embed_calls = 0
         self.embedded_inputs = []
         self.requests = []
@@ -492,6 +513,22 @@ class FakeOllama:
             "capabilities": ["embedding"],
             "modified_at": "2025-09-01T00:00:00Z",
         }
+
+    def _work_per_text(self, body: Any, connection: socket.socket) -> bool:
+        """Spend delay_per_text_seconds per input text, one call at a time; False when the client
+        disconnected meanwhile (its work is dropped, as a runner does when the request is cancelled)."""
+        with self._lock:
+            per_text = self.delay_per_text_seconds
+        if per_text <= 0:
+            return True
+        raw = body.get("input") if isinstance(body, dict) else None
+        count = len(raw) if isinstance(raw, list) else 1
+        with self._runner:
+            deadline = time.monotonic() + per_text * count
+            while (left := deadline - time.monotonic()) > 0:
+                if self._stopping.wait(min(left, 0.05)) or _hung_up(connection):
+                    return False
+        return True
 
     def _embed(self, body: Any) -> tuple[int, Any]:
         started = time.perf_counter_ns()

@@ -1,9 +1,9 @@
 """Shared pieces of the fault and abuse suite (tests/test_faults_*.py).
 
 Every scenario runs real processes (`python ingest.py`, `python server.py`) against a real store;
-the loopback fake Ollama runs in the test process. Helpers that already exist in test_ingest.py
-(store snapshots, consistency checks, corpus edits) and test_server_e2e.py (a raw JSON-RPC
-client over a server's pipes) are reused from there, not copied.
+the loopback fake Ollama runs in the test process. What other test modules use too (store
+snapshots, consistency checks, corpus edits, ingest as a process, a raw JSON-RPC client over a
+server's pipes) lives in helpers.py; this module holds what only the fault suite needs.
 """
 
 from __future__ import annotations
@@ -22,35 +22,10 @@ from typing import Any
 
 import corpus_rules as rules
 from fake_ollama import FakeOllama
-from helpers import tool_payload
-from test_ingest import (  # noqa: F401 - re-exported for the fault modules
-    ROOT,
-    Run as Done,  # exit code, stdout, stderr and the --json summary of one ingest
-    assert_consistent,
-    child_env,
-    chroma_state,
-    copy_sample,
-    corpus_hashes,
-    current_of,
-    edit,
-    file_listing,
-    keyword_db,
-    snapshot,
-    store_bytes,
-)
-from test_server_e2e import RawServer
-
-INGEST = ROOT / "ingest.py"
-# Upper bound for any single wait in the suite: nothing may hang a CI run.
-PROCESS_TIMEOUT_S = 240.0
-
+from helpers import ROOT, current_of, edit, run_ingest, snapshot
 
 # ---------------------------------------------------------------------------
-# Ingest as a real process.
-
-
-def ingest_args(corpus: Path, store: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(INGEST), "--corpus", str(corpus), "--store", str(store), "--json", *extra]
+# A fake Ollama that can die for real, a clean reference ingest, bounded waits.
 
 
 class OllamaProcess:
@@ -82,26 +57,6 @@ class OllamaProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=30)
-
-
-def start_ingest(fake: FakeOllama | OllamaProcess, corpus: Path, store: Path, *extra: str,
-                 **env: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(ingest_args(corpus, store, *extra), env=child_env(fake, **env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT.parent)
-
-
-def finish(proc: subprocess.Popen[str], timeout: float = PROCESS_TIMEOUT_S) -> Done:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate(timeout=30)
-        raise AssertionError(f"ingest did not finish within {timeout} s:\n{err[-3000:]}") from None
-    return Done(proc.returncode, out, err)
-
-
-def run_ingest(fake: FakeOllama, corpus: Path, store: Path, *extra: str, **env: str) -> Done:
-    return finish(start_ingest(fake, corpus, store, *extra, **env))
 
 
 def clean_reference(fake: FakeOllama, corpus: Path, tmp: Path, **env: str) -> dict[str, Any]:
@@ -162,58 +117,6 @@ def write_lock(db: Path, kind: str = "IMMEDIATE") -> Iterator[sqlite3.Connection
 
 
 # ---------------------------------------------------------------------------
-# The server as a real process, spoken to in raw JSON-RPC.
-
-
-def server_env(store: Path, corpus: Path | None, host: str, **extra: str) -> dict[str, str]:
-    env = {"OLLAMA_HOST": host, "RAG_STORE_DIR": str(store), "PYTHONUNBUFFERED": "1", **extra}
-    if corpus is not None:
-        env["RAG_CORPUS_DIR"] = str(corpus)
-    return env
-
-
-@contextmanager
-def raw_server(store: Path, corpus: Path | None, host: str, **extra: str) -> Iterator[RawServer]:
-    """A handshaken `python server.py`; on exit stdin is closed and it must exit 0 with every
-    stdout line a JSON-RPC message."""
-    server = RawServer(server_env(store, corpus, host, **extra))
-    try:
-        server.handshake()
-        yield server
-    finally:
-        if server.proc.poll() is None:
-            code = server.close()
-        else:
-            code = server.proc.returncode
-    assert code == 0, f"exit {code}: " + "".join(server.stderr_lines)[-3000:]
-    assert_pure_jsonrpc(server)
-
-
-def assert_pure_jsonrpc(server: RawServer) -> None:
-    for line in server.stdout_lines:
-        message = json.loads(line)
-        assert isinstance(message, dict) and message.get("jsonrpc") == "2.0", line[:300]
-
-
-def call(server: RawServer, name: str, arguments: Any, timeout: float = 60.0) -> tuple[bool, dict[str, Any]]:
-    """One tools/call; asserts the answer is a tool result with a structured payload, and for
-    errors the {"error": {code, message, hint}} shape."""
-    response = server.request("tools/call", {"name": name, "arguments": arguments}, timeout=timeout)
-    assert "result" in response, response
-    return tool_payload(name, response["result"])
-
-
-def search_paths(server: RawServer, query: str, **args: Any) -> list[str]:
-    is_error, payload = call(server, "search_corpus", {"query": query, **args})
-    assert not is_error, payload
-    return [hit["path"] for hit in payload["results"]]
-
-
-def stderr_text(server: RawServer) -> str:
-    return "".join(server.stderr_lines)
-
-
-# ---------------------------------------------------------------------------
 # Generated corpora whose every chunk says which file and which revision it comes from.
 
 FILLER = ("harbor lantern copper meadow signal orchard pebble rocket velvet timber beacon canyon "
@@ -234,7 +137,7 @@ def handbook(token: str, sections: int, revision: str) -> str:
 
 def write_handbooks(root: Path, sizes: dict[str, int], revision: str) -> dict[str, str]:
     """Write (or rewrite) one handbook per name; returns name -> token. Mtimes are fixed for the
-    first revision and moved past the skip tolerance on every rewrite (test_ingest.edit)."""
+    first revision and moved past the skip tolerance on every rewrite (helpers.edit)."""
     tokens = {}
     for name, sections in sizes.items():
         token = "tok" + "".join(ch for ch in name if ch.isalnum())
@@ -281,17 +184,27 @@ def commit_groups(counts: dict[str, int]) -> list[list[str]]:
 
 
 def embed_calls_by_file(counts: dict[str, int]) -> dict[str, list[int]]:
-    """Which embedding calls (1-based, in one run that re-embeds all of `counts`) carry each
-    file's chunks: EMBED_BATCH chunks per call within a commit group."""
+    """Which embedding calls (1-based, in one run that embeds all of `counts` anew) carry each
+    file's chunks: within each commit group, calls of EMBED_BATCH chunks, except the run's first
+    call, which carries START_CHUNKS to measure the embedder's pace (an embedder as fast as the fake
+    then gets full calls)."""
     import ingest
 
     calls: dict[str, list[int]] = {}
     done = 0
+    first_call = min(ingest.START_CHUNKS, ingest.EMBED_BATCH)
     for group in commit_groups(counts):
+        size = sum(counts[path] for path in group)
+        # The chunk positions (within the group) where each of the group's calls starts.
+        starts, at = [], 0
+        while at < size:
+            starts.append(at)
+            at += first_call if done == 0 and len(starts) == 1 else ingest.EMBED_BATCH
         position = 0
         for path in group:
-            first, last = position // ingest.EMBED_BATCH, (position + counts[path] - 1) // ingest.EMBED_BATCH
-            calls[path] = [done + c + 1 for c in range(first, last + 1)]
+            first, last = position, position + counts[path] - 1
+            calls[path] = [done + i + 1 for i, start in enumerate(starts)
+                           if start <= last and (i + 1 == len(starts) or starts[i + 1] > first)]
             position += counts[path]
-        done += -(-position // ingest.EMBED_BATCH)
+        done += len(starts)
     return calls

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from fake_ollama import FakeOllama
-from faultlib import (
+from faultlib import clean_reference, write_handbooks
+from helpers import (
     assert_consistent,
     call,
-    clean_reference,
     copy_sample,
     corpus_hashes,
     current_of,
@@ -26,7 +26,6 @@ from faultlib import (
     search_paths,
     snapshot,
     start_ingest,
-    write_handbooks,
 )
 
 HANDBOOKS = {f"handbooks/h{i:02d}.md": 40 for i in range(12)}

@@ -27,15 +27,14 @@ import pytest
 
 from corpus_rules import content_hash
 from fake_ollama import FakeOllama
-from faultlib import (
+from faultlib import committed_hashes, index_dir
+from helpers import (
     Done,
     call,
     chroma_state,
-    committed_hashes,
     copy_sample,
     corpus_hashes,
     edit,
-    index_dir,
     keyword_db,
     raw_server,
     run_ingest,

@@ -24,17 +24,16 @@ import pytest
 
 import corpus_rules as rules
 from fake_ollama import FakeOllama
-from faultlib import (
+from faultlib import committed_hashes, index_dir
+from helpers import (
     ROOT,
     Done,
     call,
     child_env,
-    committed_hashes,
     copy_sample,
     current_of,
     edit,
     finish,
-    index_dir,
     ingest_args,
     raw_server,
     run_ingest,
@@ -99,8 +98,8 @@ import ingest
 target, kind, outside = os.environ["SWAP_TARGET"], os.environ["SWAP_KIND"], os.environ["SWAP_OUTSIDE"]
 walk_corpus = ingest.walk_corpus
 
-def walk_then_swap(root):
-    walk = walk_corpus(root)
+def walk_then_swap(*args):
+    walk = walk_corpus(*args)
     os.unlink(target)
     if kind == "symlink":
         os.symlink(outside, target)

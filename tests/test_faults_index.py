@@ -15,19 +15,19 @@ import anyio
 import pytest
 
 from fake_ollama import FakeOllama
-from faultlib import (
+from faultlib import index_dir, write_lock
+from helpers import (
     call,
+    connect,
     copy_sample,
     file_listing,
-    index_dir,
     raw_server,
     run_ingest,
     search_paths,
     server_env,
     stderr_text,
-    write_lock,
+    tool,
 )
-from test_server_e2e import connect, tool
 
 QUERY = "who gets paged for a sev-1"
 ESCALATION = "oncall/escalation.md"

@@ -29,29 +29,31 @@ import pytest
 import corpus_rules as rules
 from fake_ollama import FakeOllama
 from faultlib import (
-    assert_consistent,
-    call,
     chunk_counts,
     clean_reference,
     commit_groups,
     committed_hashes,
-    copy_sample,
-    corpus_hashes,
-    current_of,
     embed_calls_by_file,
-    finish,
     index_dir,
     poll,
-    raw_server,
     ro_query,
-    run_ingest,
-    snapshot,
-    start_ingest,
     vector_count,
     write_handbooks,
     write_lock,
 )
-from test_server_e2e import RawServer
+from helpers import (
+    RawServer,
+    assert_consistent,
+    call,
+    copy_sample,
+    corpus_hashes,
+    current_of,
+    finish,
+    raw_server,
+    run_ingest,
+    snapshot,
+    start_ingest,
+)
 
 HANDBOOKS = {f"handbooks/h{i:02d}.md": 40 for i in range(16)}
 EXTRA = "extra/page.md"

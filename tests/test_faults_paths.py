@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 
 from fake_ollama import FakeOllama
-from faultlib import call, copy_sample, raw_server, run_ingest
-from test_server_e2e import RawServer
+from helpers import RawServer, call, copy_sample, raw_server, run_ingest
 
 OUTSIDE_TOKEN = "OUTSIDE-SECRET-5521"
 TWIN_TOKEN = "UNINDEXED-TWIN-8832"

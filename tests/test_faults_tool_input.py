@@ -18,9 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fake_ollama import FakeOllama
-from faultlib import call, copy_sample, raw_server, run_ingest
-from helpers import tool_payload
-from test_server_e2e import RawServer
+from helpers import RawServer, call, copy_sample, raw_server, run_ingest, tool_payload
 
 EXAMPLES = 500
 # Codes bad input may legitimately produce; `internal` would mean a crash path.

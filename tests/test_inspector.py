@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from fake_ollama import FakeOllama
-from faultlib import copy_sample, run_ingest
+from helpers import copy_sample, run_ingest
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "server.py"

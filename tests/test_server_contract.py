@@ -16,7 +16,6 @@ import subprocess
 import sys
 import unicodedata
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,48 +28,15 @@ from corpus_rules import (
     PREFIX_SCHEMES,
     ErrorCode,
     RagError,
-    StoreLayout,
     load_settings,
     path_matches_prefix,
 )
 from fake_ollama import FakeOllama, fake_embedding
-from helpers import tool_payload
-
-ROOT = Path(server.__file__).resolve().parent
-SAMPLE = ROOT / "sample-corpus"
+from helpers import SAMPLE, Built, build, ingest_index, tool_payload
 
 
 # ---------------------------------------------------------------------------
 # Fixtures: a real index built by the real ingest, a service over it.
-
-
-@dataclass(frozen=True)
-class Built:
-    corpus: Path
-    store: Path
-    host: str
-
-    @property
-    def index_dir(self) -> Path:
-        current = StoreLayout(self.store).read_current()
-        assert current is not None
-        return self.store / current.index
-
-
-def run_ingest(corpus: Path, store: Path, host: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OLLAMA_HOST": host}
-    env.pop("RAG_EMBED_MODEL", None)
-    return subprocess.run([sys.executable, str(ROOT / "ingest.py"), "--corpus", str(corpus), "--store", str(store),
-                           *extra], env=env, capture_output=True, text=True, timeout=120)
-
-
-def build(tmp: Path, host: str, corpus_src: Path = SAMPLE) -> Built:
-    corpus = tmp / "corpus"
-    shutil.copytree(corpus_src, corpus, symlinks=True)
-    store = tmp / "store"
-    done = run_ingest(corpus, store, host)
-    assert done.returncode == 0, done.stderr
-    return Built(corpus, store, host)
 
 
 @pytest.fixture(scope="module")
@@ -715,7 +681,7 @@ def test_new_generation_is_seen_without_a_new_service(fresh: Built) -> None:
     assert all("drill" not in hit["path"] for hit in before["results"])
     (fresh.corpus / "oncall" / "drill.md").write_text(
         "# Failover drill\n\nThe ZEBRA-QUOKKA-4411 failover drill runs every quarter.\n", encoding="utf-8")
-    done = run_ingest(fresh.corpus, fresh.store, fresh.host)
+    done = ingest_index(fresh.corpus, fresh.store, fresh.host)
     assert done.returncode == 0, done.stderr
     for mode in ("hybrid", "vector", "keyword"):
         is_error, after = call(svc, "search_corpus", query=query, mode=mode)

@@ -9,65 +9,27 @@ No timing assertions anywhere.
 from __future__ import annotations
 
 import json
-import os
-import queue
 import shutil
 import subprocess
 import sys
-import threading
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import pytest
-from mcp import Client, StdioServerParameters
-from mcp.client.stdio import stdio_client
+from mcp import Client
 
 from corpus_rules import StoreLayout
 from fake_ollama import FakeOllama
-from helpers import tool_payload
+from helpers import SERVER, Built, RawServer, build, connect, ingest_index, server_env, tool, tool_payload
 
-ROOT = Path(__file__).resolve().parent.parent
-SAMPLE = ROOT / "sample-corpus"
-SERVER = ROOT / "server.py"
 TOKEN = "SECRET-OFFSITE-TOKEN-7731"
 T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------------
 # Building indexes and starting servers.
-
-
-@dataclass(frozen=True)
-class Built:
-    corpus: Path
-    store: Path
-
-    @property
-    def index_dir(self) -> Path:
-        current = StoreLayout(self.store).read_current()
-        assert current is not None
-        return self.store / current.index
-
-
-def run_ingest(corpus: Path, store: Path, host: str) -> None:
-    env = {**os.environ, "OLLAMA_HOST": host}
-    env.pop("RAG_EMBED_MODEL", None)
-    done = subprocess.run([sys.executable, str(ROOT / "ingest.py"), "--corpus", str(corpus), "--store", str(store)],
-                          env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-
-
-def build(tmp: Path, host: str, source: Path = SAMPLE) -> Built:
-    corpus = tmp / "corpus"
-    shutil.copytree(source, corpus)
-    store = tmp / "store"
-    run_ingest(corpus, store, host)
-    return Built(corpus, store)
 
 
 @pytest.fixture(scope="module")
@@ -78,29 +40,11 @@ def fake() -> Iterator[FakeOllama]:
 
 @pytest.fixture(scope="module")
 def built(fake: FakeOllama, tmp_path_factory: pytest.TempPathFactory) -> Built:
-    return build(tmp_path_factory.mktemp("e2e"), fake.host)
-
-
-def server_env(built: Built, host: str, **extra: str) -> dict[str, str]:
-    env = {"OLLAMA_HOST": host, "RAG_CORPUS_DIR": str(built.corpus), "RAG_STORE_DIR": str(built.store),
-           "PYTHONUNBUFFERED": "1", **extra}
-    return env
+    return build(tmp_path_factory.mktemp("e2e"), fake.host, symlinks=False)
 
 
 def run(fn: Callable[[], Awaitable[T]]) -> T:
     return anyio.run(fn)
-
-
-@asynccontextmanager
-async def connect(env: dict[str, str], errlog: TextIO | None = None, mode: str = "auto") -> AsyncIterator[Client]:
-    params = StdioServerParameters(command=sys.executable, args=[str(SERVER)], env=env, cwd=str(ROOT.parent))
-    target: Any = stdio_client(params, errlog=errlog) if errlog is not None else params
-    async with Client(target, mode=mode, read_timeout_seconds=60) as client:  # type: ignore[arg-type]
-        yield client
-
-
-async def tool(client: Client, name: str, **args: Any) -> tuple[bool, dict[str, Any]]:
-    return tool_payload(name, await client.call_tool(name, args))
 
 
 async def error_code(client: Client, name: str, **args: Any) -> str:
@@ -115,7 +59,7 @@ async def error_code(client: Client, name: str, **args: Any) -> str:
 
 def test_sev1_question_finds_the_on_call_doc_first(built: Built, fake: FakeOllama) -> None:
     async def scenario() -> None:
-        async with connect(server_env(built, fake.host), mode="legacy") as client:
+        async with connect(built.server_env(fake.host), mode="legacy") as client:
             assert client.instructions and "search_corpus" in client.instructions[:512]
             listed = {t.name: t for t in (await client.list_tools()).tools}
             assert set(listed) == {"search_corpus", "get_file", "list_documents"}
@@ -141,7 +85,7 @@ def test_sev1_question_finds_the_on_call_doc_first(built: Built, fake: FakeOllam
 
 def test_superseded_runbook_only_with_include_superseded(built: Built, fake: FakeOllama) -> None:
     async def scenario() -> None:
-        async with connect(server_env(built, fake.host)) as client:
+        async with connect(built.server_env(fake.host)) as client:
             query = "kubectl-deploy push --all-at-once"
             for mode in ("hybrid", "vector", "keyword"):
                 _, default = await tool(client, "search_corpus", query=query, k=20, mode=mode)
@@ -158,7 +102,7 @@ def test_superseded_runbook_only_with_include_superseded(built: Built, fake: Fak
 
 def test_rag_false_token_is_never_returned_by_any_tool(built: Built, fake: FakeOllama) -> None:
     async def scenario() -> None:
-        async with connect(server_env(built, fake.host)) as client:
+        async with connect(built.server_env(fake.host)) as client:
             outputs: list[Any] = []
             for mode in ("hybrid", "vector", "keyword"):
                 for query in (TOKEN, "offsite backup restore credentials escrow", "SECRET OFFSITE TOKEN 7731"):
@@ -190,11 +134,11 @@ def test_identifier_in_one_chunk_is_found_by_hybrid_though_vectors_miss_it(fake:
     (source / "codes.md").write_text(
         "# Kitchen inventory\n\nApples, pears and a teapot. Code QZX-7781 marks the blue teapot shelf.\n",
         encoding="utf-8")
-    index = build(tmp_path, fake.host, source)
+    index = build(tmp_path, fake.host, source, symlinks=False)
     query = "what does error QZX-7781 mean when the deploy pipeline rollout fails"
 
     async def scenario() -> None:
-        async with connect(server_env(index, fake.host)) as client:
+        async with connect(index.server_env(fake.host)) as client:
             _, vector = await tool(client, "search_corpus", query=query, k=20, mode="vector")
             assert "codes.md" not in [hit["path"] for hit in vector["results"]]
             _, hybrid = await tool(client, "search_corpus", query=query, k=5)
@@ -209,7 +153,7 @@ def test_identifier_in_one_chunk_is_found_by_hybrid_though_vectors_miss_it(fake:
 
 def test_japanese_keyword_query_finds_the_japanese_doc(built: Built, fake: FakeOllama) -> None:
     async def scenario() -> None:
-        async with connect(server_env(built, fake.host)) as client:
+        async with connect(built.server_env(fake.host)) as client:
             for query in ("ログの保持期間", "送信先", "シッパー"):
                 for mode in ("keyword", "hybrid"):
                     is_error, payload = await tool(client, "search_corpus", query=query, mode=mode)
@@ -222,7 +166,7 @@ def test_japanese_keyword_query_finds_the_japanese_doc(built: Built, fake: FakeO
 
 def test_fts5_syntax_in_queries_is_plain_text(built: Built, fake: FakeOllama) -> None:
     async def scenario() -> None:
-        async with connect(server_env(built, fake.host)) as client:
+        async with connect(built.server_env(fake.host)) as client:
             for query in ('"deployctl', "deploy*", "NEAR(rollback deploy", "-rollback", "title:Deploy",
                           "body:x heading:y", 'rollback" OR "x', "AND", "(((", "E4091 NOT E4010"):
                 for mode in ("keyword", "hybrid"):
@@ -235,17 +179,18 @@ def test_fts5_syntax_in_queries_is_plain_text(built: Built, fake: FakeOllama) ->
 
 
 def test_reingest_is_seen_without_restarting_the_server(fake: FakeOllama, tmp_path: Path) -> None:
-    index = build(tmp_path, fake.host)
+    index = build(tmp_path, fake.host, symlinks=False)
     query = "ZEBRA-QUOKKA-4411 failover drill schedule"
 
     async def scenario() -> None:
-        async with connect(server_env(index, fake.host)) as client:
+        async with connect(index.server_env(fake.host)) as client:
             _, before = await tool(client, "search_corpus", query=query)
             assert "oncall/drill.md" not in [hit["path"] for hit in before["results"]]
             (index.corpus / "oncall" / "drill.md").write_text(
                 "# Failover drill\n\nThe ZEBRA-QUOKKA-4411 failover drill schedule: every quarter, first Tuesday.\n",
                 encoding="utf-8")
-            await anyio.to_thread.run_sync(run_ingest, index.corpus, index.store, fake.host)
+            done = await anyio.to_thread.run_sync(ingest_index, index.corpus, index.store, fake.host)
+            assert done.returncode == 0, done.stderr
             for mode in ("hybrid", "vector", "keyword"):
                 _, after = await tool(client, "search_corpus", query=query, mode=mode)
                 assert after["results"][0]["path"] == "oncall/drill.md", mode
@@ -266,7 +211,7 @@ def test_embedder_down_is_embedder_unavailable(built: Built) -> None:
     down.stop()
 
     async def scenario() -> None:
-        async with connect(server_env(built, host)) as client:
+        async with connect(built.server_env(host)) as client:
             is_error, payload = await tool(client, "search_corpus", query="who gets paged for a sev-1", mode="vector")
             assert is_error and payload["error"]["code"] == "embedder_unavailable"
             assert host in payload["error"]["message"] and "ollama" in payload["error"]["hint"].lower()
@@ -284,7 +229,7 @@ def test_missing_model_is_model_not_found(built: Built) -> None:
         other.configure(missing_models=["embeddinggemma"])
 
         async def scenario() -> None:
-            async with connect(server_env(built, other.host)) as client:
+            async with connect(built.server_env(other.host)) as client:
                 is_error, payload = await tool(client, "search_corpus", query="rollback", mode="vector")
                 assert is_error and payload["error"]["code"] == "model_not_found"
                 assert "ollama pull embeddinggemma" in payload["error"]["hint"]
@@ -296,7 +241,7 @@ def test_missing_model_is_model_not_found(built: Built) -> None:
 
 def test_model_mismatch_and_wrong_dims_are_index_incompatible(built: Built, fake: FakeOllama) -> None:
     async def mismatch() -> None:
-        async with connect(server_env(built, fake.host, RAG_EMBED_MODEL="nomic-embed-text")) as client:
+        async with connect(built.server_env(fake.host, RAG_EMBED_MODEL="nomic-embed-text")) as client:
             assert await error_code(client, "search_corpus", query="rollback") == "index_incompatible"
 
     run(mismatch)
@@ -304,7 +249,7 @@ def test_model_mismatch_and_wrong_dims_are_index_incompatible(built: Built, fake
         other.configure(wrong_dims=256)
 
         async def dims() -> None:
-            async with connect(server_env(built, other.host)) as client:
+            async with connect(built.server_env(other.host)) as client:
                 is_error, payload = await tool(client, "search_corpus", query="rollback")
                 assert is_error and payload["error"]["code"] == "index_incompatible"
                 assert "256" in payload["error"]["message"]
@@ -314,7 +259,7 @@ def test_model_mismatch_and_wrong_dims_are_index_incompatible(built: Built, fake
 
 def test_missing_store_is_index_missing_and_never_created(built: Built, fake: FakeOllama, tmp_path: Path) -> None:
     store = tmp_path / "nowhere" / "store"
-    env = server_env(Built(built.corpus, store), fake.host)
+    env = server_env(store, built.corpus, fake.host)
 
     async def scenario() -> None:
         async with connect(env) as client:
@@ -330,7 +275,7 @@ def test_missing_store_is_index_missing_and_never_created(built: Built, fake: Fa
 
 
 def test_symlink_swap_is_path_rejected(fake: FakeOllama, tmp_path: Path) -> None:
-    index = build(tmp_path, fake.host)
+    index = build(tmp_path, fake.host, symlinks=False)
     target = index.corpus / "oncall" / "escalation.md"
     target.unlink()
     target.symlink_to("/etc/passwd")
@@ -338,7 +283,7 @@ def test_symlink_swap_is_path_rejected(fake: FakeOllama, tmp_path: Path) -> None
     (index.corpus / "runbooks" / "deploy.md").symlink_to(index.corpus / "reference" / "api.md")
 
     async def scenario() -> None:
-        async with connect(server_env(index, fake.host)) as client:
+        async with connect(index.server_env(fake.host)) as client:
             for path in ("oncall/escalation.md", "runbooks/deploy.md"):
                 is_error, payload = await tool(client, "get_file", path=path)
                 assert is_error and payload["error"]["code"] == "path_rejected", payload
@@ -350,7 +295,7 @@ def test_symlink_swap_is_path_rejected(fake: FakeOllama, tmp_path: Path) -> None
 
 def test_bad_arguments_unknown_paths_and_a_corrupt_index(built: Built, fake: FakeOllama, tmp_path: Path) -> None:
     async def scenario() -> None:
-        async with connect(server_env(built, fake.host)) as client:
+        async with connect(built.server_env(fake.host)) as client:
             assert await error_code(client, "search_corpus", query="") == "invalid_argument"
             assert await error_code(client, "search_corpus", query="q", k=99) == "invalid_argument"
             assert await error_code(client, "search_corpus", query="q", unknown_key=1) == "invalid_argument"
@@ -360,12 +305,12 @@ def test_bad_arguments_unknown_paths_and_a_corrupt_index(built: Built, fake: Fak
             assert not (await tool(client, "list_documents"))[0], "the server is still up"
 
     run(scenario)
-    corrupt = Built(built.corpus, tmp_path / "store")
+    corrupt = Built(built.corpus, tmp_path / "store", built.host)
     shutil.copytree(built.store, corrupt.store)
     (corrupt.index_dir / "keywords.sqlite3").write_bytes(b"garbage" * 1000)
 
     async def broken() -> None:
-        async with connect(server_env(corrupt, fake.host)) as client:
+        async with connect(corrupt.server_env(fake.host)) as client:
             is_error, payload = await tool(client, "list_documents")
             assert is_error and payload["error"]["code"] == "internal" and "ingest.py" in payload["error"]["hint"]
 
@@ -376,92 +321,11 @@ def test_bad_arguments_unknown_paths_and_a_corrupt_index(built: Built, fake: Fak
 # Raw JSON-RPC: stdout purity and a handshake without the heavy imports.
 
 
-class RawServer:
-    """`python server.py` spoken to line by line; every stdout and stderr line is kept."""
-
-    def __init__(self, env: dict[str, str], python_flags: tuple[str, ...] = ()) -> None:
-        full_env = {**os.environ, **env}
-        full_env.pop("RAG_EMBED_MODEL", None)
-        self.proc = subprocess.Popen([sys.executable, *python_flags, str(SERVER)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env, cwd=str(ROOT.parent))
-        self.stdout_lines: list[bytes] = []
-        self.stderr_lines: list[str] = []
-        self._messages: queue.Queue[dict[str, Any]] = queue.Queue()
-        self._next_id = 0
-        self._threads = [threading.Thread(target=self._read_stdout, daemon=True),
-                         threading.Thread(target=self._read_stderr, daemon=True)]
-        for thread in self._threads:
-            thread.start()
-
-    def _read_stdout(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.stdout_lines.append(line)
-            try:
-                self._messages.put(json.loads(line))
-            except ValueError:
-                pass  # recorded; the test fails on it when it checks stdout_lines
-
-    def _read_stderr(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.stderr_lines.append(line.decode("utf-8", "replace"))
-
-    def send(self, raw: bytes) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(raw)
-        self.proc.stdin.flush()
-
-    def notify(self, method: str, params: dict[str, Any] | None = None) -> None:
-        self.send(json.dumps({"jsonrpc": "2.0", "method": method, **({"params": params} if params else {})}).encode()
-                  + b"\n")
-
-    def request(self, method: str, params: dict[str, Any] | None = None, timeout: float = 60) -> dict[str, Any]:
-        self._next_id += 1
-        wanted = self._next_id
-        self.send(json.dumps({"jsonrpc": "2.0", "id": wanted, "method": method, "params": params or {}}).encode()
-                  + b"\n")
-        deadline = time.monotonic() + timeout
-        while True:
-            message = self._messages.get(timeout=max(0.1, deadline - time.monotonic()))
-            if message.get("id") == wanted:
-                return message
-
-    def handshake(self) -> list[str]:
-        init = self.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
-                                           "clientInfo": {"name": "e2e", "version": "0"}})
-        assert init["result"]["serverInfo"]["name"] == "local-rag"
-        self.notify("notifications/initialized")
-        tools = self.request("tools/list")
-        return [t["name"] for t in tools["result"]["tools"]]
-
-    def call(self, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-        return self.request("tools/call", {"name": name, "arguments": arguments})["result"]
-
-    def wait_for_stderr(self, text: str, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while not any(text in line for line in self.stderr_lines):
-            assert time.monotonic() < deadline, f"{text!r} never logged"
-            time.sleep(0.05)
-
-    def close(self) -> int:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        try:
-            code = self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        for thread in self._threads:
-            thread.join(timeout=10)
-        return code
-
-
 def test_stdout_is_pure_jsonrpc_including_error_paths(built: Built, fake: FakeOllama) -> None:
     down = FakeOllama().start()
     down_host = down.host
     down.stop()
-    raw = RawServer(server_env(built, fake.host))
+    raw = RawServer(built.server_env(fake.host))
     try:
         assert raw.handshake() == ["search_corpus", "get_file", "list_documents"]
         is_error, ok = tool_payload("search_corpus", raw.call("search_corpus", {"query": "who gets paged for a sev-1"}))
@@ -482,7 +346,7 @@ def test_stdout_is_pure_jsonrpc_including_error_paths(built: Built, fake: FakeOl
     finally:
         assert raw.close() == 0
     # A second server whose embedder is down: the failure path through Ollama's client.
-    raw_down = RawServer(server_env(built, down_host))
+    raw_down = RawServer(built.server_env(down_host))
     try:
         raw_down.handshake()
         is_error, payload = tool_payload("search_corpus", raw_down.call("search_corpus", {"query": "rollback",
@@ -504,7 +368,7 @@ def _imports_of(lines: list[str], package: str) -> list[int]:
 
 def test_handshake_imports_neither_chromadb_nor_ollama(built: Built, fake: FakeOllama) -> None:
     # Warm-up off: what the handshake itself imports, then what a store-only call imports.
-    raw = RawServer(server_env(built, fake.host, RAG_SERVER_WARMUP="0"), python_flags=("-X", "importtime"))
+    raw = RawServer(built.server_env(fake.host, RAG_SERVER_WARMUP="0"), python_flags=("-X", "importtime"))
     try:
         raw.handshake()
         assert not raw.call("list_documents", {})["isError"]
@@ -521,7 +385,7 @@ def test_handshake_imports_neither_chromadb_nor_ollama(built: Built, fake: FakeO
         assert min(found) > listed, f"{package} was imported before the first search"
     # Warm-up on (the default): the heavy imports start only once the warm-up has begun, which
     # is after tools/list was answered.
-    warm = RawServer(server_env(built, fake.host), python_flags=("-X", "importtime"))
+    warm = RawServer(built.server_env(fake.host), python_flags=("-X", "importtime"))
     try:
         warm.handshake()
         warm.wait_for_stderr("warm-up: done")
@@ -536,7 +400,7 @@ def test_handshake_imports_neither_chromadb_nor_ollama(built: Built, fake: FakeO
 def test_server_without_corpus_variable_reads_the_folder_the_index_records(built: Built, fake: FakeOllama) -> None:
     """A server registered without RAG_CORPUS_DIR must not fall back to sample-corpus when the
     index was built from another folder with `ingest.py --corpus`."""
-    env = server_env(built, fake.host)
+    env = built.server_env(fake.host)
     del env["RAG_CORPUS_DIR"]
 
     async def scenario() -> dict[str, Any]:
@@ -559,7 +423,7 @@ def test_server_without_corpus_variable_reads_the_folder_the_index_records(built
 def test_a_missing_store_is_said_at_start_on_stderr_and_in_the_instructions(built: Built, fake: FakeOllama,
                                                                            tmp_path: Path) -> None:
     store = tmp_path / "not-built"
-    raw = RawServer(server_env(Built(built.corpus, store), fake.host))
+    raw = RawServer(server_env(store, built.corpus, fake.host))
     try:
         init = raw.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
                                            "clientInfo": {"name": "e2e", "version": "0"}})
@@ -571,7 +435,7 @@ def test_a_missing_store_is_said_at_start_on_stderr_and_in_the_instructions(buil
     warnings = [line for line in raw.stderr_lines if "WARNING" in line]
     assert len(warnings) == 1 and "python ingest.py" in warnings[0]
     # A ready store: no warning, and the plain instructions.
-    ready = RawServer(server_env(built, fake.host))
+    ready = RawServer(built.server_env(fake.host))
     try:
         init = ready.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
                                              "clientInfo": {"name": "e2e", "version": "0"}})
@@ -585,7 +449,7 @@ def test_a_corpus_variable_that_disagrees_with_the_index_is_warned_about(built: 
                                                                         tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    raw = RawServer(server_env(Built(elsewhere, built.store), fake.host))
+    raw = RawServer(server_env(built.store, elsewhere, fake.host))
     try:
         raw.handshake()
         raw.wait_for_stderr("but the index at")
@@ -607,7 +471,7 @@ def test_help_prints_usage_and_exits() -> None:
 
 def test_numbers_sent_as_strings_are_read_as_numbers(built: Built, fake: FakeOllama) -> None:
     async def scenario() -> None:
-        async with connect(server_env(built, fake.host)) as client:
+        async with connect(built.server_env(fake.host)) as client:
             is_error, lines = await tool(client, "get_file", path="oncall/escalation.md", start_line="2", end_line="4")
             assert not is_error and (lines["start_line"], lines["end_line"]) == (2, 4)
             is_error, found = await tool(client, "search_corpus", query="rollback", k="2", min_score="-1")
@@ -659,11 +523,11 @@ def test_every_tool_result_fits_the_declared_output_schema(built: Built, fake: F
                 if code is not None:
                     assert payload["error"]["code"] == code, (name, args, payload)
 
-    run(lambda: scenario(server_env(built, fake.host), cases))
-    missing = Built(built.corpus, tmp_path / "no-store")
-    run(lambda: scenario(server_env(missing, fake.host), [
+    run(lambda: scenario(built.server_env(fake.host), cases))
+    missing = Built(built.corpus, tmp_path / "no-store", built.host)
+    run(lambda: scenario(missing.server_env(fake.host), [
         ("search_corpus", {"query": "q"}, "index_missing"), ("get_file", {"path": "a.md"}, "index_missing"),
         ("list_documents", {}, "index_missing")]))
-    run(lambda: scenario(server_env(built, down_host), [
+    run(lambda: scenario(built.server_env(down_host), [
         ("search_corpus", {"query": "rollback"}, None), ("search_corpus", {"query": "rollback", "mode": "vector"},
                                                           "embedder_unavailable")]))

@@ -1,0 +1,139 @@
+"""`python ingest.py --watch` as a user leaves it running (issue 11): a real subprocess watching a
+corpus, a real `python server.py` answering from the store it keeps fresh. Edits, additions,
+deletions, renames and editor-style atomic saves show up in search within seconds; a burst of
+writes causes a few runs, not one per write; the lock is free between runs; Ctrl-C stops cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fake_ollama import FakeOllama
+from faultlib import poll
+from helpers import ROOT, call, child_env, copy_sample, raw_server, run_ingest
+
+SETTLE_S = 0.3
+VISIBLE_WITHIN_S = 15.0  # generous for a loaded CI machine; the bench measures the real latency
+
+
+class Watcher:
+    def __init__(self, fake: FakeOllama, corpus: Path, store: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "ingest.py"), "--corpus", str(corpus), "--store",
+                                      str(store), "--watch", "--settle", str(SETTLE_S)], env=child_env(fake),
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT.parent)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        poll(lambda: self.runs() >= 1 or self.proc.poll() is not None, timeout=120, interval=0.05)
+        assert self.proc.poll() is None, "".join(self.lines)
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def runs(self) -> int:
+        return sum(1 for line in self.lines if line.startswith("ingest: watch "))
+
+    def wait_for_run_after(self, count: int) -> None:
+        poll(lambda: self.runs() > count, timeout=VISIBLE_WITHIN_S, interval=0.05)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            code = self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        self._reader.join(timeout=10)
+        return code
+
+
+@pytest.fixture
+def watched(tmp_path: Path) -> Iterator[tuple[FakeOllama, Path, Path, Watcher]]:
+    with FakeOllama() as fake:
+        corpus, store = copy_sample(tmp_path), tmp_path / "store"
+        watcher = Watcher(fake, corpus, store)
+        try:
+            yield fake, corpus, store, watcher
+        finally:
+            code = watcher.stop()
+            assert code == 0 and "watch stopped" in "".join(watcher.lines), "".join(watcher.lines)[-3000:]
+            assert "Traceback" not in "".join(watcher.lines)
+
+
+def paths_found(server: object, query: str) -> set[str]:
+    is_error, payload = call(server, "search_corpus", {"query": query, "mode": "keyword", "k": 20})  # type: ignore[arg-type]
+    assert not is_error, payload
+    return {hit["path"] for hit in payload["results"]}
+
+
+def test_edits_additions_deletions_renames_and_atomic_saves_show_up(watched: tuple) -> None:
+    fake, corpus, store, watcher = watched
+    with raw_server(store, corpus, fake.host) as server:
+        def visible(query: str, path: str | None) -> None:
+            deadline = time.monotonic() + VISIBLE_WITHIN_S
+            while True:
+                found = paths_found(server, query)
+                if (path in found) if path else not found:
+                    return
+                assert time.monotonic() < deadline, (query, path, found, "".join(watcher.lines)[-2000:])
+                time.sleep(0.1)
+
+        (corpus / "notes").mkdir()
+        (corpus / "notes" / "kumquat.md").write_text("# Kumquat\n\nKUMQUATADDED orchard notes.\n", encoding="utf-8")
+        visible("KUMQUATADDED", "notes/kumquat.md")
+        glossary = corpus / "reference" / "glossary.md"
+        glossary.write_text(glossary.read_text(encoding="utf-8") + "\nZEBRAEDITED: a new term.\n", encoding="utf-8")
+        visible("ZEBRAEDITED", "reference/glossary.md")
+        (corpus / "notes" / "kumquat.md").rename(corpus / "notes" / "citrus.md")
+        visible("KUMQUATADDED", "notes/citrus.md")
+        assert "notes/kumquat.md" not in paths_found(server, "KUMQUATADDED")
+        (corpus / "notes" / "citrus.md").unlink()
+        visible("KUMQUATADDED", None)
+        # An editor's atomic save: write a temp file beside it, then rename it over the real one,
+        # plus a backup file (x.md~) and a swap file: one run, for the real file only.
+        before = watcher.runs()
+        deploy = corpus / "runbooks" / "deploy.md"
+        temp = corpus / "runbooks" / ".deploy.md.tmp1234"
+        temp.write_text(deploy.read_text(encoding="utf-8") + "\nATOMICSAVED closing line.\n", encoding="utf-8")
+        (corpus / "runbooks" / "deploy.md~").write_text("backup", encoding="utf-8")
+        (corpus / "runbooks" / ".deploy.md.swp").write_text("swap", encoding="utf-8")
+        os.replace(temp, deploy)
+        visible("ATOMICSAVED", "runbooks/deploy.md")
+        time.sleep(SETTLE_S * 4)
+        assert watcher.runs() == before + 1, watcher.lines[-5:]
+        assert "1 updated" in watcher.lines[-1] or any("1 updated" in line for line in watcher.lines[-2:])
+
+
+def test_a_burst_of_writes_makes_a_few_runs_and_the_lock_is_free_between(watched: tuple) -> None:
+    fake, corpus, store, watcher = watched
+    before = watcher.runs()
+    burst = corpus / "burst"
+    burst.mkdir()
+    for i in range(100):
+        (burst / f"page-{i:03d}.md").write_text(f"# Page {i}\n\nBURSTTOKEN{i:03d} page {i}.\n", encoding="utf-8")
+    poll(lambda: sum(_added(line) for line in watcher.lines if not line.startswith("ingest: watch start")) >= 100,
+         timeout=60, interval=0.1)
+    time.sleep(SETTLE_S * 5)
+    runs = watcher.runs() - before
+    assert 1 <= runs <= 3, watcher.lines[-6:]
+    # Between runs the ingest lock is free: a manual run works (and has nothing to do).
+    manual = run_ingest(fake, corpus, store)
+    assert manual.code == 0 and manual.summary["added"] == 0, manual.err
+
+
+def _added(line: str) -> int:
+    if not line.startswith("ingest: watch "):
+        return 0
+    words = line.split()
+    return int(words[words.index("added,") - 1]) if "added," in words else 0
