@@ -30,7 +30,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import corpus_rules as rules
 from corpus_rules import DocumentRow, ErrorCode, RagError
@@ -1438,14 +1438,15 @@ def watch(args: argparse.Namespace) -> int:
     _watch_line("start", status, summary)
     retries = 0
     logging.getLogger("ingest").setLevel(logging.WARNING)  # one line per run from here on
+    # One watcher for the whole watch: what changes while a run is busy is kept for the next
+    # batch (a watcher set up anew after each run missed an edit made during that gap).
+    batches = _change_batches(watchfiles, corpus, settle_ms)
     try:
         while True:
             due = WATCH_RETRY_S[min(retries, len(WATCH_RETRY_S) - 1)] if _unfinished(status, summary) else None
-            changes = _next_changes(watchfiles, corpus, settle_ms, due)
+            changes = _next_changes(batches, corpus, due)
             if changes is None:
                 return 0  # the corpus folder went away
-            if not changes and due is None:
-                continue
             what = f"{len(changes)} change(s)" if changes else "retry"
             status, summary = run_once(args, quiet=True)
             retries = retries + 1 if _unfinished(status, summary) and not changes else 0
@@ -1453,6 +1454,8 @@ def watch(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("ingest: watch stopped; what was committed is kept", file=sys.stderr, flush=True)
         return 0
+    finally:
+        batches.close()
 
 
 def _interrupt(*_: Any) -> None:
@@ -1463,22 +1466,27 @@ def _unfinished(status: int, summary: Summary) -> bool:
     return status == 2 or bool(summary.left_for_next_run)
 
 
-def _next_changes(watchfiles: Any, corpus: Path, settle_ms: int, wait_s: float | None) -> set[str] | None:
-    """The relevant paths of the next settled burst of changes; an empty set when `wait_s` passed
-    first (a retry is due); None when the corpus folder is gone."""
-    if not corpus.is_dir():
-        log.error("the corpus folder %s is gone; watch stops", corpus)
-        return None
-    deadline = None if wait_s is None else time.monotonic() + wait_s
+def _change_batches(watchfiles: Any, corpus: Path, settle_ms: int) -> Generator[set[str], None, None]:
+    """The relevant paths of each settled burst of changes, and an empty set about every second
+    without one. The watcher keeps collecting between two batches."""
     for batch in watchfiles.watch(corpus, watch_filter=lambda _change, path: relevant_change(path), step=settle_ms,
                                   debounce=int(WATCH_GROUP_MAX_S * 1000), rust_timeout=1000, yield_on_timeout=True,
                                   raise_interrupt=True):
-        if batch:
-            return {path for _, path in batch}
+        yield {path for _, path in batch}
+
+
+def _next_changes(batches: Iterator[set[str]], corpus: Path, wait_s: float | None) -> set[str] | None:
+    """The next non-empty batch; an empty set when `wait_s` passed first (a retry is due); None
+    when the corpus folder is gone."""
+    deadline = None if wait_s is None else time.monotonic() + wait_s
+    for changes in batches:
+        if not corpus.is_dir():
+            log.error("the corpus folder %s is gone; watch stops", corpus)
+            return None
+        if changes:
+            return changes
         if deadline is not None and time.monotonic() >= deadline:
             return set()
-        if not corpus.is_dir():
-            return None
     return None
 
 
