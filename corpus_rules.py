@@ -14,6 +14,7 @@ import contextlib
 import errno
 import functools
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -195,6 +196,16 @@ class Settings:
     chroma_headers: Mapping[str, str] = field(default_factory=dict)
     # Ingest: leave out what git ignores when the corpus is in a git work tree (RAG_RESPECT_GITIGNORE).
     respect_gitignore: bool = True
+    # `server.py --http`: where it listens, the bearer token every route but /health requires, host
+    # names and origins allowed besides loopback's (DNS-rebinding protection), how many calls may
+    # be in flight at once, and how long one tool call may take.
+    http_host: str = "127.0.0.1"
+    http_port: int = 8765
+    http_token: str | None = field(default=None, repr=False)
+    http_allowed_hosts: tuple[str, ...] = ()
+    http_allowed_origins: tuple[str, ...] = ()
+    http_max_in_flight: int = 16
+    tool_timeout_s: float = 30.0
 
     def describe(self) -> str:
         return (f"corpus={self.corpus_dir} store={self.store_dir} ollama={self.ollama_host} "
@@ -232,7 +243,27 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
         chroma_url=_url_env(env, "RAG_CHROMA_URL"),
         chroma_headers=_headers_env(env, "RAG_CHROMA_HEADERS"),
         respect_gitignore=_flag_env(env, "RAG_RESPECT_GITIGNORE", True),
+        http_host=env.get("RAG_HTTP_HOST", "").strip() or "127.0.0.1",
+        http_port=_int_env(env, "RAG_HTTP_PORT", 8765, 0, 65535),
+        http_token=_token_env(env, "RAG_HTTP_TOKEN"),
+        http_allowed_hosts=_list_env(env, "RAG_HTTP_ALLOWED_HOSTS"),
+        http_allowed_origins=_list_env(env, "RAG_HTTP_ALLOWED_ORIGINS"),
+        http_max_in_flight=_int_env(env, "RAG_HTTP_MAX_IN_FLIGHT", 16, 1, 10_000),
+        tool_timeout_s=_seconds_env(env, "RAG_TOOL_TIMEOUT", 30.0),
     )
+
+
+def _token_env(env: Mapping[str, str], name: str) -> str | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    if len(raw) < 16 or any(ch.isspace() or not ch.isprintable() for ch in raw):
+        raise _setting_error(name, "(hidden)", "a secret of at least 16 printable characters without spaces")
+    return raw
+
+
+def _list_env(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in env.get(name, "").split(",") if item.strip())
 
 
 def _url_env(env: Mapping[str, str], name: str) -> str | None:
@@ -1442,7 +1473,7 @@ class VectorStore:
     def query(self, lifecycle: str, vector: Sequence[float], n: int,
               paths: Sequence[str] | None) -> list[tuple[str, float]]:
         """(id, cosine distance), best first; paths=None: unfiltered (the fast path)."""
-        import numpy as np
+        np = import_heavy("numpy")
 
         where = {"path": {"$in": list(paths)}} if paths is not None else None
         query = np.asarray(vector, dtype=np.float32)
@@ -1477,7 +1508,7 @@ class EmbeddedVectors(VectorStore):
 
     def _connect(self, create: bool) -> Any:
         os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
-        import chromadb
+        chromadb = import_heavy("chromadb")
         from chromadb.api.shared_system_client import SharedSystemClient
         from chromadb.config import Settings as ChromaSettings
 
@@ -1566,7 +1597,7 @@ class ServerVectors(VectorStore):
         os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
         from urllib.parse import urlsplit
 
-        import chromadb
+        chromadb = import_heavy("chromadb")
         import httpx
         from chromadb.config import Settings as ChromaSettings
 
@@ -1639,6 +1670,19 @@ class InvalidVectors(RagError):
 
 class EmbedderTimeout(RagError):
     """Ollama did not answer a call within its time (down hard, stalled, or overloaded)."""
+
+
+_HEAVY_IMPORTS = threading.Lock()
+
+
+def import_heavy(name: str) -> Any:
+    """numpy, ollama or chromadb, imported on first use by one thread at a time. The server warms
+    up (imports chromadb, hence numpy) in the background while the first call may be importing
+    numpy for the embedder; two threads importing numpy at once can see it half-initialized
+    ("partially initialized module 'numpy._typing'"), which CPython's per-module locks do not
+    prevent for numpy's circular imports."""
+    with _HEAVY_IMPORTS:
+        return importlib.import_module(name)
 
 
 def call_within(fn: Callable[[], Any], seconds: float) -> Any:
@@ -1716,7 +1760,7 @@ class OllamaEmbedder:
 
     def _get_client(self) -> Any:
         if self._client is None:
-            import ollama
+            ollama = import_heavy("ollama")
 
             self._client = ollama.Client(host=self.host, timeout=self.timeout_s,
                                          transport=_deadline_transport_class()(self.timeout_s))
@@ -1776,7 +1820,7 @@ class OllamaEmbedder:
     def embed(self, texts: Sequence[str]) -> Any:
         """One vector per text, as a float32 matrix (rows in order). InvalidVectors when Ollama's
         answer holds NaN or infinite values, or rows of different lengths."""
-        import numpy as np
+        np = import_heavy("numpy")
 
         options: dict[str, Any] = {"keep_alive": self.keep_alive} if self.keep_alive is not None else {}
         response = self._call(lambda: self._get_client().embed(model=self.model, input=list(texts), truncate=False,

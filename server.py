@@ -36,6 +36,7 @@ import traceback
 import typing
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -69,6 +70,7 @@ from corpus_rules import (
     content_hash,
     fts_any,
     has_lone_surrogates,
+    import_heavy,
     is_within,
     load_settings,
     looks_unchanged,
@@ -509,7 +511,7 @@ class KeywordPlan:
 
 def cosine_many(query: Sequence[float], matrix: Any) -> list[float | None]:
     """Cosine similarity of one vector with each row (numpy: chromadb depends on it anyway)."""
-    import numpy as np  # noqa: PLC0415 - only reached after chromadb has been imported
+    np = import_heavy("numpy")
 
     rows = np.asarray(matrix, dtype=np.float64)
     if rows.size == 0:
@@ -527,9 +529,7 @@ def cosine_many(query: Sequence[float], matrix: Any) -> list[float | None]:
 
 
 def _chromadb() -> Any:
-    import chromadb  # noqa: PLC0415 - the import costs ~1 s; never during the handshake
-
-    return chromadb
+    return import_heavy("chromadb")  # the import costs ~1 s; never during the handshake
 
 
 class _Job:
@@ -936,8 +936,7 @@ class WarmUp:
         log.info("warm-up: start")
         started = time.perf_counter()
         try:
-            import ollama  # noqa: F401, PLC0415 - only to pay the import now
-
+            import_heavy("ollama")  # only to pay the imports now
             _chromadb()
             manager = self.service.manager
             with manager.lock:
@@ -1495,21 +1494,24 @@ def _argument_hint(spec: ToolSpec) -> str:
     return f"{spec.name}({', '.join(parts)}); no other arguments"
 
 
-def error_result(error: RagError) -> Any:
-    from mcp.types import CallToolResult, TextContent  # noqa: PLC0415
+@dataclass(frozen=True)
+class Outcome:
+    """One tool call's result, whichever door it came through: the structured payload, or the
+    error. `timed_out` marks a call that did not finish within the door's deadline, `crashed` one
+    that failed with an unexpected exception (a bug, logged), not an error of the vocabulary."""
 
-    # Text content only: TypeScript-SDK clients (MCP Inspector and others) check structuredContent
-    # against the tool's outputSchema even on errors, and an error payload does not fit it.
-    payload = error.payload()
-    return CallToolResult(is_error=True, content=[TextContent(type="text", text=json.dumps(payload, ensure_ascii=False))])
+    tool: str
+    payload: dict[str, Any] | None = None
+    error: RagError | None = None
+    timed_out: bool = False
+    crashed: bool = False
 
 
-def dispatch(service: RetrievalService, name: str, arguments: Mapping[str, Any] | None) -> Any:
-    """Validate, run, and wrap one tool call. Every failure becomes a structured error result."""
-    from mcp.types import CallToolResult, TextContent  # noqa: PLC0415
-
+def dispatch(service: RetrievalService, name: str, arguments: Mapping[str, Any] | None) -> Outcome:
+    """Validate, run and log one tool call: the one dispatcher behind MCP (stdio and HTTP), the
+    HTTP bridge and the CLI. Every failure becomes an error of the vocabulary."""
     started = time.perf_counter()
-    outcome = "ok"
+    outcome = Outcome(name)
     try:
         spec = TOOLS.get(name)
         if spec is None:
@@ -1518,20 +1520,74 @@ def dispatch(service: RetrievalService, name: str, arguments: Mapping[str, Any] 
             args = spec.input_model.model_validate(dict(arguments or {}))
         except ValidationError as exc:
             raise RagError(ErrorCode.INVALID_ARGUMENT, describe_validation_error(exc), _argument_hint(spec)) from None
-        output = spec.handler(service, args)
-        payload = output.model_dump(mode="json")
-        return CallToolResult(content=[TextContent(type="text", text=json.dumps(payload, ensure_ascii=False))],
-                              structured_content=payload)
+        outcome = Outcome(name, payload=spec.handler(service, args).model_dump(mode="json"))
     except RagError as exc:
-        outcome = str(exc.code)
-        return error_result(exc)
+        outcome = Outcome(name, error=exc)
     except Exception:  # noqa: BLE001 - the boundary: a crash must become a structured error
-        outcome = "internal"
         log.error("tool %r crashed:\n%s", name, traceback.format_exc())
-        return error_result(RagError(ErrorCode.INTERNAL, f"{name} failed unexpectedly",
-                                     "the server logged the details to stderr; retry, and report it if it repeats"))
+        outcome = Outcome(name, error=RagError(ErrorCode.INTERNAL, f"{name} failed unexpectedly",
+                                               "the server logged the details to stderr; retry, and report it "
+                                               "if it repeats"), crashed=True)
     finally:
-        log.info("%s -> %s in %.1f ms", name, outcome, (time.perf_counter() - started) * 1000)
+        result = "ok" if outcome.error is None else str(outcome.error.code)
+        log.info("%s -> %s in %.1f ms", name, result, (time.perf_counter() - started) * 1000)
+    return outcome
+
+
+async def dispatch_within(service: RetrievalService, name: str, arguments: Mapping[str, Any] | None,
+                          timeout_s: float) -> Outcome:
+    """dispatch() on a worker thread (store and embedder calls block), waited for at most
+    `timeout_s`: a call past its deadline is answered as timed out and finishes in the background
+    (each of its parts has its own bound), so the next call is served."""
+    import anyio  # noqa: PLC0415
+
+    with anyio.move_on_after(timeout_s):
+        return await anyio.to_thread.run_sync(dispatch, service, name, arguments, abandon_on_cancel=True)
+    log.warning("%s did not finish within %g s; answered as timed out", name, timeout_s)
+    return Outcome(name, error=RagError(ErrorCode.INTERNAL, f"{name} did not finish within {timeout_s:g} s",
+                                        "retry; if it repeats, a dependency (the embedder, the vector store) is "
+                                        "slow or stuck: see /health"), timed_out=True)
+
+
+# Over HTTP, error messages name no filesystem path or internal host (the caller may be anywhere):
+# what a local user reads on stdio or in the CLI as paths and URLs reads as <path> and <host>.
+_URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>)]+")
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~/-])/(?:[^\s'\"<>():,;]+)")
+
+
+def redact(text: str) -> str:
+    return _ABSOLUTE_PATH.sub("<path>", _URL.sub("<host>", text))
+
+
+def redacted(error: RagError) -> RagError:
+    return RagError(error.code, redact(error.message), redact(error.hint))
+
+
+def told_remotely(outcome: Outcome) -> Outcome:
+    """An Outcome as the HTTP doors tell it: the error, and a result's notes (message, hint, the
+    staleness hint), with paths and hosts redacted; the passages themselves unchanged."""
+    if outcome.error is not None:
+        return dataclasses.replace(outcome, error=redacted(outcome.error))
+    payload = dict(outcome.payload or {})
+    for key in ("message", "hint"):
+        if isinstance(payload.get(key), str):
+            payload[key] = redact(payload[key])
+    if isinstance(payload.get("staleness"), dict) and isinstance(payload["staleness"].get("hint"), str):
+        payload["staleness"] = {**payload["staleness"], "hint": redact(payload["staleness"]["hint"])}
+    return dataclasses.replace(outcome, payload=payload)
+
+
+def mcp_result(outcome: Outcome) -> Any:
+    """An Outcome as an MCP tool result. Successes carry the payload as structured content (it fits
+    the outputSchema) and as text; errors only as text: TypeScript-SDK clients (the MCP Inspector
+    and others) check structured content against the outputSchema even on errors."""
+    from mcp.types import CallToolResult, TextContent  # noqa: PLC0415
+
+    if outcome.error is None:
+        text = json.dumps(outcome.payload, ensure_ascii=False)
+        return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=outcome.payload)
+    text = json.dumps(outcome.error.payload(), ensure_ascii=False)
+    return CallToolResult(is_error=True, content=[TextContent(type="text", text=text)])
 
 
 def tool_definitions() -> list[Any]:
@@ -1541,7 +1597,7 @@ def tool_definitions() -> list[Any]:
                                   destructive_hint=False)
     return [Tool(name=spec.name, title=spec.title, description=spec.description,
                  input_schema=spec.input_model.model_json_schema(),
-                 output_schema=spec.output_model.model_json_schema(), annotations=annotations)
+                 output_schema=spec.output_model.model_json_schema(mode="serialization"), annotations=annotations)
             for spec in TOOLS.values()]
 
 
@@ -1584,57 +1640,64 @@ def answer_unreadable_request(exc: BaseException) -> Any | None:
         error = RagError(ErrorCode.INVALID_ARGUMENT, f"the request could not be read: {reason}",
                          "send valid Unicode JSON: a \\uD800-\\uDFFF escape must be half of a surrogate pair, and "
                          "numbers must be of ordinary size")
-        result = error_result(error).model_dump(by_alias=True, mode="json", exclude_none=True)
+        result = mcp_result(Outcome("tools/call", error=error)).model_dump(by_alias=True, mode="json",
+                                                                            exclude_none=True)
         return JSONRPCResponse(jsonrpc="2.0", id=request_id, result=result)
     return JSONRPCError(jsonrpc="2.0", id=request_id,
                         error=ErrorData(code=PARSE_ERROR, message=f"Parse error: {reason}"))
 
 
-def build_server(service: RetrievalService | None = None, instructions: str = INSTRUCTIONS,
-                 warmup: WarmUp | None = None) -> Any:
-    """The MCPServer, with our own tool table and dispatcher instead of signature introspection:
-    input models forbid unknown keys and every failure is a structured error."""
+def build_server(service: RetrievalService, instructions: str, warmup: WarmUp, *, timeout_s: float | None = None,
+                 hide_paths: bool = False) -> Any:
+    """The MCP server: the SDK's low-level Server with our tool table (explicit input and output
+    schemas, known to the SDK) and our dispatcher (input models that forbid unknown keys, every
+    failure a structured error). `timeout_s` bounds a call (HTTP); `hide_paths` keeps paths and
+    hosts out of error messages (HTTP)."""
     import anyio  # noqa: PLC0415
-    from mcp.server.mcpserver import MCPServer  # noqa: PLC0415
+    from mcp.server.lowlevel import Server  # noqa: PLC0415
+    from mcp.types import ListToolsResult  # noqa: PLC0415
 
-    service = service or RetrievalService()
-    warmup = warmup or WarmUp(service)
+    definitions = tool_definitions()
+    schemas = {tool.name: tool.input_schema for tool in definitions}
 
-    class RagServer(MCPServer):  # type: ignore[misc, type-arg]
-        async def list_tools(self) -> list[Any]:
-            # The client has what it needs to start; now pay the heavy imports in the background.
-            warmup.start()
-            return tool_definitions()
+    async def list_tools(context: Any, params: Any) -> Any:
+        # The client has what it needs to start; now pay the heavy imports in the background.
+        warmup.start()
+        return ListToolsResult(tools=definitions)
 
-        async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
-            # Store and embedder calls block: run them off the event loop.
-            return await anyio.to_thread.run_sync(dispatch, service, name, arguments)
+    async def call_tool(context: Any, params: Any) -> Any:
+        if timeout_s is None:
+            outcome = await anyio.to_thread.run_sync(dispatch, service, params.name, params.arguments)
+        else:
+            outcome = await dispatch_within(service, params.name, params.arguments, timeout_s)
+        return mcp_result(told_remotely(outcome) if hide_paths else outcome)
 
-        async def run_stdio_async(self) -> None:
-            """MCPServer.run_stdio_async, with lines the SDK could not parse answered (see
-            answer_unreadable_request) instead of dropped."""
-            from mcp.server.stdio import stdio_server  # noqa: PLC0415
-            from mcp.shared.message import SessionMessage  # noqa: PLC0415
+    return Server("local-rag", version=TOOL_VERSION, title="Local Markdown RAG", instructions=instructions,
+                  on_list_tools=list_tools, on_call_tool=call_tool, get_tool_input_schema=schemas.get)
 
-            async with stdio_server() as (read_stream, write_stream):
-                checked_send, checked_read = anyio.create_memory_object_stream[Any](0)
 
-                async def screen() -> None:
-                    async with checked_send:
-                        async for item in read_stream:
-                            answer = answer_unreadable_request(item) if isinstance(item, Exception) else None
-                            if answer is None:
-                                await checked_send.send(item)
-                            else:
-                                await write_stream.send(SessionMessage(answer))
+async def serve_stdio(server: Any) -> None:
+    """MCP over stdio, with request lines the SDK could not parse answered (see
+    answer_unreadable_request) instead of dropped."""
+    import anyio  # noqa: PLC0415
+    from mcp.server.stdio import stdio_server  # noqa: PLC0415
+    from mcp.shared.message import SessionMessage  # noqa: PLC0415
 
-                async with anyio.create_task_group() as tasks:
-                    tasks.start_soon(screen)
-                    await self._lowlevel_server.run(checked_read, write_stream,
-                                                    self._lowlevel_server.create_initialization_options())
+    async with stdio_server() as (read_stream, write_stream):
+        checked_send, checked_read = anyio.create_memory_object_stream[Any](0)
 
-    return RagServer(name="local-rag", title="Local Markdown RAG", version=TOOL_VERSION,
-                     instructions=instructions, log_level="WARNING")
+        async def screen() -> None:
+            async with checked_send:
+                async for item in read_stream:
+                    answer = answer_unreadable_request(item) if isinstance(item, Exception) else None
+                    if answer is None:
+                        await checked_send.send(item)
+                    else:
+                        await write_stream.send(SessionMessage(answer))
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(screen)
+            await server.run(checked_read, write_stream, server.create_initialization_options())
 
 
 def configure_logging(level: str) -> None:
@@ -1675,37 +1738,479 @@ def instructions_with(problems: Sequence[str]) -> str:
     return INSTRUCTIONS + "\n\nNot ready: " + " ".join(problems)
 
 
+# ---------------------------------------------------------------------------
+# HTTP: MCP over streamable HTTP at /mcp, and the bridge API for plain JSON callers at /mcp/call,
+# /mcp/tools and /health (the contract of the MCP HTTP bridge specification, server name local-rag).
+
+SERVER_NAME = "local-rag"
+BRIDGE_BODY_MAX = 1 << 20  # the whole request
+BRIDGE_INPUT_MAX = 100 * 1024  # `input`, serialized
+BRIDGE_INPUT_DEPTH = 10
+BRIDGE_NAME = re.compile(r"[a-zA-Z0-9_-]+")
+HEALTH_PROBE_EVERY_S = 10.0  # the embedder is probed in the background, never on a /health request
+HEALTH_PROBE_TIMEOUT_S = 2.0
+LOOPBACK_HOSTS = ("127.0.0.1:*", "localhost:*", "[::1]:*")
+LOOPBACK_ORIGINS = ("http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*")
+# A tool's own error as the bridge's HTTP status: the caller's mistake, or a dependency that is not there.
+_BRIDGE_STATUS = {ErrorCode.INVALID_ARGUMENT: 400, ErrorCode.PATH_REJECTED: 400, ErrorCode.NOT_INDEXED: 400,
+                  ErrorCode.INDEX_MISSING: 503, ErrorCode.EMBEDDER_UNAVAILABLE: 503, ErrorCode.MODEL_NOT_FOUND: 503}
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress  # noqa: PLC0415
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bridge_error(status: int, bridge_code: str, message: str, **details: Any) -> Any:
+    from starlette.responses import JSONResponse  # noqa: PLC0415
+
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return JSONResponse({"success": False, "error": {"code": bridge_code, "message": message, "details": details}},
+                        status_code=status, headers=headers)
+
+
+def json_depth(value: Any) -> int:
+    """How deeply objects and arrays nest (a scalar is 0), without recursion."""
+    deepest, pending = 0, [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth + 1)
+            pending.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+class HealthProbe:
+    """What /health reports, without waiting on anything: the index is checked on each request (a
+    few stats and CURRENT.json), the embedder in the background every HEALTH_PROBE_EVERY_S (a
+    slow or stalled Ollama never delays /health)."""
+
+    def __init__(self, service: RetrievalService) -> None:
+        self.service = service
+        self.started = time.monotonic()
+        self.embedder: RagError | None | bool = True  # True: not probed yet
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="rag-health", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while True:
+            self.embedder = self._probe_embedder()
+            if self._stop.wait(HEALTH_PROBE_EVERY_S):
+                return
+
+    def _probe_embedder(self) -> RagError | None:
+        try:
+            settings = self.service.settings
+            model = settings.embed_model
+            current = StoreLayout(settings.store_dir).read_current()
+            if current is not None and not settings.embed_model_explicit:
+                model = current.manifest.model
+            OllamaEmbedder(settings.ollama_host, model, HEALTH_PROBE_TIMEOUT_S).model_info()
+        except RagError as exc:
+            return exc
+        return None
+
+    def answer(self) -> dict[str, Any]:
+        problems = []
+        index_ok = True
+        try:
+            manager = self.service.manager
+            current = manager.current()
+            if not manager.layout.keyword_db(current.index).is_file():
+                raise RagError(ErrorCode.INDEX_MISSING, "the keyword index is missing", INGEST_HINT)
+        except RagError as exc:
+            index_ok = False
+            problems.append({"part": "index", **redacted(exc).payload()["error"]})
+        embedder = self.embedder
+        if isinstance(embedder, RagError):
+            problems.append({"part": "embedder", **redacted(embedder).payload()["error"],
+                             "note": "keyword search works meanwhile; hybrid search answers from it"})
+        return {"status": "ok" if not problems else "degraded", "uptime": round(time.monotonic() - self.started, 3),
+                "servers": {SERVER_NAME: "available" if index_ok else "unavailable"},
+                "embedder": "not probed yet" if embedder is True else ("unavailable" if embedder else "available"),
+                "problems": problems}
+
+
+class Bridge:
+    """The bridge API: plain JSON over the same dispatcher as MCP, for scripts and web tools."""
+
+    def __init__(self, service: RetrievalService, settings: Settings, health: HealthProbe) -> None:
+        self.service, self.settings, self.health = service, settings, health
+
+    async def tools(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse  # noqa: PLC0415
+
+        timeout_ms = int(self.settings.tool_timeout_s * 1000)
+        return JSONResponse({"success": True, "tools": [
+            {"name": tool.name, "description": tool.description, "server": SERVER_NAME,
+             "inputSchema": tool.input_schema, "outputSchema": tool.output_schema, "timeout": timeout_ms}
+            for tool in tool_definitions()]})
+
+    async def health_check(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse  # noqa: PLC0415
+
+        return JSONResponse(self.health.answer())
+
+    async def call(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse  # noqa: PLC0415
+
+        try:
+            body = await self._body(request)
+            server, tool, arguments = self._validated(body)
+        except _Refused as refused:
+            return refused.response
+        outcome = await dispatch_within(self.service, tool, arguments, self.settings.tool_timeout_s)
+        if outcome.timed_out:
+            timeout_ms = int(self.settings.tool_timeout_s * 1000)
+            return bridge_error(504, "TIMEOUT_ERROR", f"Tool execution timed out after {timeout_ms}ms",
+                                toolName=tool, server=server, timeout=timeout_ms)
+        outcome = told_remotely(outcome)
+        if outcome.error is not None:
+            error = outcome.error
+            if outcome.crashed:
+                return bridge_error(500, "INTERNAL_ERROR", error.message, toolName=tool, server=server)
+            return bridge_error(_BRIDGE_STATUS.get(error.code, 500), "TOOL_EXECUTION_ERROR", error.message,
+                                toolName=tool, server=server, code=str(error.code), hint=error.hint)
+        return JSONResponse({"success": True, "result": outcome.payload})
+
+    @staticmethod
+    async def _body(request: Any) -> Any:
+        content_type = request.headers.get("content-type", "")
+        if not content_type.lower().startswith("application/json"):
+            raise _Refused(bridge_error(400, "VALIDATION_ERROR", "Content-Type must be application/json",
+                                        field="Content-Type", value=content_type[:100]))
+        raw = b""
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > BRIDGE_BODY_MAX:
+                raise _Refused(bridge_error(400, "VALIDATION_ERROR", "request body exceeds maximum size (1MB)",
+                                            field="body", max=BRIDGE_BODY_MAX))
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError):
+            raise _Refused(bridge_error(400, "VALIDATION_ERROR", "request body is not valid JSON",
+                                        field="body")) from None
+
+    @staticmethod
+    def _validated(body: Any) -> tuple[str, str, dict[str, Any]]:
+        if not isinstance(body, dict):
+            raise _Refused(bridge_error(400, "VALIDATION_ERROR", "request body must be a JSON object", field="body"))
+        for field_name, limit in (("server", 50), ("toolName", 100)):
+            value = body.get(field_name)
+            if not isinstance(value, str) or not value:
+                raise _Refused(bridge_error(400, "VALIDATION_ERROR", f"{field_name} is required (a non-empty string)",
+                                            field=field_name))
+            if len(value) > limit:
+                raise _Refused(bridge_error(400, "VALIDATION_ERROR", f"{field_name} exceeds {limit} characters",
+                                            field=field_name, max=limit))
+            if not BRIDGE_NAME.fullmatch(value):
+                raise _Refused(bridge_error(400, "VALIDATION_ERROR", f"{field_name} contains invalid characters",
+                                            field=field_name, value=value, pattern="/^[a-zA-Z0-9-_]+$/"))
+        arguments = body.get("input")
+        if not isinstance(arguments, dict):
+            raise _Refused(bridge_error(400, "VALIDATION_ERROR", "input is required (a JSON object)", field="input"))
+        size = len(json.dumps(arguments, ensure_ascii=False).encode())
+        if size > BRIDGE_INPUT_MAX:
+            raise _Refused(bridge_error(400, "VALIDATION_ERROR", "input exceeds maximum size (100KB)", field="input",
+                                        size=size, max=BRIDGE_INPUT_MAX))
+        if json_depth(arguments) > BRIDGE_INPUT_DEPTH:
+            raise _Refused(bridge_error(400, "VALIDATION_ERROR", f"input nests deeper than {BRIDGE_INPUT_DEPTH} "
+                                        "levels", field="input", max=BRIDGE_INPUT_DEPTH))
+        if body["server"] != SERVER_NAME:
+            raise _Refused(bridge_error(404, "SERVER_NOT_FOUND", f"MCP Server '{body['server']}' not found",
+                                        server=body["server"]))
+        if body["toolName"] not in TOOLS:
+            raise _Refused(bridge_error(404, "TOOL_NOT_FOUND", f"Tool '{body['toolName']}' not found",
+                                        toolName=body["toolName"]))
+        return body["server"], body["toolName"], arguments
+
+
+class _Refused(Exception):
+    def __init__(self, response: Any) -> None:
+        self.response = response
+
+
+class Gate:
+    """In front of every route (plain ASGI middleware): the bearer token (every route but /health,
+    compared in constant time), the Host/Origin check against DNS rebinding (the SDK applies it to
+    /mcp; here it covers the bridge too), GET on /mcp (a stateless server has no event stream to
+    offer), and a bound on calls in flight (503 with Retry-After past it) so a flood cannot
+    exhaust memory or threads."""
+
+    def __init__(self, app: Any, settings: Settings, security: Any) -> None:
+        from mcp.server.transport_security import TransportSecurityMiddleware  # noqa: PLC0415
+
+        self.app = app
+        self.token = settings.http_token
+        self.max_in_flight = settings.http_max_in_flight
+        self.in_flight = 0
+        self.security = TransportSecurityMiddleware(security)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        from starlette.requests import Request  # noqa: PLC0415
+
+        path, method = scope["path"], scope["method"]
+        refusal = None
+        if path != "/health":
+            request = Request(scope)
+            if self.token and not self._authorized(request):
+                refusal = bridge_error(401, "UNAUTHORIZED", "a bearer token is required: Authorization: Bearer <token>")
+                refusal.headers["WWW-Authenticate"] = "Bearer"
+            elif (checked := await self.security.validate_request(request, is_post=False)) is not None:
+                refusal = bridge_error(checked.status_code, "FORBIDDEN", checked.body.decode(errors="replace"))
+            elif path == "/mcp" and method == "GET":
+                refusal = bridge_error(405, "METHOD_NOT_ALLOWED", "this server is stateless: POST JSON-RPC to /mcp")
+        calls = path in ("/mcp", "/mcp/call") and method == "POST"
+        if refusal is None and calls and self.in_flight >= self.max_in_flight:
+            refusal = bridge_error(503, "TOO_BUSY", f"{self.in_flight} calls are in flight; retry in a moment",
+                                   max=self.max_in_flight)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        if calls:
+            self.in_flight += 1
+        try:
+            await self._answered(scope, receive, send)
+        finally:
+            if calls:
+                self.in_flight -= 1
+
+    async def _answered(self, scope: Any, receive: Any, send: Any) -> None:
+        """The app's answer; a crash before any byte was sent becomes INTERNAL_ERROR 500 in the
+        bridge's shape (details in the log, none in the answer) instead of a bare text page."""
+        started = False
+
+        async def tracked(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:
+            log.error("%s %s crashed:\n%s", scope["method"], scope["path"], traceback.format_exc())
+            if started:
+                raise
+            crashed = bridge_error(500, "INTERNAL_ERROR", "the server failed unexpectedly; it logged the details")
+            await crashed(scope, receive, send)
+
+    def _authorized(self, request: Any) -> bool:
+        import hmac  # noqa: PLC0415
+
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), (self.token or "").encode())
+
+
+def http_app(service: RetrievalService, settings: Settings, instructions: str, warmup: WarmUp,
+             health: HealthProbe) -> Any:
+    """The ASGI app: the SDK's own streamable-HTTP transport at /mcp (stateless, JSON responses:
+    clients of both protocol eras), the bridge routes beside it, and the Gate in front."""
+    from mcp.server.transport_security import TransportSecuritySettings  # noqa: PLC0415
+    from starlette.routing import Route  # noqa: PLC0415
+
+    server = build_server(service, instructions, warmup, timeout_s=settings.tool_timeout_s, hide_paths=True)
+    security = TransportSecuritySettings(
+        enable_dns_rebinding_protection=True, allowed_hosts=[*LOOPBACK_HOSTS, *settings.http_allowed_hosts],
+        allowed_origins=[*LOOPBACK_ORIGINS, *settings.http_allowed_origins])
+    bridge = Bridge(service, settings, health)
+    app = server.streamable_http_app(
+        streamable_http_path="/mcp", json_response=True, stateless_http=True, transport_security=security,
+        max_request_body_size=BRIDGE_BODY_MAX, host=settings.http_host,
+        custom_starlette_routes=[Route("/mcp/call", bridge.call, methods=["POST"]),
+                                 Route("/mcp/tools", bridge.tools, methods=["GET"]),
+                                 Route("/health", bridge.health_check, methods=["GET"])])
+    app.add_middleware(Gate, settings=settings, security=security)
+    return app
+
+
+def serve_http(service: RetrievalService, settings: Settings, instructions: str, warmup: WarmUp) -> None:
+    """Run the HTTP server with uvicorn until Ctrl-C or SIGTERM. Refuses a non-loopback address
+    without RAG_HTTP_TOKEN."""
+    import signal  # noqa: PLC0415
+    import socket  # noqa: PLC0415
+
+    import uvicorn  # noqa: PLC0415
+
+    host, port = settings.http_host, settings.http_port
+    if not is_loopback(host) and not settings.http_token:
+        raise RagError(ErrorCode.INVALID_ARGUMENT, f"configuration error: refusing to listen on {host} without "
+                       "RAG_HTTP_TOKEN", "set RAG_HTTP_TOKEN to a secret of at least 16 characters (clients send "
+                       "Authorization: Bearer <it>), or listen on 127.0.0.1")
+    if not is_loopback(host) and not settings.http_allowed_hosts:
+        log.warning("listening on %s: clients are refused (421) unless the Host header they send is listed in "
+                    "RAG_HTTP_ALLOWED_HOSTS (e.g. rag.example.com:*)", host)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)  # connections queue from here on: "listening" below is already true
+    bound = sock.getsockname()[1]
+    health = HealthProbe(service)
+    app = http_app(service, settings, instructions, warmup, health)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+    # uvicorn re-raises the signal it stopped on after shutting down: as KeyboardInterrupt, so the
+    # caller's clean-up (the store let go) runs for SIGTERM too.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    shown_host = f"[{host}]" if ":" in host else host
+    log.warning("local-rag-mcp %s listening on http://%s:%d/mcp (bridge: /mcp/call, /mcp/tools, /health)",
+                TOOL_VERSION, shown_host, bound)
+    health.start()
+    warmup.start()
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        health.stop()
+
+
+# ---------------------------------------------------------------------------
+# The CLI: `python server.py search|get|list ...`, for shells and CI (JSON with --json).
+
+
+def cli(service: RetrievalService, args: Any) -> int:
+    """One tool call from the command line, through the same dispatcher as every other door.
+    Exit 0 on success, 1 when a search found nothing, 2 on an error (message and hint on stderr)."""
+    arguments = {key: value for key, value in vars(args).items()
+                 if key not in ("command", "json", "http", "host", "port") and value is not None and value is not False}
+    tool = {"search": "search_corpus", "get": "get_file", "list": "list_documents"}[args.command]
+    outcome = dispatch(service, tool, arguments)
+    if outcome.error is not None:
+        if args.json:
+            print(json.dumps(outcome.error.payload(), ensure_ascii=False))
+        print(f"{outcome.error.code}: {outcome.error.message}", file=sys.stderr)
+        if outcome.error.hint:
+            print(f"next: {outcome.error.hint}", file=sys.stderr)
+        return 2
+    payload = outcome.payload or {}
+    if args.json:
+        print(json.dumps(payload, ensure_ascii=False))
+    else:
+        print(human_view(tool, payload))
+    return 1 if tool == "search_corpus" and not payload.get("results") else 0
+
+
+HUMAN_VIEW_LINES = 2
+HUMAN_VIEW_WIDTH = 160
+
+
+def shown_line(line: str) -> str:
+    return line if len(line) <= HUMAN_VIEW_WIDTH else line[:HUMAN_VIEW_WIDTH - 1] + "…"
+
+
+def human_view(tool: str, payload: Mapping[str, Any]) -> str:
+    """The CLI's default answer: for a search, rank, path:start-end, heading path, score and the
+    first lines of each hit; a file's text; one line per document."""
+    if tool == "search_corpus":
+        lines = []
+        for rank, hit in enumerate(payload["results"], start=1):
+            score = "-" if hit["score"] is None else f"{hit['score']:.3f}"
+            superseded = " [superseded]" if hit["lifecycle"] == "superseded" else ""
+            lines.append(f"{rank}. {hit['path']}:{hit['start_line']}-{hit['end_line']}  {hit['heading']}  "
+                         f"(score {score}){superseded}")
+            first = [line.strip() for line in hit["text"].splitlines() if line.strip()][:HUMAN_VIEW_LINES]
+            lines.extend(f"   {shown_line(line)}" for line in first)
+        notes = [payload.get("message"), payload.get("hint"), (payload.get("staleness") or {}).get("hint")]
+        lines.extend(f"({note})" for note in notes if note)
+        return "\n".join(lines) if lines else "(no results)"
+    if tool == "get_file":
+        return payload["text"] + (f"\n({payload['message']})" if payload.get("message") else "")
+    lines = [f"{doc['path']}  {doc['title']}  ({doc['chunks']} chunks, {doc['lines']} lines"
+             f"{', superseded' if doc['lifecycle'] == 'superseded' else ''})" for doc in payload["documents"]]
+    if payload.get("next_offset") is not None:
+        lines.append(f"(more: --offset {payload['next_offset']})")
+    return "\n".join(lines) if lines else f"({payload.get('message') or 'no documents'})"
+
+
 def parse_args(argv: Sequence[str] | None) -> Any:
     import argparse  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(
         prog="server.py",
-        description="local-rag-mcp: read-only MCP retrieval server over a folder of Markdown indexed by ingest.py. "
-                    "With no arguments it speaks MCP over stdio (what MCP clients start).",
+        description="local-rag-mcp: read-only retrieval server over a folder of Markdown indexed by ingest.py. "
+                    "With no arguments it speaks MCP over stdio (what MCP clients start); --http serves MCP and "
+                    "the HTTP bridge; search/get/list answer one question from the shell.",
         epilog="Configuration comes from the environment (RAG_CORPUS_DIR, RAG_STORE_DIR, OLLAMA_HOST, "
-               "RAG_EMBED_MODEL, RAG_EMBED_TIMEOUT, RAG_STORE_TIMEOUT, RAG_LOG_LEVEL, RAG_SERVER_WARMUP); see README.md.")
+               "RAG_EMBED_MODEL, RAG_EMBED_TIMEOUT, RAG_STORE_TIMEOUT, RAG_LOG_LEVEL, RAG_SERVER_WARMUP, "
+               "RAG_HTTP_HOST, RAG_HTTP_PORT, RAG_HTTP_TOKEN, RAG_HTTP_ALLOWED_HOSTS, ...); see README.md.")
     parser.add_argument("--version", action="version", version=f"local-rag-mcp {TOOL_VERSION}")
+    parser.add_argument("--http", action="store_true", help="serve MCP over streamable HTTP at /mcp, and the bridge "
+                        "API (/mcp/call, /mcp/tools, /health), instead of stdio")
+    parser.add_argument("--host", help="with --http: address to listen on (default $RAG_HTTP_HOST or 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="with --http: port (default $RAG_HTTP_PORT or 8765; 0: any free)")
+    commands = parser.add_subparsers(dest="command", metavar="{search,get,list}")
+    search = commands.add_parser("search", help="search the corpus (search_corpus)")
+    search.add_argument("query")
+    search.add_argument("--k", type=int)
+    search.add_argument("--path-prefix", dest="path_prefix")
+    search.add_argument("--mode", choices=["hybrid", "vector", "keyword"])
+    search.add_argument("--include-superseded", dest="include_superseded", action="store_true")
+    search.add_argument("--min-score", dest="min_score", type=float)
+    get = commands.add_parser("get", help="read an indexed file or a line range (get_file)")
+    get.add_argument("path")
+    get.add_argument("--start-line", dest="start_line", type=int)
+    get.add_argument("--end-line", dest="end_line", type=int)
+    listing = commands.add_parser("list", help="list the indexed documents (list_documents)")
+    listing.add_argument("--path-prefix", dest="path_prefix")
+    listing.add_argument("--offset", type=int)
+    listing.add_argument("--limit", type=int)
+    for sub in (search, get, listing):
+        sub.add_argument("--json", action="store_true", help="print the tool's JSON (or its error) on stdout")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parse_args(argv)
+    args = parse_args(argv)
     try:
         settings: Settings | None = load_settings()
     except RagError:
         settings = None  # said at start (startup_problems) and by every tool call
     configure_logging(settings.log_level if settings else "INFO")
     service = RetrievalService()
+    if args.command:
+        logging.getLogger().setLevel(logging.ERROR)
+        log.setLevel(logging.WARNING)  # the shell sees the answer; one line per call would be noise
+        try:
+            return cli(service, args)
+        finally:
+            service.close(timeout=settings.store_timeout_s if settings else DEFAULT_STORE_TIMEOUT_S)
     problems = startup_problems()
     for problem in problems:
         log.warning("%s", problem)
     warmup = WarmUp(service)
-    server = build_server(service, instructions_with(problems), warmup)
-    log.info("local-rag-mcp %s starting (stdio)", TOOL_VERSION)
     try:
-        server.run("stdio")
+        if args.http:
+            if settings is None:
+                load_settings()  # raises the configuration error: an HTTP daemon refuses to start
+            assert settings is not None
+            settings = dataclasses.replace(settings, http_host=args.host or settings.http_host,
+                                           http_port=settings.http_port if args.port is None else args.port)
+            serve_http(service, settings, instructions_with(problems), warmup)
+        else:
+            log.info("local-rag-mcp %s starting (stdio)", TOOL_VERSION)
+            import anyio  # noqa: PLC0415
+
+            anyio.run(serve_stdio, build_server(service, instructions_with(problems), warmup))
     except KeyboardInterrupt:
         pass
+    except RagError as exc:
+        log.error("%s", exc.message)
+        if exc.hint:
+            log.error("next: %s", exc.hint)
+        return 2
     store_timeout = settings.store_timeout_s if settings else DEFAULT_STORE_TIMEOUT_S
     warmup.join(store_timeout)
     if not service.close(timeout=store_timeout):

@@ -502,6 +502,5 @@ def test_a_path_that_cannot_be_resolved_is_path_rejected(fake: FakeOllama, index
         raise OSError(errno.EINVAL, "Invalid argument")
 
     monkeypatch.setattr(server.os.path, "realpath", racing)
-    result = server.dispatch(service, "get_file", {"path": "oncall/escalation.md"})
-    payload = json.loads(result.content[0].text)
-    assert result.is_error and payload["error"]["code"] == "path_rejected", payload
+    outcome = server.dispatch(service, "get_file", {"path": "oncall/escalation.md"})
+    assert outcome.error is not None and outcome.error.code is rules.ErrorCode.PATH_REJECTED, outcome

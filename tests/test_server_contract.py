@@ -82,7 +82,7 @@ def service(built: Built, host: str | None = None, **env: str) -> server.Retriev
 
 
 def call(svc: server.RetrievalService, tool: str, **args: Any) -> tuple[bool, dict[str, Any]]:
-    is_error, payload = tool_payload(tool, server.dispatch(svc, tool, args))
+    is_error, payload = tool_payload(tool, server.mcp_result(server.dispatch(svc, tool, args)))
     if not is_error:
         server.TOOLS[tool].output_model.model_validate(payload)
     return is_error, payload

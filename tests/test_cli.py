@@ -1,0 +1,185 @@
+"""The search CLI (`python server.py search|get|list`), run as real subprocesses against an index
+built by the real `python ingest.py` through the loopback fake Ollama: the --json output is the
+tool's structured content (or its error payload) and nothing else, exit codes 0/1/2, the human
+view, and the README's CI recipe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fake_ollama import FakeOllama
+from helpers import ROOT, SERVER, Built, build, free_port, ingest_index, output_validators
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeOllama]:
+    with FakeOllama() as instance:
+        yield instance
+
+
+@pytest.fixture(scope="module")
+def built(fake: FakeOllama, tmp_path_factory: pytest.TempPathFactory) -> Built:
+    return build(tmp_path_factory.mktemp("cli"), fake.host, symlinks=False)
+
+
+def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, **env}
+    full_env.pop("RAG_EMBED_MODEL", None)
+    return subprocess.run([sys.executable, str(SERVER), *args], env=full_env, capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL, cwd=str(ROOT.parent))
+
+
+def json_answer(done: subprocess.CompletedProcess[str], tool: str) -> dict[str, Any]:
+    """The one JSON document on stdout, checked against the tool's outputSchema."""
+    payload = json.loads(done.stdout)
+    assert done.stdout.count("\n") == 1, done.stdout[:500]
+    output_validators()[tool].validate(payload)
+    return payload
+
+
+def test_search_json_is_the_tools_structured_content(built: Built, fake: FakeOllama) -> None:
+    done = run_cli(built.server_env(fake.host), "search", "declaring a sev-1 incident", "--k", "3", "--json")
+    assert done.returncode == 0, done.stderr
+    payload = json_answer(done, "search_corpus")
+    assert payload["query"] == "declaring a sev-1 incident" and payload["mode"] == "hybrid"
+    assert payload["results"][0]["path"] == "oncall/escalation.md" and len(payload["results"]) <= 3
+
+
+def test_search_options_reach_the_tool(built: Built, fake: FakeOllama) -> None:
+    done = run_cli(built.server_env(fake.host), "search", "deploy", "--path-prefix", "runbooks/", "--mode", "keyword",
+                   "--include-superseded", "--k", "10", "--json")
+    assert done.returncode == 0, done.stderr
+    payload = json_answer(done, "search_corpus")
+    assert payload["mode"] == "keyword"
+    paths = {hit["path"] for hit in payload["results"]}
+    assert paths and all(path.startswith("runbooks/") for path in paths)
+    assert "superseded" in {hit["lifecycle"] for hit in payload["results"]}
+    active_only = json_answer(run_cli(built.server_env(fake.host), "search", "deploy", "--path-prefix",
+                                      "runbooks/", "--mode", "keyword", "--k", "10", "--json"), "search_corpus")
+    assert {hit["lifecycle"] for hit in active_only["results"]} == {"active"}
+
+
+def test_search_that_finds_nothing_exits_1(built: Built, fake: FakeOllama) -> None:
+    nothing = run_cli(built.server_env(fake.host), "search", "qqqzzzxxy", "--mode", "keyword", "--json")
+    assert nothing.returncode == 1, nothing.stderr
+    assert json_answer(nothing, "search_corpus")["results"] == []
+    too_strict = run_cli(built.server_env(fake.host), "search", "sev-1", "--min-score", "0.999")
+    assert too_strict.returncode == 1
+    assert "nothing scored at least min_score=0.999" in too_strict.stdout
+
+
+def test_human_view_shows_rank_location_heading_score_and_first_lines(built: Built, fake: FakeOllama) -> None:
+    done = run_cli(built.server_env(fake.host), "search", "declaring a sev-1 incident", "--k", "2")
+    assert done.returncode == 0, done.stderr
+    first = done.stdout.splitlines()[0]
+    assert re.fullmatch(r"1\. oncall/escalation\.md:\d+-\d+  On-call escalation policy > Declaring a sev-1  "
+                        r"\(score 0\.\d{3}\)", first), first
+    assert done.stdout.splitlines()[1].startswith("   ## Declaring a sev-1")
+    assert re.search(r"^2\. \S+:\d+-\d+  ", done.stdout, re.MULTILINE)
+    assert done.stderr == ""
+
+
+def test_get_prints_the_lines_and_list_the_documents(built: Built, fake: FakeOllama) -> None:
+    env = built.server_env(fake.host)
+    lines = run_cli(env, "get", "oncall/escalation.md", "--start-line", "3", "--end-line", "6", "--json")
+    assert lines.returncode == 0, lines.stderr
+    payload = json_answer(lines, "get_file")
+    on_disk = (built.corpus / "oncall" / "escalation.md").read_text().split("\n")
+    assert payload["text"] == "\n".join(on_disk[2:6]) and (payload["start_line"], payload["end_line"]) == (3, 6)
+    plain = run_cli(env, "get", "oncall/escalation.md", "--start-line", "3", "--end-line", "6")
+    assert plain.returncode == 0 and plain.stdout == payload["text"] + "\n"
+
+    listing = run_cli(env, "list", "--json")
+    documents = json_answer(listing, "list_documents")["documents"]
+    assert {doc["path"] for doc in documents} >= {"oncall/escalation.md", "runbooks/deploy.md"}
+    under = run_cli(env, "list", "--path-prefix", "runbooks/")
+    assert under.returncode == 0 and under.stdout.splitlines()
+    assert all(line.startswith("runbooks/") for line in under.stdout.splitlines()), under.stdout
+    paged = json_answer(run_cli(env, "list", "--limit", "2", "--json"), "list_documents")
+    assert len(paged["documents"]) == 2 and paged["next_offset"] == 2
+
+
+@pytest.mark.parametrize(("args", "code"), [
+    (("get", "../../etc/passwd"), "path_rejected"),
+    (("get", "no/such/page.md"), "not_indexed"),
+    (("search", "x", "--k", "0"), "invalid_argument"),
+    (("search", "   "), "invalid_argument"),
+    (("get", "oncall/escalation.md", "--start-line", "9", "--end-line", "3"), "invalid_argument"),
+])
+def test_errors_exit_2_with_message_and_hint_on_stderr(built: Built, fake: FakeOllama, args: tuple[str, ...],
+                                                       code: str) -> None:
+    as_json = run_cli(built.server_env(fake.host), *args, "--json")
+    assert as_json.returncode == 2, as_json.stdout
+    payload = json.loads(as_json.stdout)
+    assert set(payload) == {"error"} and payload["error"]["code"] == code, payload
+    plain = run_cli(built.server_env(fake.host), *args)
+    assert plain.returncode == 2 and plain.stdout == ""
+    message, hint = plain.stderr.strip().splitlines()[-2:]
+    assert message == f"{code}: {payload['error']['message']}"
+    assert hint == f"next: {payload['error']['hint']}"
+
+
+def test_missing_index_is_an_error_and_creates_nothing(tmp_path: Path, fake: FakeOllama) -> None:
+    store = tmp_path / "no-store"
+    done = run_cli({"RAG_STORE_DIR": str(store), "RAG_CORPUS_DIR": str(tmp_path), "OLLAMA_HOST": fake.host},
+                   "search", "anything", "--json")
+    assert done.returncode == 2
+    assert json.loads(done.stdout)["error"]["code"] == "index_missing"
+    assert "ingest.py" in done.stderr
+    assert not store.exists()
+
+
+def test_embedder_down_degrades_hybrid_and_fails_vector(built: Built) -> None:
+    env = built.server_env(f"http://127.0.0.1:{free_port()}")
+    hybrid = run_cli(env, "search", "sev-1 escalation")
+    assert hybrid.returncode == 0, hybrid.stderr
+    assert "(score -)" in hybrid.stdout and "keyword results only" in hybrid.stdout
+    vector = run_cli(env, "search", "sev-1 escalation", "--mode", "vector", "--json")
+    assert vector.returncode == 2 and json.loads(vector.stdout)["error"]["code"] == "embedder_unavailable"
+
+
+def test_usage_errors_exit_2() -> None:
+    for args in (("search",), ("search", "x", "--mode", "fuzzy"), ("search", "x", "--k", "many"), ("frobnicate",)):
+        done = subprocess.run([sys.executable, str(SERVER), *args], capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+        assert done.returncode == 2 and "usage:" in done.stderr and done.stdout == "", (args, done.stderr)
+
+
+def readme_ci_example() -> str:
+    text = (ROOT / "README.md").read_text()
+    found = re.search(r"<!-- ci-example -->\s*```(?:bash|sh)\n(.*?)```", text, re.DOTALL)
+    assert found, "README.md lost its CI example (marked <!-- ci-example -->)"
+    return found.group(1)
+
+
+def test_readme_ci_example_fails_the_job_when_the_passage_is_gone(tmp_path: Path, fake: FakeOllama) -> None:
+    """The README's CI recipe, run as written: passes on the sample corpus, fails once the
+    passage it guards is deleted and the corpus re-indexed."""
+    built = build(tmp_path, fake.host, symlinks=False)
+    env = {**os.environ, **built.server_env(fake.host)}
+    env.pop("RAG_EMBED_MODEL", None)
+
+    def ci_job() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", "-euo", "pipefail", "-c", readme_ci_example()], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    passing = ci_job()
+    assert passing.returncode == 0, passing.stdout + passing.stderr
+    runbook = built.corpus / "runbooks" / "deploy.md"
+    text = runbook.read_text()
+    start = text.index("## Rollback")
+    end = text.index("\nTroubleshooting\n", start)
+    runbook.write_text(text[:start] + text[end + 1:])
+    assert ingest_index(built.corpus, built.store, fake.host).returncode == 0
+    failing = ci_job()
+    assert failing.returncode != 0, failing.stdout
