@@ -1,4 +1,5 @@
-"""tools/bench.py --quick keeps running end to end (no timing assertions: machines differ)."""
+"""tools/bench.py --quick keeps running end to end (no timing assertions: machines differ; the
+figures that count something, or check that a run went through, must meet their goals)."""
 
 from __future__ import annotations
 
@@ -32,9 +33,28 @@ EXPECTED = (
     "reingest.noop_calls@",
     "memory.server_peak_rss_mb@",
     "memory.ingest_peak_rss_mb@",
+    # issue 11: a slow embedder, --watch, a no-op re-ingest with scope rules
+    "slow.failures@",
+    "slow.build_s@",
+    "slow.chunks_per_s@",
+    "slow.embed_calls@",
+    "slow.largest_call@",
+    "watch.latency_p50_s@",
+    "watch.latency_p95_s@",
+    "watch.sigint_exit@",
+    "reingest.noop_rules_s@",
+    # issue 14: each distinct text embedded once
+    "reuse.full_embedded@",
+    "reuse.edit_embedded@",
+    "reuse.rename_embedded@",
+    "reuse.rename_s@",
 )
 # Figures compared with a limit measured in the same run carry the limit and the ratio too.
-WITH_LIMIT = ("handshake.median_s", "search.hybrid.p50_ms@", "ingest.throughput@")
+WITH_LIMIT = ("handshake.median_s", "search.hybrid.p50_ms@", "ingest.throughput@", "watch.latency_p50_s@",
+              "reingest.noop_rules_s@", "reuse.full_embedded@")
+# Goals about counts and outcomes, not speed: they hold on any machine.
+MUST_PASS = ("slow.failures@", "watch.sigint_exit@", "reuse.full_embedded@", "reuse.edit_embedded@",
+             "reuse.rename_embedded@")
 
 
 def _number(value: object) -> bool:
@@ -63,7 +83,13 @@ def test_quick_bench_runs_and_reports_every_figure(tmp_path: Path) -> None:
                 assert _number(figure["limit"]) and figure["limit"] > 0, figure
                 assert _number(figure["ratio"]), figure
                 assert figure["pass"] in (True, False), figure
+            if prefix in MUST_PASS:
+                assert figure["pass"] is True, figure
     assert all(f["size_chunks"] in (None, 1000) for f in figures.values())
+    details = results["details"]
+    assert details["watch"]["misses"] == 0 and len(details["watch"]["latencies_s"]) == 20, details["watch"]
+    assert details["noop_with_rules"]["scope_as_written"] is True, details["noop_with_rules"]
+    assert details["slow_embedder"]["largest_call"] > 0, details["slow_embedder"]
 
     # The table on stdout shows the same figures, and the machine it ran on.
     assert "| Figure | Value | Limit | Ratio | Goal | Result |" in done.stdout

@@ -1,12 +1,19 @@
 #!/usr/bin/env python3
 """Speed and scale of local-rag-mcp, each figure measured next to its limit in the same run.
 
-    python tools/bench.py                 # full run: 1k, 10k and 100k chunks (about 6-8 min on 2 cores)
-    python tools/bench.py --quick         # 1k chunks only, fewer repetitions (CI smoke, < 1 min)
+    python tools/bench.py                 # full run: 1k, 10k and 100k chunks (about 10-11 min on 2 cores)
+    python tools/bench.py --quick         # 1k chunks only, fewer repetitions (CI smoke, < 2 min)
+    python tools/bench.py --scale         # growth: 1k -> 10k -> 100k -> 1M chunks, within --scale-budget
     python tools/bench.py --out FILE      # JSON results somewhere else (default: ./bench-results.json)
 
 Prints a markdown table (figure, value, limit, ratio, goal, pass/fail) on stdout and writes the
 same figures, the machine and the raw samples as JSON. Progress goes to stderr.
+
+Besides speed at rest, it measures the ingest of real corpora: a slow embedder (a second fake
+that takes 20 ms per text, one call at a time, like a CPU-only Ollama), `ingest.py --watch`
+(edit to searchable through a live server), a no-op re-ingest with .ragignore rules and a
+node_modules/ folder in play, and how many chunks an edit, a folder rename and `--full` send
+to the embedder (counted by the fake, cross-checked with ingest's summary).
 
 What it runs, all on 127.0.0.1:
 - a synthetic Markdown corpus written here (deterministic; 10 chunks per file, 10% of the
@@ -33,6 +40,7 @@ import queue
 import random
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -53,6 +61,17 @@ SUPERSEDED_EVERY = 10  # one document in ten is superseded
 PROTOCOL_VERSION = "2025-11-25"
 RPC_TIMEOUT_S = 120.0
 SPAWN_TIMEOUT_S = 60.0
+# Issue 11: a CPU-only embedder. 20 ms per text, one call at a time; RAG_EMBED_TIMEOUT as a user sets it.
+SLOW_EMBED_PER_TEXT_S = 0.020
+SLOW_EMBED_TIMEOUT_S = 60
+# Issue 11: --watch. Edits measured, the poll interval of the searches that look for each, and the
+# pause before the next edit once the watcher reported its run (each edit meets an idle watcher).
+WATCH_PROBES = 20
+WATCH_POLL_S = 0.05
+WATCH_QUIET_S = 0.3
+WATCH_FIND_TIMEOUT_S = 30.0
+# Issue 14: files for the scope and reuse figures (the synthetic documents from this index up).
+EXTRA_DOCS_FROM = 500_000
 
 
 def log(message: str) -> None:
@@ -258,6 +277,22 @@ def write_corpus(dest: Path, files: int) -> dict[str, Any]:
     return {"files": files, "superseded_files": superseded, "bytes": total_bytes}
 
 
+def sectioned_document(sections: int, edited: int | None = None) -> str:
+    """A `rag_chunk: headings` document of `sections` H2 sections, each about 150-250 estimated
+    tokens (over the 64-token minimum, so no two merge, and under the 512 maximum, so none splits):
+    one chunk per section. With `edited`, that section's paragraph is rewritten, nothing else."""
+    system = _system(7)
+    lines = ["---", "title: \"Nimbus operations handbook\"", "rag_chunk: headings", "---", "",
+             "# Nimbus operations handbook", ""]
+    for section in range(sections):
+        rng = random.Random(f"local-rag-mcp-bench-sections:{section}")
+        heading = f"Step {section + 1}: {rng.choice(_VERBS)} the {rng.choice(_ADJ)} {rng.choice(_NOUNS)}"
+        if section == edited:
+            rng = random.Random(f"local-rag-mcp-bench-sections:{section}:edited")
+        lines += [f"## {heading}", "", _paragraph(rng, system, 5), ""]
+    return "\n".join(lines)
+
+
 def synthetic_queries(count: int, seed: str) -> list[str]:
     """Distinct, realistic agent queries (no two alike, so the server's query cache never hits)."""
     rng = random.Random(f"local-rag-mcp-bench-queries:{seed}")
@@ -334,8 +369,11 @@ class FastVectors:
         return self.np.stack([self.vector(t) for t in texts]) if texts else self.np.zeros((0, self.dims))
 
 
-def serve_fake(port: int) -> int:
-    """`bench.py --serve-fake`: FakeOllama with numpy vectors and orjson bodies, plus busy-time stats."""
+def serve_fake(port: int, delay_per_text_s: float = 0.0) -> int:
+    """`bench.py --serve-fake [PORT [SECONDS_PER_TEXT]]`: FakeOllama with numpy vectors and orjson
+    bodies, plus busy-time stats and the size of every embed call. With SECONDS_PER_TEXT it is a
+    slow CPU embedder (tests/fake_ollama.py's delay_per_text_seconds: time proportional to the
+    texts, one call at a time, the work dropped when the client disconnects)."""
     sys.path.insert(0, str(TESTS_DIR))
     import fake_ollama
 
@@ -349,7 +387,8 @@ def serve_fake(port: int) -> int:
             return json.dumps({**payload, "embeddings": payload["embeddings"].tolist()}).encode()
 
     vectors = FastVectors(DIMS)
-    stats = {"embed_calls": 0, "inputs": 0, "busy_s": 0.0}
+    stats: dict[str, Any] = {"embed_calls": 0, "inputs": 0, "busy_s": 0.0, "delay_s": 0.0, "dropped_calls": 0}
+    call_sizes: list[int] = []  # texts per answered embed call, in order (a 1M-chunk build: ~20k ints)
     lock = threading.Lock()
 
     class BenchFake(fake_ollama.FakeOllama):
@@ -369,17 +408,28 @@ def serve_fake(port: int) -> int:
                 stats["embed_calls"] += 1
                 stats["inputs"] += len(inputs)
                 stats["busy_s"] += time.perf_counter() - started
+                call_sizes.append(len(inputs))
             return 200, payload
 
         def _handle(self, method: str, path: str, body: Any) -> tuple[int, Any]:
             if path == "/_bench/stats":
                 with lock:
                     return 200, dict(stats)
+            if path == "/_bench/calls":  # POST {"from": n}: the sizes of calls n, n+1, ...
+                with lock:
+                    return 200, {"sizes": call_sizes[int((body or {}).get("from", 0)):]}
             return super()._handle(method, path, body)
 
     def dispatch(self: Any, method: str, body: Any) -> None:
         # The fake's own dispatch sends str payloads as text/plain: send our bytes as JSON.
         if method == "POST" and self.path.split("?", 1)[0] == "/api/embed":
+            started = time.perf_counter()
+            worked = self.server.fake._work_per_text(body, self.connection)
+            with lock:
+                stats["delay_s"] += time.perf_counter() - started
+                stats["dropped_calls"] += not worked
+            if not worked:
+                return  # the client gave up (its timeout): no answer, as Ollama cancels the request
             status, payload = self.server.fake._handle(method, "/api/embed", body)
             if isinstance(payload, bytes):
                 self._send(status, payload, "application/json; charset=utf-8")
@@ -391,33 +441,50 @@ def serve_fake(port: int) -> int:
     original_dispatch = fake_ollama._Handler._dispatch
     fake_ollama._Handler._dispatch = dispatch  # this process only
     fake = BenchFake(models=(MODEL,), dims=DIMS, port=port)
+    fake.delay_per_text_seconds = delay_per_text_s
     fake._record = lambda *a, **k: None  # no per-request record: 100k chunks would pile up in memory
     return fake_ollama.serve_until_signalled(fake)
 
 
 class FakeProcess:
-    def __init__(self, python: str, workdir: Path) -> None:
+    """The benchmark's fake Ollama in its own process (so its work does not share this process's
+    GIL); `delay_per_text_s` makes it a slow embedder."""
+
+    def __init__(self, python: str, workdir: Path, delay_per_text_s: float = 0.0, tag: str = "fake") -> None:
         self.python = python
         self.workdir = workdir
+        self.delay_per_text_s = delay_per_text_s
+        self.tag = tag
         self.proc: subprocess.Popen[str] | None = None
         self.host = ""
 
     def __enter__(self) -> FakeProcess:
-        self.proc = subprocess.Popen([self.python, str(Path(__file__).resolve()), "--serve-fake"],
-                                     stdout=subprocess.PIPE, stderr=open(self.workdir / "fake.stderr", "w"),
-                                     text=True)
+        stderr = self.workdir / f"{self.tag}.stderr"
+        self.proc = subprocess.Popen([self.python, str(Path(__file__).resolve()), "--serve-fake", "0",
+                                      str(self.delay_per_text_s)],
+                                     stdout=subprocess.PIPE, stderr=open(stderr, "w"), text=True)
         line = _readline_with_timeout(self.proc.stdout, 30.0)
         if not line or not line.startswith("FAKE_OLLAMA_READY "):
             self.close()
-            raise RuntimeError(f"fake Ollama did not start: {line!r} (see {self.workdir / 'fake.stderr'})")
+            raise RuntimeError(f"fake Ollama did not start: {line!r} (see {stderr})")
         self.host = line.split()[1]
         return self
 
-    def stats(self) -> dict[str, Any]:
+    def _ask(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         import urllib.request
 
-        with urllib.request.urlopen(f"{self.host}/_bench/stats", timeout=10) as resp:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(f"{self.host}{path}", data=data,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as resp:
             return json.loads(resp.read())
+
+    def stats(self) -> dict[str, Any]:
+        return self._ask("/_bench/stats")
+
+    def call_sizes(self, since: int) -> list[int]:
+        """Texts per embed call, for the calls answered since the `since`-th one."""
+        return list(self._ask("/_bench/calls", {"from": since})["sizes"])
 
     def close(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -445,6 +512,44 @@ def _readline_with_timeout(stream: Any, timeout: float) -> str | None:
 # Ingest runs.
 
 
+def disk_usage_mb(path: Path) -> float:
+    """Space the folder takes on disk (allocated blocks, so sparse and preallocated files count as
+    they cost)."""
+    total = 0
+    for folder, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(folder, name)).st_blocks * 512
+    return total / 1024 / 1024
+
+
+def _default_sigint() -> None:
+    """In the child before exec: a benchmark started in the background (`bench.py &`, some CI
+    runners) has SIGINT ignored, which Python would then keep ignoring; --watch must get Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _json_lines(stream: Any, box: queue.Queue[dict[str, Any]]) -> None:
+    """Put every JSON object line of `stream` into `box` until it ends (other lines are skipped)."""
+    for line in stream:
+        with contextlib.suppress(ValueError):
+            message = json.loads(line)
+            if isinstance(message, dict):
+                box.put(message)
+
+
+def _next_report(proc: subprocess.Popen[str], box: queue.Queue[dict[str, Any]], timeout_s: float,
+                 what: str) -> dict[str, Any]:
+    """The next JSON line of a running `ingest.py --watch --json` (one per run)."""
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        with contextlib.suppress(queue.Empty):
+            return box.get(timeout=0.5)
+        if proc.poll() is not None:
+            raise RuntimeError(f"the watcher exited {proc.returncode} before reporting {what}")
+    raise RuntimeError(f"the watcher did not report {what} within {timeout_s:.0f} s")
+
+
 @dataclass
 class IngestRun:
     wall_s: float
@@ -454,20 +559,34 @@ class IngestRun:
     fake_calls: int
     fake_busy_s: float
     cpu_s: float = 0.0
+    fake_inputs: int = 0  # texts the fake embedded for this run: the ground truth for "embedded"
+    fake_delay_s: float = 0.0  # time the fake spent being slow (delay_per_text_s), this run
+    largest_call: int = 0  # most texts in one embed call
+
+    @property
+    def embedded(self) -> int:
+        """Chunks sent to the embedder: the larger of ingest's own count and the fake's record."""
+        return max(int(self.summary.get("chunks_embedded", -1)), self.fake_inputs)
 
 
 def run_ingest(python: str, corpus: Path, store: Path, fake: FakeProcess, log_file: Path,
-               timeout_s: float, ingest: Path = PROJECT_DIR / "ingest.py", chroma_url: str | None = None) -> IngestRun:
+               timeout_s: float, ingest: Path = PROJECT_DIR / "ingest.py", chroma_url: str | None = None,
+               extra_args: Sequence[str] = (), extra_env: dict[str, str] | None = None,
+               check: bool = True) -> IngestRun:
+    """One `ingest.py --json` run; with check=False a run that exits non-zero is returned, not raised
+    (for figures whose goal is that it does not)."""
     env = {**os.environ, "OLLAMA_HOST": fake.host, "ANONYMIZED_TELEMETRY": "False"}
-    for name in ("RAG_EMBED_MODEL", "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS", "RAG_CHROMA_URL"):
+    for name in ("RAG_EMBED_MODEL", "RAG_EMBED_TIMEOUT", "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS",
+                 "RAG_CHROMA_URL"):
         env.pop(name, None)
     if chroma_url:
         env["RAG_CHROMA_URL"] = chroma_url
+    env.update(extra_env or {})
     before = fake.stats()
     with open(log_file, "a") as err, tempfile.TemporaryFile("w+") as out:
         started = time.perf_counter()
         proc = subprocess.Popen([python, str(ingest), "--corpus", str(corpus), "--store", str(store),
-                                 "--json"], stdout=out, stderr=err, env=env, text=True)
+                                 "--json", *extra_args], stdout=out, stderr=err, env=env, text=True)
         status, rusage = _wait4(proc, timeout_s)
         wall = time.perf_counter() - started
         out.seek(0)
@@ -477,11 +596,13 @@ def run_ingest(python: str, corpus: Path, store: Path, fake: FakeProcess, log_fi
         summary = json.loads(lines[-1]) if lines else {}
     except ValueError:
         summary = {}
-    if status != 0:
+    if status != 0 and check:
         raise RuntimeError(f"ingest exited {status} (see {log_file}): {str(summary)[:500]}")
     return IngestRun(wall_s=wall, exit=status, summary=summary, peak_rss_mb=rusage.ru_maxrss / 1024,
                      fake_calls=after["embed_calls"] - before["embed_calls"],
-                     fake_busy_s=after["busy_s"] - before["busy_s"], cpu_s=rusage.ru_utime + rusage.ru_stime)
+                     fake_busy_s=after["busy_s"] - before["busy_s"], cpu_s=rusage.ru_utime + rusage.ru_stime,
+                     fake_inputs=after["inputs"] - before["inputs"], fake_delay_s=after["delay_s"] - before["delay_s"],
+                     largest_call=max(fake.call_sizes(before["embed_calls"]), default=0))
 
 
 def _wait4(proc: subprocess.Popen[Any], timeout_s: float) -> tuple[int, Any]:
@@ -674,6 +795,8 @@ def summarize_ms(samples_s: Sequence[float]) -> dict[str, float]:
 
 
 def size_label(chunks: int) -> str:
+    if chunks % 1_000_000 == 0:
+        return f"{chunks // 1_000_000}M"
     return f"{chunks // 1000}k" if chunks % 1000 == 0 else str(chunks)
 
 
@@ -706,8 +829,10 @@ def _num(value: float | None) -> float | None:
 def _fmt(value: float | None, unit: str) -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
-    if unit in ("calls", "chunks"):
+    if unit in ("calls", "chunks", "files"):
         return f"{value:.0f} {unit}"
+    if unit == "exit":
+        return f"exit {value:.0f}"
     if abs(value) >= 100:
         return f"{value:,.0f} {unit}"
     if abs(value) >= 10:
@@ -723,6 +848,43 @@ def markdown_table(figures: Sequence[Figure]) -> str:
         result = {True: "pass", False: "**FAIL**", None: "-"}[f.passed]
         rows.append(f"| {f.figure} | {_fmt(f.value, f.unit)} | {limit} | {ratio} | {f.goal} | {result} |")
     return "\n".join(rows)
+
+
+SCALE_COLUMNS = (("build_s", "Build s"), ("chunks_per_s", "Chunks/s"), ("ingest_peak_rss_mb", "Ingest peak RSS MB"),
+                 ("server_rss_mb", "Server RSS after 100 searches MB"), ("hybrid_p50_ms", "Hybrid p50 ms"),
+                 ("hybrid_p95_ms", "Hybrid p95 ms"), ("vector_p50_ms", "Vector p50 ms"),
+                 ("vector_p95_ms", "Vector p95 ms"), ("keyword_p50_ms", "Keyword p50 ms"),
+                 ("keyword_p95_ms", "Keyword p95 ms"), ("noop_s", "No-op re-ingest s"), ("store_mb", "Store MB"))
+
+
+def scale_table(rows: Sequence[dict[str, Any]]) -> str:
+    """One row per size, then the growth factor of every column from each size to the next
+    ("10k/1k": the value at 10k over the value at 1k)."""
+    def cell(value: Any) -> str:
+        return _fmt(value, "").strip() if isinstance(value, (int, float)) else "-"
+
+    lines = ["| Chunks | " + " | ".join(title for _, title in SCALE_COLUMNS) + " |",
+             "| --- |" + " ---: |" * len(SCALE_COLUMNS)]
+    for row in rows:
+        lines.append(f"| {size_label(row['chunks'])} | " + " | ".join(cell(row.get(k)) for k, _ in SCALE_COLUMNS) + " |")
+    for low, high in zip(rows, rows[1:]):
+        factors = [high[k] / low[k] if isinstance(high.get(k), (int, float)) and low.get(k) else None
+                   for k, _ in SCALE_COLUMNS]
+        lines.append(f"| {size_label(high['chunks'])}/{size_label(low['chunks'])} | "
+                     + " | ".join("-" if f is None else f"x{f:.2f}" for f in factors) + " |")
+    return "\n".join(lines)
+
+
+def projected_seconds(steps: Sequence[tuple[int, float]], size: int) -> tuple[float, float]:
+    """(seconds, k): the time of the next size if time grows as size^k, k measured between the last
+    two sizes (at least 1: a build cannot grow slower than the chunks it embeds and writes; at small
+    sizes fixed costs make the measured k smaller), 1 after a single size."""
+    last_size, last_s = steps[-1]
+    exponent = 1.0
+    if len(steps) > 1:
+        prev_size, prev_s = steps[-2]
+        exponent = max(1.0, math.log(last_s / prev_s) / math.log(last_size / prev_size))
+    return last_s * (size / last_size) ** exponent, exponent
 
 
 def machine_line(machine: dict[str, Any]) -> str:
@@ -768,7 +930,8 @@ class Bench:
         self.fake: FakeProcess | None = None
         self.hello = self.work / "hello_server.py"
         self.hello.write_text(HELLO_SERVER, encoding="utf-8")
-        self.sizes = [1000] if self.quick else [int(s) for s in args.sizes.split(",")]
+        sizes = args.scale_sizes if args.scale else args.sizes
+        self.sizes = [1000] if self.quick else [int(s) for s in sizes.split(",")]
         self.reps = {"handshake": 5, "cold": 1 if self.quick else 3, "roundtrip": 100 if self.quick else 300,
                      "warmup": 5 if self.quick else 10, "hybrid": 40 if self.quick else 120,
                      "other_modes": 30 if self.quick else 60, "raw": 100 if self.quick else 300}
@@ -776,6 +939,7 @@ class Bench:
         self.n_results = server_channel_candidates(self.server)
         self.stores: dict[int, Path] = {}
         self.corpora: dict[int, Path] = {}
+        self.deadline: float | None = None  # --scale: when the budget runs out (perf_counter)
 
     # helpers --------------------------------------------------------------------------------------
     def add(self, figure: Figure) -> None:
@@ -784,19 +948,26 @@ class Bench:
         extra = f" (limit {_fmt(figure.limit, figure.unit)}, {figure.ratio:.2f}x)" if figure.ratio is not None else ""
         log(f"{figure.figure}: {value}{extra}")
 
-    def server_env(self, size: int, store: Path | None = None) -> dict[str, str]:
-        env = {**os.environ, "RAG_STORE_DIR": str(store or self.stores[size]), "RAG_CORPUS_DIR": str(self.corpora[size]),
+    def server_env(self, corpus: Path, store: Path, chroma_url: str | None = None) -> dict[str, str]:
+        env = {**os.environ, "RAG_STORE_DIR": str(store), "RAG_CORPUS_DIR": str(corpus),
                "OLLAMA_HOST": self.fake.host, "ANONYMIZED_TELEMETRY": "False", "PYTHONUNBUFFERED": "1"}
         for name in ("RAG_EMBED_MODEL", "RAG_EMBED_TIMEOUT", "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS",
                      "RAG_SERVER_WARMUP", "RAG_LOG_LEVEL", "RAG_CHROMA_URL"):
             env.pop(name, None)
-        if store is not None and self.args.chroma_url:
-            env["RAG_CHROMA_URL"] = self.args.chroma_url
+        if chroma_url:
+            env["RAG_CHROMA_URL"] = chroma_url
         return env
 
-    def spawn_server(self, size: int, tag: str, store: Path | None = None) -> StdioPeer:
-        return StdioPeer([self.python, str(self.server)], self.server_env(size, store),
-                         self.work / f"server-{tag}.stderr", cwd=self.work)
+    def spawn_server(self, size: int, tag: str, store: Path | None = None, corpus: Path | None = None,
+                     chroma_url: str | None = None) -> StdioPeer:
+        env = self.server_env(corpus or self.corpora[size], store or self.stores[size], chroma_url)
+        return StdioPeer([self.python, str(self.server)], env, self.work / f"server-{tag}.stderr", cwd=self.work)
+
+    def ingest_once(self, corpus: Path, store: Path, **options: Any) -> IngestRun:
+        options.setdefault("timeout_s", self.args.ingest_timeout)
+        options.setdefault("fake", self.fake)
+        return run_ingest(self.python, corpus, store, log_file=self.work / "ingest.stderr", ingest=self.ingest,
+                          **options)
 
     def spawn_hello(self, tag: str) -> StdioPeer:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAG_")}
@@ -811,29 +982,37 @@ class Bench:
     # 1. indexes ---------------------------------------------------------------------------------
     def build_indexes(self) -> None:
         for size in self.sizes:
-            files = max(1, size // CHUNKS_PER_FILE)
-            corpus = self.work / f"corpus-{size_label(size)}"
-            store = self.work / f"store-{size_label(size)}"
-            started = time.perf_counter()
-            info = write_corpus(corpus, files)
-            info["write_s"] = time.perf_counter() - started
-            shutil.rmtree(store, ignore_errors=True)
-            log(f"ingesting {files} files ({size_label(size)} chunks) ...")
-            run = run_ingest(self.python, corpus, store, self.fake, self.work / "ingest.stderr",
-                             timeout_s=self.args.ingest_timeout, ingest=self.ingest)
-            self.corpora[size], self.stores[size] = corpus, store
-            chunks = int(run.summary.get("chunks_written", 0))
-            seconds = float(run.summary.get("seconds", run.wall_s))
-            self.details.setdefault("ingest", {})[size_label(size)] = {
-                "corpus": info, "chunks_written": chunks, "files": files, "wall_s": run.wall_s, "run_s": seconds,
-                "cpu_s": run.cpu_s, "peak_rss_mb": run.peak_rss_mb,
-                "embedding_calls": run.summary.get("embedding_calls"),
-                "fake_embed_calls": run.fake_calls, "fake_busy_s": run.fake_busy_s,
-                "chunks_per_s_run": chunks / seconds if seconds else None,
-                "chunks_per_s_wall": chunks / run.wall_s if run.wall_s else None}
-            self.add(Figure(f"ingest.build_s@{size_label(size)}", f"Ingest build time, {size_label(size)} chunks "
-                            f"({files} files, process wall)", run.wall_s, "s", "report", size=size,
-                            note=f"{chunks} chunks written; embedder busy {run.fake_busy_s:.2f} s"))
+            self.build_index(size)
+
+    def corpus_of(self, size: int) -> tuple[Path, dict[str, Any]]:
+        """The synthetic corpus of `size` chunks (written, or topped up), and its counts."""
+        corpus = self.work / f"corpus-{size_label(size)}"
+        started = time.perf_counter()
+        info = write_corpus(corpus, max(1, size // CHUNKS_PER_FILE))
+        info["write_s"] = time.perf_counter() - started
+        return corpus, info
+
+    def build_index(self, size: int) -> IngestRun:
+        files = max(1, size // CHUNKS_PER_FILE)
+        corpus, info = self.corpus_of(size)
+        store = self.work / f"store-{size_label(size)}"
+        shutil.rmtree(store, ignore_errors=True)
+        log(f"ingesting {files} files ({size_label(size)} chunks) ...")
+        run = self.ingest_once(corpus, store, timeout_s=max(self.args.ingest_timeout, self.ingest_budget_s()))
+        self.corpora[size], self.stores[size] = corpus, store
+        chunks = int(run.summary.get("chunks_written", 0))
+        seconds = float(run.summary.get("seconds", run.wall_s))
+        self.details.setdefault("ingest", {})[size_label(size)] = {
+            "corpus": info, "chunks_written": chunks, "files": files, "wall_s": run.wall_s, "run_s": seconds,
+            "cpu_s": run.cpu_s, "peak_rss_mb": run.peak_rss_mb,
+            "embedding_calls": run.summary.get("embedding_calls"),
+            "fake_embed_calls": run.fake_calls, "fake_busy_s": run.fake_busy_s,
+            "chunks_per_s_run": chunks / seconds if seconds else None,
+            "chunks_per_s_wall": chunks / run.wall_s if run.wall_s else None}
+        self.add(Figure(f"ingest.build_s@{size_label(size)}", f"Ingest build time, {size_label(size)} chunks "
+                        f"({files} files, process wall)", run.wall_s, "s", "report", size=size,
+                        note=f"{chunks} chunks written; embedder busy {run.fake_busy_s:.2f} s"))
+        return run
 
     # 4. ingest throughput vs batched Chroma upserts --------------------------------------------------
     def throughput(self) -> None:
@@ -910,8 +1089,7 @@ class Bench:
     def noop_reingest(self) -> None:
         size = max(self.sizes)
         files = size // CHUNKS_PER_FILE
-        run = run_ingest(self.python, self.corpora[size], self.stores[size], self.fake, self.work / "ingest.stderr",
-                         timeout_s=self.args.ingest_timeout, ingest=self.ingest)
+        run = self.ingest_once(self.corpora[size], self.stores[size])
         calls_summary = int(run.summary.get("embedding_calls", -1))
         calls = max(calls_summary, run.fake_calls)
         self.details["noop_reingest"] = {"files": files, "wall_s": run.wall_s, "run_s": run.summary.get("seconds"),
@@ -1088,8 +1266,7 @@ class Bench:
         store = self.work / f"store-server-{label}"
         shutil.rmtree(store, ignore_errors=True)
         log(f"ingesting the {label} corpus into the Chroma server at {self.args.chroma_url} ...")
-        run = run_ingest(self.python, self.corpora[size], store, self.fake, self.work / "ingest.stderr",
-                         timeout_s=self.args.ingest_timeout, ingest=self.ingest, chroma_url=self.args.chroma_url)
+        run = self.ingest_once(self.corpora[size], store, chroma_url=self.args.chroma_url)
         chunks = int(run.summary.get("chunks_written", 0))
         value = chunks / float(run.summary.get("seconds", run.wall_s))
         embedded = self.details["ingest"][label]
@@ -1098,7 +1275,7 @@ class Bench:
                         limit_what="the same ingest into the embedded store, this run",
                         ratio=value / embedded["chunks_per_s_run"], size=size))
         samples = []
-        with self.spawn_server(size, f"chroma-server-{label}", store=store) as peer:
+        with self.spawn_server(size, f"chroma-server-{label}", store=store, chroma_url=self.args.chroma_url) as peer:
             peer.handshake()
             for q in queries[:self.reps["warmup"]]:
                 peer.call("search_corpus", {"query": q})
@@ -1122,7 +1299,297 @@ class Bench:
         self.add(Figure(f"memory.ingest_peak_rss_mb@{size_label(size)}", f"Ingest peak RSS, {size_label(size)} chunks "
                         "(ru_maxrss)", detail["peak_rss_mb"], "MB", "report", size=size))
 
+    # 8. a slow embedder (issue 11) ---------------------------------------------------------------
+    def slow_embedder(self) -> None:
+        """A fresh build against a second fake that takes 20 ms per text, one call at a time, with
+        RAG_EMBED_TIMEOUT=60: every chunk must arrive (no call near the timeout, nothing left for the
+        next run). The limit is the embedder's own time for the texts, so the ratio is ingest's
+        overhead on top of a slow embedder. The 10k corpus takes ~200 s; --quick uses the 1k one."""
+        size = 1000 if self.quick else 10000
+        label = size_label(size)
+        corpus, _ = self.corpus_of(size)
+        store = self.work / f"store-slow-{label}"
+        shutil.rmtree(store, ignore_errors=True)
+        per_text_ms = SLOW_EMBED_PER_TEXT_S * 1000
+        log(f"ingesting the {label} corpus against a slow embedder ({per_text_ms:.0f} ms per text) ...")
+        with FakeProcess(self.python, self.work, delay_per_text_s=SLOW_EMBED_PER_TEXT_S, tag="fake-slow") as slow:
+            run = self.ingest_once(corpus, store, fake=slow, check=False,
+                                   extra_env={"RAG_EMBED_TIMEOUT": str(SLOW_EMBED_TIMEOUT_S)},
+                                   timeout_s=max(self.args.ingest_timeout, 3 * size * SLOW_EMBED_PER_TEXT_S))
+            fake_stats = slow.stats()
+        shutil.rmtree(store, ignore_errors=True)
+        summary = run.summary
+        chunks = int(summary.get("chunks_written", 0))
+        failed, left = int(summary.get("failed", -1)), int(summary.get("left_for_next_run", -1))
+        calls = int(summary.get("embedding_calls", -1))
+        embedder_s = run.fake_delay_s + run.fake_busy_s
+        self.details["slow_embedder"] = {
+            "chunks": size, "per_text_s": SLOW_EMBED_PER_TEXT_S, "embed_timeout_s": SLOW_EMBED_TIMEOUT_S,
+            "exit": run.exit, "summary": {k: v for k, v in summary.items() if k != "listing"}, "wall_s": run.wall_s,
+            "peak_rss_mb": run.peak_rss_mb, "fake_calls": run.fake_calls, "fake_inputs": run.fake_inputs,
+            "fake_delay_s": run.fake_delay_s, "fake_busy_s": run.fake_busy_s, "largest_call": run.largest_call,
+            "fake_dropped_calls": fake_stats["dropped_calls"]}
+        what = f"slow embedder ({per_text_ms:.0f} ms per text, RAG_EMBED_TIMEOUT={SLOW_EMBED_TIMEOUT_S}), {label} chunks"
+        self.add(Figure(f"slow.failures@{label}", f"Ingest with a {what}: files failed or left for the next run",
+                        float(max(failed, 0) + max(left, 0)), "files", "0 failures",
+                        passed=run.exit == 0 and failed == 0 and left == 0, size=size,
+                        note=f"exit {run.exit}; failed {failed}, left_for_next_run {left}; {chunks} chunks written"))
+        self.add(Figure(f"slow.build_s@{label}", f"Ingest with a {what}: build time (process wall)", run.wall_s, "s",
+                        "report", limit=embedder_s, limit_what="the slow embedder's own time for these texts, this run",
+                        ratio=run.wall_s / embedder_s if embedder_s else None, size=size))
+        self.add(Figure(f"slow.chunks_per_s@{label}", f"Ingest with a {what}: throughput", chunks / run.wall_s,
+                        "chunks/s", "report", limit=1 / SLOW_EMBED_PER_TEXT_S,
+                        limit_what="the embedder's pace", ratio=chunks / run.wall_s * SLOW_EMBED_PER_TEXT_S, size=size))
+        self.add(Figure(f"slow.embed_calls@{label}", f"Ingest with a {what}: embedding calls", float(calls), "calls",
+                        "report", size=size,
+                        note=f"the fake answered {run.fake_calls} calls with {run.fake_inputs} texts and dropped "
+                             f"{fake_stats['dropped_calls']} (client gone); largest call {run.largest_call} chunks"))
+        self.add(Figure(f"slow.largest_call@{label}", f"Ingest with a {what}: largest embedding call",
+                        float(run.largest_call), "chunks", "report", size=size))
+
+    # 9. --watch: edit to searchable (issue 11) ---------------------------------------------------
+    def watch_latency(self) -> None:
+        """`ingest.py --watch` on its own 1k-chunk corpus and store, and a live server on that store:
+        append a token only that edit contains to one file, then search for it (keyword mode, every
+        50 ms) until the file comes back. The next edit waits for the watcher's report of the run and
+        WATCH_QUIET_S more, so each edit is measured from an idle watcher (an edit made during a run
+        would also count the rest of that run)."""
+        size = 1000
+        label = size_label(size)
+        corpus, store = self.work / f"corpus-watch-{label}", self.work / f"store-watch-{label}"
+        for folder in (corpus, store):
+            shutil.rmtree(folder, ignore_errors=True)
+        write_corpus(corpus, size // CHUNKS_PER_FILE)
+        # Active documents only: a search leaves superseded ones out.
+        files = [f for f in sorted(corpus.rglob("*.md")) if "lifecycle: superseded" not in f.read_text("utf-8")]
+        settle = self.args.settle
+        log(f"watching the {label} corpus (--settle {settle:g}) and searching for {WATCH_PROBES} edits ...")
+        stderr = open(self.work / "watch.stderr", "ab")
+        watcher = subprocess.Popen([self.python, str(self.ingest), "--corpus", str(corpus), "--store", str(store),
+                                    "--json", "--watch", "--settle", str(settle)],
+                                   stdout=subprocess.PIPE, stderr=stderr, env=self.server_env(corpus, store),
+                                   text=True, preexec_fn=_default_sigint)
+        reports: queue.Queue[dict[str, Any]] = queue.Queue()
+        threading.Thread(target=_json_lines, args=(watcher.stdout, reports), daemon=True).start()
+        latencies: list[float] = []
+        runs: list[dict[str, Any]] = []
+        misses = 0
+        try:
+            first = _next_report(watcher, reports, self.args.ingest_timeout, "its first run")
+            if first.get("exit") != 0:
+                raise RuntimeError(f"the watcher's first run failed: {str(first)[:300]}")
+            rng = random.Random("local-rag-mcp-bench-watch")
+            with self.spawn_server(size, "watch", store=store, corpus=corpus) as peer:
+                peer.handshake()
+                peer.call("search_corpus", {"query": "warm up the keyword channel", "mode": "keyword"})
+                for probe in range(WATCH_PROBES):
+                    path = files[(probe * 37) % len(files)]
+                    token = f"benchwatch{probe:02d}{rng.randrange(36 ** 6):06x}"
+                    with open(path, "a", encoding="utf-8") as handle:
+                        handle.write(f"\nThe {token} marker was appended by the benchmark.\n")
+                    seconds = self._until_found(peer, token, path.relative_to(corpus).as_posix(), time.perf_counter())
+                    if seconds is None:
+                        misses += 1
+                        latencies.append(math.inf)
+                    else:
+                        latencies.append(seconds)
+                    report = _next_report(watcher, reports, WATCH_FIND_TIMEOUT_S, f"a run for edit {probe}")
+                    runs.append({k: report.get(k) for k in ("exit", "updated", "chunks_embedded", "seconds")})
+                    time.sleep(WATCH_QUIET_S)
+        finally:
+            watcher.send_signal(signal.SIGINT)
+            try:
+                exit_status = watcher.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                watcher.kill()
+                exit_status = watcher.wait(timeout=10)
+            stderr.close()
+        run_s = [r["seconds"] for r in runs if isinstance(r.get("seconds"), (int, float))]
+        p50, p95 = percentile(latencies, 50), percentile(latencies, 95)
+        self.details["watch"] = {"settle_s": settle, "latencies_s": latencies, "misses": misses, "runs": runs,
+                                 "poll_s": WATCH_POLL_S, "sigint_exit": exit_status}
+        run_note = f"watcher run median {statistics.median(run_s):.2f} s" if run_s else "no watcher runs"
+        what = f"--watch --settle {settle:g}, {label} chunks, {WATCH_PROBES} edits"
+        self.add(Figure(f"watch.latency_p50_s@{label}", f"Edit to searchable ({what}) p50", p50, "s", "<= 3 s",
+                        limit=settle, limit_what="--settle: how long changes must be quiet before a run",
+                        ratio=p50 / settle if settle else None, passed=p50 <= 3.0, size=size,
+                        note=f"{run_note}; {misses} edit(s) not found within {WATCH_FIND_TIMEOUT_S:.0f} s"))
+        self.add(Figure(f"watch.latency_p95_s@{label}", f"Edit to searchable ({what}) p95", p95, "s", "report",
+                        size=size))
+        self.add(Figure(f"watch.sigint_exit@{label}", "Watcher stopped with SIGINT: exit status", float(exit_status),
+                        "exit", "exit 0", passed=exit_status == 0, size=size))
+
+    def _until_found(self, peer: StdioPeer, token: str, path: str, since: float) -> float | None:
+        """Seconds from `since` until a keyword search for `token` returns `path`, polling every
+        WATCH_POLL_S; None when it does not within WATCH_FIND_TIMEOUT_S."""
+        polls = 0
+        while time.perf_counter() - since < WATCH_FIND_TIMEOUT_S:
+            result, _ = peer.call("search_corpus", {"query": token, "mode": "keyword"})
+            if any(hit.get("path") == path for hit in tool_payload(result).get("results") or []):
+                return time.perf_counter() - since
+            polls += 1
+            time.sleep(max(0.0, since + polls * WATCH_POLL_S - time.perf_counter()))
+        return None
+
+    # 10. no-op re-ingest with scope rules (issue 11) ---------------------------------------------
+    def noop_with_rules(self) -> None:
+        """The no-op re-ingest of the largest corpus again, with the scope in play: a root .ragignore
+        (a pattern matching nothing, a folder of extra files left out, *.draft.md left out and one
+        brought back by a negation) and a node_modules/ folder of 300 Markdown files (a built-in
+        exclude). One run takes the rules in (it indexes keep.draft.md); the next is timed. Runs
+        after the searches: it changes the largest corpus."""
+        size = max(self.sizes)
+        corpus, store = self.corpora[size], self.stores[size]
+        files = size // CHUNKS_PER_FILE
+        (corpus / ".ragignore").write_text("# bench: scope rules in play\nno-such-folder/\nscratch/\n*.draft.md\n"
+                                           "!keep.draft.md\n", encoding="utf-8")
+        extras = [f"scratch/note-{i:03d}.md" for i in range(200)]
+        extras += [f"node_modules/pkg-{i // 10:02d}/docs/page-{i % 10}.md" for i in range(300)]
+        extras += [f"drafts/idea-{i}.draft.md" for i in range(5)] + ["drafts/keep.draft.md"]
+        for i, rel in enumerate(extras):
+            (corpus / rel).parent.mkdir(parents=True, exist_ok=True)
+            (corpus / rel).write_text(synthetic_document(EXTRA_DOCS_FROM + i)[1], encoding="utf-8")
+        setup = self.ingest_once(corpus, store)
+        run = self.ingest_once(corpus, store)
+        expected_ignored = 2 + 5  # scratch/, node_modules/, the five drafts
+        calls = max(int(run.summary.get("embedding_calls", -1)), run.fake_calls)
+        scoped = (int(setup.summary.get("added", -1)) == 1 and int(run.summary.get("ignored", -1)) == expected_ignored
+                  and int(run.summary.get("unchanged", -1)) == files + 1)
+        self.details["noop_with_rules"] = {
+            "files": files, "extra_files": len(extras), "wall_s": run.wall_s, "run_s": run.summary.get("seconds"),
+            "setup": {k: setup.summary.get(k) for k in ("added", "ignored", "unchanged", "chunks_written")},
+            "noop": {k: run.summary.get(k) for k in ("ignored", "unchanged", "embedding_calls")},
+            "expected_ignored": expected_ignored, "scope_as_written": scoped}
+        label = f"{files // 1000}k" if files % 1000 == 0 else str(files)
+        limit = self.details["noop_reingest"]["wall_s"]
+        self.add(Figure(f"reingest.noop_rules_s@{label}files", f"No-op re-ingest with .ragignore rules and "
+                        f"node_modules/, {files + 1} unchanged files (process wall)", run.wall_s, "s",
+                        "<= 3 s, scope as written", limit=limit, limit_what="the no-op re-ingest without rules, this run",
+                        ratio=run.wall_s / limit, passed=run.wall_s <= 3.0 and scoped and calls == 0, size=size,
+                        note=f"{run.summary.get('ignored')} ignored (expected {expected_ignored}: scratch/, "
+                             f"node_modules/, 5 drafts), {run.summary.get('unchanged')} unchanged, {calls} embedding "
+                             f"calls; the run taking the rules in added {setup.summary.get('added')} (keep.draft.md)"))
+
+    # 11. each distinct text embedded once (issue 14) ---------------------------------------------
+    def reuse(self) -> None:
+        """What reaches the embedder, counted by the fake and cross-checked with ingest's summary, on
+        a 1k-chunk corpus of its own: `--full` (everything, nothing reused), one paragraph edited in
+        a 40-section file (that section only), a folder of 100 files renamed (nothing)."""
+        size = 1000
+        label = size_label(size)
+        corpus, store = self.work / f"corpus-reuse-{label}", self.work / f"store-reuse-{label}"
+        for folder in (corpus, store):
+            shutil.rmtree(folder, ignore_errors=True)
+        write_corpus(corpus, size // CHUNKS_PER_FILE)
+        log(f"counting what reaches the embedder: --full, an edit, a rename ({label} chunks) ...")
+        self.ingest_once(corpus, store)
+        full = self.ingest_once(corpus, store, extra_args=["--full"])
+        written = int(full.summary.get("chunks_written", 0))
+        self.add(Figure(f"reuse.full_embedded@{label}", f"--full re-ingest, {label} chunks: chunks embedded",
+                        float(full.embedded), "chunks", "all (= chunks written)", limit=written,
+                        limit_what="chunks written by the same run", ratio=full.embedded / written if written else None,
+                        passed=written > 0 and int(full.summary.get("chunks_embedded", -1)) == full.fake_inputs == written,
+                        size=size, note=self._counted(full)))
+
+        sectioned = corpus / "handbook" / "operations.md"
+        sectioned.parent.mkdir(parents=True, exist_ok=True)
+        sectioned.write_text(sectioned_document(40), encoding="utf-8")
+        moving = corpus / "moving" / "batch-a"
+        moving.mkdir(parents=True)
+        for i in range(100):
+            path, content = synthetic_document(EXTRA_DOCS_FROM + 1000 + i)
+            (moving / Path(path).name).write_text(content, encoding="utf-8")
+        self.ingest_once(corpus, store)
+
+        sectioned.write_text(sectioned_document(40, edited=20), encoding="utf-8")
+        edit = self.ingest_once(corpus, store)
+        self.add(Figure(f"reuse.edit_embedded@{label}", "One paragraph edited in a 40-section file: chunks embedded",
+                        float(edit.embedded), "chunks", "<= 2 chunks", passed=edit.embedded <= 2, size=size,
+                        note=f"{edit.summary.get('chunks_written')} chunks of the file written; " + self._counted(edit)))
+
+        moving.rename(moving.parent / "batch-b")
+        renamed = self.ingest_once(corpus, store)
+        self.add(Figure(f"reuse.rename_embedded@{label}", "A folder of 100 files renamed: chunks embedded",
+                        float(renamed.embedded), "chunks", "0 chunks", passed=renamed.embedded == 0, size=size,
+                        note=f"{renamed.summary.get('added')} added, {renamed.summary.get('removed')} removed, "
+                             f"{renamed.summary.get('chunks_written')} chunks written; " + self._counted(renamed)))
+        self.add(Figure(f"reuse.rename_s@{label}", "A folder of 100 files renamed: re-ingest (process wall)", renamed.wall_s,
+                        "s", "report", size=size))
+        self.details["reuse"] = {name: {"wall_s": r.wall_s, "fake_inputs": r.fake_inputs, "fake_calls": r.fake_calls,
+                                        **{k: r.summary.get(k) for k in ("added", "updated", "removed", "chunks_written",
+                                                                         "chunks_embedded", "chunks_reused")}}
+                                 for name, r in (("full", full), ("edit", edit), ("rename", renamed))}
+        for folder in (corpus, store):
+            shutil.rmtree(folder, ignore_errors=True)
+
+    @staticmethod
+    def _counted(run: IngestRun) -> str:
+        return (f"summary: {run.summary.get('chunks_embedded')} embedded, {run.summary.get('chunks_reused')} reused; "
+                f"the fake embedded {run.fake_inputs} texts in {run.fake_calls} calls")
+
+    # --scale (issue 14) --------------------------------------------------------------------------
+    def ingest_budget_s(self) -> float:
+        """What is left of --scale-budget (0 outside --scale): a big build may take that long."""
+        return max(0.0, self.deadline - time.perf_counter()) if self.deadline is not None else 0.0
+
+    def run_scale(self) -> None:
+        """Build, re-ingest and search each size in turn; before the next size, project its time from
+        the last two (time ~ size^k) and stop when it would not fit in what is left of the budget."""
+        self.deadline = time.perf_counter() + self.args.scale_budget
+        rows: list[dict[str, Any]] = []
+        self.details["scale"] = {"budget_s": self.args.scale_budget, "rows": rows, "stopped": None}
+        steps: list[tuple[int, float]] = []
+        with FakeProcess(self.python, self.work) as fake:
+            self.fake = fake
+            self.roundtrip()
+            for size in self.sizes:
+                if steps:
+                    projected, exponent = projected_seconds(steps, size)
+                    if projected > self.ingest_budget_s():
+                        how = "from the last two sizes, at least 1" if len(steps) > 1 else "assumed after one size"
+                        stopped = (f"stopped before {size_label(size)} chunks: projected {projected:,.0f} s for it "
+                                   f"(time ~ size^{exponent:.2f}, the exponent {how}), more than the "
+                                   f"{self.ingest_budget_s():,.0f} s left of --scale-budget {self.args.scale_budget:g}")
+                        self.details["scale"]["stopped"] = stopped
+                        log(stopped)
+                        break
+                started = time.perf_counter()
+                rows.append(self.scale_row(size))
+                rows[-1]["step_s"] = time.perf_counter() - started
+                steps.append((size, rows[-1]["step_s"]))
+            self.details["fake_total"] = fake.stats()
+
+    def scale_row(self, size: int) -> dict[str, Any]:
+        label = size_label(size)
+        build = self.build_index(size)
+        noop = self.ingest_once(self.corpora[size], self.stores[size])
+        queries = self.search_queries(size)
+        log(f"searching the {label} index ...")
+        self.warm_searches(size, queries, self.raw_queries(size, queries["raw"]))
+        search = self.details["search"][label]
+        chunks = int(build.summary.get("chunks_written", 0))
+        row = {"chunks": size, "chunks_written": chunks, "build_s": build.wall_s, "chunks_per_s": chunks / build.wall_s,
+               "ingest_peak_rss_mb": build.peak_rss_mb, "server_rss_mb": search["server_vm_hwm_mb_after_100"],
+               "noop_s": noop.wall_s, "store_mb": disk_usage_mb(self.stores[size])}
+        for mode, stats in search["modes"].items():
+            row[f"{mode}_p50_ms"], row[f"{mode}_p95_ms"] = stats["p50_ms"], stats["p95_ms"]
+        log(f"{label}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items() if isinstance(v, float)))
+        return row
+
     # the run ---------------------------------------------------------------------------------
+    def search_queries(self, size: int) -> dict[str, list[str]]:
+        """Distinct queries for one size's searches, by purpose."""
+        n_h, n_o, n_w = self.reps["hybrid"], self.reps["other_modes"], self.reps["warmup"]
+        qs = synthetic_queries(self.reps["cold"] + 3 * n_w + n_h + 2 * n_o + self.reps["raw"] + n_w, size_label(size))
+        queries: dict[str, list[str]] = {}
+        at = 0
+        for name, n in (("cold", self.reps["cold"]), ("warm-hybrid", n_w), ("warm-vector", n_w),
+                        ("warm-keyword", n_w), ("hybrid", n_h), ("vector", n_o), ("keyword", n_o),
+                        ("raw", self.reps["raw"] + n_w)):
+            queries[name] = qs[at:at + n]
+            at += n
+        return queries
+
     def run(self) -> None:
         with FakeProcess(self.python, self.work) as fake:
             self.fake = fake
@@ -1133,27 +1600,23 @@ class Bench:
             self.handshakes()
             self.roundtrip()
             for size in self.sizes:
-                n_h, n_o, n_w = self.reps["hybrid"], self.reps["other_modes"], self.reps["warmup"]
-                qs = synthetic_queries(self.reps["cold"] + 3 * n_w + n_h + 2 * n_o + self.reps["raw"] + n_w,
-                                       size_label(size))
-                queries: dict[str, list[str]] = {}
-                at = 0
-                for name, n in (("cold", self.reps["cold"]), ("warm-hybrid", n_w), ("warm-vector", n_w),
-                                ("warm-keyword", n_w), ("hybrid", n_h), ("vector", n_o), ("keyword", n_o),
-                                ("raw", self.reps["raw"] + n_w)):
-                    queries[name] = qs[at:at + n]
-                    at += n
+                queries = self.search_queries(size)
                 log(f"searching the {size_label(size)} index ...")
                 raw = self.raw_queries(size, queries["raw"])
                 self.cold_search(size, queries["cold"])
                 self.warm_searches(size, queries, raw)
                 if self.args.chroma_url and size == (10000 if 10000 in self.sizes else self.sizes[0]):
                     self.chroma_server(queries["warm-hybrid"] + queries["hybrid"])
+            self.reuse()
+            self.watch_latency()
+            self.slow_embedder()
+            self.noop_with_rules()  # last: it adds files to the largest corpus
             self.details["fake_total"] = fake.stats()
 
 
 def order_figures(figures: Sequence[Figure]) -> list[Figure]:
-    order = ["handshake", "stdio", "cold", "search", "ingest", "reingest", "chroma_server", "memory"]
+    order = ["handshake", "stdio", "cold", "search", "ingest", "reingest", "reuse", "watch", "slow", "chroma_server",
+             "memory"]
     return sorted(figures, key=lambda f: (order.index(f.id.split(".")[0]) if f.id.split(".")[0] in order else 99,
                                           f.size or 0))
 
@@ -1173,13 +1636,35 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--strict", action="store_true", help="exit 1 when a goal fails")
     parser.add_argument("--chroma-url", help="also ingest and search with the vectors on this Chroma server "
                                              "(e.g. a local `chroma run --path DIR --port 8000`)")
+    parser.add_argument("--settle", type=float, default=1.0,
+                        help="--settle of the `ingest.py --watch` measured (default: %(default)s, ingest's own)")
+    parser.add_argument("--scale", action="store_true",
+                        help="growth instead of the figures: build, re-ingest and search each of --scale-sizes")
+    parser.add_argument("--scale-sizes", default="1000,10000,100000,1000000",
+                        help="chunk counts for --scale, comma-separated (default: %(default)s)")
+    parser.add_argument("--scale-budget", type=float, default=3600.0, metavar="SECONDS",
+                        help="--scale stops growing when the next size's projected time exceeds what is left of "
+                             "this (default: %(default)s)")
     return parser.parse_args(argv)
+
+
+def print_scale(scale: dict[str, Any], out: str, error: str | None) -> int:
+    print(scale_table(scale.get("rows") or []))
+    print()
+    if scale.get("stopped"):
+        print(f"Not measured: {scale['stopped']}.")
+    print("One row per size measured; a row named like 10k/1k is the growth factor of each column (the value at "
+          f"10k over the value at 1k). Build and no-op re-ingest: process wall. JSON: {out}")
+    if error:
+        print(f"\nThe run stopped early: {error}")
+        return 2
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--serve-fake"]:
-        return serve_fake(int(argv[1]) if len(argv) > 1 else 0)
+        return serve_fake(int(argv[1]) if len(argv) > 1 else 0, float(argv[2]) if len(argv) > 2 else 0.0)
     args = parse_args(argv)
     if not Path(args.server).is_file():
         print(f"bench: {args.server} does not exist", file=sys.stderr)
@@ -1195,7 +1680,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = Bench(args)
     error = None
     try:
-        bench.run()
+        if args.scale:
+            bench.run_scale()
+        else:
+            bench.run()
     except (RuntimeError, RpcError, OSError) as exc:
         error = f"{type(exc).__name__}: {exc}"
         log(f"failed: {error}")
@@ -1207,7 +1695,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hasattr(os, "getloadavg"):
         machine["loadavg_at_end"] = list(os.getloadavg())
     results = {
-        "format": 1, "quick": args.quick, "sizes_chunks": bench.sizes, "duration_s": round(duration, 1),
+        "format": 1, "quick": args.quick, "scale": args.scale, "sizes_chunks": bench.sizes, "duration_s": round(duration, 1),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine, "error": error,
         "config": {"chunks_per_file": CHUNKS_PER_FILE, "superseded_share": 1 / SUPERSEDED_EVERY, "dims": DIMS,
                    "model": MODEL, "protocol_version": PROTOCOL_VERSION, "n_results": bench.n_results,
@@ -1216,10 +1704,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "details": bench.details,
     }
     Path(args.out).write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
-    print(f"local-rag-mcp benchmark ({'quick: 1k chunks' if args.quick else 'full'}), {duration:.0f} s")
+    mode = "scale" if args.scale else "quick: 1k chunks" if args.quick else "full"
+    print(f"local-rag-mcp benchmark ({mode}), {duration:.0f} s")
     print()
     print(machine_line(machine))
     print()
+    if args.scale:
+        return print_scale(bench.details.get("scale") or {}, args.out, error)
     print(markdown_table(figures))
     noted = [f for f in figures if f.note and (f.passed is not None or f.id.startswith(("search.", "memory.")))]
     if noted:
