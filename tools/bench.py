@@ -25,6 +25,10 @@ What it runs, all on 127.0.0.1:
   busy time is reported next to every ingest figure);
 - the real `python server.py` over stdio, spoken to with raw JSON-RPC lines (one request, wait
   for its response), and a bare MCPServer hello-world spawned and timed the same way;
+- `python server.py --http` (issue 12), searched through the bridge (POST /mcp/call, httpx) and
+  through MCP streamable HTTP (/mcp, the SDK's Client), its /health, 8 clients at once against a
+  second fake that takes 20 ms per text on 8 calls at a time, and a bare Starlette endpoint on the
+  same uvicorn setup for the limit; `python server.py search --json`, a fresh process per search;
 - raw Chroma (`PersistentClient` on the same index folder, in this process) for the limits.
 """
 
@@ -72,6 +76,11 @@ WATCH_QUIET_S = 0.3
 WATCH_FIND_TIMEOUT_S = 30.0
 # Issue 14: files for the scope and reuse figures (the synthetic documents from this index up).
 EXTRA_DOCS_FROM = 500_000
+# Issue 12: concurrent clients of the HTTP throughput figure. Their embedder takes
+# SLOW_EMBED_PER_TEXT_S per text and works on this many calls at a time, so the embedding waits of
+# the clients can overlap (a GPU embedding server, or Ollamas behind a proxy: one Ollama runs one
+# call at a time per embedding model, whatever OLLAMA_NUM_PARALLEL says).
+HTTP_CLIENTS = 8
 
 
 def log(message: str) -> None:
@@ -369,11 +378,12 @@ class FastVectors:
         return self.np.stack([self.vector(t) for t in texts]) if texts else self.np.zeros((0, self.dims))
 
 
-def serve_fake(port: int, delay_per_text_s: float = 0.0) -> int:
-    """`bench.py --serve-fake [PORT [SECONDS_PER_TEXT]]`: FakeOllama with numpy vectors and orjson
-    bodies, plus busy-time stats and the size of every embed call. With SECONDS_PER_TEXT it is a
-    slow CPU embedder (tests/fake_ollama.py's delay_per_text_seconds: time proportional to the
-    texts, one call at a time, the work dropped when the client disconnects)."""
+def serve_fake(port: int, delay_per_text_s: float = 0.0, slots: int = 1) -> int:
+    """`bench.py --serve-fake [PORT [SECONDS_PER_TEXT [SLOTS]]]`: FakeOllama with numpy vectors and
+    orjson bodies, plus busy-time stats and the size of every embed call. With SECONDS_PER_TEXT it is
+    a slow CPU embedder (tests/fake_ollama.py's delay_per_text_seconds: time proportional to the
+    texts, one call at a time, the work dropped when the client disconnects); with SLOTS, that many
+    calls at a time."""
     sys.path.insert(0, str(TESTS_DIR))
     import fake_ollama
 
@@ -442,18 +452,21 @@ def serve_fake(port: int, delay_per_text_s: float = 0.0) -> int:
     fake_ollama._Handler._dispatch = dispatch  # this process only
     fake = BenchFake(models=(MODEL,), dims=DIMS, port=port)
     fake.delay_per_text_seconds = delay_per_text_s
+    fake._runner = threading.BoundedSemaphore(slots)  # the fake's single runner, as SLOTS runners
     fake._record = lambda *a, **k: None  # no per-request record: 100k chunks would pile up in memory
     return fake_ollama.serve_until_signalled(fake)
 
 
 class FakeProcess:
     """The benchmark's fake Ollama in its own process (so its work does not share this process's
-    GIL); `delay_per_text_s` makes it a slow embedder."""
+    GIL); `delay_per_text_s` makes it a slow embedder, `slots` the calls it works on at a time."""
 
-    def __init__(self, python: str, workdir: Path, delay_per_text_s: float = 0.0, tag: str = "fake") -> None:
+    def __init__(self, python: str, workdir: Path, delay_per_text_s: float = 0.0, tag: str = "fake",
+                 slots: int = 1) -> None:
         self.python = python
         self.workdir = workdir
         self.delay_per_text_s = delay_per_text_s
+        self.slots = slots
         self.tag = tag
         self.proc: subprocess.Popen[str] | None = None
         self.host = ""
@@ -461,7 +474,7 @@ class FakeProcess:
     def __enter__(self) -> FakeProcess:
         stderr = self.workdir / f"{self.tag}.stderr"
         self.proc = subprocess.Popen([self.python, str(Path(__file__).resolve()), "--serve-fake", "0",
-                                      str(self.delay_per_text_s)],
+                                      str(self.delay_per_text_s), str(self.slots)],
                                      stdout=subprocess.PIPE, stderr=open(stderr, "w"), text=True)
         line = _readline_with_timeout(self.proc.stdout, 30.0)
         if not line or not line.startswith("FAKE_OLLAMA_READY "):
@@ -772,6 +785,164 @@ def tool_payload(result: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------
+# HTTP: `server.py --http` and a bare Starlette endpoint, each in its own process, timed at the client.
+
+BARE_HTTP_SERVER = '''\
+"""Bare Starlette JSON endpoint on uvicorn, set up as server.py --http sets up its own (a bound
+loopback socket, the same uvicorn.Config): the limit for HTTP round trips."""
+import socket
+import sys
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+
+async def call(request):
+    await request.json()
+    return JSONResponse({"success": True, "result": {"results": []}})
+
+
+app = Starlette(routes=[Route("/bare", call, methods=["POST"])])
+sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+sock.bind(("127.0.0.1", 0))
+sock.listen(2048)
+print(f"bare listening on http://127.0.0.1:{sock.getsockname()[1]}/bare", file=sys.stderr, flush=True)
+uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                              timeout_graceful_shutdown=5)).run(sockets=[sock])
+'''
+_LISTENING = re.compile(r"listening on (http://127\.0\.0\.1:\d+)/")
+
+
+class HttpPeer:
+    """A spawned HTTP server: ready once its stderr says `listening on http://127.0.0.1:PORT/...`
+    (both servers log it when the socket already accepts), stopped with SIGTERM."""
+
+    def __init__(self, argv: Sequence[str], env: dict[str, str], stderr_path: Path, cwd: Path) -> None:
+        self.stderr_path = stderr_path
+        self.stderr_file = open(stderr_path, "wb")
+        self.proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=self.stderr_file, env=env, cwd=cwd)
+        try:
+            self.url = self._listening()
+        except RuntimeError:
+            self.close()
+            raise
+
+    def _listening(self) -> str:
+        deadline = time.perf_counter() + SPAWN_TIMEOUT_S
+        while time.perf_counter() < deadline:
+            found = _LISTENING.search(self.stderr_path.read_text(encoding="utf-8", errors="replace"))
+            if found:
+                return found.group(1)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.proc.args} exited {self.proc.returncode} before listening "
+                                   f"(see {self.stderr_path})")
+            time.sleep(0.02)
+        raise RuntimeError(f"{self.proc.args} did not listen within {SPAWN_TIMEOUT_S:.0f} s (see {self.stderr_path})")
+
+    def close(self) -> None:
+        """SIGTERM; proc.returncode is then its exit status (-9: killed after 10 s without exiting)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.stderr_file.close()
+
+    def __enter__(self) -> HttpPeer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def bridge_call(query: str) -> dict[str, Any]:
+    """The body of a search through the bridge (POST /mcp/call); the bare endpoint gets the same."""
+    return {"server": "local-rag", "toolName": "search_corpus", "input": {"query": query}}
+
+
+def timed_requests(http: Any, method: str, url: str, bodies: Sequence[dict[str, Any] | None]) -> list[float]:
+    """Seconds of each request of an httpx.Client, one at a time, the JSON answer parsed (as the
+    stdio timings parse theirs); RuntimeError unless each answers 200 with a JSON object and, for
+    a body sent, `"success": true`."""
+    import httpx
+
+    samples = []
+    for body in bodies:
+        started = time.perf_counter()
+        try:
+            response = http.request(method, url, json=body)
+        except httpx.HTTPError as exc:
+            raise RuntimeError(f"{method} {url} failed: {exc!r}") from exc
+        try:
+            payload = response.json()
+        except ValueError:
+            payload = None
+        samples.append(time.perf_counter() - started)
+        if (response.status_code != 200 or not isinstance(payload, dict)
+                or (body is not None and payload.get("success") is not True)):
+            raise RuntimeError(f"{method} {url} answered {response.status_code}: {response.text[:300]}")
+    return samples
+
+
+def search_rate(url: str, per_client: Sequence[Sequence[str]]) -> float:
+    """Searches per second through POST /mcp/call: one thread per list of queries, each with its own
+    httpx.Client (connected beforehand with GET /health), all released together; the wall time runs
+    until the last one is done."""
+    import httpx
+
+    barrier = threading.Barrier(len(per_client) + 1)
+    errors: list[BaseException] = []
+
+    def client(queries: Sequence[str]) -> None:
+        try:
+            with httpx.Client(timeout=RPC_TIMEOUT_S) as http:
+                timed_requests(http, "GET", f"{url}/health", [None])
+                barrier.wait()
+                timed_requests(http, "POST", f"{url}/mcp/call", [bridge_call(q) for q in queries])
+        except (RuntimeError, threading.BrokenBarrierError) as exc:
+            errors.append(exc)
+            barrier.abort()  # a client that cannot start must not leave the others waiting
+
+    threads = [threading.Thread(target=client, args=(queries,), daemon=True) for queries in per_client]
+    for thread in threads:
+        thread.start()
+    with contextlib.suppress(threading.BrokenBarrierError):  # a client failed: raised below
+        barrier.wait(timeout=SPAWN_TIMEOUT_S)
+    started = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - started
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(per_client)} clients failed, e.g. {errors[0]}")
+    return sum(len(queries) for queries in per_client) / seconds
+
+
+async def mcp_search_samples(url: str, queries: Sequence[str]) -> list[float]:
+    """Seconds of each search_corpus call through the MCP SDK's Client over streamable HTTP (one
+    session, one call at a time)."""
+    from mcp import Client
+
+    samples = []
+    try:
+        async with Client(url) as client:
+            for query in queries:
+                started = time.perf_counter()
+                result = await client.call_tool("search_corpus", {"query": query})
+                samples.append(time.perf_counter() - started)
+                if result.is_error:
+                    raise RuntimeError(f"search_corpus over /mcp failed: {result.content}")
+    except Exception as exc:  # noqa: BLE001 - the SDK's errors (and task-group wrappers) as the bench's own
+        raise RuntimeError(f"MCP over {url}: {exc!r}") from exc
+    return samples
+
+
+# ---------------------------------------------------------------------------
 # Statistics and figures.
 
 
@@ -930,11 +1101,15 @@ class Bench:
         self.fake: FakeProcess | None = None
         self.hello = self.work / "hello_server.py"
         self.hello.write_text(HELLO_SERVER, encoding="utf-8")
+        self.bare_http = self.work / "bare_http_server.py"
+        self.bare_http.write_text(BARE_HTTP_SERVER, encoding="utf-8")
         sizes = args.scale_sizes if args.scale else args.sizes
         self.sizes = [1000] if self.quick else [int(s) for s in sizes.split(",")]
         self.reps = {"handshake": 5, "cold": 1 if self.quick else 3, "roundtrip": 100 if self.quick else 300,
                      "warmup": 5 if self.quick else 10, "hybrid": 40 if self.quick else 120,
-                     "other_modes": 30 if self.quick else 60, "raw": 100 if self.quick else 300}
+                     "other_modes": 30 if self.quick else 60, "raw": 100 if self.quick else 300,
+                     "http_single": 40 if self.quick else 80, "http_each": 10 if self.quick else 20,
+                     "cli": 3 if self.quick else 5}
         self.vectors = FastVectors(DIMS)
         self.n_results = server_channel_candidates(self.server)
         self.stores: dict[int, Path] = {}
@@ -948,9 +1123,10 @@ class Bench:
         extra = f" (limit {_fmt(figure.limit, figure.unit)}, {figure.ratio:.2f}x)" if figure.ratio is not None else ""
         log(f"{figure.figure}: {value}{extra}")
 
-    def server_env(self, corpus: Path, store: Path, chroma_url: str | None = None) -> dict[str, str]:
+    def server_env(self, corpus: Path, store: Path, chroma_url: str | None = None,
+                   fake: FakeProcess | None = None) -> dict[str, str]:
         env = {**os.environ, "RAG_STORE_DIR": str(store), "RAG_CORPUS_DIR": str(corpus),
-               "OLLAMA_HOST": self.fake.host, "ANONYMIZED_TELEMETRY": "False", "PYTHONUNBUFFERED": "1"}
+               "OLLAMA_HOST": (fake or self.fake).host, "ANONYMIZED_TELEMETRY": "False", "PYTHONUNBUFFERED": "1"}
         for name in ("RAG_EMBED_MODEL", "RAG_EMBED_TIMEOUT", "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS",
                      "RAG_SERVER_WARMUP", "RAG_LOG_LEVEL", "RAG_CHROMA_URL"):
             env.pop(name, None)
@@ -962,6 +1138,22 @@ class Bench:
                      chroma_url: str | None = None) -> StdioPeer:
         env = self.server_env(corpus or self.corpora[size], store or self.stores[size], chroma_url)
         return StdioPeer([self.python, str(self.server)], env, self.work / f"server-{tag}.stderr", cwd=self.work)
+
+    def spawn_http(self, size: int, tag: str, fake: FakeProcess | None = None) -> HttpPeer:
+        env = self.server_env(self.corpora[size], self.stores[size], fake=fake)
+        for name in ("RAG_HTTP_HOST", "RAG_HTTP_TOKEN", "RAG_HTTP_MAX_IN_FLIGHT", "RAG_TOOL_TIMEOUT"):
+            env.pop(name, None)
+        return HttpPeer([self.python, str(self.server), "--http", "--port", "0"], env,
+                        self.work / f"server-{tag}.stderr", cwd=self.work)
+
+    def spawn_bare_http(self) -> HttpPeer:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAG_")}
+        return HttpPeer([self.python, str(self.bare_http)], env, self.work / "bare-http.stderr", cwd=self.work)
+
+    def reference_size(self) -> int:
+        """The size of the figures measured at one size: 10k chunks, where the issues set their
+        goals, when it is built (else the first size, 1k with --quick)."""
+        return 10000 if 10000 in self.sizes else self.sizes[0]
 
     def ingest_once(self, corpus: Path, store: Path, **options: Any) -> IngestRun:
         options.setdefault("timeout_s", self.args.ingest_timeout)
@@ -1016,7 +1208,7 @@ class Bench:
 
     # 4. ingest throughput vs batched Chroma upserts --------------------------------------------------
     def throughput(self) -> None:
-        size = 10000 if 10000 in self.sizes else self.sizes[0]
+        size = self.reference_size()
         detail = self.details["ingest"][size_label(size)]
         chunks, seconds = detail["chunks_written"], detail["run_s"]
         limit = self.upsert_limit(self.stores[size], self.work / f"limit-upserts-{size_label(size)}")
@@ -1257,11 +1449,121 @@ class Bench:
                             "(VmHWM)", value if value is not None else math.nan, "MB", "report", size=size,
                             note=f"after {count} searches: {_fmt(hwm_end, 'MB')}"))
 
+    # 12. the HTTP doors and the CLI (issue 12) ---------------------------------------------------
+    def http_doors(self, size: int, raw: dict[str, float]) -> None:
+        exits = [self.http_searches(size, raw), self.http_throughput(size)]
+        failed = next((status for status in exits if status != 0), 0)
+        self.details["http"]["sigterm_exits"] = exits
+        self.add(Figure("http.sigterm_exit", f"HTTP servers stopped with SIGTERM: exit status ({len(exits)} servers)",
+                        float(failed), "exit", "exit 0", passed=failed == 0))
+        self.cli_search(size)
+
+    def http_searches(self, size: int, raw: dict[str, float]) -> int:
+        """Search p50 through the bridge (POST /mcp/call, httpx) and through MCP streamable HTTP
+        (/mcp, the SDK's Client, one session) on one `server.py --http`, against a bare Starlette
+        endpoint on the same uvicorn setup plus this run's raw Chroma query; then /health p50 on the
+        same server. Returns the server's exit status after SIGTERM."""
+        import anyio
+        import httpx
+
+        label = size_label(size)
+        n_w, n = self.reps["warmup"], self.reps["hybrid"]
+        queries = synthetic_queries(2 * (n_w + n), f"http-{label}")
+        bridge_queries, mcp_queries = queries[:n_w + n], queries[n_w + n:]
+        log(f"searching the {label} index over HTTP ...")
+        with self.spawn_bare_http() as bare, httpx.Client(timeout=RPC_TIMEOUT_S) as http:
+            body = [bridge_call(queries[0])]
+            timed_requests(http, "POST", f"{bare.url}/bare", body * n_w)
+            bare_s = timed_requests(http, "POST", f"{bare.url}/bare", body * self.reps["roundtrip"])
+        with self.spawn_http(size, f"http-{label}") as server, httpx.Client(timeout=RPC_TIMEOUT_S) as http:
+            bridge_s = timed_requests(http, "POST", f"{server.url}/mcp/call", [bridge_call(q) for q in bridge_queries])
+            mcp_s = anyio.run(mcp_search_samples, f"{server.url}/mcp", mcp_queries)
+            health_s = timed_requests(http, "GET", f"{server.url}/health", [None] * self.reps["roundtrip"])
+        # The first searches of each door pay the warm-up (imports, the store opened, a session).
+        stats = {"bridge": summarize_ms(bridge_s[n_w:]), "mcp": summarize_ms(mcp_s[n_w:]),
+                 "bare": summarize_ms(bare_s), "health": summarize_ms(health_s)}
+        limit = stats["bare"]["p50_ms"] + raw["p50_ms"]
+        self.details["http"] = {"size": size, **stats, "raw_chroma_query": raw, "limit_p50_ms": limit}
+        self.add(Figure("http.bare_roundtrip_p50_ms", "Bare Starlette JSON endpoint on uvicorn: POST round trip (p50)",
+                        stats["bare"]["p50_ms"], "ms", "report (part of the HTTP search limit)"))
+        limit_what = (f"bare Starlette endpoint round trip p50 {stats['bare']['p50_ms']:.2f} ms + raw unfiltered "
+                      f"Chroma query (n_results={self.n_results}) p50 {raw['p50_ms']:.2f} ms")
+        for door, what in (("bridge", "POST /mcp/call"), ("mcp", "MCP streamable HTTP /mcp")):
+            p50 = stats[door]["p50_ms"]
+            self.add(Figure(f"http.{door}.p50_ms@{label}", f"search_corpus hybrid p50 over {what}, {label} chunks",
+                            p50, "ms", "<= 3x", limit=limit, limit_what=limit_what, ratio=p50 / limit,
+                            passed=p50 / limit <= 3.0, size=size, note=f"p95 {stats[door]['p95_ms']:.2f} ms"))
+        health = stats["health"]["p50_ms"]
+        self.add(Figure("http.health_p50_ms", "GET /health p50", health, "ms", "<= 5 ms (absolute)",
+                        passed=health <= 5.0, note=f"p95 {stats['health']['p95_ms']:.2f} ms"))
+        return server.proc.returncode
+
+    def http_throughput(self, size: int) -> int:
+        """Searches per second through POST /mcp/call: HTTP_CLIENTS clients at once against one
+        alone, on a `server.py --http` whose embedder takes SLOW_EMBED_PER_TEXT_S per text and works
+        on HTTP_CLIENTS calls at a time. Every query is distinct (the server's query cache does not
+        answer), so each search waits for the embedder, and those waits can overlap. Returns the
+        server's exit status after SIGTERM."""
+        label = size_label(size)
+        n_w, single, each = self.reps["warmup"], self.reps["http_single"], self.reps["http_each"]
+        queries = synthetic_queries(n_w + single + HTTP_CLIENTS * each, f"http-rate-{label}")
+        per_client = [queries[n_w + single + i * each:n_w + single + (i + 1) * each] for i in range(HTTP_CLIENTS)]
+        per_text_ms = SLOW_EMBED_PER_TEXT_S * 1000
+        log(f"searching the {label} index over HTTP with {HTTP_CLIENTS} clients at once ({per_text_ms:.0f} ms per "
+            "text embedder) ...")
+        with FakeProcess(self.python, self.work, delay_per_text_s=SLOW_EMBED_PER_TEXT_S, tag="fake-parallel",
+                         slots=HTTP_CLIENTS) as embedder, \
+                self.spawn_http(size, f"http-rate-{label}", fake=embedder) as server:
+            search_rate(server.url, [queries[:n_w]])  # the warm-up: imports, the store opened
+            alone = search_rate(server.url, [queries[n_w:n_w + single]])
+            together = search_rate(server.url, per_client)
+            embedded = embedder.stats()["inputs"]
+        ratio = together / alone
+        # A search that did not wait for the embedder (answered from keywords alone) would inflate the rate.
+        all_embedded = embedded >= len(queries)
+        self.details["http"]["throughput"] = {"clients": HTTP_CLIENTS, "embed_per_text_s": SLOW_EMBED_PER_TEXT_S,
+                                              "embed_slots": HTTP_CLIENTS, "single_searches": single,
+                                              "searches_per_client": each, "single_per_s": alone,
+                                              "concurrent_per_s": together, "searches": len(queries),
+                                              "texts_embedded": embedded}
+        self.add(Figure(f"http.throughput@{label}", f"Searches/s, {HTTP_CLIENTS} concurrent HTTP clients (POST "
+                        f"/mcp/call; embedder {per_text_ms:.0f} ms per text, {HTTP_CLIENTS} calls at a time), {label} "
+                        "chunks", together, "searches/s", ">= 2x", limit=alone,
+                        limit_what="one client, one search at a time, same server and embedder", ratio=ratio,
+                        passed=ratio >= 2.0 and all_embedded, size=size,
+                        note=f"{HTTP_CLIENTS} x {each} searches; one client: {single} searches; the embedder embedded "
+                             f"{embedded} texts for {len(queries)} searches (warm-up included)"))
+        return server.proc.returncode
+
+    def cli_search(self, size: int) -> None:
+        """`python server.py search QUERY --json` in a fresh process each time (imports, the store
+        opened, one search, the store let go): the process wall a shell or a CI script waits for."""
+        label = size_label(size)
+        env = self.server_env(self.corpora[size], self.stores[size])
+        walls = []
+        for query in synthetic_queries(self.reps["cli"], f"cli-{label}"):
+            started = time.perf_counter()
+            done = subprocess.run([self.python, str(self.server), "search", query, "--json"], env=env,
+                                  cwd=self.work, capture_output=True, text=True, timeout=RPC_TIMEOUT_S)
+            walls.append(time.perf_counter() - started)
+            try:
+                results = json.loads(done.stdout).get("results")
+            except (ValueError, AttributeError):
+                results = None
+            if done.returncode != 0 or not results:
+                raise RuntimeError(f"`server.py search` exited {done.returncode} with {len(results or [])} results: "
+                                   f"{done.stderr[-500:]}")
+        value = statistics.median(walls)
+        self.details["cli"] = {"size": size, "walls_s": walls}
+        self.add(Figure(f"cli.search_cold_s@{label}", f"CLI `server.py search --json`, fresh process, {label} chunks: "
+                        f"wall (median of {len(walls)})", value, "s", "<= 2.5 s (absolute)", passed=value <= 2.5,
+                        size=size))
+
     # 7. the vectors on a Chroma server (--chroma-url) -------------------------------------------------
     def chroma_server(self, queries: Sequence[str]) -> None:
         """The same corpus ingested into a Chroma server, and searched through it: ingest throughput
         and search p50 next to the embedded store's figures from this run."""
-        size = 10000 if 10000 in self.sizes else self.sizes[0]
+        size = self.reference_size()
         label = size_label(size)
         store = self.work / f"store-server-{label}"
         shutil.rmtree(store, ignore_errors=True)
@@ -1605,7 +1907,9 @@ class Bench:
                 raw = self.raw_queries(size, queries["raw"])
                 self.cold_search(size, queries["cold"])
                 self.warm_searches(size, queries, raw)
-                if self.args.chroma_url and size == (10000 if 10000 in self.sizes else self.sizes[0]):
+                if size == self.reference_size():
+                    self.http_doors(size, raw)
+                if self.args.chroma_url and size == self.reference_size():
                     self.chroma_server(queries["warm-hybrid"] + queries["hybrid"])
             self.reuse()
             self.watch_latency()
@@ -1615,8 +1919,8 @@ class Bench:
 
 
 def order_figures(figures: Sequence[Figure]) -> list[Figure]:
-    order = ["handshake", "stdio", "cold", "search", "ingest", "reingest", "reuse", "watch", "slow", "chroma_server",
-             "memory"]
+    order = ["handshake", "stdio", "cold", "search", "http", "cli", "ingest", "reingest", "reuse", "watch", "slow",
+             "chroma_server", "memory"]
     return sorted(figures, key=lambda f: (order.index(f.id.split(".")[0]) if f.id.split(".")[0] in order else 99,
                                           f.size or 0))
 
@@ -1664,7 +1968,8 @@ def print_scale(scale: dict[str, Any], out: str, error: str | None) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--serve-fake"]:
-        return serve_fake(int(argv[1]) if len(argv) > 1 else 0, float(argv[2]) if len(argv) > 2 else 0.0)
+        return serve_fake(int(argv[1]) if len(argv) > 1 else 0, float(argv[2]) if len(argv) > 2 else 0.0,
+                          int(argv[3]) if len(argv) > 3 else 1)
     args = parse_args(argv)
     if not Path(args.server).is_file():
         print(f"bench: {args.server} does not exist", file=sys.stderr)
