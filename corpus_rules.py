@@ -22,6 +22,7 @@ import re
 import secrets
 import shutil
 import stat
+import statistics
 import threading
 import time
 import unicodedata
@@ -1033,10 +1034,94 @@ def query_terms(query: str) -> list[str]:
     return list(dict.fromkeys(keyword_terms(query)))[:QUERY_TERMS_MAX]
 
 
+def fts_all(terms: Sequence[str]) -> str | None:
+    """An FTS5 MATCH expression for "every one of these terms", quoted like fts_any."""
+    return " AND ".join('"' + term.replace('"', '""') + '"' for term in terms) or None
+
+
 def fts_any(terms: Sequence[str]) -> str | None:
     """An FTS5 MATCH expression that can only mean "any of these terms": every term is quoted, so
     user text is never FTS5 syntax (quotes, *, NEAR, -, column filters). None for no terms."""
     return " OR ".join('"' + term.replace('"', '""') + '"' for term in terms) or None
+
+
+# Identifier-like query tokens: what a user types when they mean one exact thing. Each is checked
+# as a whole keyword term (identifier_term), so `OLLAMA_KEEP_ALIVE` is not "found" through a
+# passage that only says "keep alive".
+_BACKTICKED = re.compile(r"`([^`\n]{2,100})`")
+_QUERY_TOKEN = re.compile(r"[^\s,;()\[\]{}<>\"'`!?、。，．（）「」『』]+")
+_IDENTIFIER_SHAPES = (
+    re.compile(r"--?[A-Za-z][\w-]*"),  # --flags
+    re.compile(r"/[\w.{}:-]+(?:/[\w.{}:-]*)*"),  # /api/paths, /slash-commands
+    re.compile(r"[A-Za-z][A-Za-z0-9]*(?:_[A-Za-z0-9]+)+"),  # UPPER_SNAKE, snake_case
+    re.compile(r"[a-z]+[0-9]*[A-Z][A-Za-z0-9]*"),  # camelCase
+    re.compile(r"[A-Z][a-z0-9]+[A-Z][A-Za-z0-9]*"),  # PascalCase with two humps or more (ReplicaSet)
+    re.compile(r"[A-Za-z_$][\w$-]*(?:\.[A-Za-z_$][\w$-]*)+"),  # dotted.names, file.ext
+    re.compile(r"[A-Z]{1,5}\d{2,}"),  # error codes: E1234, HTTP404
+    re.compile(r"E[A-Z]{3,}"),  # errno names: ENOSPC, EACCES
+    re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)+"),  # kebab-case, kept below only when unmistakable
+)
+_KEBAB = _IDENTIFIER_SHAPES[-1]
+IDENTIFIERS_MAX = 8
+
+
+def _looks_like_identifier(token: str) -> bool:
+    if not any(shape.fullmatch(token) for shape in _IDENTIFIER_SHAPES):
+        return False
+    if _KEBAB.fullmatch(token):
+        # Hyphenated English (on-call, read-only) is not an identifier; v-model and sev-1 are.
+        return any(len(part) == 1 or any(ch.isdigit() for ch in part) for part in token.split("-"))
+    if "." in token and not token.startswith("/"):
+        # e.g. and i.e. are not dotted names.
+        return any(len(part) > 1 for part in token.split("."))
+    return True
+
+
+def query_identifiers(query: str) -> list[str]:
+    """The identifier-like tokens of a query, as typed, in order, at most IDENTIFIERS_MAX: a
+    single token in backticks, and tokens shaped like UPPER_SNAKE, snake_case, camelCase, PascalCase,
+    dotted.names, /api/paths, --flags, error codes (E1234, ENOSPC) or kebab-case with a digit or
+    a one-letter part (v-model, sev-1)."""
+    text = nfc(query)
+    found: list[str] = []
+    for span in _BACKTICKED.findall(text):
+        tokens = span.split()
+        # `pyproject.toml` is an identifier whatever its shape; in `uv run --frozen` only --frozen is.
+        found.extend(tokens if len(tokens) == 1 and len(span) > 1 else
+                     [t for t in tokens if _looks_like_identifier(t)])
+    for token in _QUERY_TOKEN.findall(_BACKTICKED.sub(" ", text)):
+        token = token.rstrip(".:")
+        if _looks_like_identifier(token):
+            found.append(token)
+    unique: dict[str, str] = {}
+    for token in found:
+        term = identifier_term(token)
+        if term and term not in unique:
+            unique[term] = token
+    return list(unique.values())[:IDENTIFIERS_MAX]
+
+
+def identifier_term(identifier: str) -> str | None:
+    """The keyword term an identifier is indexed under as a whole (the first term
+    keyword_terms gives it): `OLLAMA_KEEP_ALIVE` -> ollama_keep_alive, `--frozen` -> frozen."""
+    terms = keyword_terms(identifier)
+    return terms[0] if terms and not _CJK_RUN.match(terms[0]) else None
+
+
+def cjk_share(text: str) -> float:
+    """The share of CJK characters among the letters of a text (0.0 for none), how a document's
+    or a query's language is told apart: Japanese or Chinese text is mostly CJK, English none."""
+    if len(text) > CJK_SAMPLE_CHARS:  # a language share needs no more than a spread-out sample
+        step = len(text) // 4
+        text = "".join(text[i * step:i * step + CJK_SAMPLE_CHARS // 4] for i in range(4))
+    letters = len(_LETTER.findall(text))
+    return len(_CJK_CHAR.findall(text)) / letters if letters else 0.0
+
+
+_LETTER = re.compile(r"[^\W\d_]")
+_CJK_CHAR = re.compile(f"[{_CJK_CHARS}]")
+CJK_SAMPLE_CHARS = 1 << 16
+CJK_DOCUMENT = 0.3  # a document whose letters are at least this share CJK counts as Japanese/CJK
 
 
 # ---------------------------------------------------------------------------
@@ -1065,11 +1150,13 @@ KEYWORD_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 -- disk_path: the path relative to the corpus as the file system spells it (may be NFD);
 -- real_path: its resolved absolute path at ingest. get_file re-resolves disk_path and insists on
--- real_path, which is how a file swapped for a symlink after ingest is caught.
+-- real_path, which is how a file swapped for a symlink after ingest is caught. cjk_share: of the
+-- body's letters (NULL only in stores written before it existed, until ingest fills it).
 CREATE TABLE IF NOT EXISTS documents(
     path TEXT PRIMARY KEY, title TEXT NOT NULL, lifecycle TEXT NOT NULL, chunk_mode TEXT NOT NULL,
     content_hash TEXT NOT NULL, size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL,
-    disk_path TEXT NOT NULL, real_path TEXT NOT NULL, line_count INTEGER NOT NULL, chunk_count INTEGER NOT NULL);
+    disk_path TEXT NOT NULL, real_path TEXT NOT NULL, line_count INTEGER NOT NULL, chunk_count INTEGER NOT NULL,
+    cjk_share REAL);
 -- embed_key: embed_key() of the exact text embedded for the chunk (ingest reuses its vector for any
 -- chunk with the same key); NULL only in stores written before it existed, until ingest fills it.
 CREATE TABLE IF NOT EXISTS chunks(
@@ -1123,6 +1210,143 @@ class ChunkRow:
 CHUNK_COLUMNS = ("c.id, c.path, c.chunk_index, c.start_line, c.end_line, c.heading, c.lifecycle, c.text, "
                  "coalesce(d.title, c.path)")
 CHUNK_SELECT = f"SELECT {CHUNK_COLUMNS} FROM chunks c LEFT JOIN documents d ON d.path = c.path"
+
+
+# What ingest measures about the corpus for the server, kept in the keyword index's `meta` table
+# (written in the same transaction as the stamp, so a server never sees one without the other).
+META_CORPUS_FACTS = "corpus_facts"
+META_CALIBRATION = "calibration"
+META_CALIBRATED_AT = "calibrated_at_chunks"  # the active chunk count at the last calibration attempt
+FACTS_FOLDERS_MAX = 8
+
+
+@dataclass(frozen=True)
+class CorpusFacts:
+    """What an agent should know before it phrases a search: how many documents, in which
+    languages (a document is Japanese/CJK when at least CJK_DOCUMENT of its letters are), and the
+    biggest top-level folders."""
+
+    documents: int
+    superseded: int
+    cjk_documents: int
+    folders: tuple[tuple[str, int], ...]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str) -> CorpusFacts:
+        data = json.loads(raw)
+        return cls(documents=int(data["documents"]), superseded=int(data["superseded"]),
+                   cjk_documents=int(data["cjk_documents"]),
+                   folders=tuple((str(name), int(count)) for name, count in data["folders"]))
+
+
+def corpus_facts(rows: Iterable[tuple[str, str, float | None]]) -> CorpusFacts:
+    """Facts from (path, lifecycle, cjk_share) of every document."""
+    documents = superseded = cjk = 0
+    folders: dict[str, int] = {}
+    for path, lifecycle, share in rows:
+        documents += 1
+        superseded += lifecycle == "superseded"
+        cjk += (share or 0.0) >= CJK_DOCUMENT
+        top = path.split("/", 1)[0] + "/" if "/" in path else "(top level)"
+        folders[top] = folders.get(top, 0) + 1
+    biggest = sorted(folders.items(), key=lambda item: (-item[1], item[0]))[:FACTS_FOLDERS_MAX]
+    return CorpusFacts(documents, superseded, cjk, tuple(biggest))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How far a passage that answers a query stands out from the crowd of near misses in this
+    corpus, measured at ingest with the corpus's own headings as queries. A query's *margin* is
+    its best passage's similarity minus the mean similarity of the next ones (up to
+    MARGIN_CROWD): `related` is the median margin of each heading's best passage in its own
+    document, `unrelated` the median margin of its best passage among the other documents only
+    (an on-topic question the documents do not answer). Raw cosine scores mean little across
+    embedders and query lengths (one embedder puts everything at 0.85-0.90, a long question scores
+    lower than a short heading); how far the best stands out from the crowd does."""
+
+    unrelated: float
+    related: float
+    queries: int
+    chunks: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str) -> Calibration:
+        data = json.loads(raw)
+        values = (float(data["unrelated"]), float(data["related"]))
+        if not all(math.isfinite(v) for v in values):
+            raise ValueError("calibration values must be finite")
+        return cls(*values, queries=int(data["queries"]), chunks=int(data["chunks"]))
+
+    def position(self, margin: float) -> float:
+        """Where a margin sits on this scale: 0 at unrelated, 1 at related, beyond them outside."""
+        span = max(self.related - self.unrelated, 1e-6)
+        return (margin - self.unrelated) / span
+
+
+MARGIN_CROWD = 20  # a margin compares the best similarity with the mean of the next ones, up to this rank
+
+
+def margin(similarities: Sequence[float], best: float | None = None) -> float | None:
+    """How far `best` (default: the best of the similarities) stands out from the crowd: minus
+    the mean of ranks 2..MARGIN_CROWD of the similarities. None for fewer than three."""
+    ranked = sorted(similarities, reverse=True)[:MARGIN_CROWD]
+    if len(ranked) < 3:
+        return None
+    return (ranked[0] if best is None else best) - statistics.fmean(ranked[1:])
+
+
+CALIBRATION_QUERIES = 48  # headings embedded as queries at ingest (one batched call)
+CALIBRATION_MIN_QUERIES = 4
+CALIBRATION_NEIGHBOURS = 2 * MARGIN_CROWD
+CALIBRATION_DRIFT = 0.2  # recalibrate when the active chunk count moved by more than this share
+CALIBRATION_PER_DOCUMENT = 3
+
+
+def calibration_queries(rows: Iterable[tuple[str, str, str]], limit: int = CALIBRATION_QUERIES) -> list[tuple[str, str]]:
+    """(path, query) pairs from (chunk id, path, heading path) rows: the last heading of a chunk,
+    at most CALIBRATION_PER_DOCUMENT per document and `limit` in all, in the order of a hash of
+    the chunk id (ids are content-addressed: the same corpus gives the same sample, spread over
+    its documents). Headings too short to be a question, and repeats, are skipped."""
+    picked: list[tuple[str, str]] = []
+    per_document: dict[str, int] = {}
+    seen: set[str] = set()
+    for _chunk, path, heading in sorted(rows, key=lambda row: hashlib.sha256(row[0].encode()).digest()):
+        last = heading.rsplit(" > ", 1)[-1].strip()
+        if per_document.get(path, 0) >= CALIBRATION_PER_DOCUMENT or last.lower() in seen or len(keyword_terms(last)) < 2:
+            continue
+        picked.append((path, last))
+        per_document[path] = per_document.get(path, 0) + 1
+        seen.add(last.lower())
+        if len(picked) >= limit:
+            break
+    return picked
+
+
+def calibrate(neighbours: Sequence[tuple[str, Sequence[tuple[str, float]]]], chunks: int) -> Calibration | None:
+    """A Calibration from each calibration query's own path and its nearest passages as
+    (path, similarity), best first: the related margin over all of them when the best is in the
+    query's own document, the unrelated margin over the other documents' alone. None when fewer
+    than CALIBRATION_MIN_QUERIES queries gave both."""
+    unrelated, related = [], []
+    for own, found in neighbours:
+        everything = [sim for _path, sim in found]
+        others = [sim for path, sim in found if path != own]
+        if not found or found[0][0] != own:
+            continue
+        answered, missed = margin(everything), margin(others)
+        if answered is not None and missed is not None:
+            related.append(answered)
+            unrelated.append(missed)
+    if len(related) < CALIBRATION_MIN_QUERIES:
+        return None
+    return Calibration(unrelated=round(statistics.median(unrelated), 6), related=round(statistics.median(related), 6),
+                       queries=len(related), chunks=chunks)
 
 
 def embed_key(embedded_text: str) -> str:

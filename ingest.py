@@ -470,7 +470,16 @@ class Embedding:
                            "context", "shorten that passage")
         return parts
 
-    def _embed_texts(self, texts: list[str]) -> list[Any]:
+    def embed_queries(self, queries: Sequence[str]) -> list[Any]:
+        """Query vectors (the calibration's), in calls sized like the chunks' and counted as calls,
+        not as chunks embedded."""
+        vectors = self._embed_texts([self.scheme.query_text(q) for q in queries], chunks=False)
+        if any(v is None for v in vectors):
+            raise RagError(ErrorCode.DOCUMENT_INVALID, "a heading is longer than the model's context",
+                           "(calibration only)")
+        return vectors
+
+    def _embed_texts(self, texts: list[str], chunks: bool = True) -> list[Any]:
         """A vector per text, or None for a text Ollama refused as longer than the model's context."""
         tokens = [rules.estimate_tokens(text) for text in texts]
         out: list[Any] = []
@@ -480,7 +489,7 @@ class Embedding:
             batch = texts[at:at + size]
             started = time.monotonic()
             try:
-                vectors = self._call(batch)
+                vectors = self._call(batch, chunks)
             except rules.EmbedderTimeout:
                 if size == 1:
                     raise
@@ -498,7 +507,7 @@ class Embedding:
             at += size
         return out
 
-    def _call(self, texts: Sequence[str]) -> Any:
+    def _call(self, texts: Sequence[str], chunks: bool = True) -> Any:
         self.calls += 1
         vectors = self.embedder.embed(texts)
         wrong = {len(v) for v in vectors if len(v) != self.dims}
@@ -508,8 +517,9 @@ class Embedding:
                            f"the index holds {self.dims}-dimensional ones",
                            "the model changed under the same name? run ingest again; it rebuilds when /api/show "
                            "reports the new size")
-        self.embedded += len(texts)
-        self.on_embedded(len(texts))
+        if chunks:
+            self.embedded += len(texts)
+            self.on_embedded(len(texts))
         return vectors
 
 
@@ -533,6 +543,7 @@ class Store:
         self.vectors = rules.vector_store(settings, layout, self.name, create=True).open(create=True, metadata=meta)
         self.db = open_keyword_db(layout.keyword_db(self.name))
         self._fill_embed_keys(rules.PREFIX_SCHEMES.get(manifest.prefix_scheme, rules.PREFIX_SCHEMES["none"]))
+        self._fill_cjk_shares()
         self._vector_writes_marked = False
 
     def _fill_embed_keys(self, scheme: rules.PrefixScheme) -> None:
@@ -548,6 +559,59 @@ class Store:
                 (rules.embed_key(rules.embedded_document_text(scheme, title, heading, text)), rowid)
                 for rowid, title, heading, text in rows])
         self.db.execute("CREATE INDEX IF NOT EXISTS chunks_by_embed_key ON chunks(embed_key)")
+
+    def _fill_cjk_shares(self) -> None:
+        """Stores written before documents carried their CJK share get it, from their chunks' text."""
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(documents)")}
+        with transaction(self.db):
+            if "cjk_share" not in columns:
+                self.db.execute("ALTER TABLE documents ADD COLUMN cjk_share REAL")
+            missing = [path for (path,) in self.db.execute("SELECT path FROM documents WHERE cjk_share IS NULL")]
+            for path in missing:
+                text = "\n".join(t for (t,) in self.db.execute(
+                    "SELECT text FROM chunks WHERE path = ? ORDER BY chunk_index", (path,)))
+                self.db.execute("UPDATE documents SET cjk_share = ? WHERE path = ?",
+                                (round(rules.cjk_share(text), 4), path))
+
+    def _active_chunks(self) -> int:
+        return int(self.db.execute("SELECT count(*) FROM chunks WHERE lifecycle = 'active'").fetchone()[0])
+
+    def needs_calibration(self) -> bool:
+        """Never calibrated, or the active chunk count drifted since the last attempt (a corpus
+        too small to calibrate is not retried on every run)."""
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (rules.META_CALIBRATED_AT,)).fetchone()
+        active = self._active_chunks()
+        if row is None:
+            return active > 0
+        last = int(row[0])
+        return abs(active - last) > rules.CALIBRATION_DRIFT * max(last, 1)
+
+    def calibrate(self, embed_queries: Callable[[Sequence[str]], Sequence[Any]]) -> rules.Calibration | None:
+        """Measure the corpus's Calibration: its own headings as queries, each against its nearest
+        active passages. Stored in `meta` with the chunk count it was measured at; None when the
+        corpus is too small or too uniform to measure (and no calibration is kept then)."""
+        rows = self.db.execute("SELECT id, path, heading FROM chunks WHERE lifecycle = 'active'").fetchall()
+        queries = rules.calibration_queries(rows)
+        calibration = None
+        if len(queries) >= rules.CALIBRATION_MIN_QUERIES:
+            vectors = embed_queries([q for _, q in queries])
+            neighbours = []
+            for (own, _query), vector in zip(queries, vectors, strict=True):
+                found = self.vectors.query("active", vector, rules.CALIBRATION_NEIGHBOURS, None)
+                marks = ",".join("?" * len(found))
+                paths = dict(self.db.execute(f"SELECT id, path FROM chunks WHERE id IN ({marks})",
+                                             [i for i, _ in found]).fetchall()) if found else {}
+                neighbours.append((own, [(paths[i], 1.0 - d) for i, d in found if i in paths]))
+            calibration = rules.calibrate(neighbours, len(rows))
+        with transaction(self.db):
+            if calibration is None:  # a scale measured on another corpus would mislead
+                self.db.execute("DELETE FROM meta WHERE key = ?", (rules.META_CALIBRATION,))
+            else:
+                self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                                (rules.META_CALIBRATION, calibration.to_json()))
+            self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                            (rules.META_CALIBRATED_AT, str(len(rows))))
+        return calibration
 
     def stored_vectors(self, keys: Sequence[str]) -> dict[str, Any]:
         """The vectors the index already holds for these embed keys (those it has)."""
@@ -703,9 +767,10 @@ class Store:
                              " ".join(rules.keyword_terms(chunk.text))))
         self.db.execute(
             "INSERT INTO documents(path, title, lifecycle, chunk_mode, content_hash, size, mtime_ns, disk_path, "
-            "real_path, line_count, chunk_count) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "real_path, line_count, chunk_count, cjk_share) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (path, doc.title, doc.lifecycle, doc.chunk_mode, pf.content_hash, pf.file.size, pf.file.mtime_ns,
-             pf.file.disk_path, pf.file.real_path, doc.line_count, len(pf.chunks)))
+             pf.file.disk_path, pf.file.real_path, doc.line_count, len(pf.chunks),
+             round(rules.cjk_share("\n".join(doc.lines[doc.body_start - 1:])), 4)))
 
     def _delete_vectors(self, ids: dict[str, str]) -> None:
         for lifecycle in rules.LIFECYCLES:
@@ -717,8 +782,11 @@ class Store:
         return files, chunks
 
     def stamp(self, stamp: rules.IndexStamp) -> None:
+        facts = rules.corpus_facts(self.db.execute("SELECT path, lifecycle, cjk_share FROM documents"))
         with transaction(self.db):
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('stamp', ?)", (json.dumps(asdict(stamp)),))
+            self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                            (rules.META_CORPUS_FACTS, facts.to_json()))
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('manifest', ?)",
                             (json.dumps(self.manifest.to_dict()),))
         self.vectors.merge_metadata({f"stamp_{k}": v for k, v in asdict(stamp).items() if v is not None})
@@ -1199,6 +1267,8 @@ def run(args: argparse.Namespace, summary: Summary | None = None) -> Summary:
                 store.remove(plan.removed)
                 changed_anything = True
             store.end_vector_writes()  # every vector written this run is owned by a committed row
+            if model is not None and store.needs_calibration():
+                changed_anything = _calibrate(store, embedding) or changed_anything
             summary.embedding_calls = embedding.calls
             summary.failed = len(plan.failed)
             summary.errors = [*sorted(plan.failed.values()), *run_errors]
@@ -1207,6 +1277,20 @@ def run(args: argparse.Namespace, summary: Summary | None = None) -> Summary:
             store.close()
     summary.seconds = time.monotonic() - started
     return summary
+
+
+def _calibrate(store: Store, embedding: Embedding) -> bool:
+    """Measure the corpus's similarity calibration (the server's confidence scale); an embedder
+    that fails now leaves the previous calibration in place. True when it was measured (or found impossible)."""
+    try:
+        calibration = store.calibrate(embedding.embed_queries)
+    except RagError as exc:
+        log.warning("similarity calibration skipped (%s); the previous one stays", exc.message)
+        return False
+    if calibration is not None:
+        log.info("similarity calibration: unrelated %.3f, related %.3f (%d headings as queries)",
+                 calibration.unrelated, calibration.related, calibration.queries)
+    return True
 
 
 def _open_and_plan(layout: rules.StoreLayout, settings: rules.Settings, scheme: rules.PrefixScheme, dims: int,

@@ -26,6 +26,7 @@ os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
 
 import json
 import logging
+import math
 import queue
 import re
 import sqlite3
@@ -35,8 +36,9 @@ import time
 import traceback
 import typing
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -48,9 +50,14 @@ from corpus_rules import (
     CHUNK_COLUMNS,
     CHUNK_SELECT,
     CHUNKER_VERSION,
+    IDENTIFIERS_MAX,
+    Calibration,
+    CorpusFacts,
     COLLECTION_BY_LIFECYCLE,
     DOCUMENT_COLUMNS,
     INGEST_HINT,
+    META_CALIBRATION,
+    META_CORPUS_FACTS,
     FTS_WEIGHTS,
     PREFIX_SCHEMES,
     TOOL_VERSION,
@@ -68,11 +75,17 @@ from corpus_rules import (
     VectorStore,
     batched,
     content_hash,
+    fts_all,
     fts_any,
+    cjk_share,
     has_lone_surrogates,
+    identifier_term,
     import_heavy,
+    keyword_terms,
+    query_identifiers,
     is_within,
     load_settings,
+    margin,
     looks_unchanged,
     nfc,
     normalize_relative_path,
@@ -99,6 +112,26 @@ CHANNEL_CANDIDATES = 50
 # Cap on re-fetching when orphaned vectors (uncommitted generations) crowd out real hits.
 MAX_VECTOR_FETCH = 4000
 RRF_K = 60
+# Fusion weights: each extra phrasing counts this much against the main query's 1.0, and the
+# keyword channel of a phrasing never counts less than this (see keyword_weight).
+EXTRA_PHRASING_WEIGHT = 0.7
+KEYWORD_WEIGHT_FLOOR = 0.2
+KEYWORD_EVIDENCE_FULL = 0.3
+QUERIES_MAX = 4
+# A channel's best hit is kept in the top k only when its list weighs at least this much.
+KEEP_BEST_MIN_WEIGHT = 0.5
+# The keyword channel's evidence for a phrasing is read from this many of its best passages.
+KEYWORD_EVIDENCE_ROWS = 3
+# Two texts are in one language when their CJK shares differ by at most this.
+SAME_LANGUAGE_GAP = 0.5
+# Confidence (see judge): the value is high from CONFIDENCE_HIGH, medium from CONFIDENCE_MEDIUM;
+# all phrasings finding the passage adds the bonus, an identifier missing from the index takes the
+# penalty. Round numbers, not fitted to the dev set (README: what they give there).
+CONFIDENCE_AGREEMENT_BONUS = 0.1
+CONFIDENCE_MISSING_PENALTY = 0.3
+CONFIDENCE_UNKNOWN = 0.3
+CONFIDENCE_HIGH = 0.5
+CONFIDENCE_MEDIUM = 0.1
 # BM25 must score every chunk an FTS5 expression matches before it can sort (~1.5 us each):
 # an OR of common words matches most of a 100k-chunk corpus (~100 ms). Above this many matches
 # a term is not discriminative and the keyword channel keeps to the rarer terms (see keyword_plan).
@@ -133,6 +166,11 @@ INSTRUCTIONS = (
     "an exact identifier (env var, endpoint, error code, command): each hit has path, heading and "
     "line range. Then read around a hit with get_file(path, start_line, end_line) before relying on "
     "it, and cite path:lines. list_documents shows what is indexed.\n\n"
+    "Use queries (up to 4 extra phrasings) when the question is in another language than the "
+    "documents (add a translation), to add the exact identifiers, or a sentence the answer would "
+    "contain. confidence says how likely the first hit answers; when it is low, or "
+    "missing_identifiers names something, tell the user the documents may not cover it instead of "
+    "citing a near miss.\n\n"
     "More: superseded (outdated) documents are hidden unless include_superseded=true, and then "
     "carry lifecycle=\"superseded\"; prefer active ones. path_prefix limits a search to a folder. "
     "mode=\"keyword\" works without the embedder (Ollama). score is cosine similarity; min_score "
@@ -216,11 +254,25 @@ class SearchCorpusInput(_ToolInput):
     mode: Literal["hybrid", "vector", "keyword"] = Field(
         "hybrid", description="hybrid (default): meaning and exact words fused; vector: meaning only; "
                               "keyword: exact words only (works without the embedder).")
+    queries: list[str] | None = Field(
+        None, max_length=QUERIES_MAX,
+        description=f"Up to {QUERIES_MAX} extra phrasings of the same need, searched together with query: a "
+                    "translation into the corpus's language, the exact identifiers, a sentence the answer "
+                    "would contain. A passage several phrasings find ranks higher; query counts most.")
 
     @field_validator("query")
     @classmethod
     def _query(cls, value: str) -> str:
         return _clean_query(value)
+
+    @field_validator("queries")
+    @classmethod
+    def _queries(cls, value: list[str] | None) -> list[str] | None:
+        return [_clean_query(text) for text in value] if value else None
+
+    def phrasings(self) -> list[str]:
+        """The query first, then the distinct extra phrasings."""
+        return list(dict.fromkeys([self.query, *(self.queries or [])]))
 
     @field_validator("path_prefix")
     @classmethod
@@ -285,11 +337,14 @@ class SearchHit(BaseModel):
     heading: str = Field(description="Heading path of the passage, e.g. 'Deploy > Rollback > Database'.")
     start_line: int
     end_line: int
-    score: float | None = Field(description="Cosine similarity of the passage to the query (higher is "
-                                            "better); null in keyword mode.")
+    score: float | None = Field(description="Cosine similarity of the passage to the query, or to the closest "
+                                            "of the phrasings (higher is better); null in keyword mode.")
     rank_score: float = Field(description="Reciprocal-rank-fusion value that ordered the results.")
     lifecycle: Literal["active", "superseded"]
     matched: list[Literal["vector", "keyword"]]
+    phrasings: list[int] = Field(description="Which phrasings found this passage: 0 is query, 1.. the entries "
+                                             "of queries in order.")
+    exact_matches: list[str] = Field(description="The query's identifiers this passage contains whole.")
     text: str
     truncated: bool = Field(description="True when text was cut; read the lines with get_file.")
 
@@ -304,6 +359,12 @@ class SearchResponse(BaseModel):
         None, description="Set when hybrid search could not embed the query and answered from the keyword "
                           "channel alone (scores are null); see hint.")
     hint: str | None = Field(None, description="What happened and what to do, when degraded is set.")
+    confidence: Literal["high", "medium", "low"] | None = Field(
+        None, description="How likely the first result answers the query (null without results); low means "
+                          "the documents may not answer it: say so rather than cite a near miss.")
+    confidence_reason: str | None = Field(None, description="Why, in one line.")
+    missing_identifiers: list[str] = Field(default_factory=list,
+                                           description="Identifiers in the query that no indexed passage contains.")
     index: IndexInfo
     staleness: Staleness
 
@@ -356,20 +417,129 @@ for _model in (SearchCorpusInput, GetFileInput, ListDocumentsInput, IndexInfo, S
 # Pure functions: fusion, selection, response capping, line slicing.
 
 
-def fuse_rankings(vector_ids: Sequence[str], keyword_ids: Sequence[str], k_rrf: int = RRF_K) -> list[tuple[str, float]]:
-    """Reciprocal rank fusion over the union of two rankings, best first.
+@dataclass(frozen=True)
+class RankedList:
+    """One channel's candidates for one phrasing, best first, and the weight fusion gives them."""
 
-    Each id scores sum(1 / (k_rrf + rank)) over the channels that ranked it (ranks from 1, a
-    repeated id counts at its first position). Ties break on the best single-channel rank, then
+    channel: Literal["vector", "keyword"]
+    phrasing: int  # 0: the query; 1, 2, ...: the extra phrasings in `queries`
+    ids: tuple[str, ...]
+    weight: float = 1.0
+
+
+def fuse_rankings(lists: Sequence[RankedList], k_rrf: int = RRF_K) -> list[tuple[str, float]]:
+    """Weighted reciprocal rank fusion over the union of the lists, best first.
+
+    Each id scores sum(weight / (k_rrf + rank)) over the lists that ranked it (ranks from 1, a
+    repeated id counts at its first position). Ties break on the best single-list rank, then
     the id, so the order is deterministic.
     """
     scores: dict[str, float] = {}
     best_rank: dict[str, int] = {}
-    for ranking in (vector_ids, keyword_ids):
-        for rank, item in enumerate(dict.fromkeys(ranking), start=1):
-            scores[item] = scores.get(item, 0.0) + 1.0 / (k_rrf + rank)
+    for ranked in lists:
+        for rank, item in enumerate(dict.fromkeys(ranked.ids), start=1):
+            scores[item] = scores.get(item, 0.0) + ranked.weight / (k_rrf + rank)
             best_rank[item] = min(best_rank.get(item, rank), rank)
     return sorted(scores.items(), key=lambda kv: (-kv[1], best_rank[kv[0]], kv[0]))
+
+
+def term_weights(terms: Sequence[str], documents_with: Mapping[str, int], total: int) -> dict[str, float]:
+    """How much each query term says, IDF-like: log(1 + total / (1 + passages containing it)).
+    A term no passage contains weighs the most: a query that hinges on it is not answered here."""
+    return {term: math.log1p(max(total, 1) / (1 + documents_with.get(term, 0))) for term in terms}
+
+
+def coverage(weights: Mapping[str, float], present: Container[str]) -> float:
+    """The share of the query's term weight a passage contains (0 when the query has no terms)."""
+    total = sum(weights.values())
+    return sum(w for term, w in weights.items() if term in present) / total if total > 0 else 0.0
+
+
+def keyword_weight(best_coverage: float) -> float:
+    """The keyword channel's weight in fusion for one phrasing: how much of the phrasing's term
+    weight its best passages contain, full from KEYWORD_EVIDENCE_FULL on. A question in another language than the corpus, or one
+    whose distinctive words are nowhere, matches only incidental words (an English API name in a
+    Japanese question): its keyword ranking is weak evidence, and fusion must not let it push
+    the vector channel's right section out."""
+    return max(KEYWORD_WEIGHT_FLOOR, min(1.0, best_coverage / KEYWORD_EVIDENCE_FULL))
+
+
+def demote_partial_identifier_matches(fused: Sequence[tuple[str, float]], whole: Mapping[str, set[str]],
+                                      parts: Mapping[str, set[str]]) -> list[tuple[str, float]]:
+    """Fused entries re-ordered so that, for each query identifier, a passage holding all of its
+    parts but not the identifier itself (`keep` and `alive` but no OLLAMA_KEEP_ALIVE) ranks below
+    every passage holding it whole. `whole` and `parts` map each identifier to the candidate ids
+    of each kind. A passage holding any query identifier whole is never demoted (a question may
+    name two things and a passage answer about one), an identifier no candidate holds whole
+    demotes nothing, and everything else keeps its fused order."""
+    order = [item for item, _ in fused]
+    value = dict(fused)
+    holds_one = set().union(*whole.values()) if whole else set()
+    for identifier, holders in whole.items():
+        present = [i for i in order if i in holders]
+        if not present:
+            continue
+        last_whole = max(order.index(i) for i in present)
+        demoted = [i for i in order[:last_whole] if i in parts.get(identifier, set()) and i not in holds_one]
+        if demoted:
+            kept = [i for i in order if i not in demoted]
+            cut = kept.index(order[last_whole]) + 1
+            order = kept[:cut] + demoted + kept[cut:]
+    return [(item, value[item]) for item in order]
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What is known about the best hit of a search, for its confidence."""
+
+    similarity: float | None  # its best cosine similarity over the phrasings (None: keyword only)
+    margin: float | None  # how far that stands out from the phrasings' other vector candidates
+    calibration: Calibration | None  # this corpus's margin scale, measured at ingest
+    coverage: float | None  # the largest share of a same-language phrasing's term weight it contains
+    phrasings_found: int  # how many phrasings found it
+    phrasings: int
+    identifiers: tuple[str, ...] = ()  # the query's identifiers
+    exact: tuple[str, ...] = ()  # those it contains whole
+    missing: tuple[str, ...] = ()  # those no indexed passage contains
+
+
+def judge(evidence: Evidence) -> tuple[Literal["high", "medium", "low"], str]:
+    """The confidence that the best hit answers the query, and why, in one line.
+
+    Without a generator, three signals exist: how far the passage stands out from the near
+    misses, on this corpus's own scale (between what its headings' best passages in other
+    documents and in their own do, see Calibration), how much of the query's distinctive
+    vocabulary the passage holds, and how many of the phrasings found it. Identifiers weigh on
+    their own: all of them in the passage is high, one missing from the index lowers it, all
+    missing is low. (Agreement of the two channels was measured and said nothing.)
+    """
+    notes: list[str] = []
+    parts: list[float] = []
+    if evidence.margin is not None and evidence.calibration is not None:
+        position = evidence.calibration.position(evidence.margin)
+        parts.append(max(-1.0, min(2.0, position)))
+        notes.append(f"stands out from the near misses by {evidence.margin:.3f} (this corpus: unrelated "
+                     f"{evidence.calibration.unrelated:.3f}, answered {evidence.calibration.related:.3f})")
+    elif evidence.similarity is not None:
+        notes.append(f"similarity {evidence.similarity:.3f} (no calibration for this index: run ingest again)")
+    if evidence.coverage is not None:
+        parts.append(evidence.coverage)
+        notes.append(f"holds {evidence.coverage:.0%} of the query's distinctive terms")
+    value = sum(parts) / len(parts) if parts else CONFIDENCE_UNKNOWN
+    if evidence.phrasings > 1:
+        value += CONFIDENCE_AGREEMENT_BONUS * (evidence.phrasings_found - 1) / (evidence.phrasings - 1)
+        notes.append(f"found by {evidence.phrasings_found} of {evidence.phrasings} phrasings")
+    if evidence.identifiers and len(evidence.missing) == len(evidence.identifiers):
+        return "low", f"no indexed passage contains {', '.join(evidence.missing)}: the documents do not mention it"
+    if evidence.missing:
+        value -= CONFIDENCE_MISSING_PENALTY
+        notes.insert(0, f"no indexed passage contains {', '.join(evidence.missing)}")
+    elif evidence.identifiers and len(evidence.exact) == len(evidence.identifiers):
+        value = max(value, CONFIDENCE_HIGH)
+        notes.insert(0, f"contains {', '.join(evidence.exact)}")
+    level: Literal["high", "medium", "low"] = (
+        "high" if value >= CONFIDENCE_HIGH else "medium" if value >= CONFIDENCE_MEDIUM else "low")
+    return level, "; ".join(notes) or "no similarity or term evidence"
 
 
 def select_top_k(fused: Sequence[tuple[str, float]], channel_bests: Sequence[str | None], k: int) -> list[tuple[str, float]]:
@@ -635,11 +805,47 @@ class OpenIndex:
             # threads (always one at a time, under the StoreManager lock).
             db = sqlite3.connect(path.as_uri() + "?mode=ro", uri=True, timeout=SQLITE_BUSY_TIMEOUT_S,
                                  check_same_thread=False)
+            # Per-term passage counts for the query terms' weights: a view of the FTS index in
+            # this connection's in-memory temp schema (nothing is written to the store).
+            db.execute("CREATE VIRTUAL TABLE temp.term_counts USING fts5vocab(main, chunks_fts, 'row')")
             db.execute("PRAGMA query_only = 1")
             db.execute("SELECT 1 FROM chunks LIMIT 1").fetchall()
         except sqlite3.Error as exc:
             raise store_failure(exc, f"keyword index {path}") from None
         return db
+
+    def meta(self, key: str) -> str | None:
+        rows = self._sql("SELECT value FROM meta WHERE key = ?", [key])
+        return str(rows[0][0]) if rows else None
+
+    @functools.cached_property
+    def calibration(self) -> Calibration | None:
+        """This index's similarity scale (ingest measures it); None for an index built before."""
+        raw = self.meta(META_CALIBRATION)
+        try:
+            return Calibration.from_json(raw) if raw else None
+        except (ValueError, KeyError, TypeError):
+            log.warning("the index's similarity calibration is unreadable; confidence goes without it")
+            return None
+
+    def passages_with(self, terms: Sequence[str]) -> dict[str, int]:
+        """How many passages contain each term (as the keyword index holds it)."""
+        out: dict[str, int] = {}
+        for batch in batched(list(dict.fromkeys(terms)), 500):
+            out.update((str(t), int(n)) for t, n in self._sql(
+                f"SELECT term, doc FROM temp.term_counts WHERE term IN ({','.join('?' * len(batch))})", batch))
+        return out
+
+    def holders(self, expression: str | None, ids: Sequence[str]) -> set[str]:
+        """Which of these chunk ids match an FTS5 expression (None matches nothing)."""
+        if expression is None or not ids:
+            return set()
+        found: set[str] = set()
+        for batch in batched(list(ids), 500):
+            found.update(str(i) for (i,) in self._sql(
+                "SELECT c.id FROM chunks_fts JOIN chunks c ON c.rowid = chunks_fts.rowid WHERE chunks_fts MATCH ? "
+                f"AND c.id IN ({','.join('?' * len(batch))})", [expression, *batch]))
+        return found
 
     def _sql(self, query: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         try:
@@ -735,6 +941,10 @@ class OpenIndex:
         plan = self.keyword_plan(query, budget)
         if plan.expression is None:
             return [], plan
+        return self.ranked_rows(plan.expression, lifecycles, prefix, n), plan
+
+    def ranked_rows(self, expression: str, lifecycles: Sequence[str], prefix: str | None, n: int) -> list[ChunkRow]:
+        """The best n committed chunks matching an FTS5 expression, by BM25."""
         where, params = prefix_sql("c.path", prefix)
         marks = ",".join("?" * len(lifecycles))
         weights = ", ".join(str(float(w)) for w in FTS_WEIGHTS)
@@ -745,8 +955,8 @@ class OpenIndex:
             f"FROM chunks_fts JOIN chunks c ON c.rowid = chunks_fts.rowid "
             f"WHERE chunks_fts MATCH ? AND c.lifecycle IN ({marks}) AND {where} ORDER BY s, cid LIMIT ?"
             f") top JOIN chunks c ON c.rowid = top.r LEFT JOIN documents d ON d.path = c.path ORDER BY top.s, top.cid",
-            [plan.expression, *lifecycles, *params, n])
-        return [ChunkRow(*r) for r in rows], plan
+            [expression, *lifecycles, *params, n])
+        return [ChunkRow(*r) for r in rows]
 
     def chunks_by_id(self, ids: Sequence[str]) -> dict[str, ChunkRow]:
         out: dict[str, ChunkRow] = {}
@@ -876,33 +1086,40 @@ class QueryEmbeddings:
                 self._embedders[key] = OllamaEmbedder(host, model, timeout)
             return self._embedders[key]
 
-    def embed(self, host: str, model: str, text: str, timeout: float, dims: int, generation: Any) -> Any:
-        key = (host, model, text, generation)
+    def embed_many(self, host: str, model: str, texts: Sequence[str], timeout: float, dims: int,
+                   generation: Any) -> list[Any]:
+        """One vector per text, those not cached in one call to Ollama."""
+        keys = [(host, model, text, generation) for text in texts]
+        vectors: dict[tuple[Any, ...], Any] = {}
         with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
+            for key in keys:
+                if key in self._cache:
+                    self._cache.move_to_end(key)
+                    vectors[key] = self._cache[key]
             resting = self._resting.get((host, model))
-        if resting is not None and time.monotonic() < resting[0]:
-            raise resting[1]
-        try:
-            vector = self.embedder(host, model, timeout).embed([text])[0]
-        except EmbedderTimeout as exc:
+        missing = list(dict.fromkeys(key for key in keys if key not in vectors))
+        if missing:
+            if resting is not None and time.monotonic() < resting[0]:
+                raise resting[1]
+            try:
+                matrix = self.embedder(host, model, timeout).embed([key[2] for key in missing])
+            except EmbedderTimeout as exc:
+                with self._lock:
+                    self._resting[(host, model)] = (time.monotonic() + EMBEDDER_REST_S, exc)
+                raise
+            if len(matrix[0]) != dims:
+                raise RagError(ErrorCode.INDEX_INCOMPATIBLE,
+                               f"Ollama's {model!r} returns {len(matrix[0])}-dimensional vectors but the index "
+                               f"holds {dims}-dimensional ones",
+                               "the model changed under the same name: rebuild with `python ingest.py --full`")
             with self._lock:
-                self._resting[(host, model)] = (time.monotonic() + EMBEDDER_REST_S, exc)
-            raise
-        if len(vector) != dims:
-            raise RagError(ErrorCode.INDEX_INCOMPATIBLE,
-                           f"Ollama's {model!r} returns {len(vector)}-dimensional vectors but the index "
-                           f"holds {dims}-dimensional ones",
-                           "the model changed under the same name: rebuild with `python ingest.py --full`")
-        with self._lock:
-            self._resting.pop((host, model), None)
-            self._cache[key] = vector
-            self._cache.move_to_end(key)
-            while len(self._cache) > self.size:
-                self._cache.popitem(last=False)
-        return vector
+                self._resting.pop((host, model), None)
+                for key, vector in zip(missing, matrix, strict=True):
+                    vectors[key] = self._cache[key] = vector
+                    self._cache.move_to_end(key)
+                while len(self._cache) > self.size:
+                    self._cache.popitem(last=False)
+        return [vectors[key] for key in keys]
 
 
 # ---------------------------------------------------------------------------
@@ -1004,24 +1221,69 @@ class SearchScope:
     empty: str | None = None
 
 
+@dataclass(frozen=True)
+class Phrasing:
+    """One phrasing of the search (0 is the query) and its query vector (None without one)."""
+
+    text: str
+    vector: Any | None
+
+
 @dataclass
 class Candidates:
-    """What each channel found for the query, best first, with the committed rows and the
-    similarities known so far. `dropped` are the candidates min_score removed."""
+    """What the channels found for the phrasings, as weighted ranked lists, with the committed
+    rows and the best similarities known so far; per phrasing, its terms' weights; the query's
+    identifiers, those no passage holds, and which candidates hold each whole or in parts.
+    `dropped` are the candidates min_score removed."""
 
-    vector: list[str] = field(default_factory=list)
-    keyword: list[str] = field(default_factory=list)
+    lists: list[RankedList] = field(default_factory=list)
     rows: dict[str, ChunkRow] = field(default_factory=dict)
     scores: dict[str, float | None] = field(default_factory=dict)
+    found_by: dict[str, set[tuple[str, int]]] = field(default_factory=dict)
+    weights: dict[int, dict[str, float]] = field(default_factory=dict)
+    similarities: dict[int, list[float]] = field(default_factory=dict)  # per phrasing, of its vector candidates
     keyword_plan: KeywordPlan | None = None
+    identifiers: list[tuple[str, str]] = field(default_factory=list)  # (as typed, keyword term)
+    missing: list[str] = field(default_factory=list)
+    whole: dict[str, set[str]] = field(default_factory=dict)
+    parts: dict[str, set[str]] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)
+    _terms: dict[str, frozenset[str]] = field(default_factory=dict)
+
+    def add(self, ranked: RankedList, rows: Mapping[str, ChunkRow] | Sequence[ChunkRow]) -> None:
+        self.lists.append(ranked)
+        self.rows.update(rows if isinstance(rows, Mapping) else {row.id: row for row in rows})
+        for item in ranked.ids:
+            self.found_by.setdefault(item, set()).add((ranked.channel, ranked.phrasing))
+
+    def drop(self, ids: set[str]) -> None:
+        self.dropped |= ids
+        self.lists = [dataclasses.replace(r, ids=tuple(i for i in r.ids if i not in ids)) for r in self.lists]
+
+    def term_evidence(self, p: int, phrasing: Phrasing, row: ChunkRow) -> float | None:
+        """The share of phrasing p's term weight a passage holds, or None when the two are not in
+        one language (term overlap between a Japanese question and an English passage is an
+        incidental API name, not evidence) or the phrasing's terms were not weighed."""
+        weights = self.weights.get(p)
+        if weights is None or abs(cjk_share(phrasing.text) - cjk_share(row.text)) > SAME_LANGUAGE_GAP:
+            return None
+        return coverage(weights, self.terms_of(row))
+
+    def terms_of(self, row: ChunkRow) -> frozenset[str]:
+        """The keyword terms of a passage (title, heading path, text), as the index holds them."""
+        if row.id not in self._terms:
+            self._terms[row.id] = frozenset(keyword_terms(f"{row.title}\n{row.heading}\n{row.text}"))
+        return self._terms[row.id]
 
 
 def rank(found: Candidates, k: int) -> list[tuple[str, float]]:
-    """The k candidates to return, best first, with the value that ordered them: reciprocal rank
-    fusion of the channels, every channel's best kept. A reranker would go here."""
-    fused = fuse_rankings(found.vector, found.keyword, RRF_K)
-    bests = [found.vector[0] if found.vector else None, found.keyword[0] if found.keyword else None]
+    """The k candidates to return, best first, with the value that ordered them: weighted
+    reciprocal rank fusion of every list, passages holding only parts of a query identifier
+    below those holding it whole, and the query's own strong channels' best hits kept. A
+    reranker would go here."""
+    fused = demote_partial_identifier_matches(fuse_rankings(found.lists, RRF_K), found.whole, found.parts)
+    bests = [ranked.ids[0] for ranked in found.lists
+             if ranked.phrasing == 0 and ranked.ids and ranked.weight >= KEEP_BEST_MIN_WEIGHT]
     return select_top_k(fused, bests, k)
 
 
@@ -1091,7 +1353,7 @@ class RetrievalService:
             return self.settings.corpus_dir
         return Path(current.corpus_dir)
 
-    def _query_vector(self, query: str, current: CurrentIndex) -> Sequence[float]:
+    def _query_vectors(self, phrasings: Sequence[str], current: CurrentIndex) -> list[Any]:
         settings = self.settings
         manifest = current.manifest
         if settings.embed_model_explicit and not same_model(settings.embed_model, manifest.model):
@@ -1099,31 +1361,34 @@ class RetrievalService:
                            f"RAG_EMBED_MODEL={settings.embed_model!r} but the index was built with {manifest.model!r}",
                            f"re-ingest with the new model (`python ingest.py`), or unset RAG_EMBED_MODEL to use "
                            f"{manifest.model!r}")
-        text = PREFIX_SCHEMES[manifest.prefix_scheme].query_text(query)
+        scheme = PREFIX_SCHEMES[manifest.prefix_scheme]
         timeout = min(settings.embed_timeout_s, QUERY_EMBED_TIMEOUT_S)
-        return self.queries.embed(settings.ollama_host, manifest.model, text, timeout, manifest.dims,
-                                  (current.index, current.generation))
+        return self.queries.embed_many(settings.ollama_host, manifest.model, [scheme.query_text(p) for p in phrasings],
+                                       timeout, manifest.dims, (current.index, current.generation))
 
     # search_corpus ----------------------------------------------------------------------------
     def search(self, args: SearchCorpusInput) -> SearchResponse:
-        """Embed the query (outside the store lock: it can take seconds), then run the stages
-        on one generation of the index: pre-filter -> candidates -> rank -> hits."""
+        """Embed the phrasings (outside the store lock: it can take seconds; one call for all), then
+        run the stages on one generation of the index: pre-filter -> candidates -> rank -> hits ->
+        confidence."""
         if args.mode == "keyword" and args.min_score is not None:
             raise RagError(ErrorCode.INVALID_ARGUMENT, "min_score needs similarity scores, which keyword mode "
                            "does not compute", "drop min_score, or use mode 'hybrid' or 'vector'")
         manager = self.manager
-        vector: Sequence[float] | None = None
+        phrasings = args.phrasings()
+        vectors: list[Any] | None = None
         embedded_for: Any = None
         degraded: RagError | None = None
         for _attempt in range(3):
             with manager.lock:
                 index = manager.open()
                 if (args.mode == "keyword" or degraded is not None
-                        or (vector is not None and embedded_for == index.current.manifest)):
-                    return self._search_index(index, args, vector, degraded)
+                        or (vectors is not None and embedded_for == index.current.manifest)):
+                    return self._search_index(index, args, [Phrasing(text, vectors[i] if vectors else None)
+                                                            for i, text in enumerate(phrasings)], degraded)
                 current = index.current
             try:
-                vector = self._query_vector(args.query, current)
+                vectors = self._query_vectors(phrasings, current)
             except RagError as exc:
                 # A dependency that is down degrades hybrid search to its keyword channel; vector
                 # mode has nothing to fall back on.
@@ -1134,12 +1399,14 @@ class RetrievalService:
             embedded_for = current.manifest
         raise RagError(ErrorCode.INTERNAL, "the index kept changing during the search", "retry")
 
-    def _search_index(self, index: OpenIndex, args: SearchCorpusInput, vector: Sequence[float] | None,
+    def _search_index(self, index: OpenIndex, args: SearchCorpusInput, phrasings: list[Phrasing],
                       degraded: RagError | None) -> SearchResponse:
         scope = self._prefilter(index, args)
-        found = Candidates() if scope.empty else self._candidates(index, args, scope, vector)
-        hits = self._hits(index, rank(found, args.k), found, vector)
-        return self._search_response(index, args, scope, found, hits, degraded)
+        found = Candidates() if scope.empty else self._candidates(index, args, scope, phrasings)
+        ranked = rank(found, args.k)
+        hits = self._hits(index, ranked, found, phrasings)
+        confidence = self._confidence(index, found.rows[ranked[0][0]], hits[0], found, phrasings) if hits else None
+        return self._search_response(index, args, scope, found, hits, confidence, degraded)
 
     def _prefilter(self, index: OpenIndex, args: SearchCorpusInput) -> SearchScope:
         """Lifecycle and path_prefix, applied before ranking in both channels so a filtered-out
@@ -1160,24 +1427,59 @@ class RetrievalService:
                                                 else by_lc.get(lc, []) for lc in lifecycles})
 
     def _candidates(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope,
-                    vector: Sequence[float] | None) -> Candidates:
-        """Each channel's best candidates; with min_score, the ones below it are dropped here,
-        before fusion, so a weak candidate never takes a slot."""
+                    phrasings: list[Phrasing]) -> Candidates:
+        """Each phrasing's candidates from each channel, weighted for fusion (the query above the
+        extra phrasings; a keyword ranking by the evidence it has, see keyword_weight), and which
+        candidates hold the query's identifiers whole or all their parts. With min_score,
+        candidates below it are dropped here, before fusion, so a weak candidate never takes a
+        slot."""
         found = Candidates()
-        if args.mode in ("hybrid", "vector") and vector is not None:
-            found.vector, found.scores, found.rows = self._vector_channel(index, vector, scope, args.k)
-        if args.mode in ("hybrid", "keyword"):
-            rows, found.keyword_plan = index.keyword_rows(args.query, scope.lifecycles, scope.prefix,
-                                                          max(CHANNEL_CANDIDATES, args.k))
-            found.rows.update((row.id, row) for row in rows)
-            found.keyword = [row.id for row in rows]
-        if args.min_score is not None and vector is not None:
-            unscored = [i for i in found.keyword if i not in found.scores]
-            found.scores.update(self._stored_scores(index, vector, unscored, found.rows))
-            found.dropped = {i for i, s in found.scores.items() if s is None or s < args.min_score}
-            found.vector = [i for i in found.vector if i not in found.dropped]
-            found.keyword = [i for i in found.keyword if i not in found.dropped]
+        total = index.current.stamp.chunks
+        for p, phrasing in enumerate(phrasings):
+            weight = 1.0 if p == 0 else EXTRA_PHRASING_WEIGHT
+            if args.mode != "vector":  # vector mode reads the vectors only (it works without the keyword index)
+                terms = query_terms(phrasing.text)
+                found.weights[p] = term_weights(terms, index.passages_with(terms), total)
+            if args.mode in ("hybrid", "vector") and phrasing.vector is not None:
+                ids, scores, rows = self._vector_channel(index, phrasing.vector, scope, args.k)
+                found.add(RankedList("vector", p, tuple(ids), weight), rows)
+                found.similarities[p] = [score for score in scores.values() if score is not None]
+                for item, score in scores.items():
+                    found.scores[item] = max(score, found.scores.get(item) or -1.0)
+            if args.mode in ("hybrid", "keyword"):
+                rows, plan = index.keyword_rows(phrasing.text, scope.lifecycles, scope.prefix,
+                                                max(CHANNEL_CANDIDATES, args.k))
+                if p == 0:
+                    found.keyword_plan = plan
+                evidence = max((found.term_evidence(p, phrasing, row) or 0.0 for row in rows[:KEYWORD_EVIDENCE_ROWS]),
+                               default=0.0)
+                found.add(RankedList("keyword", p, tuple(row.id for row in rows),
+                                     weight * (keyword_weight(evidence) if args.mode == "hybrid" else 1.0)), rows)
+        if args.mode != "vector":
+            self._identifiers(index, phrasings, found)
+        if args.min_score is not None and any(p.vector is not None for p in phrasings):
+            unscored = [i for i in found.rows if i not in found.scores]
+            found.scores.update(self._stored_scores(index, phrasings, unscored, found.rows))
+            found.drop({i for i, s in found.scores.items() if s is None or s < args.min_score})
+        for identifier, term in found.identifiers:
+            if identifier not in found.missing:
+                ids = list(found.rows)
+                found.whole[identifier] = index.holders(fts_any([term]), ids)
+                found.parts[identifier] = index.holders(fts_all(keyword_terms(identifier)[1:]), ids)
         return found
+
+    @staticmethod
+    def _identifiers(index: OpenIndex, phrasings: list[Phrasing], found: Candidates) -> None:
+        """The phrasings' identifiers, and those no indexed passage holds."""
+        seen: dict[str, str] = {}
+        for phrasing in phrasings:
+            for identifier in query_identifiers(phrasing.text):
+                term = identifier_term(identifier)
+                if term is not None and term not in seen and len(seen) < IDENTIFIERS_MAX:
+                    seen[term] = identifier
+        found.identifiers = [(identifier, term) for term, identifier in seen.items()]
+        counts = index.passages_with(list(seen))
+        found.missing = [identifier for term, identifier in seen.items() if counts.get(term, 0) == 0]
 
     def _vector_channel(self, index: OpenIndex, vector: Sequence[float], scope: SearchScope,
                         k: int) -> tuple[list[str], dict[str, float | None], dict[str, ChunkRow]]:
@@ -1212,35 +1514,54 @@ class RetrievalService:
         return [i for i, _ in kept], {i: 1.0 - d for i, d in kept}, {i: rows[i] for i, _ in kept}
 
     def _hits(self, index: OpenIndex, ranked: Sequence[tuple[str, float]], found: Candidates,
-              vector: Sequence[float] | None) -> list[SearchHit]:
-        """The ranked candidates as hits: rows, channels, and the cosine of keyword-only winners
-        from their stored embeddings (only these k, not all candidates: fetching vectors is the
-        dearest step of a search)."""
-        if vector is not None:
+              phrasings: list[Phrasing]) -> list[SearchHit]:
+        """The ranked candidates as hits: rows, channels, phrasings, whole identifiers, and the
+        cosine of hits the vector channel did not score, from their stored embeddings (only these
+        k, not all candidates: fetching vectors is the dearest step of a search)."""
+        if any(p.vector is not None for p in phrasings):
             unscored = [i for i, _ in ranked if i not in found.scores]
-            found.scores.update(self._stored_scores(index, vector, unscored, found.rows))
-        in_vector, in_keyword = set(found.vector), set(found.keyword)
+            found.scores.update(self._stored_scores(index, phrasings, unscored, found.rows))
         hits = []
         for item, rank_score in ranked:
             row = found.rows[item]
-            matched: list[Literal["vector", "keyword"]] = [
-                channel for channel, ids in (("vector", in_vector), ("keyword", in_keyword)) if item in ids]
+            by = found.found_by.get(item, set())
+            matched: list[Literal["vector", "keyword"]] = [c for c in ("vector", "keyword") if any(c == b[0] for b in by)]
             score = found.scores.get(item)
             hits.append(SearchHit(path=row.path, title=row.title, heading=row.heading, start_line=row.start_line,
                                   end_line=row.end_line, score=None if score is None else round(score, 6),
                                   rank_score=round(rank_score, 6), lifecycle=_lifecycle(row.lifecycle),
-                                  matched=matched, text=row.text, truncated=False))
+                                  matched=matched, phrasings=sorted({p for _, p in by}),
+                                  exact_matches=[i for i, _ in found.identifiers if item in found.whole.get(i, ())],
+                                  text=row.text, truncated=False))
         return hits
 
+    @staticmethod
+    def _confidence(index: OpenIndex, row: ChunkRow, top: SearchHit, found: Candidates,
+                    phrasings: list[Phrasing]) -> tuple[Literal["high", "medium", "low"], str]:
+        """How likely the first hit (its row and its hit) answers the query (see judge)."""
+        shares = [share for p, phrasing in enumerate(phrasings)
+                  if (share := found.term_evidence(p, phrasing, row)) is not None]
+        margins = [m for sims in found.similarities.values()
+                   if top.score is not None and (m := margin(sims, top.score)) is not None]
+        return judge(Evidence(
+            similarity=top.score, margin=max(margins, default=None), calibration=index.calibration,
+            coverage=max(shares, default=None),
+            phrasings_found=len(top.phrasings), phrasings=len(phrasings),
+            identifiers=tuple(i for i, _ in found.identifiers), exact=tuple(top.exact_matches),
+            missing=tuple(found.missing)))
+
     def _search_response(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope, found: Candidates,
-                         hits: list[SearchHit], degraded: RagError | None) -> SearchResponse:
-        """The response: hits within the text budget, the index stamp, and a message that says
-        why there is nothing when there is nothing."""
+                         hits: list[SearchHit], confidence: tuple[str, str] | None,
+                         degraded: RagError | None) -> SearchResponse:
+        """The response: hits within the text budget, the confidence, the index stamp, and a
+        message that says why there is nothing when there is nothing."""
         extra: dict[str, Any] = {}
         if degraded is not None:
             extra = {"degraded": str(degraded.code), "hint": f"{degraded.message}: keyword results only. {degraded.hint}"}
             if args.min_score is not None:
                 extra["hint"] += "; min_score was not applied (it needs the query's embedding)"
+        if confidence is not None:
+            extra["confidence"], extra["confidence_reason"] = confidence
         plan = found.keyword_plan
         message = None
         if scope.empty:
@@ -1255,16 +1576,21 @@ class RetrievalService:
                            "distinctive term (a name, identifier or error code) or use mode 'hybrid'")
             else:
                 message = "no matching passages"
+        if found.missing and not hits:
+            message = f"{message}; no indexed passage contains {', '.join(found.missing)}"
         response = SearchResponse(query=args.query, mode=args.mode, results=hits,
                                   dropped_below_min_score=len(found.dropped), message=message,
-                                  index=self._index_info(index.current), staleness=self._staleness(index), **extra)
+                                  missing_identifiers=found.missing, index=self._index_info(index.current),
+                                  staleness=self._staleness(index), **extra)
         return SearchResponse.model_validate(fit_hits(response.model_dump(mode="json")))
 
-    def _stored_scores(self, index: OpenIndex, vector: Sequence[float], ids: Sequence[str],
+    def _stored_scores(self, index: OpenIndex, phrasings: Sequence[Phrasing], ids: Sequence[str],
                        rows: Mapping[str, ChunkRow]) -> dict[str, float | None]:
-        """Cosine similarity of candidates the vector channel did not score, from their stored
-        embeddings (cached: ids are content-addressed, so an entry never goes stale)."""
+        """The best cosine similarity over the phrasings of candidates the vector channel did not
+        score, from their stored embeddings (cached: ids are content-addressed, so an entry never
+        goes stale)."""
         out: dict[str, float | None] = {i: None for i in ids}
+        vectors = [p.vector for p in phrasings if p.vector is not None]
         by_lc: dict[str, list[str]] = {}
         for i in ids:
             by_lc.setdefault(rows[i].lifecycle, []).append(i)
@@ -1283,7 +1609,11 @@ class RetrievalService:
             known = [i for i in lc_ids if (name, i) in cache]
             for i in known:
                 cache.move_to_end((name, i))
-            out.update(zip(known, cosine_many(vector, [cache[(name, i)] for i in known])))
+            matrix = [cache[(name, i)] for i in known]
+            for vector in vectors:
+                for i, score in zip(known, cosine_many(vector, matrix)):
+                    if score is not None and (out[i] is None or score > out[i]):  # type: ignore[operator]
+                        out[i] = score
         return out
 
     # get_file ---------------------------------------------------------------------------------
@@ -1732,10 +2062,39 @@ def startup_problems(settings_loader: Callable[[], Settings] = load_settings) ->
     return []
 
 
-def instructions_with(problems: Sequence[str]) -> str:
-    if not problems:
-        return INSTRUCTIONS
-    return INSTRUCTIONS + "\n\nNot ready: " + " ".join(problems)
+def index_facts(settings_loader: Callable[[], Settings] = load_settings) -> str | None:
+    """What the index holds, in two sentences for the instructions (read at start from what
+    ingest measured: no chromadb, no Ollama), or None when there is no readable index."""
+    try:
+        settings = settings_loader()
+        layout = StoreLayout(settings.store_dir)
+        current = layout.read_current()
+        if current is None:
+            return None
+        db = sqlite3.connect(layout.keyword_db(current.index).as_uri() + "?mode=ro", uri=True, timeout=1.0)
+        try:
+            db.execute("PRAGMA query_only = 1")
+            row = db.execute("SELECT value FROM meta WHERE key = ?", (META_CORPUS_FACTS,)).fetchone()
+        finally:
+            db.close()
+        facts = CorpusFacts.from_json(row[0]) if row else None
+    except (RagError, sqlite3.Error, ValueError, KeyError, TypeError):
+        return None
+    stamp = current.stamp
+    built = f"built {stamp.ingested_at}" + (f" from commit {stamp.commit[:12]}" if stamp.commit else "")
+    if facts is None:
+        return f"This index: {stamp.files} documents, {stamp.chunks} passages, {built}."
+    languages = (f"{facts.cjk_documents} in Japanese/CJK, {facts.documents - facts.cjk_documents} in other "
+                 "languages (mostly English)" if facts.cjk_documents else "none in Japanese/CJK")
+    folders = ", ".join(f"{name} ({count})" for name, count in facts.folders)
+    superseded = f"; {facts.superseded} superseded" if facts.superseded else ""
+    return (f"This index: {facts.documents} documents ({languages}){superseded}; folders: {folders}; "
+            f"{stamp.chunks} passages, {built}.")
+
+
+def instructions_with(problems: Sequence[str], facts: str | None = None) -> str:
+    text = INSTRUCTIONS + (f"\n\n{facts}" if facts else "")
+    return text + ("\n\nNot ready: " + " ".join(problems) if problems else "")
 
 
 # ---------------------------------------------------------------------------
@@ -2198,12 +2557,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             assert settings is not None
             settings = dataclasses.replace(settings, http_host=args.host or settings.http_host,
                                            http_port=settings.http_port if args.port is None else args.port)
-            serve_http(service, settings, instructions_with(problems), warmup)
+            serve_http(service, settings, instructions_with(problems, index_facts()), warmup)
         else:
             log.info("local-rag-mcp %s starting (stdio)", TOOL_VERSION)
             import anyio  # noqa: PLC0415
 
-            anyio.run(serve_stdio, build_server(service, instructions_with(problems), warmup))
+            anyio.run(serve_stdio, build_server(service, instructions_with(problems, index_facts()), warmup))
     except KeyboardInterrupt:
         pass
     except RagError as exc:

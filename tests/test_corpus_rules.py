@@ -778,3 +778,83 @@ def test_embedder_errors(fake_ollama: FakeOllama) -> None:
         rules.OllamaEmbedder(fake_ollama.host, "embeddinggemma", 2).model_info()
     assert caught.value.code is ErrorCode.EMBEDDER_UNAVAILABLE
     assert "start Ollama" in caught.value.hint and "ollama pull embeddinggemma" in caught.value.hint
+
+
+# ---------------------------------------------------------------------------
+# Identifiers in queries, language shares, corpus facts, calibration.
+
+
+@pytest.mark.parametrize(("query", "identifiers"), [
+    ("OLLAMA_KEEP_ALIVE", ["OLLAMA_KEEP_ALIVE"]),
+    ("what is num_ctx in a Modelfile?", ["num_ctx"]),
+    ("v-model と defineProps の違い", ["v-model", "defineProps"]),
+    ("server.fs.allow を設定すると", ["server.fs.allow"]),
+    ("ENOSPC エラーが出る", ["ENOSPC"]),
+    ("error E4291 on /api/v1/records", ["E4291", "/api/v1/records"]),
+    ("uv sync --no-install-project vs --no-install-workspace", ["--no-install-project", "--no-install-workspace"]),
+    ("how do I declare a sev-1?", ["sev-1"]),
+    ("use `uv run --frozen` and `pyproject.toml`", ["--frozen", "pyproject.toml"]),
+    ("the ReplicaSet of the deploy", ["ReplicaSet"]),
+    # Ordinary English: hyphenated words, abbreviations, sentence ends, plain capitals.
+    ("who is on-call for read-only replicas, e.g. at night? The API and HTTP are fine.", []),
+    ("", []),
+])
+def test_query_identifiers(query: str, identifiers: list[str]) -> None:
+    assert rules.query_identifiers(query) == identifiers
+
+
+@given(st.text(max_size=200))
+@HYPOTHESIS
+def test_query_identifiers_are_whole_terms_of_the_query(query: str) -> None:
+    found = rules.query_identifiers(query)
+    assert len(found) <= rules.IDENTIFIERS_MAX
+    terms = set(rules.keyword_terms(query))
+    for identifier in found:
+        term = rules.identifier_term(identifier)
+        assert term is not None and term in terms, (identifier, term)
+
+
+def test_cjk_share() -> None:
+    assert rules.cjk_share("Deploy runbook: roll back") == 0.0
+    assert rules.cjk_share("ログ収集ガイド") == 1.0
+    assert 0.0 < rules.cjk_share("v-model と defineProps の違い") < rules.CJK_DOCUMENT
+    assert rules.cjk_share("1234 !!") == 0.0
+
+
+def test_corpus_facts_count_languages_and_biggest_folders() -> None:
+    rows = [("docs/a.md", "active", 0.0), ("docs/b.md", "superseded", 0.01), ("guide/c.md", "active", 0.9),
+            ("README.md", "active", None)]
+    facts = rules.corpus_facts(rows)
+    assert (facts.documents, facts.superseded, facts.cjk_documents) == (4, 1, 1)
+    assert facts.folders == (("docs/", 2), ("(top level)", 1), ("guide/", 1))
+    assert rules.CorpusFacts.from_json(facts.to_json()) == facts
+
+
+def test_calibration_sample_is_spread_and_stable() -> None:
+    rows = [(f"id{i:03d}", f"doc{i % 5}.md", f"Title > Section number {i}") for i in range(100)]
+    picked = rules.calibration_queries(rows, limit=12)
+    assert len(picked) == 12 and picked == rules.calibration_queries(list(reversed(rows)), limit=12)
+    per_doc = {path: sum(1 for p, _ in picked if p == path) for path, _ in picked}
+    assert max(per_doc.values()) <= rules.CALIBRATION_PER_DOCUMENT
+    assert rules.calibration_queries([("a", "x.md", "Intro")]) == []  # one word is not a question
+
+
+def test_margin_and_calibration() -> None:
+    assert rules.margin([0.9, 0.8, 0.8, 0.7]) == pytest.approx(0.9 - 0.7666666, abs=1e-6)
+    assert rules.margin([0.8, 0.9, 0.7], best=0.75) == pytest.approx(0.75 - 0.75)
+    assert rules.margin([0.9, 0.8]) is None
+    # Each heading's own document first, then the crowd: answered margin 0.1 above 0.7s, while
+    # among the other documents alone the best stands 0.02 above the rest.
+    neighbours = [(f"d{i}.md", [(f"d{i}.md", 0.8), ("o1.md", 0.72), ("o2.md", 0.70), ("o3.md", 0.70)])
+                  for i in range(5)]
+    calibration = rules.calibrate(neighbours, chunks=50)
+    assert calibration is not None and calibration.queries == 5
+    assert calibration.related == pytest.approx(0.8 - 0.70666666, abs=1e-5)
+    assert calibration.unrelated == pytest.approx(0.02, abs=1e-6)
+    assert calibration.position(calibration.unrelated) == pytest.approx(0.0)
+    assert calibration.position(calibration.related) == pytest.approx(1.0)
+    assert rules.calibrate(neighbours[:3], chunks=50) is None
+    missed = [(own, [found[1], found[0], *found[2:]]) for own, found in neighbours]  # own doc not first
+    assert rules.calibrate(missed, chunks=50) is None
+    with pytest.raises(ValueError):
+        rules.Calibration.from_json('{"unrelated": NaN, "related": 0.9, "queries": 5, "chunks": 1}')

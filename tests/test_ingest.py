@@ -486,10 +486,10 @@ def test_only_unwritten_files_are_reported_when_the_embedder_dies(
     fake_ollama_env.configure(max_input_tokens=12)
     original = ingest.Embedding._call
 
-    def dying_call(self: ingest.Embedding, texts: list[str]) -> list[list[float]]:
+    def dying_call(self: ingest.Embedding, texts: list[str], *rest: Any) -> list[list[float]]:
         if any("FAILPOINT" in t for t in texts):
             raise rules.RagError(rules.ErrorCode.EMBEDDER_UNAVAILABLE, "Ollama went away", "start it")
-        return original(self, texts)
+        return original(self, texts, *rest)
 
     monkeypatch.setattr(ingest.Embedding, "_call", dying_call)
     run = ingest_run(corpus, store)
@@ -703,7 +703,9 @@ def test_model_change_rebuilds_without_a_gap(tmp_path: Path, monkeypatch: pytest
         assert current["index"] == new_index and current["generation"] == old_current["generation"] + 1
         assert (current["manifest"]["model"], current["manifest"]["prefix_scheme"]) == ("nomic-embed-text", "nomic-embed-text")
         assert not (store / old_index).exists()
-        assert fake.embedded_inputs and all(t.startswith("search_document: ") for t in fake.embedded_inputs)
+        # The new model's prefixes: documents, and the calibration's headings as queries.
+        assert any(t.startswith("search_document: ") for t in fake.embedded_inputs)
+        assert all(t.startswith(("search_document: ", "search_query: ")) for t in fake.embedded_inputs)
         assert snapshot(store) == clean_snapshot(corpus, tmp_path)
         # Back to the first model: a rebuild again, into the first index name.
         monkeypatch.delenv("RAG_EMBED_MODEL")

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import corpus_rules as rules
 import server
 from corpus_rules import (
     COLLECTION_BY_LIFECYCLE,
@@ -102,31 +103,52 @@ def query_vector(query: str, dims: int = 768) -> list[float]:
 # Fusion.
 
 ids = st.lists(st.sampled_from([f"c{i}" for i in range(30)]), max_size=40)
+weights = st.floats(min_value=0.05, max_value=1.0)
 
 
-@given(ids, ids)
-def test_fuse_rankings_is_reciprocal_rank_fusion_over_the_union(vector: list[str], keyword: list[str]) -> None:
-    fused = server.fuse_rankings(vector, keyword, k_rrf=60)
+def two_channels(vector: list[str], keyword: list[str], keyword_weight: float = 1.0) -> list[server.RankedList]:
+    return [server.RankedList("vector", 0, tuple(vector)), server.RankedList("keyword", 0, tuple(keyword), keyword_weight)]
+
+
+@given(ids, ids, weights, ids, weights)
+def test_fuse_rankings_is_weighted_reciprocal_rank_fusion_over_the_union(
+        vector: list[str], keyword: list[str], keyword_weight: float, extra: list[str], extra_weight: float) -> None:
+    lists = [*two_channels(vector, keyword, keyword_weight), server.RankedList("vector", 1, tuple(extra), extra_weight)]
+    fused = server.fuse_rankings(lists, k_rrf=60)
     got = dict(fused)
-    assert len(got) == len(fused) == len(set(vector) | set(keyword))
+    assert len(got) == len(fused) == len(set(vector) | set(keyword) | set(extra))
     for item, value in fused:
-        expected = sum(1 / (60 + ranking.index(item) + 1)
-                       for ranking in (list(dict.fromkeys(vector)), list(dict.fromkeys(keyword))) if item in ranking)
+        expected = sum(weight / (60 + ranking.index(item) + 1)
+                       for ranking, weight in ((list(dict.fromkeys(vector)), 1.0),
+                                               (list(dict.fromkeys(keyword)), keyword_weight),
+                                               (list(dict.fromkeys(extra)), extra_weight)) if item in ranking)
         assert value == pytest.approx(expected)
     values = [v for _, v in fused]
     assert values == sorted(values, reverse=True)
 
 
 def test_fuse_rankings_rewards_agreement() -> None:
-    fused = server.fuse_rankings(["a", "b", "c"], ["b", "a", "d"])
+    fused = server.fuse_rankings(two_channels(["a", "b", "c"], ["b", "a", "d"]))
     assert [i for i, _ in fused][:2] in (["a", "b"], ["b", "a"])
     assert fused[-1][0] in ("c", "d")
+
+
+def test_a_weak_keyword_channel_cannot_push_the_vector_channels_pick_down() -> None:
+    """Cross-language: the keyword channel matched an incidental English word of a Japanese
+    question. At full weight its picks outrank the vector channel's second; weighed by its
+    evidence they do not."""
+    vector = ["near-miss", "right-section", "v3"]
+    keyword = ["wrong-a", "wrong-b", "wrong-c"]
+    even = [i for i, _ in server.fuse_rankings(two_channels(vector, keyword))]
+    assert even.index("wrong-a") < even.index("right-section")
+    weighed = [i for i, _ in server.fuse_rankings(two_channels(vector, keyword, server.keyword_weight(0.05)))]
+    assert weighed[:3] == vector
 
 
 @settings(max_examples=300)
 @given(ids, ids, st.integers(min_value=2, max_value=20))
 def test_select_top_k_always_keeps_each_channels_best(vector: list[str], keyword: list[str], k: int) -> None:
-    fused = server.fuse_rankings(vector, keyword)
+    fused = server.fuse_rankings(two_channels(vector, keyword))
     bests = [vector[0] if vector else None, keyword[0] if keyword else None]
     top = server.select_top_k(fused, bests, k)
     chosen = [i for i, _ in top]
@@ -147,14 +169,66 @@ def test_keyword_only_identifier_reaches_the_results() -> None:
     chunks both channels rank mediocrely would push it out of plain RRF's top 5."""
     vector = [f"v{i}" for i in range(50)]
     keyword = ["ident", *vector[:10]]
-    fused = server.fuse_rankings(vector, keyword)
+    fused = server.fuse_rankings(two_channels(vector, keyword))
     assert "ident" not in [i for i, _ in fused[:5]]
     top = server.select_top_k(fused, [vector[0], keyword[0]], 5)
     assert "ident" in [i for i, _ in top] and "v0" in [i for i, _ in top]
 
 
+@given(st.permutations([f"c{i}" for i in range(12)]), st.sets(st.sampled_from([f"c{i}" for i in range(12)])),
+       st.sets(st.sampled_from([f"c{i}" for i in range(12)])))
+def test_partial_identifier_matches_rank_below_whole_ones(order: list[str], whole: set[str], parts: set[str]) -> None:
+    fused = [(item, 1.0 / (60 + rank)) for rank, item in enumerate(order, start=1)]
+    out = server.demote_partial_identifier_matches(fused, {"OLLAMA_KEEP_ALIVE": whole}, {"OLLAMA_KEEP_ALIVE": parts})
+    ranked = [i for i, _ in out]
+    assert sorted(ranked) == sorted(order) and dict(out) == dict(fused)
+    partial_only = parts - whole
+    for p in partial_only:
+        for w in whole:
+            assert ranked.index(w) < ranked.index(p), (p, w)
+    untouched = [i for i in order if i not in partial_only]
+    assert [i for i in ranked if i not in partial_only] == untouched, "everything else keeps its order"
+    if not whole:
+        assert ranked == order
+
+
+def test_term_weights_and_coverage() -> None:
+    weights = server.term_weights(["ollama_keep_alive", "keep", "alive"], {"keep": 40, "alive": 30}, 100)
+    assert weights["ollama_keep_alive"] > weights["alive"] > weights["keep"] > 0
+    assert server.coverage(weights, {"keep", "alive"}) < 0.5 < server.coverage(weights, {"ollama_keep_alive"})
+    assert server.coverage(weights, set()) == 0.0 and server.coverage({}, {"x"}) == 0.0
+    assert server.keyword_weight(0.0) == server.KEYWORD_WEIGHT_FLOOR and server.keyword_weight(3.0) == 1.0
+
+
+CALIBRATION = rules.Calibration(unrelated=0.01, related=0.03, queries=20, chunks=100)
+
+
+def evidence(**fields: Any) -> server.Evidence:
+    base: dict[str, Any] = {"similarity": 0.88, "margin": 0.03, "calibration": CALIBRATION, "coverage": 0.7,
+                            "phrasings_found": 1, "phrasings": 1}
+    return server.Evidence(**{**base, **fields})
+
+
+def test_confidence_levels_follow_the_evidence() -> None:
+    assert server.judge(evidence())[0] == "high"
+    assert server.judge(evidence(margin=0.015, coverage=0.3))[0] == "medium"
+    assert server.judge(evidence(margin=0.0, coverage=0.1))[0] == "low"
+    # Without a calibration the margin means nothing on its own; term evidence still counts.
+    assert server.judge(evidence(calibration=None, coverage=0.9))[0] == "high"
+    level, reason = server.judge(evidence(identifiers=("UV_NO_TELEMETRY",), missing=("UV_NO_TELEMETRY",)))
+    assert level == "low" and "UV_NO_TELEMETRY" in reason
+    level, reason = server.judge(evidence(margin=0.0, coverage=0.1, identifiers=("E4091",), exact=("E4091",)))
+    assert level == "high" and "contains E4091" in reason
+    level, reason = server.judge(evidence(identifiers=("E4091", "E9999"), exact=("E4091",), missing=("E9999",),
+                                          margin=0.015, coverage=0.3))
+    assert level == "low" and "E9999" in reason
+    more = server.judge(evidence(margin=0.016, coverage=0.6, phrasings=3, phrasings_found=3))
+    fewer = server.judge(evidence(margin=0.016, coverage=0.6, phrasings=3, phrasings_found=1))
+    assert ["low", "medium", "high"].index(more[0]) > ["low", "medium", "high"].index(fewer[0])
+
+
 def test_select_top_k_with_one_slot_keeps_the_fused_winner() -> None:
-    fused = server.fuse_rankings(["a", "m"], ["b", "m"])
+    fused = server.fuse_rankings(two_channels(["a", "m"], ["b", "m"]))
     assert server.select_top_k(fused, ["a", "b"], 1) == fused[:1]
     assert server.select_top_k(fused, ["a", "b"], 0) == []
 
@@ -626,7 +700,7 @@ def test_scores_are_cosine_similarity_in_every_channel(base: Built, monkeypatch:
     # stored embedding rather than from the vector query.
     monkeypatch.setattr(server, "CHANNEL_CANDIDATES", 3)
     svc = service(base)
-    query = "NIMBUS_API_TOKEN E4091 rate limit"
+    query = "E4091 conflict version"
     is_error, hybrid = call(svc, "search_corpus", query=query, k=10, include_superseded=True)
     assert not is_error
     assert any(hit["matched"] == ["keyword"] for hit in hybrid["results"])
@@ -867,3 +941,16 @@ def test_an_index_from_another_chunker_version_is_served_with_a_hint(base: Built
     is_error, payload = call(service(copy), "search_corpus", query="who gets paged for a sev-1")
     assert not is_error and payload["results"]
     assert "chunker version 0" in payload["staleness"]["hint"] and "ingest.py" in payload["staleness"]["hint"]
+
+
+def test_a_passage_holding_another_query_identifier_whole_is_not_demoted() -> None:
+    """"--fork-strategy in uv.lock": the answer holds --fork-strategy whole and "uv" and "lock"
+    apart; it must not sink below every passage that merely mentions uv.lock."""
+    fused = [("answer", 0.05), ("mentions-uv.lock", 0.04), ("lookalike", 0.03), ("other", 0.02)]
+    whole = {"--fork-strategy": {"answer"}, "uv.lock": {"mentions-uv.lock"}}
+    parts = {"--fork-strategy": set(), "uv.lock": {"answer", "lookalike"}}
+    assert [i for i, _ in server.demote_partial_identifier_matches(fused, whole, parts)] == [
+        "answer", "mentions-uv.lock", "lookalike", "other"]
+    fused = [("lookalike", 0.05), ("mentions-uv.lock", 0.04), ("other", 0.02)]
+    assert [i for i, _ in server.demote_partial_identifier_matches(fused, whole, parts)] == [
+        "mentions-uv.lock", "lookalike", "other"]

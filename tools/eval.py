@@ -1,17 +1,22 @@
 """Retrieval quality, measured end to end: the real ingest.py and the real server over stdio.
 
-    python tools/eval.py QUERIES.jsonl --corpus DIR [--store DIR] [--modes hybrid,vector,keyword]
+    python tools/eval.py QUERIES.jsonl [MORE.jsonl ...] --corpus DIR [--store DIR]
+                         [--modes hybrid,vector,keyword] [--phrasings FILE]
 
 Builds an index of DIR with ingest.py (in a temporary store unless --store is given) against
 whatever OLLAMA_HOST points to, runs every query through `python server.py` with an MCP
-client, and prints per query kind: file_hit@5, section_hit@5, MRR@10, the AUROC of the top-1
-score between answerable and unanswerable queries, and latency p50/p95, for each mode.
+client, and prints per query kind: file_hit@5, section_hit@5, MRR@10, and latency p50/p95,
+for each mode; over all queries, how well the top-1 score and the response's `confidence`
+(low < medium < high) tell answerable from unanswerable queries (AUROC), and the share of
+each marked low.
 
-A query line: {"id", "query", "kind", "gold": [{"path", "heading"}], "corpus"?}. `gold: []`
-marks an unanswerable (negative) query. When lines carry "corpus", only those equal to
---query-corpus (default: the corpus folder's name) are run. A gold section runs from its ATX
-heading line to the line before the next heading of any level, fences and front matter
-excluded (the dev set's definition).
+A query line: {"id", "query", "kind", "gold": [{"path", "heading"}], "corpus"?, "phrasings"?}.
+`gold: []` marks an unanswerable (negative) query. With --phrasings FILE (lines {"id",
+"queries": [...]}), each query is sent with those extra phrasings in `queries` (a line's own
+"phrasings" are used when FILE has none for it): the multi-phrasing search an agent makes.
+When lines carry "corpus", only those equal to --query-corpus (default: the corpus folder's
+name) are run. A gold section runs from its ATX heading line to the line before the next
+heading of any level, fences and front matter excluded (the dev set's definition).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -78,12 +83,22 @@ class Query:
     text: str
     kind: str
     gold: list[tuple[str, int, int]]  # (path, start, end) of each gold section
+    phrasings: list[str] = field(default_factory=list)  # extra phrasings, sent as `queries`
 
 
-def load_queries(path: Path, corpus: Path, corpus_id: str) -> list[Query]:
+def load_phrasings(path: Path | None) -> dict[str, list[str]]:
+    if path is None:
+        return {}
+    items = (json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    return {item["id"]: list(item["queries"]) for item in items}
+
+
+def load_queries(paths: Sequence[Path], corpus: Path, corpus_id: str,
+                 phrasings: dict[str, list[str]] | None = None) -> list[Query]:
     queries = []
     cache: dict[str, list[Section]] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
+    lines = [line for path in paths for line in path.read_text(encoding="utf-8").splitlines()]
+    for line in lines:
         if not line.strip():
             continue
         item = json.loads(line)
@@ -97,8 +112,12 @@ def load_queries(path: Path, corpus: Path, corpus_id: str) -> list[Query]:
             if len(found) != 1:
                 raise SystemExit(f"{item['id']}: gold heading {label['heading']!r} not found once in {label['path']}")
             gold.append((label["path"], found[0].start, found[0].end))
-        queries.append(Query(item["id"], item["query"], item.get("kind", "all"), gold))
+        extra = [] if phrasings is None else phrasings.get(item["id"], item.get("phrasings", []))
+        queries.append(Query(item["id"], item["query"], item.get("kind", "all"), gold, list(extra)))
     return queries
+
+
+CONFIDENCE_ORDER = {"low": 0, "medium": 1, "high": 2}
 
 
 @dataclass
@@ -107,6 +126,7 @@ class Outcome:
     results: list[dict[str, Any]]
     seconds: float
     error: str | None = None
+    confidence: str | None = None
 
     def file_hit(self, k: int = 5) -> bool:
         paths = {g[0] for g in self.query.gold}
@@ -126,6 +146,9 @@ class Outcome:
             return float("-inf")
         top = self.results[0]
         return float(top["score"] if top.get("score") is not None else top.get("rank_score", 0.0))
+
+    def confidence_value(self) -> float:
+        return float(CONFIDENCE_ORDER.get(self.confidence or "low", 0)) if self.results else -1.0
 
 
 def auroc(positives: Sequence[float], negatives: Sequence[float]) -> float | None:
@@ -151,6 +174,9 @@ class Row:
     p50_ms: float
     p95_ms: float
     errors: int = 0
+    confidence_auroc: float | None = None
+    answerable_low: float | None = None  # share of answerable queries whose confidence is low
+    unanswerable_low: float | None = None  # share of unanswerable ones
 
 
 def summarise(outcomes: Sequence[Outcome]) -> list[Row]:
@@ -158,11 +184,14 @@ def summarise(outcomes: Sequence[Outcome]) -> list[Row]:
     for outcome in outcomes:
         by_kind[outcome.query.kind].append(outcome)
     negatives = [o.top_score() for o in outcomes if not o.query.gold]
+    negative_confidence = [o.confidence_value() for o in outcomes if not o.query.gold]
     rows = []
     for kind, group in [*sorted(by_kind.items()), ("all", list(outcomes))]:
         answerable = [o for o in group if o.query.gold]
         mean = (lambda xs: sum(xs) / len(xs)) if answerable else (lambda xs: None)
         latencies = [o.seconds * 1000 for o in group]
+        unanswerable = [o for o in group if not o.query.gold]
+        share_low = (lambda xs: sum(o.confidence_value() <= 0 for o in xs) / len(xs) if xs else None)
         rows.append(Row(
             kind=kind, n=len(group),
             file_hit5=mean([o.file_hit() for o in answerable]),
@@ -170,7 +199,10 @@ def summarise(outcomes: Sequence[Outcome]) -> list[Row]:
             mrr10=mean([o.reciprocal_rank() for o in answerable]),
             auroc=auroc([o.top_score() for o in answerable], negatives) if kind == "all" else None,
             p50_ms=statistics.median(latencies), p95_ms=percentile(latencies, 0.95),
-            errors=sum(1 for o in group if o.error)))
+            errors=sum(1 for o in group if o.error),
+            confidence_auroc=auroc([o.confidence_value() for o in answerable], negative_confidence)
+            if kind == "all" else None,
+            answerable_low=share_low(answerable), unanswerable_low=share_low(unanswerable)))
     return rows
 
 
@@ -179,11 +211,13 @@ def markdown_table(mode: str, rows: Sequence[Row]) -> str:
         return "" if value is None else f"{value:.3f}"
 
     out = [f"mode: {mode}", "",
-           "| kind | n | file_hit@5 | section_hit@5 | MRR@10 | AUROC top-1 | p50 ms | p95 ms | errors |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| kind | n | file_hit@5 | section_hit@5 | MRR@10 | AUROC top-1 | AUROC confidence | low: answerable "
+           "| low: unanswerable | p50 ms | p95 ms | errors |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         out.append(f"| {r.kind} | {r.n} | {fmt(r.file_hit5)} | {fmt(r.section_hit5)} | {fmt(r.mrr10)} | "
-                   f"{fmt(r.auroc)} | {r.p50_ms:.0f} | {r.p95_ms:.0f} | {r.errors} |")
+                   f"{fmt(r.auroc)} | {fmt(r.confidence_auroc)} | {fmt(r.answerable_low)} | "
+                   f"{fmt(r.unanswerable_low)} | {r.p50_ms:.0f} | {r.p95_ms:.0f} | {r.errors} |")
     return "\n".join(out)
 
 
@@ -194,6 +228,10 @@ def build_index(corpus: Path, store: Path) -> dict[str, Any]:
         raise SystemExit(f"ingest failed (exit 2):\n{done.stderr}")
     sys.stderr.write(done.stderr.splitlines()[-1] + "\n" if done.stderr else "")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def arguments(query: Query) -> dict[str, Any]:
+    return {"query": query.text, **({"queries": query.phrasings} if query.phrasings else {})}
 
 
 async def run_queries(queries: Sequence[Query], modes: Sequence[str], env: dict[str, str], k: int) -> dict[str, list[Outcome]]:
@@ -207,25 +245,27 @@ async def run_queries(queries: Sequence[Query], modes: Sequence[str], env: dict[
         first: list[float] = []
         for query in queries:
             started = time.perf_counter()
-            await client.call_tool("search_corpus", {"query": query.text, "k": 1, "mode": "vector"})
+            await client.call_tool("search_corpus", {**arguments(query), "k": 1, "mode": "vector"})
             first.append(time.perf_counter() - started)
         outcomes["first-call"] = [Outcome(q, [], s) for q, s in zip(queries, first)]
         for mode in modes:
             for query in queries:
                 started = time.perf_counter()
-                result = await client.call_tool("search_corpus", {"query": query.text, "k": k, "mode": mode})
+                result = await client.call_tool("search_corpus", {**arguments(query), "k": k, "mode": mode})
                 seconds = time.perf_counter() - started
-                content = result.structured_content or {}
                 if result.is_error:
-                    outcomes[mode].append(Outcome(query, [], seconds, json.dumps(content)[:300]))
+                    text = result.content[0].text if result.content else ""  # type: ignore[union-attr]
+                    outcomes[mode].append(Outcome(query, [], seconds, text[:300]))
                 else:
-                    outcomes[mode].append(Outcome(query, list(content.get("results", [])), seconds))
+                    content = result.structured_content or {}
+                    outcomes[mode].append(Outcome(query, list(content.get("results", [])), seconds,
+                                                  confidence=content.get("confidence")))
     return outcomes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("queries", type=Path)
+    parser.add_argument("queries", type=Path, nargs="+", help="query files (JSON lines), read in order")
     parser.add_argument("--corpus", type=Path, required=True)
     parser.add_argument("--query-corpus", help="run only query lines whose 'corpus' equals this (default: folder name)")
     parser.add_argument("--store", type=Path, help="index folder to (re)use; default: a temporary one")
@@ -233,10 +273,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--runs", type=Path, help="write one run file per mode here (dev-set score.py format)")
     parser.add_argument("--json", type=Path, help="write the tables as JSON here")
+    parser.add_argument("--phrasings", type=Path, help="extra phrasings per query id (JSON lines {id, queries})")
     args = parser.parse_args(argv)
     corpus = args.corpus.resolve()
     modes = [m for m in args.modes.split(",") if m]
-    queries = load_queries(args.queries, corpus, args.query_corpus or corpus.name)
+    queries = load_queries(args.queries, corpus, args.query_corpus or corpus.name,
+                           load_phrasings(args.phrasings) if args.phrasings else None)
     if not queries:
         raise SystemExit("no queries matched; check --query-corpus")
     with tempfile.TemporaryDirectory(prefix="rag-eval-") as tmp:
@@ -246,7 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                "OLLAMA_HOST": os.environ.get("OLLAMA_HOST", "http://127.0.0.1:11434")}
         outcomes = asyncio.run(run_queries(queries, modes, env, args.k))
     report: dict[str, Any] = {"corpus": str(corpus), "queries": len(queries), "chunks": summary.get("chunks_written"),
-                              "embedder": env["OLLAMA_HOST"], "modes": {}}
+                              "embedder": env["OLLAMA_HOST"], "phrasings": sum(1 for q in queries if q.phrasings),
+                              "modes": {}}
     first_ms = [o.seconds * 1000 for o in outcomes["first-call"]]
     report["first_call_ms"] = {"p50": statistics.median(first_ms), "p95": percentile(first_ms, 0.95)}
     print(f"corpus {corpus} - {len(queries)} queries - embedder at {env['OLLAMA_HOST']}")
