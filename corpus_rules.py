@@ -18,6 +18,7 @@ import importlib
 import json
 import math
 import os
+import queue
 import re
 import secrets
 import shutil
@@ -1909,30 +1910,68 @@ def import_heavy(name: str) -> Any:
         return importlib.import_module(name)
 
 
-def call_within(fn: Callable[[], Any], seconds: float) -> Any:
-    """fn() on a daemon thread; TimeoutError when it has not finished within `seconds`.
+class _CallThreads:
+    """Daemon threads that run one call each and then wait for the next. Starting a thread per
+    call cost ~0.3 ms of a 4 ms search (the caller waits until the new thread is scheduled). A
+    call that never returns (a stalled embedder its waiter gave up on) keeps its thread; the next
+    call takes another idle thread or starts one."""
+
+    IDLE_MAX = 8
+
+    def __init__(self) -> None:
+        self._idle: list[queue.SimpleQueue[Callable[[], None]]] = []
+        self._lock = threading.Lock()
+
+    def run(self, task: Callable[[], None]) -> None:
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name="rag-call", daemon=True).start()
+        inbox.put(task)
+
+    def _serve(self, inbox: queue.SimpleQueue[Callable[[], None]]) -> None:
+        while True:
+            inbox.get()()
+            with self._lock:
+                if len(self._idle) >= self.IDLE_MAX:
+                    return
+                self._idle.append(inbox)
+
+
+_CALL_THREADS = _CallThreads()
+
+
+class Pending:
+    """fn() running on a daemon thread from construction; result(seconds) waits for it at most
+    that long (TimeoutError after) and raises what fn raised.
 
     An HTTP client's timeout bounds each read, not the call: an endpoint that sends its headers and
     then a byte a second would keep a call alive for ever. The caller gets its answer within the
     bound whatever the other side does; the abandoned call ends on its own (see _DeadlineStream),
-    and a daemon thread never keeps the process from exiting."""
-    box: dict[str, Any] = {}
-    done = threading.Event()
+    and a daemon thread never keeps the process from exiting. Starting the call and waiting for it
+    apart lets the caller work meanwhile (a search runs its keyword channel while Ollama embeds)."""
 
-    def run() -> None:
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        _CALL_THREADS.run(lambda: self._run(fn))
+
+    def _run(self, fn: Callable[[], Any]) -> None:
         try:
-            box["value"] = fn()
+            self._value = fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            box["error"] = exc
+            self._error = exc
         finally:
-            done.set()
+            self._done.set()
 
-    threading.Thread(target=run, name="ollama-call", daemon=True).start()
-    if not done.wait(seconds):
-        raise TimeoutError(f"no answer within {seconds:g} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    def result(self, seconds: float | None = None) -> Any:
+        if not self._done.wait(seconds):
+            raise TimeoutError(f"no answer within {seconds:g} s")
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 @functools.cache
@@ -1954,7 +1993,7 @@ def _deadline_transport_class() -> type:
 
     class DeadlineTransport(httpx.HTTPTransport):
         """Ends a response whose body is still arriving when the call's time is up, so a call
-        abandoned by call_within does not trickle on for ever."""
+        abandoned by its waiter (see Pending) does not trickle on for ever."""
 
         def __init__(self, seconds: float) -> None:
             super().__init__()
@@ -1991,8 +2030,11 @@ class OllamaEmbedder:
         return self._client
 
     def _call(self, fn: Callable[[], Any]) -> Any:
+        return self._answer(Pending(fn))
+
+    def _answer(self, call: Pending) -> Any:
         try:
-            return call_within(fn, self.timeout_s)
+            return call.result(self.timeout_s)
         except TimeoutError:
             raise self._timed_out() from None
         except Exception as exc:  # noqa: BLE001 - translated below
@@ -2044,11 +2086,19 @@ class OllamaEmbedder:
     def embed(self, texts: Sequence[str]) -> Any:
         """One vector per text, as a float32 matrix (rows in order). InvalidVectors when Ollama's
         answer holds NaN or infinite values, or rows of different lengths."""
+        return self.begin_embed(texts)()
+
+    def begin_embed(self, texts: Sequence[str]) -> Callable[[], Any]:
+        """Send the embed request now; the function returned waits for the answer (at most
+        timeout_s) and gives what embed() gives."""
+        options: dict[str, Any] = {"keep_alive": self.keep_alive} if self.keep_alive is not None else {}
+        call = Pending(lambda: self._get_client().embed(model=self.model, input=list(texts), truncate=False,
+                                                        **options))
+        return lambda: self._vectors(texts, self._answer(call))
+
+    def _vectors(self, texts: Sequence[str], response: Any) -> Any:
         np = import_heavy("numpy")
 
-        options: dict[str, Any] = {"keep_alive": self.keep_alive} if self.keep_alive is not None else {}
-        response = self._call(lambda: self._get_client().embed(model=self.model, input=list(texts), truncate=False,
-                                                               **options))
         if len(response.embeddings) != len(texts):
             raise RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
                            f"Ollama returned {len(response.embeddings)} embeddings for {len(texts)} inputs", "retry")

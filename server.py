@@ -68,6 +68,7 @@ from corpus_rules import (
     EmbedderTimeout,
     ErrorCode,
     OllamaEmbedder,
+    Pending,
     PathChanged,
     RagError,
     Settings,
@@ -149,6 +150,8 @@ EMBEDDER_REST_S = 15.0
 # Stored chunk vectors (for keyword-only hits' scores). Ids are content-addressed, so an entry
 # can never go stale within an index; 4096 x 768 float32 is 12 MB.
 CHUNK_VECTOR_CACHE_SIZE = 4096
+PASSAGE_COUNT_CACHE_SIZE = 50_000  # terms, per open index generation
+PASSAGE_TERMS_CACHE_SIZE = 4096  # passages
 # The staleness hint stats every indexed file; once every few seconds keeps searches cheap.
 STALENESS_TTL_S = 5.0
 SQLITE_BUSY_TIMEOUT_S = 5.0
@@ -749,7 +752,10 @@ class ChromaWorker:
         return self.submit(lambda: None).done.wait(timeout)
 
     def call(self, fn: Callable[[], Any], what: str, timeout: float) -> Any:
-        job = self.submit(fn)
+        return self.wait(self.submit(fn), what, timeout)
+
+    def wait(self, job: _Job, what: str, timeout: float) -> Any:
+        """A submitted job's result, waited for at most `timeout` seconds (then dropped if unstarted)."""
         if not job.done.wait(timeout):
             with job.lock:
                 if job.state == "queued":
@@ -794,7 +800,7 @@ class OpenIndex:
         self.keyword_path = layout.keyword_db(current.index)
         self.db = self._open_keywords()
         self.vectors = vectors  # opened on first need, on the Chroma thread
-        self._term_counts: dict[tuple[str, int], int] = {}
+        self._passage_counts: dict[str, int] = {}
 
     def _open_keywords(self) -> sqlite3.Connection:
         path = self.keyword_path
@@ -829,12 +835,18 @@ class OpenIndex:
             return None
 
     def passages_with(self, terms: Sequence[str]) -> dict[str, int]:
-        """How many passages contain each term (as the keyword index holds it)."""
-        out: dict[str, int] = {}
-        for batch in batched(list(dict.fromkeys(terms)), 500):
-            out.update((str(t), int(n)) for t, n in self._sql(
-                f"SELECT term, doc FROM temp.term_counts WHERE term IN ({','.join('?' * len(batch))})", batch))
-        return out
+        """How many passages contain each term (as the keyword index holds it). Cached: a
+        generation's counts never change, and queries share most of their words."""
+        counts = self._passage_counts
+        unknown = [term for term in dict.fromkeys(terms) if term not in counts]
+        if unknown:
+            if len(counts) + len(unknown) > PASSAGE_COUNT_CACHE_SIZE:
+                counts.clear()
+            counts.update(dict.fromkeys(unknown, 0))
+            for batch in batched(unknown, 500):
+                counts.update((str(t), int(n)) for t, n in self._sql(
+                    f"SELECT term, doc FROM temp.term_counts WHERE term IN ({','.join('?' * len(batch))})", batch))
+        return {term: counts[term] for term in terms if counts.get(term)}
 
     def holders(self, expression: str | None, ids: Sequence[str]) -> set[str]:
         """Which of these chunk ids match an FTS5 expression (None matches nothing)."""
@@ -871,22 +883,34 @@ class OpenIndex:
         a fresh client reads the current files. Measured: 23 of 185 searches failed during a
         re-ingest before this retry, none after. The caller waits at most RAG_STORE_TIMEOUT.
         """
-        def attempt() -> Any:
-            try:
-                return read(self.vectors)
-            except RagError as first:
-                if first.code is not ErrorCode.INTERNAL:
-                    raise
-                log.info("vector store read failed (%s); reopening the Chroma client", first.message[:200])
-            self.vectors.close()
-            return read(self.vectors)
+        return CHROMA_WORKER.call(lambda: self._read_reopening(read), self.vectors.where, self.store_timeout_s)
 
-        return CHROMA_WORKER.call(attempt, self.vectors.where, self.store_timeout_s)
+    def _read_reopening(self, read: Callable[[VectorStore], Any]) -> Any:
+        try:
+            return read(self.vectors)
+        except RagError as first:
+            if first.code is not ErrorCode.INTERNAL:
+                raise
+            log.info("vector store read failed (%s); reopening the Chroma client", first.message[:200])
+        self.vectors.close()
+        return read(self.vectors)
 
     def vector_query(self, lifecycle: str, vector: Sequence[float], n: int,
                      paths: Sequence[str] | None) -> list[tuple[str, float]]:
         """(id, cosine distance) best first. paths=None: unfiltered (the fast path)."""
         return self._vector_read(lambda vectors: vectors.query(lifecycle, vector, n, paths))
+
+    def start_vector_query(self, lifecycle: str, vector: Sequence[float], n: int, paths: Sequence[str] | None,
+                           live: Callable[[], bool]) -> _Job:
+        """vector_query sent to the Chroma thread now and read later with vector_answer, so the
+        caller can work meanwhile (Chroma's query releases the GIL). `live()` is asked on that
+        thread first: a generation replaced meanwhile reads nothing (its client is being closed
+        by a job queued behind this one), and the answer is None."""
+        return CHROMA_WORKER.submit(lambda: self._read_reopening(lambda vectors: vectors.query(lifecycle, vector, n, paths))
+                                    if live() else None)
+
+    def vector_answer(self, job: _Job) -> list[tuple[str, float]] | None:
+        return CHROMA_WORKER.wait(job, self.vectors.where, self.store_timeout_s)
 
     def embeddings(self, lifecycle: str, ids: Sequence[str]) -> tuple[list[str], Any]:
         """Stored vectors of these ids: (ids found, matrix with one row each)."""
@@ -902,16 +926,19 @@ class OpenIndex:
         """The FTS5 expression to rank: every query term when they match at most `budget` chunks
         in all; else only the rarest terms that fit the budget (identifiers, names: what the
         keyword channel is for); else nothing (no query term is discriminative here, and the
-        vector channel carries the query alone)."""
+        vector channel carries the query alone). Each term is one FTS5 token, so the index's own
+        vocabulary counts say how many chunks it matches, without ranking anything."""
         terms = query_terms(query)
         if not terms:
             return KeywordPlan(None, terms, "no_terms")
         everything = fts_any(terms)
-        # An index no bigger than the budget cannot exceed it: skip the probe (small corpora).
-        if self.current.stamp.chunks <= budget or self._bounded_matches(everything, budget) <= budget:
+        counts = self.passages_with(terms)
+        # An index no bigger than the budget cannot exceed it, and the sum bounds the matches of
+        # "any term"; only past both is the exact number (terms share chunks) worth a bounded probe.
+        if (self.current.stamp.chunks <= budget or sum(counts.values()) <= budget
+                or self._bounded_matches(everything, budget) <= budget):
             return KeywordPlan(everything, terms, "all")
-        counts = {term: self._term_matches(term, budget) for term in terms}
-        present = sorted((t for t in terms if counts[t] > 0), key=lambda t: (counts[t], terms.index(t)))
+        present = sorted(counts, key=lambda t: (counts[t], terms.index(t)))
         picked: list[str] = []
         total = 0
         for term in present:
@@ -925,14 +952,6 @@ class OpenIndex:
         # posting list, so an AND of common words costs as much as ranking them (measured: p95
         # 11 ms at 100k chunks). Common words are what the vector channel already covers.
         return KeywordPlan(None, terms, "too_common")
-
-    def _term_matches(self, term: str, budget: int) -> int:
-        key = (term, budget)
-        if key not in self._term_counts:
-            if len(self._term_counts) > 20_000:  # a bounded cache; counts are only cost estimates
-                self._term_counts.clear()
-            self._term_counts[key] = self._bounded_matches(fts_any([term]) or "", budget)
-        return self._term_counts[key]
 
     def keyword_rows(self, query: str, lifecycles: Sequence[str], prefix: str | None, n: int,
                      budget: int = KEYWORD_MATCH_BUDGET) -> tuple[list[ChunkRow], KeywordPlan]:
@@ -1040,6 +1059,10 @@ class StoreManager:
             self._open.close()
             self._open = None
 
+    def is_live(self, index: OpenIndex) -> bool:
+        """Whether `index` is still the open generation (callable without the lock: one read)."""
+        return self._open is index
+
     def open(self) -> OpenIndex:
         current = self.current()
         key = (current.index, current.generation)
@@ -1086,9 +1109,10 @@ class QueryEmbeddings:
                 self._embedders[key] = OllamaEmbedder(host, model, timeout)
             return self._embedders[key]
 
-    def embed_many(self, host: str, model: str, texts: Sequence[str], timeout: float, dims: int,
-                   generation: Any) -> list[Any]:
-        """One vector per text, those not cached in one call to Ollama."""
+    def begin(self, host: str, model: str, texts: Sequence[str], timeout: float, dims: int,
+              generation: Any) -> QueryVectors:
+        """One vector per text, those not cached in one call to Ollama, sent now: the caller may
+        work meanwhile and waits by calling the result, which raises any error."""
         keys = [(host, model, text, generation) for text in texts]
         vectors: dict[tuple[Any, ...], Any] = {}
         with self._lock:
@@ -1098,11 +1122,16 @@ class QueryEmbeddings:
                     vectors[key] = self._cache[key]
             resting = self._resting.get((host, model))
         missing = list(dict.fromkeys(key for key in keys if key not in vectors))
-        if missing:
-            if resting is not None and time.monotonic() < resting[0]:
-                raise resting[1]
+        if not missing:
+            return QueryVectors(lambda: [vectors[key] for key in keys], in_flight=False)
+        if resting is not None and time.monotonic() < resting[0]:
+            error = resting[1]
+            return QueryVectors(lambda: _raise(error), in_flight=False)
+        answer = self.embedder(host, model, timeout).begin_embed([key[2] for key in missing])
+
+        def finish() -> list[Any]:
             try:
-                matrix = self.embedder(host, model, timeout).embed([key[2] for key in missing])
+                matrix = answer()
             except EmbedderTimeout as exc:
                 with self._lock:
                     self._resting[(host, model)] = (time.monotonic() + EMBEDDER_REST_S, exc)
@@ -1119,7 +1148,24 @@ class QueryEmbeddings:
                     self._cache.move_to_end(key)
                 while len(self._cache) > self.size:
                     self._cache.popitem(last=False)
-        return [vectors[key] for key in keys]
+            return [vectors[key] for key in keys]
+
+        return QueryVectors(finish, in_flight=True)
+
+
+@dataclass(frozen=True)
+class QueryVectors:
+    """Query vectors being embedded (in_flight) or already known; calling it waits for them."""
+
+    result: Callable[[], list[Any]]
+    in_flight: bool
+
+    def __call__(self) -> list[Any]:
+        return self.result()
+
+
+def _raise(error: BaseException) -> Any:
+    raise error
 
 
 # ---------------------------------------------------------------------------
@@ -1221,6 +1267,37 @@ class SearchScope:
     empty: str | None = None
 
 
+@dataclass
+class KeywordFirst:
+    """A hybrid search's pre-filter and keyword candidates, read from index generation `key`
+    while its query vectors were being embedded, and the Chroma queries started as soon as the
+    vectors arrived (by phrasing and lifecycle)."""
+
+    key: tuple[str, int]
+    scope: SearchScope
+    found: Candidates
+    embedding: QueryVectors
+    queries: dict[tuple[int, str], _Job] = field(default_factory=dict)
+    _ahead: Pending | None = None
+
+    def start_vector_queries(self, index: OpenIndex, manager: StoreManager, n: int) -> None:
+        def when_embedded() -> list[Any]:
+            vectors = self.embedding()
+            for p, vector in enumerate(vectors):
+                for lc in self.scope.lifecycles:
+                    paths = self.scope.paths.get(lc)
+                    if paths is None or paths:
+                        self.queries[(p, lc)] = index.start_vector_query(lc, vector, n, paths,
+                                                                         lambda: manager.is_live(index))
+            return vectors
+
+        self._ahead = Pending(when_embedded)
+
+    def vectors(self) -> list[Any]:
+        """The query vectors (errors as the embedding raised them)."""
+        return self._ahead.result() if self._ahead is not None else self.embedding()
+
+
 @dataclass(frozen=True)
 class Phrasing:
     """One phrasing of the search (0 is the query) and its query vector (None without one)."""
@@ -1248,7 +1325,8 @@ class Candidates:
     whole: dict[str, set[str]] = field(default_factory=dict)
     parts: dict[str, set[str]] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)
-    _terms: dict[str, frozenset[str]] = field(default_factory=dict)
+    passages: PassageTerms = field(default_factory=lambda: PassageTerms(PASSAGE_TERMS_CACHE_SIZE))
+    index_name: str = ""  # the index the rows come from (an id names one text within one index)
 
     def add(self, ranked: RankedList, rows: Mapping[str, ChunkRow] | Sequence[ChunkRow]) -> None:
         self.lists.append(ranked)
@@ -1265,15 +1343,37 @@ class Candidates:
         one language (term overlap between a Japanese question and an English passage is an
         incidental API name, not evidence) or the phrasing's terms were not weighed."""
         weights = self.weights.get(p)
-        if weights is None or abs(cjk_share(phrasing.text) - cjk_share(row.text)) > SAME_LANGUAGE_GAP:
+        if weights is None:
             return None
-        return coverage(weights, self.terms_of(row))
+        terms, text_cjk_share = self.passages.of(self.index_name, row)
+        if abs(cjk_share(phrasing.text) - text_cjk_share) > SAME_LANGUAGE_GAP:
+            return None
+        return coverage(weights, terms)
 
-    def terms_of(self, row: ChunkRow) -> frozenset[str]:
-        """The keyword terms of a passage (title, heading path, text), as the index holds them."""
-        if row.id not in self._terms:
-            self._terms[row.id] = frozenset(keyword_terms(f"{row.title}\n{row.heading}\n{row.text}"))
-        return self._terms[row.id]
+
+class PassageTerms:
+    """The keyword terms of passages (title, heading path, text, as the index holds them) and the
+    CJK share of their text, least recently used first out. Chunk ids are content-addressed, so
+    an entry (index, id) never goes stale; the service keeps one across searches (thread-safe)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._known: OrderedDict[tuple[str, str], tuple[frozenset[str], float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def of(self, index_name: str, row: ChunkRow) -> tuple[frozenset[str], float]:
+        key = (index_name, row.id)
+        with self._lock:
+            known = self._known.get(key)
+            if known is not None:
+                self._known.move_to_end(key)
+                return known
+        known = (frozenset(keyword_terms(f"{row.title}\n{row.heading}\n{row.text}")), cjk_share(row.text))
+        with self._lock:
+            self._known[key] = known
+            while len(self._known) > self.size:
+                self._known.popitem(last=False)
+        return known
 
 
 def rank(found: Candidates, k: int) -> list[tuple[str, float]]:
@@ -1281,8 +1381,10 @@ def rank(found: Candidates, k: int) -> list[tuple[str, float]]:
     reciprocal rank fusion of every list, passages holding only parts of a query identifier
     below those holding it whole, and the query's own strong channels' best hits kept. A
     reranker would go here."""
-    fused = demote_partial_identifier_matches(fuse_rankings(found.lists, RRF_K), found.whole, found.parts)
-    bests = [ranked.ids[0] for ranked in found.lists
+    # One order whichever channel answered first: per phrasing, vector then keyword.
+    lists = sorted(found.lists, key=lambda ranked: (ranked.phrasing, ranked.channel != "vector"))
+    fused = demote_partial_identifier_matches(fuse_rankings(lists, RRF_K), found.whole, found.parts)
+    bests = [ranked.ids[0] for ranked in lists
              if ranked.phrasing == 0 and ranked.ids and ranked.weight >= KEEP_BEST_MIN_WEIGHT]
     return select_top_k(fused, bests, k)
 
@@ -1299,6 +1401,7 @@ class RetrievalService:
         self.staleness = StalenessCheck()
         # Stored vectors of keyword-only hits, for their scores; only touched under the store lock.
         self._chunk_vectors: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._passage_terms = PassageTerms(PASSAGE_TERMS_CACHE_SIZE)
 
     # set-up -------------------------------------------------------------------------------
     @property
@@ -1353,7 +1456,7 @@ class RetrievalService:
             return self.settings.corpus_dir
         return Path(current.corpus_dir)
 
-    def _query_vectors(self, phrasings: Sequence[str], current: CurrentIndex) -> list[Any]:
+    def _check_model(self, current: CurrentIndex) -> None:
         settings = self.settings
         manifest = current.manifest
         if settings.embed_model_explicit and not same_model(settings.embed_model, manifest.model):
@@ -1361,34 +1464,50 @@ class RetrievalService:
                            f"RAG_EMBED_MODEL={settings.embed_model!r} but the index was built with {manifest.model!r}",
                            f"re-ingest with the new model (`python ingest.py`), or unset RAG_EMBED_MODEL to use "
                            f"{manifest.model!r}")
-        scheme = PREFIX_SCHEMES[manifest.prefix_scheme]
+
+    @staticmethod
+    def _query_texts(phrasings: Sequence[str], current: CurrentIndex) -> list[str]:
+        scheme = PREFIX_SCHEMES[current.manifest.prefix_scheme]
+        return [scheme.query_text(p) for p in phrasings]
+
+    def _query_vectors(self, phrasings: Sequence[str], current: CurrentIndex) -> QueryVectors:
+        """The phrasings' query vectors, from the cache or being embedded (one call for all)."""
+        settings = self.settings
+        manifest = current.manifest
+        self._check_model(current)
         timeout = min(settings.embed_timeout_s, QUERY_EMBED_TIMEOUT_S)
-        return self.queries.embed_many(settings.ollama_host, manifest.model, [scheme.query_text(p) for p in phrasings],
-                                       timeout, manifest.dims, (current.index, current.generation))
+        return self.queries.begin(settings.ollama_host, manifest.model, self._query_texts(phrasings, current),
+                                  timeout, manifest.dims, (current.index, current.generation))
 
     # search_corpus ----------------------------------------------------------------------------
     def search(self, args: SearchCorpusInput) -> SearchResponse:
         """Embed the phrasings (outside the store lock: it can take seconds; one call for all), then
         run the stages on one generation of the index: pre-filter -> candidates -> rank -> hits ->
-        confidence."""
+        confidence. In hybrid mode the keyword channel runs while Ollama embeds (it needs no
+        vector), and is kept when the index did not move on meanwhile."""
         if args.mode == "keyword" and args.min_score is not None:
             raise RagError(ErrorCode.INVALID_ARGUMENT, "min_score needs similarity scores, which keyword mode "
                            "does not compute", "drop min_score, or use mode 'hybrid' or 'vector'")
         manager = self.manager
-        phrasings = args.phrasings()
+        texts = args.phrasings()
         vectors: list[Any] | None = None
         embedded_for: Any = None
         degraded: RagError | None = None
+        early: KeywordFirst | None = None
         for _attempt in range(3):
             with manager.lock:
                 index = manager.open()
                 if (args.mode == "keyword" or degraded is not None
                         or (vectors is not None and embedded_for == index.current.manifest)):
-                    return self._search_index(index, args, [Phrasing(text, vectors[i] if vectors else None)
-                                                            for i, text in enumerate(phrasings)], degraded)
+                    phrasings = [Phrasing(text, vectors[i] if vectors else None) for i, text in enumerate(texts)]
+                    return self._search_index(index, args, phrasings, degraded,
+                                              early if early is not None and early.key == index.key else None)
                 current = index.current
+                embedding = self._query_vectors(texts, current)
+                early = (self._keyword_first(index, args, [Phrasing(text, None) for text in texts], embedding)
+                         if args.mode == "hybrid" and embedding.in_flight else None)
             try:
-                vectors = self._query_vectors(phrasings, current)
+                vectors = early.vectors() if early is not None else embedding()
             except RagError as exc:
                 # A dependency that is down degrades hybrid search to its keyword channel; vector
                 # mode has nothing to fall back on.
@@ -1400,13 +1519,31 @@ class RetrievalService:
         raise RagError(ErrorCode.INTERNAL, "the index kept changing during the search", "retry")
 
     def _search_index(self, index: OpenIndex, args: SearchCorpusInput, phrasings: list[Phrasing],
-                      degraded: RagError | None) -> SearchResponse:
-        scope = self._prefilter(index, args)
-        found = Candidates() if scope.empty else self._candidates(index, args, scope, phrasings)
+                      degraded: RagError | None, early: KeywordFirst | None = None) -> SearchResponse:
+        scope = early.scope if early is not None else self._prefilter(index, args)
+        found = self._new_candidates(index)
+        if not scope.empty:
+            found = early.found if early is not None else self._keyword_candidates(index, args, scope, phrasings)
+            self._vector_candidates(index, args, scope, phrasings, found, early.queries if early is not None else {})
+            self._settle_candidates(index, args, phrasings, found)
         ranked = rank(found, args.k)
         hits = self._hits(index, ranked, found, phrasings)
         confidence = self._confidence(index, found.rows[ranked[0][0]], hits[0], found, phrasings) if hits else None
         return self._search_response(index, args, scope, found, hits, confidence, degraded)
+
+    def _keyword_first(self, index: OpenIndex, args: SearchCorpusInput, phrasings: list[Phrasing],
+                       embedding: QueryVectors) -> KeywordFirst:
+        """A hybrid search's pre-filter and keyword channel, run while Ollama embeds its
+        phrasings; as soon as the vectors arrive, their Chroma queries start on the Chroma thread
+        (on a helper thread that waits for them), so the vector channel's first round runs
+        alongside the keyword channel too."""
+        scope = self._prefilter(index, args)
+        first = KeywordFirst(index.key, scope, self._new_candidates(index), embedding)
+        if scope.empty:
+            return first
+        first.start_vector_queries(index, self.manager, max(CHANNEL_CANDIDATES, args.k))
+        first.found = self._keyword_candidates(index, args, scope, phrasings)
+        return first
 
     def _prefilter(self, index: OpenIndex, args: SearchCorpusInput) -> SearchScope:
         """Lifecycle and path_prefix, applied before ranking in both channels so a filtered-out
@@ -1426,37 +1563,55 @@ class RetrievalService:
         return SearchScope(lifecycles, prefix, {lc: None if len(by_lc.get(lc, [])) == totals.get(lc, 0)
                                                 else by_lc.get(lc, []) for lc in lifecycles})
 
-    def _candidates(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope,
-                    phrasings: list[Phrasing]) -> Candidates:
-        """Each phrasing's candidates from each channel, weighted for fusion (the query above the
-        extra phrasings; a keyword ranking by the evidence it has, see keyword_weight), and which
-        candidates hold the query's identifiers whole or all their parts. With min_score,
-        candidates below it are dropped here, before fusion, so a weak candidate never takes a
-        slot."""
-        found = Candidates()
+    def _new_candidates(self, index: OpenIndex) -> Candidates:
+        return Candidates(passages=self._passage_terms, index_name=index.current.index)
+
+    def _keyword_candidates(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope,
+                            phrasings: list[Phrasing]) -> Candidates:
+        """Each phrasing's terms' weights and keyword candidates, weighted for fusion (the query
+        above the extra phrasings; in hybrid mode by the evidence the ranking has, see
+        keyword_weight), and the query's identifiers. Nothing in vector mode: it reads the
+        vectors only (it works without the keyword index)."""
+        found = self._new_candidates(index)
+        if args.mode == "vector":
+            return found
         total = index.current.stamp.chunks
         for p, phrasing in enumerate(phrasings):
-            weight = 1.0 if p == 0 else EXTRA_PHRASING_WEIGHT
-            if args.mode != "vector":  # vector mode reads the vectors only (it works without the keyword index)
-                terms = query_terms(phrasing.text)
-                found.weights[p] = term_weights(terms, index.passages_with(terms), total)
-            if args.mode in ("hybrid", "vector") and phrasing.vector is not None:
-                ids, scores, rows = self._vector_channel(index, phrasing.vector, scope, args.k)
-                found.add(RankedList("vector", p, tuple(ids), weight), rows)
-                found.similarities[p] = [score for score in scores.values() if score is not None]
-                for item, score in scores.items():
-                    found.scores[item] = max(score, found.scores.get(item) or -1.0)
-            if args.mode in ("hybrid", "keyword"):
-                rows, plan = index.keyword_rows(phrasing.text, scope.lifecycles, scope.prefix,
-                                                max(CHANNEL_CANDIDATES, args.k))
-                if p == 0:
-                    found.keyword_plan = plan
-                evidence = max((found.term_evidence(p, phrasing, row) or 0.0 for row in rows[:KEYWORD_EVIDENCE_ROWS]),
-                               default=0.0)
-                found.add(RankedList("keyword", p, tuple(row.id for row in rows),
-                                     weight * (keyword_weight(evidence) if args.mode == "hybrid" else 1.0)), rows)
-        if args.mode != "vector":
-            self._identifiers(index, phrasings, found)
+            terms = query_terms(phrasing.text)
+            found.weights[p] = term_weights(terms, index.passages_with(terms), total)
+            rows, plan = index.keyword_rows(phrasing.text, scope.lifecycles, scope.prefix,
+                                            max(CHANNEL_CANDIDATES, args.k))
+            if p == 0:
+                found.keyword_plan = plan
+            evidence = max((found.term_evidence(p, phrasing, row) or 0.0 for row in rows[:KEYWORD_EVIDENCE_ROWS]),
+                           default=0.0)
+            weight = (1.0 if p == 0 else EXTRA_PHRASING_WEIGHT) * (
+                keyword_weight(evidence) if args.mode == "hybrid" else 1.0)
+            found.add(RankedList("keyword", p, tuple(row.id for row in rows), weight), rows)
+        self._identifiers(index, phrasings, found)
+        return found
+
+    def _vector_candidates(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope,
+                           phrasings: list[Phrasing], found: Candidates,
+                           started: Mapping[tuple[int, str], _Job]) -> None:
+        """Each phrasing's vector candidates (hybrid and vector modes), with their similarities;
+        `started`: Chroma queries already sent, by (phrasing, lifecycle)."""
+        if args.mode not in ("hybrid", "vector"):
+            return
+        for p, phrasing in enumerate(phrasings):
+            if phrasing.vector is None:
+                continue
+            ids, scores, rows = self._vector_channel(index, phrasing.vector, scope, args.k,
+                                                     {lc: job for (q, lc), job in started.items() if q == p})
+            found.add(RankedList("vector", p, tuple(ids), 1.0 if p == 0 else EXTRA_PHRASING_WEIGHT), rows)
+            found.similarities[p] = [score for score in scores.values() if score is not None]
+            for item, score in scores.items():
+                found.scores[item] = max(score, found.scores.get(item) or -1.0)
+
+    def _settle_candidates(self, index: OpenIndex, args: SearchCorpusInput, phrasings: list[Phrasing],
+                           found: Candidates) -> None:
+        """With min_score, candidates below it dropped (before fusion, so a weak candidate never
+        takes a slot); then which candidates hold each query identifier whole or all its parts."""
         if args.min_score is not None and any(p.vector is not None for p in phrasings):
             unscored = [i for i in found.rows if i not in found.scores]
             found.scores.update(self._stored_scores(index, phrasings, unscored, found.rows))
@@ -1466,7 +1621,6 @@ class RetrievalService:
                 ids = list(found.rows)
                 found.whole[identifier] = index.holders(fts_any([term]), ids)
                 found.parts[identifier] = index.holders(fts_all(keyword_terms(identifier)[1:]), ids)
-        return found
 
     @staticmethod
     def _identifiers(index: OpenIndex, phrasings: list[Phrasing], found: Candidates) -> None:
@@ -1481,12 +1635,13 @@ class RetrievalService:
         counts = index.passages_with(list(seen))
         found.missing = [identifier for term, identifier in seen.items() if counts.get(term, 0) == 0]
 
-    def _vector_channel(self, index: OpenIndex, vector: Sequence[float], scope: SearchScope,
-                        k: int) -> tuple[list[str], dict[str, float | None], dict[str, ChunkRow]]:
+    def _vector_channel(self, index: OpenIndex, vector: Sequence[float], scope: SearchScope, k: int,
+                        started: Mapping[str, _Job]) -> tuple[list[str], dict[str, float | None], dict[str, ChunkRow]]:
         """Vector candidates whose chunk rows are committed, best first: (ids, similarities, rows).
 
         Over-fetches until at least k committed candidates are found or the store is exhausted:
         vectors without a committed row (an ingest in flight or interrupted) never take a slot.
+        The first round reads the queries already `started` (by lifecycle) where there are any.
         """
         n = max(CHANNEL_CANDIDATES, k)
         while True:
@@ -1496,7 +1651,10 @@ class RetrievalService:
                 paths = scope.paths.get(lc)
                 if paths is not None and not paths:
                     continue
-                got = index.vector_query(lc, vector, n, paths)
+                job = started.get(lc)
+                got = index.vector_answer(job) if job is not None else None
+                if got is None:
+                    got = index.vector_query(lc, vector, n, paths)
                 exhausted = exhausted and len(got) < n
                 raw.extend(got)
             raw.sort(key=lambda pair: (pair[1], pair[0]))
@@ -1510,6 +1668,7 @@ class RetrievalService:
             if len(valid) >= k or exhausted or n >= MAX_VECTOR_FETCH:
                 break
             n = min(n * 4, MAX_VECTOR_FETCH)
+            started = {}
         kept = valid[:max(CHANNEL_CANDIDATES, k)]
         return [i for i, _ in kept], {i: 1.0 - d for i, d in kept}, {i: rows[i] for i, _ in kept}
 

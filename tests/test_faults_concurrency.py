@@ -111,3 +111,41 @@ def test_two_ingests_started_together_take_turns(fake: FakeOllama, tmp_path: Pat
     # The next ingest finds nothing to do and no stale lock.
     again = run_ingest(fake, corpus, store)
     assert again.code == 0 and again.summary["embedding_calls"] == 0, again.err
+
+
+def test_search_whose_embedding_outlives_its_generation_answers_from_the_new_one(fake: FakeOllama,
+                                                                                   tmp_path: Path) -> None:
+    """A hybrid search reads its keyword channel (and starts its Chroma queries) while Ollama
+    embeds the query. When an ingest moves the index on meanwhile, the answer must come from the
+    new generation alone: nothing read from the old one is kept."""
+    import threading
+
+    import server
+    from corpus_rules import load_settings
+    from helpers import tool_payload
+
+    fake.reset()
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    assert run_ingest(fake, corpus, store).code == 0
+    with FakeOllama() as slow:  # the server's Ollama: same vectors, answering after a pause
+        svc = server.RetrievalService(settings_loader=lambda: load_settings(
+            {"OLLAMA_HOST": slow.host, "RAG_CORPUS_DIR": str(corpus), "RAG_STORE_DIR": str(store)}))
+        slow.configure(delay_seconds=3.0)
+        answer: dict[str, object] = {}
+        query = f"{NEW_TOKEN} arrival notes"
+        searching = threading.Thread(target=lambda: answer.update(result=server.mcp_result(
+            server.dispatch(svc, "search_corpus", {"query": query, "k": 5}))))
+        searching.start()
+        deadline = time.monotonic() + 10
+        while slow.calls()["embed_calls"] == 0:  # the query's embedding is in flight
+            assert time.monotonic() < deadline, "the search never asked for its embedding"
+            time.sleep(0.01)
+        (corpus / "fresh.md").write_text(f"# Fresh page\n\n{NEW_TOKEN} arrived with the re-index.\n", encoding="utf-8")
+        assert run_ingest(fake, corpus, store).code == 0  # the fast Ollama: done before the pause ends
+        searching.join(30)
+        svc.close(10)
+    is_error, payload = tool_payload("search_corpus", answer["result"])
+    assert not is_error, payload
+    assert payload["index"]["generation"] == current_of(store)["generation"] == 2
+    top = payload["results"][0]
+    assert top["path"] == "fresh.md" and "keyword" in top["matched"], payload["results"]
