@@ -432,6 +432,20 @@ def test_estimate_never_below_the_fakes_count(text: str) -> None:
     assert rules.estimate_tokens(text) >= count_tokens(text)
 
 
+def _estimate_piece_by_piece(text: str) -> int:
+    """The token estimate as specified: each CJK character, digit and symbol one token, each run
+    of Latin letters one per three letters (rounded up)."""
+    cjk = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f\uac00-\ud7af"
+    pieces = re.findall(rf"[{cjk}]|[A-Za-z]+|\d|[^\sA-Za-z\d{cjk}]", text)
+    return sum(-(-len(p) // 3) if p[0].isascii() and p[0].isalpha() else 1 for p in pieces)
+
+
+@HYPOTHESIS
+@given(st.text(max_size=400) | st.text(alphabet="日本語のログ abcXYZé0123`_\t\n\u3000\u00a0\x1c-", max_size=300))
+def test_estimate_counts_what_it_specifies(text: str) -> None:
+    assert rules.estimate_tokens(text) == _estimate_piece_by_piece(text)
+
+
 _ENGLISH = st.lists(
     st.tuples(st.text("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ", min_size=1, max_size=14),
               st.sampled_from([" ", " ", " ", ", ", ". ", "; ", "-", "\n", "'s "])),
