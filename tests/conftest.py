@@ -17,6 +17,13 @@ for _p in (str(ROOT), str(TESTS_DIR)):
 from fake_ollama import FakeOllama  # noqa: E402  (needs the sys.path entry above)
 
 
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeOllama]:
+    """One fake Ollama per test module (modules that need a fresh one per test define their own)."""
+    with FakeOllama() as instance:
+        yield instance
+
+
 @pytest.fixture
 def fake_ollama() -> Iterator[FakeOllama]:
     fake = FakeOllama().start()

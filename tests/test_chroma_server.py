@@ -40,12 +40,6 @@ QUERIES = ["who gets paged for a sev-1", "rollback the database after a bad depl
 
 
 @pytest.fixture(scope="module")
-def fake() -> Iterator[FakeOllama]:
-    with FakeOllama() as instance:
-        yield instance
-
-
-@pytest.fixture(scope="module")
 def chroma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChromaServer]:
     with ChromaServer(tmp_path_factory.mktemp("chroma") / "data") as server:
         yield server

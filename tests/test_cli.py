@@ -11,7 +11,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +18,6 @@ import pytest
 
 from fake_ollama import FakeOllama
 from helpers import ROOT, SERVER, Built, build, free_port, ingest_index, output_validators
-
-
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeOllama]:
-    with FakeOllama() as instance:
-        yield instance
 
 
 @pytest.fixture(scope="module")

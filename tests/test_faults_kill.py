@@ -20,7 +20,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,12 +173,6 @@ MOMENTS: dict[str, Callable[[Run], None]] = {
 SAMPLE = ("group 2 vectors written, keywords not", "embedding call 6 in flight", "group 1 committed, old vectors going",
           "at 45% of the run")
 assert len(MOMENTS) == 20 and set(SAMPLE) <= set(MOMENTS)
-
-
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeOllama]:
-    with FakeOllama() as instance:
-        yield instance
 
 
 def check_after_kill(server: RawServer, store: Path, allowed: dict[str, set[str]], must_have: set[str],

@@ -44,12 +44,6 @@ from helpers import (
 HANDBOOKS = {"aa-handbook.md": 260, "ab-handbook.md": 100}
 
 
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeOllama]:
-    with FakeOllama() as instance:
-        yield instance
-
-
 @pytest.fixture
 def ollama(fake: FakeOllama) -> Iterator[FakeOllama]:
     if not fake.running:

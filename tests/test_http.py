@@ -107,12 +107,6 @@ def http_server(env: dict[str, str], *args: str) -> Iterator[HttpServer]:
 
 
 @pytest.fixture(scope="module")
-def fake() -> Iterator[FakeOllama]:
-    with FakeOllama() as instance:
-        yield instance
-
-
-@pytest.fixture(scope="module")
 def built(fake: FakeOllama, tmp_path_factory: pytest.TempPathFactory) -> Built:
     return build(tmp_path_factory.mktemp("http"), fake.host, symlinks=False)
 

@@ -18,12 +18,6 @@ from faultlib import committed_hashes, index_dir
 from helpers import ROOT, child_env, copy_sample, edit, run_ingest
 
 
-@pytest.fixture(scope="module")
-def fake() -> FakeOllama:
-    with FakeOllama() as instance:
-        yield instance
-
-
 def write(path: Path, text: str = "# Page\n\nSome documentation.\n") -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +19,6 @@ import server
 from corpus_rules import Calibration, CorpusFacts, StoreLayout, load_settings
 from fake_ollama import FakeOllama
 from helpers import Built, build, connect, ingest_index, keyword_db, tool_payload
-
-
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeOllama]:
-    with FakeOllama() as instance:
-        yield instance
 
 
 @pytest.fixture(scope="module")

@@ -41,12 +41,6 @@ from helpers import SAMPLE, Built, build, ingest_index, tool_payload
 
 
 @pytest.fixture(scope="module")
-def fake() -> Iterator[FakeOllama]:
-    with FakeOllama() as instance:
-        yield instance
-
-
-@pytest.fixture(scope="module")
 def base(fake: FakeOllama, tmp_path_factory: pytest.TempPathFactory) -> Built:
     """Shared, never modified: tests that change the corpus or store use `fresh`."""
     return build(tmp_path_factory.mktemp("base"), fake.host)

@@ -12,7 +12,7 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,12 +30,6 @@ T = TypeVar("T")
 
 # ---------------------------------------------------------------------------
 # Building indexes and starting servers.
-
-
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeOllama]:
-    with FakeOllama() as instance:
-        yield instance
 
 
 @pytest.fixture(scope="module")
