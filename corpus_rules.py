@@ -1476,6 +1476,22 @@ def _whole(value: Any, name: str) -> int:
     return value
 
 
+def _no_link(path: Path, kind_ok: Callable[[int], bool]) -> Path:
+    """`path` when it does not exist yet or is what ingest makes there (a folder, a file), never
+    a symbolic link: index_incompatible otherwise."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return path
+    except OSError as exc:
+        raise store_failure(exc, str(path)) from None
+    if not kind_ok(mode):
+        what = "a symbolic link" if stat.S_ISLNK(mode) else "not what ingest makes there"
+        raise RagError(ErrorCode.INDEX_INCOMPATIBLE, f"{path} is {what}: the store was changed by hand",
+                       "remove it and run `python ingest.py --full`")
+    return path
+
+
 @dataclass(frozen=True)
 class StoreLayout:
     root: Path
@@ -1489,18 +1505,19 @@ class StoreLayout:
         return self.root / LOCK_FILE
 
     def index_dir(self, name: str) -> Path:
-        # Every index path is built here: only names ingest creates, so a tampered CURRENT.json
-        # can never point ingest (which deletes old index folders) outside the store.
+        # Every index path is built here: only names ingest creates, and only folders (no links),
+        # so a tampered CURRENT.json or a link planted in the store can never point ingest (which
+        # deletes old index folders) or the server outside the store.
         if not INDEX_NAME.fullmatch(name):
             raise RagError(ErrorCode.INDEX_INCOMPATIBLE, f"{name[:80]!r} is not an index folder name",
                            "run `python ingest.py --full` to rebuild the index")
-        return self.root / name
+        return _no_link(self.root / name, stat.S_ISDIR)
 
     def chroma_dir(self, name: str) -> Path:
-        return self.index_dir(name) / CHROMA_SUBDIR
+        return _no_link(self.index_dir(name) / CHROMA_SUBDIR, stat.S_ISDIR)
 
     def keyword_db(self, name: str) -> Path:
-        return self.index_dir(name) / KEYWORD_DB
+        return _no_link(self.index_dir(name) / KEYWORD_DB, stat.S_ISREG)
 
     def read_current(self) -> CurrentIndex | None:
         try:

@@ -7,10 +7,8 @@ from __future__ import annotations
 import re
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 
 from fake_ollama import FakeOllama
 from faultlib import clean_reference, write_handbooks
@@ -31,12 +29,6 @@ from helpers import (
 HANDBOOKS = {f"handbooks/h{i:02d}.md": 40 for i in range(12)}
 NEW_TOKEN = "FRESHPAGE7310"
 REVISION = re.compile(r"revision-([AB])")
-
-
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeOllama]:
-    with FakeOllama() as instance:
-        yield instance
 
 
 def test_server_keeps_answering_while_ingest_reindexes(fake: FakeOllama, tmp_path: Path) -> None:

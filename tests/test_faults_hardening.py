@@ -57,12 +57,6 @@ rag: *i
 """
 
 
-@pytest.fixture(scope="module")
-def fake() -> Any:
-    with FakeOllama() as instance:
-        yield instance
-
-
 @pytest.fixture
 def indexed(fake: FakeOllama, tmp_path: Path) -> tuple[Path, Path]:
     fake.reset()
@@ -178,6 +172,34 @@ def test_a_tampered_index_name_never_reaches_outside_the_store(fake: FakeOllama,
     with raw_server(store, corpus, fake.host) as server:
         is_error, payload = call(server, "list_documents", {})
         assert is_error and payload["error"]["code"] == "index_incompatible"
+
+
+@pytest.mark.parametrize("planted", ["the live index", "a look-alike named in CURRENT.json"])
+def test_an_index_folder_that_is_a_link_is_never_followed(fake: FakeOllama, tmp_path: Path, planted: str) -> None:
+    """A link with a valid index name, pointing outside the store: ingest would write through it
+    and, on the next rebuild, delete what it points at; the server would read it."""
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    assert run_ingest(fake, corpus, store).code == 0
+    victim = tmp_path / "victim"
+    (victim / rules.CHROMA_SUBDIR).mkdir(parents=True)
+    (victim / rules.CHROMA_SUBDIR / "keep.txt").write_text("precious", encoding="utf-8")
+    current = current_of(store)
+    name = current["index"] if planted == "the live index" else "idx-0123456789ab"
+    if planted == "the live index":
+        shutil.rmtree(store / name)
+    else:
+        current["index"] = name
+        (store / rules.CURRENT_FILE).write_text(json.dumps(current), encoding="utf-8")
+    (store / name).symlink_to(victim, target_is_directory=True)
+    before = sorted(p.name for p in victim.rglob("*"))
+    done = run_ingest(fake, corpus, store)
+    assert done.code == 2 and done.summary["error"]["code"] == "index_incompatible", done.err
+    assert "symbolic link" in done.summary["error"]["message"]
+    assert sorted(p.name for p in victim.rglob("*")) == before
+    assert (victim / rules.CHROMA_SUBDIR / "keep.txt").read_text(encoding="utf-8") == "precious"
+    with raw_server(store, corpus, fake.host) as server:
+        is_error, payload = call(server, "search_corpus", {"query": "rollback"})
+        assert is_error and payload["error"]["code"] == "index_incompatible", payload
 
 
 @pytest.mark.parametrize("generation", ["1e400", "1.5", "true", "-1", "99999999999999999999999", '"7"'])
