@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""local-rag-mcp: the read-only MCP retrieval server (stdio).
+"""local-rag-mcp: the read-only MCP retrieval server (stdio by default; `--http` for a team; a
+search/get/list CLI for scripts).
 
 It serves three tools over what ingest.py wrote into the store (corpus_rules.StoreLayout):
 `search_corpus` (hybrid vector + keyword search), `get_file` (read an indexed file around a hit)
-and `list_documents`. It never writes to the store and never creates it.
+and `list_documents`. It never creates the store and never changes the index's content (Chroma
+and SQLite do write their own bookkeeping files when they open it).
 
 Start-up stays cheap on purpose: chromadb and ollama are imported on the first call, or by a
 background warm-up after the client has listed the tools, never during the handshake.
