@@ -1411,6 +1411,9 @@ class IndexStamp:
     ingested_at: str
     files: int
     chunks: int
+    # The model's digest as Ollama listed it when these vectors were embedded (None where it did
+    # not say): weights re-pulled under the same name make every stored vector stale.
+    model_digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -1460,6 +1463,8 @@ class CurrentIndex:
         for name in ("dims", "chunk_max_tokens", "chunk_min_tokens"):
             _whole(getattr(parsed_manifest, name), f"manifest.{name}")
         parsed_stamp = IndexStamp(**stamp)
+        if parsed_stamp.model_digest is not None and not isinstance(parsed_stamp.model_digest, str):
+            raise ValueError("stamp.model_digest must be text")
         _whole(parsed_stamp.files, "stamp.files")
         _whole(parsed_stamp.chunks, "stamp.chunks")
         corpus_dir = data.get("corpus_dir", "")
@@ -2089,6 +2094,14 @@ class OllamaEmbedder:
             return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"Ollama at {self.host} gave an unreadable answer: "
                             f"{shown(exc, 200)}", "check that OLLAMA_HOST points to an Ollama server")
         return exc
+
+    def model_digest(self) -> str | None:
+        """The model's digest as Ollama lists it (`/api/tags`); None when it is not listed there."""
+        listed = self._call(lambda: self._get_client().list())
+        for entry in listed.models or []:
+            if entry.model and same_model(entry.model, self.model):
+                return entry.digest or None
+        return None
 
     def model_info(self) -> ModelInfo:
         """Context length and dimensions from `POST /api/show`, registry values as fallback."""

@@ -964,6 +964,7 @@ class Summary:
     dirty: bool | None = None
     index: str = ""
     rebuilt: bool = False
+    model_changed: bool = False  # Ollama listed other weights under the model's name: all re-embedded
     dry_run: bool = False
     estimated_chunks: int = 0
     errors: list[str] = field(default_factory=list)
@@ -976,6 +977,7 @@ class Summary:
                     f"remove {self.removed}; {self.unchanged} unchanged, {self.excluded} excluded, {self.ignored} ignored, "
                     f"{self.failed} failed; about {self.estimated_chunks} chunks to embed")
         left = f", {self.left_for_next_run} left for the next run" if self.left_for_next_run else ""
+        left += ", every chunk re-embedded: the model's weights changed" if self.model_changed else ""
         return (f"{self.scanned} scanned, {self.added} added, {self.updated} updated, {self.unchanged} unchanged, "
                 f"{self.removed} removed, {self.excluded} excluded, {self.ignored} ignored, {self.failed} failed{left}; "
                 f"{self.chunks_written} chunks written ({self.chunks_embedded} embedded, {self.chunks_reused} reused), "
@@ -1078,6 +1080,7 @@ class ModelFacts:
 
     dims: int
     context_length: int
+    digest: str | None = None  # as /api/tags lists it; None where Ollama does not say
 
 
 def probe_model(embedder: rules.OllamaEmbedder, scheme: rules.PrefixScheme, settings: rules.Settings) -> ModelFacts:
@@ -1085,7 +1088,19 @@ def probe_model(embedder: rules.OllamaEmbedder, scheme: rules.PrefixScheme, sett
     the model). Called before the store is touched whenever anything may need embedding."""
     info = embedder.model_info()
     dims = info.dims or len(embedder.embed([scheme.query_text("dimension probe")])[0])
-    return ModelFacts(dims=dims, context_length=info.context_length or settings.chunk_max_tokens)
+    try:
+        digest = embedder.model_digest()
+    except RagError as exc:  # only a safeguard: an Ollama that cannot list its models still embeds
+        log.info("Ollama did not list its models (%s); re-pulled weights go unnoticed this run", exc.message)
+        digest = None
+    return ModelFacts(dims=dims, context_length=info.context_length or settings.chunk_max_tokens, digest=digest)
+
+
+def weights_changed(current: rules.CurrentIndex | None, index_name: str, model: ModelFacts | None) -> bool:
+    """Whether Ollama now lists other weights under the model name than the live index was
+    embedded with (a re-pull): every stored vector is then stale, even with the same dimensions."""
+    return (current is not None and current.index == index_name and model is not None
+            and None not in (model.digest, current.stamp.model_digest) and model.digest != current.stamp.model_digest)
 
 
 def probe_model_if_reachable(settings: rules.Settings, scheme: rules.PrefixScheme) -> ModelFacts | None:
@@ -1230,13 +1245,20 @@ def run(args: argparse.Namespace, summary: Summary | None = None) -> Summary:
         check_same_corpus(current, corpus, settings.store_dir, args.replace_corpus)
         _guard_empty(walk, _registry_of(layout, current), args.allow_empty)
         dims = model.dims if model is not None else current.manifest.dims  # type: ignore[union-attr]
-        store, plan, repaired = _open_and_plan(layout, settings, scheme, dims, walk, args.full)
+        index_name = rules.manifest_for(settings, scheme.name, dims).index_name()
+        summary.model_changed = weights_changed(current, index_name, model)
+        if summary.model_changed:
+            log.warning("Ollama's %s is not the one this index was embedded with (digest %s, now %s): "
+                        "re-embedding every chunk", settings.embed_model,
+                        current.stamp.model_digest[:12], model.digest[:12])  # type: ignore[union-attr]
+        full = args.full or summary.model_changed
+        store, plan, repaired = _open_and_plan(layout, settings, scheme, dims, walk, full)
         if plan.changed and model is None:
             # Another ingest or an editor changed files since the look before the lock.
             model = probe_model(embedder, scheme, settings)
             if model.dims != dims:
                 store.close()
-                store, plan, repaired = _open_and_plan(layout, settings, scheme, model.dims, walk, args.full)
+                store, plan, repaired = _open_and_plan(layout, settings, scheme, model.dims, walk, full)
         try:
             manifest = store.manifest
             registry = load_registry(store.db)
@@ -1258,9 +1280,10 @@ def run(args: argparse.Namespace, summary: Summary | None = None) -> Summary:
             if plan.relocated:
                 store.relocate(plan.relocated)
                 changed_anything = True
-            # --full is the way to force every chunk through the embedder: no reuse then.
+            # --full is the way to force every chunk through the embedder: no reuse then (and
+            # new weights under the model's name make every stored vector unusable).
             embedding = Embedding(embedder, scheme, manifest.dims,
-                                  reuse=(lambda keys: {}) if args.full else store.stored_vectors)
+                                  reuse=(lambda keys: {}) if full else store.stored_vectors)
             written, run_errors = _embed_and_write(store, embedding, plan, summary)
             changed_anything = changed_anything or bool(written)
             if plan.removed:
@@ -1272,7 +1295,8 @@ def run(args: argparse.Namespace, summary: Summary | None = None) -> Summary:
             summary.embedding_calls = embedding.calls
             summary.failed = len(plan.failed)
             summary.errors = [*sorted(plan.failed.values()), *run_errors]
-            _publish(layout, settings, store, current, walk, summary, plan, changed_anything)
+            _publish(layout, settings, store, current, walk, summary, plan,
+                     changed_anything or summary.model_changed, _digest_to_record(current, model, summary, plan))
         finally:
             store.close()
     summary.seconds = time.monotonic() - started
@@ -1342,15 +1366,28 @@ def _embed_and_write(store: Store, embedding: Embedding, plan: Plan, summary: Su
     return written, run_errors
 
 
+def _digest_to_record(current: rules.CurrentIndex | None, model: ModelFacts | None, summary: Summary,
+                      plan: Plan) -> str | None:
+    """The model digest the index's vectors now come from: the one Ollama lists, unless new weights
+    were found and not every file was re-embedded (then the old one stays, so the next run re-embeds
+    again); the recorded one when this run did not ask Ollama."""
+    old = current.stamp.model_digest if current is not None else None
+    if model is None or model.digest is None:
+        return old
+    if summary.model_changed and (summary.left_for_next_run or plan.failed):
+        return old
+    return model.digest
+
+
 def _publish(layout: rules.StoreLayout, settings: rules.Settings, store: Store, current: rules.CurrentIndex | None,
-             walk: Walk, summary: Summary, plan: Plan, changed_anything: bool) -> None:
+             walk: Walk, summary: Summary, plan: Plan, changed_anything: bool, model_digest: str | None) -> None:
     """Stamp the index and, when anything changed, point CURRENT.json at it with a new generation
     (running servers reopen on it). A rebuild with failures stays unpublished."""
     summary.commit, summary.dirty = corpus_git_state(settings.corpus_dir)
     files, chunks = store.counts()
     stamp = rules.IndexStamp(commit=summary.commit, dirty=summary.dirty,
                              ingested_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                             files=files, chunks=chunks)
+                             files=files, chunks=chunks, model_digest=model_digest)
     store.stamp(stamp)
     if summary.rebuilt and (plan.failed or summary.left_for_next_run) and current is not None:
         summary.errors.append(f"the new index {store.name} is incomplete; {current.index} stays live until a "

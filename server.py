@@ -1091,8 +1091,9 @@ class StoreManager:
 class QueryEmbeddings:
     """Query vectors through Ollama with a small LRU cache (agents repeat queries).
 
-    The cache is keyed by the index generation as well as the text: after a re-ingest (new weights
-    pulled under the same name, say) a cached vector could disagree with the index. Only vectors
+    The cache is keyed by the index generation and the model digest the index was embedded with
+    as well as the text: after a re-ingest (new weights pulled under the same name, say) a cached
+    vector could disagree with the index. Only vectors
     that passed every check are cached. After a call that timed out, calls to that Ollama fail at
     once for EMBEDDER_REST_S, so a stalled embedder costs one timeout, not one per search
     (hybrid search answers from the keyword channel meanwhile)."""
@@ -1479,7 +1480,8 @@ class RetrievalService:
         self._check_model(current)
         timeout = min(settings.embed_timeout_s, QUERY_EMBED_TIMEOUT_S)
         return self.queries.begin(settings.ollama_host, manifest.model, self._query_texts(phrasings, current),
-                                  timeout, manifest.dims, (current.index, current.generation))
+                                  timeout, manifest.dims,
+                                  (current.index, current.generation, current.stamp.model_digest))
 
     # search_corpus ----------------------------------------------------------------------------
     def search(self, args: SearchCorpusInput) -> SearchResponse:

@@ -298,6 +298,7 @@ class FakeOllama:
         # A CPU-only embedder: this many seconds per input text, one call at a time (a single
         # runner), and the work dropped when the client gives up and disconnects.
         self.delay_per_text_seconds: float = 0.0
+        self.weights = ""  # folded into the model digest
         self._runner = threading.Lock()
         self.embed_calls = 0
         self.embedded_inputs: list[str] = []
@@ -375,6 +376,8 @@ class FakeOllama:
                     self.trickle_seconds = None if value is None else float(value)
                 elif key == "nan_for":
                     self.nan_for = None if value is None else str(value)
+                elif key == "weights":  # a re-pull under the same name: another digest in /api/tags
+                    self.weights = str(value)
                 else:
                     raise ValueError(f"unknown fake config field: {key}")
             return self._config_locked()
@@ -396,6 +399,7 @@ class FakeOllama:
             "trickle_seconds": self.trickle_seconds,
             "nan_for": self.nan_for,
             "delay_per_text_seconds": self.delay_per_text_seconds,
+            "weights": self.weights,
         }
 
     def reset(self) -> None:
@@ -415,6 +419,7 @@ class FakeOllama:
         self.trickle_seconds = None
         self.nan_for = None
         self.delay_per_text_seconds = 0.0
+        self.weights = ""
         self.embed_calls = 0
         self.embedded_inputs = []
         self.requests = []
@@ -469,7 +474,7 @@ class FakeOllama:
             "model": full,
             "modified_at": "2025-09-01T00:00:00Z",
             "size": 621875417,
-            "digest": hashlib.sha256(full.encode("utf-8")).hexdigest(),
+            "digest": hashlib.sha256(f"{full}{self.weights}".encode("utf-8")).hexdigest(),
             "details": self._details(),
         }
 

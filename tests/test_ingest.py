@@ -4,6 +4,7 @@ in-process where convenient and `python ingest.py` as a real process where the p
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import logging
@@ -48,7 +49,8 @@ SECRET = b"SECRET-OFFSITE-TOKEN-7731"
 GEMMA = rules.PREFIX_SCHEMES["embeddinggemma"]
 SUMMARY_KEYS = {"exit", "scanned", "added", "updated", "unchanged", "removed", "excluded", "ignored", "failed",
                 "chunks_written", "chunks_embedded", "chunks_reused", "left_for_next_run", "embedding_calls", "seconds",
-                "commit", "dirty", "index", "rebuilt", "dry_run", "estimated_chunks", "errors", "listing"}
+                "commit", "dirty", "index", "rebuilt", "model_changed", "dry_run", "estimated_chunks", "errors",
+                "listing"}
 
 
 @pytest.fixture(autouse=True)
@@ -156,7 +158,8 @@ def test_first_ingest_summary_and_current(sample_store: Ingested) -> None:
     assert set(summary) == SUMMARY_KEYS
     expected = {"exit": 0, "scanned": 7, "added": 6, "updated": 0, "unchanged": 0, "removed": 0, "excluded": 1,
                 "ignored": 0, "failed": 0, "chunks_written": sample_chunk_count(), "left_for_next_run": 0,
-                "rebuilt": True, "dry_run": False, "estimated_chunks": 0, "errors": [], "listing": []}
+                "rebuilt": True, "model_changed": False, "dry_run": False, "estimated_chunks": 0, "errors": [],
+                "listing": []}
     assert {k: summary[k] for k in expected} == expected
     assert summary["seconds"] > 0
     assert 1 <= summary["embedding_calls"] == sample_store.embed_calls
@@ -177,7 +180,9 @@ def test_first_ingest_summary_and_current(sample_store: Ingested) -> None:
         "chunk_max_tokens": 512, "chunk_min_tokens": 64, "tool_version": rules.TOOL_VERSION}
     stamp = dict(current["stamp"])
     assert datetime.fromisoformat(stamp.pop("ingested_at")).tzinfo is not None
-    assert stamp == {"commit": head, "dirty": dirty, "files": 6, "chunks": summary["chunks_written"]}
+    digest = hashlib.sha256(b"embeddinggemma:latest").hexdigest()  # as the fake lists the model
+    assert stamp == {"commit": head, "dirty": dirty, "files": 6, "chunks": summary["chunks_written"],
+                     "model_digest": digest}
     assert sorted(p.name for p in sample_store.store.iterdir()) == sorted([rules.CURRENT_FILE, rules.LOCK_FILE,
                                                                            current["index"]])
     assert "resolved configuration: corpus=" in run.err and f"store={sample_store.store}" in run.err

@@ -234,6 +234,30 @@ def test_full_re_embeds_everything(fake: FakeOllama, tmp_path: Path) -> None:
     assert (full.summary["chunks_embedded"], full.summary["chunks_reused"]) == (first.summary["chunks_written"], 0)
 
 
+def test_weights_re_pulled_under_the_same_name_re_embed_everything(fake: FakeOllama, tmp_path: Path) -> None:
+    """`ollama pull` of new weights keeps the model's name and dimensions but changes its digest:
+    every stored vector is stale, so the next run embeds every chunk again (no reuse), records the
+    new digest, and the run after that has nothing to do."""
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    first = run_ingest(fake, corpus, store)
+    digest = current_of(store)["stamp"]["model_digest"]
+    assert isinstance(digest, str) and len(digest) == 64
+    fake.reset()
+    fake.configure(weights="re-pulled")
+    again = run_ingest(fake, corpus, store)
+    assert again.code == 0, again.err
+    assert again.summary["model_changed"] is True and "weights changed" in again.err
+    assert (again.summary["chunks_embedded"], again.summary["chunks_reused"]) == (first.summary["chunks_written"], 0)
+    new_digest = current_of(store)["stamp"]["model_digest"]
+    assert new_digest not in (None, digest)
+    assert current_of(store)["generation"] == 2
+    fake.reset()
+    fake.configure(weights="re-pulled")
+    settled = run_ingest(fake, corpus, store)
+    assert settled.summary["model_changed"] is False and settled.summary["chunks_embedded"] == 0
+    assert current_of(store)["stamp"]["model_digest"] == new_digest
+
+
 def test_an_index_written_before_embed_keys_gets_them_and_reuses(fake: FakeOllama, tmp_path: Path) -> None:
     """A store from before chunks carried their embed_key: ingest fills the keys from the rows,
     so its vectors are reused like any other."""
