@@ -51,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from corpus_rules import (
     CHUNK_COLUMNS,
     CHUNK_SELECT,
+    CHUNK_SELECT_WITHOUT_TEXT,
     CHUNKER_VERSION,
     IDENTIFIERS_MAX,
     Calibration,
@@ -908,8 +909,10 @@ class OpenIndex:
         caller can work meanwhile (Chroma's query releases the GIL). `live()` is asked on that
         thread first: a generation replaced meanwhile reads nothing (its client is being closed
         by a job queued behind this one), and the answer is None."""
-        return CHROMA_WORKER.submit(lambda: self._read_reopening(lambda vectors: vectors.query(lifecycle, vector, n, paths))
-                                    if live() else None)
+        def query(vectors: VectorStore) -> list[tuple[str, float]]:
+            return vectors.query(lifecycle, vector, n, paths)
+
+        return CHROMA_WORKER.submit(lambda: self._read_reopening(query) if live() else None)
 
     def vector_answer(self, job: _Job) -> list[tuple[str, float]] | None:
         return CHROMA_WORKER.wait(job, self.vectors.where, self.store_timeout_s)
@@ -979,11 +982,20 @@ class OpenIndex:
             [expression, *lifecycles, *params, n])
         return [ChunkRow(*r) for r in rows]
 
-    def chunks_by_id(self, ids: Sequence[str]) -> dict[str, ChunkRow]:
+    def chunks_by_id(self, ids: Sequence[str], with_text: bool = True) -> dict[str, ChunkRow]:
+        select = CHUNK_SELECT if with_text else CHUNK_SELECT_WITHOUT_TEXT
         out: dict[str, ChunkRow] = {}
         for batch in batched(ids, 500):  # SQLite's host-parameter limit
-            rows = self._sql(f"{CHUNK_SELECT} WHERE c.id IN ({','.join('?' * len(batch))})", batch)
+            rows = self._sql(f"{select} WHERE c.id IN ({','.join('?' * len(batch))})", batch)
             out.update({str(r[0]): ChunkRow(*r) for r in rows})
+        return out
+
+    def texts_of(self, ids: Sequence[str]) -> dict[str, str]:
+        """The texts of these chunks (those still committed)."""
+        out: dict[str, str] = {}
+        for batch in batched(ids, 500):
+            out.update((str(i), str(t)) for i, t in self._sql(
+                f"SELECT id, text FROM chunks WHERE id IN ({','.join('?' * len(batch))})", batch))
         return out
 
     def chunks_of(self, path: str) -> list[ChunkRow]:
@@ -1093,10 +1105,10 @@ class QueryEmbeddings:
 
     The cache is keyed by the index generation and the model digest the index was embedded with
     as well as the text: after a re-ingest (new weights pulled under the same name, say) a cached
-    vector could disagree with the index. Only vectors
-    that passed every check are cached. After a call that timed out, calls to that Ollama fail at
-    once for EMBEDDER_REST_S, so a stalled embedder costs one timeout, not one per search
-    (hybrid search answers from the keyword channel meanwhile)."""
+    vector could disagree with the index. Only vectors that passed every check are cached. After
+    a call that timed out, calls to that Ollama fail at once for EMBEDDER_REST_S, so a stalled
+    embedder costs one timeout, not one per search (hybrid search answers from the keyword
+    channel meanwhile)."""
 
     def __init__(self, size: int = QUERY_CACHE_SIZE) -> None:
         self.size = size
@@ -1333,7 +1345,9 @@ class Candidates:
 
     def add(self, ranked: RankedList, rows: Mapping[str, ChunkRow] | Sequence[ChunkRow]) -> None:
         self.lists.append(ranked)
-        self.rows.update(rows if isinstance(rows, Mapping) else {row.id: row for row in rows})
+        for row in rows.values() if isinstance(rows, Mapping) else rows:
+            if row.text is not None or row.id not in self.rows:  # a row read with its text stays
+                self.rows[row.id] = row
         for item in ranked.ids:
             self.found_by.setdefault(item, set()).add((ranked.channel, ranked.phrasing))
 
@@ -1530,7 +1544,7 @@ class RetrievalService:
             found = early.found if early is not None else self._keyword_candidates(index, args, scope, phrasings)
             self._vector_candidates(index, args, scope, phrasings, found, early.queries if early is not None else {})
             self._settle_candidates(index, args, phrasings, found)
-        ranked = rank(found, args.k)
+        ranked = self._with_texts(index, rank(found, args.k), found)
         hits = self._hits(index, ranked, found, phrasings)
         confidence = self._confidence(index, found.rows[ranked[0][0]], hits[0], found, phrasings) if hits else None
         return self._search_response(index, args, scope, found, hits, confidence, degraded)
@@ -1665,7 +1679,7 @@ class RetrievalService:
             best: dict[str, float] = {}
             for item, distance in raw:
                 best.setdefault(item, distance)
-            rows = index.chunks_by_id(list(best))
+            rows = index.chunks_by_id(list(best), with_text=False)
             # The committed row is the truth: it also re-checks lifecycle and prefix.
             valid = [(i, d) for i, d in best.items() if i in rows and rows[i].lifecycle in scope.lifecycles
                      and path_matches_prefix(rows[i].path, scope.prefix or "")]
@@ -1675,6 +1689,19 @@ class RetrievalService:
             started = {}
         kept = valid[:max(CHANNEL_CANDIDATES, k)]
         return [i for i, _ in kept], {i: 1.0 - d for i, d in kept}, {i: rows[i] for i, _ in kept}
+
+    @staticmethod
+    def _with_texts(index: OpenIndex, ranked: list[tuple[str, float]], found: Candidates) -> list[tuple[str, float]]:
+        """The ranked candidates with their texts read (vector candidates come without them); one
+        whose row an ingest removed since it was found is no longer committed and drops out."""
+        unread = [item for item, _ in ranked if found.rows[item].text is None]
+        if not unread:
+            return ranked
+        texts = index.texts_of(unread)
+        for item in unread:
+            if item in texts:
+                found.rows[item] = dataclasses.replace(found.rows[item], text=texts[item])
+        return [(item, value) for item, value in ranked if found.rows[item].text is not None]
 
     def _hits(self, index: OpenIndex, ranked: Sequence[tuple[str, float]], found: Candidates,
               phrasings: list[Phrasing]) -> list[SearchHit]:
