@@ -51,21 +51,24 @@ EXPECTED = (
     # issue 12: the HTTP doors and the CLI
     "http.bare_roundtrip_p50_ms",
     "http.bridge.p50_ms@",
+    "http.mcp_jsonrpc.p50_ms@",
     "http.mcp.p50_ms@",
     "http.health_p50_ms",
     "http.throughput@",
+    "http.throughput_serial_embedder@",
     "http.sigterm_exit",
     "cli.search_cold_s@",
 )
 # Figures compared with a limit measured in the same run carry the limit and the ratio too.
 WITH_LIMIT = ("handshake.median_s", "search.hybrid.p50_ms@", "ingest.throughput@", "watch.latency_p50_s@",
-              "reingest.noop_rules_s@", "reuse.full_embedded@", "http.bridge.p50_ms@", "http.mcp.p50_ms@",
+              "reingest.noop_rules_s@", "reuse.full_embedded@", "http.bridge.p50_ms@", "http.mcp_jsonrpc.p50_ms@",
               "http.throughput@")
 # Goals about counts and outcomes, not speed: they hold on any machine.
 MUST_PASS = ("slow.failures@", "watch.sigint_exit@", "reuse.full_embedded@", "reuse.edit_embedded@",
              "reuse.rename_embedded@", "http.sigterm_exit")
 # Durations and rates: a zero would mean nothing was timed.
-POSITIVE = ("http.bare_roundtrip_p50_ms", "http.bridge.p50_ms@", "http.mcp.p50_ms@", "http.health_p50_ms",
+POSITIVE = ("http.bare_roundtrip_p50_ms", "http.bridge.p50_ms@", "http.mcp_jsonrpc.p50_ms@", "http.mcp.p50_ms@",
+            "http.health_p50_ms",
             "http.throughput@", "cli.search_cold_s@")
 
 
@@ -105,11 +108,11 @@ def test_quick_bench_runs_and_reports_every_figure(tmp_path: Path) -> None:
     assert details["noop_with_rules"]["scope_as_written"] is True, details["noop_with_rules"]
     assert details["slow_embedder"]["largest_call"] > 0, details["slow_embedder"]
     http = details["http"]
-    assert http["sigterm_exits"] == [0, 0], http
-    assert http["bridge"]["n"] == http["mcp"]["n"] > 0 and http["health"]["n"] > 0, http
-    rate = http["throughput"]
-    assert rate["single_per_s"] > 0 and rate["concurrent_per_s"] > 0, rate
-    assert rate["texts_embedded"] >= rate["searches"], rate  # every search waited for the embedder
+    assert http["sigterm_exits"] == [0, 0, 0], http
+    assert http["bridge"]["n"] == http["mcp_jsonrpc"]["n"] == http["mcp"]["n"] > 0 and http["health"]["n"] > 0, http
+    for rate in (http["throughput"], http["throughput_serial_embedder"]):
+        assert rate["single_per_s"] > 0 and rate["concurrent_per_s"] > 0, rate
+        assert rate["texts_embedded"] >= rate["searches"], rate  # every search waited for the embedder
     assert len(details["cli"]["walls_s"]) >= 3 and min(details["cli"]["walls_s"]) > 0, details["cli"]
 
     # The table on stdout shows the same figures, and the machine it ran on.

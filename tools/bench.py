@@ -890,6 +890,25 @@ def timed_requests(http: Any, method: str, url: str, bodies: Sequence[dict[str, 
     return samples
 
 
+def jsonrpc_search_samples(http: Any, url: str, queries: Sequence[str]) -> list[float]:
+    """Seconds of each search_corpus call posted to /mcp as one JSON-RPC request (a stateless
+    server needs no initialize), with the same httpx client as the limit's bare endpoint, the answer
+    parsed; RuntimeError unless each is a tool result without isError."""
+    headers = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2025-06-18"}
+    samples = []
+    for i, query in enumerate(queries):
+        body = {"jsonrpc": "2.0", "id": i, "method": "tools/call",
+                "params": {"name": "search_corpus", "arguments": {"query": query}}}
+        started = time.perf_counter()
+        response = http.post(url, json=body, headers=headers)
+        payload = response.json() if response.status_code == 200 else None
+        samples.append(time.perf_counter() - started)
+        if not (isinstance(payload, dict) and isinstance(payload.get("result"), dict)
+                and not payload["result"].get("isError")):
+            raise RuntimeError(f"POST {url} answered {response.status_code}: {response.text[:300]}")
+    return samples
+
+
 def search_rate(url: str, per_client: Sequence[Sequence[str]]) -> float:
     """Searches per second through POST /mcp/call: one thread per list of queries, each with its own
     httpx.Client (connected beforehand with GET /health), all released together; the wall time runs
@@ -1452,7 +1471,7 @@ class Bench:
 
     # 12. the HTTP doors and the CLI (issue 12) ---------------------------------------------------
     def http_doors(self, size: int, raw: dict[str, float]) -> None:
-        exits = [self.http_searches(size, raw), self.http_throughput(size)]
+        exits = [self.http_searches(size, raw), *self.http_throughput(size)]
         failed = next((status for status in exits if status != 0), 0)
         self.details["http"]["sigterm_exits"] = exits
         self.add(Figure("http.sigterm_exit", f"HTTP servers stopped with SIGTERM: exit status ({len(exits)} servers)",
@@ -1460,17 +1479,19 @@ class Bench:
         self.cli_search(size)
 
     def http_searches(self, size: int, raw: dict[str, float]) -> int:
-        """Search p50 through the bridge (POST /mcp/call, httpx) and through MCP streamable HTTP
-        (/mcp, the SDK's Client, one session) on one `server.py --http`, against a bare Starlette
-        endpoint on the same uvicorn setup plus this run's raw Chroma query; then /health p50 on the
-        same server. Returns the server's exit status after SIGTERM."""
+        """Search p50 through the bridge (POST /mcp/call, httpx), through MCP streamable HTTP as a
+        JSON-RPC POST to /mcp (httpx, like the limit) and through the SDK's Client (one session,
+        its own cost included) on one `server.py --http`, against a bare Starlette endpoint on the
+        same uvicorn setup plus this run's raw Chroma query; then /health p50 on the same server.
+        Returns the server's exit status after SIGTERM."""
         import anyio
         import httpx
 
         label = size_label(size)
         n_w, n = self.reps["warmup"], self.reps["hybrid"]
-        queries = synthetic_queries(2 * (n_w + n), f"http-{label}")
-        bridge_queries, mcp_queries = queries[:n_w + n], queries[n_w + n:]
+        queries = synthetic_queries(3 * (n_w + n), f"http-{label}")
+        bridge_queries, mcp_queries, raw_queries = (queries[:n_w + n], queries[n_w + n:2 * (n_w + n)],
+                                                    queries[2 * (n_w + n):])
         log(f"searching the {label} index over HTTP ...")
         with self.spawn_bare_http() as bare, httpx.Client(timeout=RPC_TIMEOUT_S) as http:
             body = [bridge_call(queries[0])]
@@ -1478,10 +1499,12 @@ class Bench:
             bare_s = timed_requests(http, "POST", f"{bare.url}/bare", body * self.reps["roundtrip"])
         with self.spawn_http(size, f"http-{label}") as server, httpx.Client(timeout=RPC_TIMEOUT_S) as http:
             bridge_s = timed_requests(http, "POST", f"{server.url}/mcp/call", [bridge_call(q) for q in bridge_queries])
+            mcp_raw_s = jsonrpc_search_samples(http, f"{server.url}/mcp", raw_queries)
             mcp_s = anyio.run(mcp_search_samples, f"{server.url}/mcp", mcp_queries)
             health_s = timed_requests(http, "GET", f"{server.url}/health", [None] * self.reps["roundtrip"])
         # The first searches of each door pay the warm-up (imports, the store opened, a session).
-        stats = {"bridge": summarize_ms(bridge_s[n_w:]), "mcp": summarize_ms(mcp_s[n_w:]),
+        stats = {"bridge": summarize_ms(bridge_s[n_w:]), "mcp_jsonrpc": summarize_ms(mcp_raw_s[n_w:]),
+                 "mcp": summarize_ms(mcp_s[n_w:]),
                  "bare": summarize_ms(bare_s), "health": summarize_ms(health_s)}
         limit = stats["bare"]["p50_ms"] + raw["p50_ms"]
         self.details["http"] = {"size": size, **stats, "raw_chroma_query": raw, "limit_p50_ms": limit}
@@ -1489,52 +1512,61 @@ class Bench:
                         stats["bare"]["p50_ms"], "ms", "report (part of the HTTP search limit)"))
         limit_what = (f"bare Starlette endpoint round trip p50 {stats['bare']['p50_ms']:.2f} ms + raw unfiltered "
                       f"Chroma query (n_results={self.n_results}) p50 {raw['p50_ms']:.2f} ms")
-        for door, what in (("bridge", "POST /mcp/call"), ("mcp", "MCP streamable HTTP /mcp")):
+        # The SDK's Client adds its own work (a session, result models) that the limit's plain
+        # httpx POST does not have: reported; the server's doors are compared like for like.
+        for door, what, goal in (("bridge", "POST /mcp/call", 3.0),
+                                 ("mcp_jsonrpc", "MCP streamable HTTP /mcp (JSON-RPC POST)", 3.0),
+                                 ("mcp", "MCP streamable HTTP /mcp (the SDK's Client)", None)):
             p50 = stats[door]["p50_ms"]
             self.add(Figure(f"http.{door}.p50_ms@{label}", f"search_corpus hybrid p50 over {what}, {label} chunks",
-                            p50, "ms", "<= 3x", limit=limit, limit_what=limit_what, ratio=p50 / limit,
-                            passed=p50 / limit <= 3.0, size=size, note=f"p95 {stats[door]['p95_ms']:.2f} ms"))
+                            p50, "ms", f"<= {goal:g}x" if goal else "report", limit=limit, limit_what=limit_what,
+                            ratio=p50 / limit, passed=None if goal is None else p50 / limit <= goal, size=size,
+                            note=f"p95 {stats[door]['p95_ms']:.2f} ms"))
         health = stats["health"]["p50_ms"]
         self.add(Figure("http.health_p50_ms", "GET /health p50", health, "ms", "<= 5 ms (absolute)",
                         passed=health <= 5.0, note=f"p95 {stats['health']['p95_ms']:.2f} ms"))
         return server.proc.returncode
 
-    def http_throughput(self, size: int) -> int:
+    def http_throughput(self, size: int) -> list[int]:
         """Searches per second through POST /mcp/call: HTTP_CLIENTS clients at once against one
         alone, on a `server.py --http` whose embedder takes SLOW_EMBED_PER_TEXT_S per text and works
-        on HTTP_CLIENTS calls at a time. Every query is distinct (the server's query cache does not
-        answer), so each search waits for the embedder, and those waits can overlap. Returns the
-        server's exit status after SIGTERM."""
+        on HTTP_CLIENTS calls at a time (the goal), then on one call at a time (reported: an Ollama
+        that serves one request at a time bounds the rate whatever the server does). Every query is
+        distinct (the server's query cache does not answer), so each search waits for the embedder,
+        and those waits can overlap. Returns the servers' exit statuses after SIGTERM."""
         label = size_label(size)
         n_w, single, each = self.reps["warmup"], self.reps["http_single"], self.reps["http_each"]
-        queries = synthetic_queries(n_w + single + HTTP_CLIENTS * each, f"http-rate-{label}")
-        per_client = [queries[n_w + single + i * each:n_w + single + (i + 1) * each] for i in range(HTTP_CLIENTS)]
         per_text_ms = SLOW_EMBED_PER_TEXT_S * 1000
-        log(f"searching the {label} index over HTTP with {HTTP_CLIENTS} clients at once ({per_text_ms:.0f} ms per "
-            "text embedder) ...")
-        with FakeProcess(self.python, self.work, delay_per_text_s=SLOW_EMBED_PER_TEXT_S, tag="fake-parallel",
-                         slots=HTTP_CLIENTS) as embedder, \
-                self.spawn_http(size, f"http-rate-{label}", fake=embedder) as server:
-            search_rate(server.url, [queries[:n_w]])  # the warm-up: imports, the store opened
-            alone = search_rate(server.url, [queries[n_w:n_w + single]])
-            together = search_rate(server.url, per_client)
-            embedded = embedder.stats()["inputs"]
-        ratio = together / alone
-        # A search that did not wait for the embedder (answered from keywords alone) would inflate the rate.
-        all_embedded = embedded >= len(queries)
-        self.details["http"]["throughput"] = {"clients": HTTP_CLIENTS, "embed_per_text_s": SLOW_EMBED_PER_TEXT_S,
-                                              "embed_slots": HTTP_CLIENTS, "single_searches": single,
-                                              "searches_per_client": each, "single_per_s": alone,
-                                              "concurrent_per_s": together, "searches": len(queries),
-                                              "texts_embedded": embedded}
-        self.add(Figure(f"http.throughput@{label}", f"Searches/s, {HTTP_CLIENTS} concurrent HTTP clients (POST "
-                        f"/mcp/call; embedder {per_text_ms:.0f} ms per text, {HTTP_CLIENTS} calls at a time), {label} "
-                        "chunks", together, "searches/s", ">= 2x", limit=alone,
-                        limit_what="one client, one search at a time, same server and embedder", ratio=ratio,
-                        passed=ratio >= 2.0 and all_embedded, size=size,
-                        note=f"{HTTP_CLIENTS} x {each} searches; one client: {single} searches; the embedder embedded "
-                             f"{embedded} texts for {len(queries)} searches (warm-up included)"))
-        return server.proc.returncode
+        exits = []
+        for slots in (HTTP_CLIENTS, 1):
+            queries = synthetic_queries(n_w + single + HTTP_CLIENTS * each, f"http-rate-{label}-{slots}")
+            per_client = [queries[n_w + single + i * each:n_w + single + (i + 1) * each] for i in range(HTTP_CLIENTS)]
+            log(f"searching the {label} index over HTTP with {HTTP_CLIENTS} clients at once ({per_text_ms:.0f} ms per "
+                f"text embedder, {slots} call(s) at a time) ...")
+            with FakeProcess(self.python, self.work, delay_per_text_s=SLOW_EMBED_PER_TEXT_S, tag=f"fake-slots{slots}",
+                             slots=slots) as embedder, \
+                    self.spawn_http(size, f"http-rate-{label}-{slots}", fake=embedder) as server:
+                search_rate(server.url, [queries[:n_w]])  # the warm-up: imports, the store opened
+                alone = search_rate(server.url, [queries[n_w:n_w + single]])
+                together = search_rate(server.url, per_client)
+                embedded = embedder.stats()["inputs"]
+            exits.append(server.proc.returncode)
+            ratio = together / alone
+            # A search that did not wait for the embedder (answered from keywords alone) would inflate the rate.
+            all_embedded = embedded >= len(queries)
+            key = "throughput" if slots == HTTP_CLIENTS else "throughput_serial_embedder"
+            self.details["http"][key] = {"clients": HTTP_CLIENTS, "embed_per_text_s": SLOW_EMBED_PER_TEXT_S,
+                                         "embed_slots": slots, "single_searches": single, "searches_per_client": each,
+                                         "single_per_s": alone, "concurrent_per_s": together, "searches": len(queries),
+                                         "texts_embedded": embedded}
+            self.add(Figure(f"http.{key}@{label}", f"Searches/s, {HTTP_CLIENTS} concurrent HTTP clients (POST "
+                            f"/mcp/call; embedder {per_text_ms:.0f} ms per text, {slots} call(s) at a time), {label} "
+                            "chunks", together, "searches/s", ">= 2x" if slots > 1 else "report", limit=alone,
+                            limit_what="one client, one search at a time, same server and embedder", ratio=ratio,
+                            passed=(ratio >= 2.0 and all_embedded) if slots > 1 else None, size=size,
+                            note=f"{HTTP_CLIENTS} x {each} searches; one client: {single} searches; the embedder "
+                                 f"embedded {embedded} texts for {len(queries)} searches (warm-up included)"))
+        return exits
 
     def cli_search(self, size: int) -> None:
         """`python server.py search QUERY --json` in a fresh process each time (imports, the store
