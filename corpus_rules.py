@@ -2123,13 +2123,30 @@ class OllamaEmbedder:
         answer holds NaN or infinite values, or rows of different lengths."""
         return self.begin_embed(texts)()
 
-    def begin_embed(self, texts: Sequence[str]) -> Callable[[], Any]:
+    def begin_embed(self, texts: Sequence[str], then: Callable[[Any], Any] | None = None) -> Callable[[], Any]:
         """Send the embed request now; the function returned waits for the answer (at most
-        timeout_s) and gives what embed() gives."""
+        timeout_s) and gives what embed() gives, or then(that matrix) when `then` is given. `then`
+        runs on the thread that received the answer, as soon as it arrives: a search starts its
+        vector queries from there rather than waking another thread to do it."""
         options: dict[str, Any] = {"keep_alive": self.keep_alive} if self.keep_alive is not None else {}
-        call = Pending(lambda: self._get_client().embed(model=self.model, input=list(texts), truncate=False,
-                                                        **options))
-        return lambda: self._vectors(texts, self._answer(call))
+
+        def fetch() -> Any:
+            try:
+                response = self._get_client().embed(model=self.model, input=list(texts), truncate=False, **options)
+            except Exception as exc:  # noqa: BLE001 - translated here, raised to the waiter
+                raise self._translate(exc) from exc
+            matrix = self._vectors(texts, response)
+            return then(matrix) if then is not None else matrix
+
+        call = Pending(fetch)
+
+        def wait() -> Any:
+            try:
+                return call.result(self.timeout_s)
+            except TimeoutError:
+                raise self._timed_out() from None
+
+        return wait
 
     def _vectors(self, texts: Sequence[str], response: Any) -> Any:
         np = import_heavy("numpy")

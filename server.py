@@ -71,7 +71,6 @@ from corpus_rules import (
     EmbedderTimeout,
     ErrorCode,
     OllamaEmbedder,
-    Pending,
     PathChanged,
     RagError,
     Settings,
@@ -1125,9 +1124,10 @@ class QueryEmbeddings:
             return self._embedders[key]
 
     def begin(self, host: str, model: str, texts: Sequence[str], timeout: float, dims: int,
-              generation: Any) -> QueryVectors:
+              generation: Any, then: Callable[[list[Any]], None] | None = None) -> Callable[[], list[Any]]:
         """One vector per text, those not cached in one call to Ollama, sent now: the caller may
-        work meanwhile and waits by calling the result, which raises any error."""
+        work meanwhile and waits by calling the result, which raises any error. When a call goes
+        out, then(vectors) runs as soon as they arrive, on the thread that received them."""
         keys = [(host, model, text, generation) for text in texts]
         vectors: dict[tuple[Any, ...], Any] = {}
         with self._lock:
@@ -1138,19 +1138,12 @@ class QueryEmbeddings:
             resting = self._resting.get((host, model))
         missing = list(dict.fromkeys(key for key in keys if key not in vectors))
         if not missing:
-            return QueryVectors(lambda: [vectors[key] for key in keys], in_flight=False)
+            return lambda: [vectors[key] for key in keys]
         if resting is not None and time.monotonic() < resting[0]:
             error = resting[1]
-            return QueryVectors(lambda: _raise(error), in_flight=False)
-        answer = self.embedder(host, model, timeout).begin_embed([key[2] for key in missing])
+            return lambda: _raise(error)
 
-        def finish() -> list[Any]:
-            try:
-                matrix = answer()
-            except EmbedderTimeout as exc:
-                with self._lock:
-                    self._resting[(host, model)] = (time.monotonic() + EMBEDDER_REST_S, exc)
-                raise
+        def arrived(matrix: Any) -> list[Any]:
             if len(matrix[0]) != dims:
                 raise RagError(ErrorCode.INDEX_INCOMPATIBLE,
                                f"Ollama's {model!r} returns {len(matrix[0])}-dimensional vectors but the index "
@@ -1163,20 +1156,22 @@ class QueryEmbeddings:
                     self._cache.move_to_end(key)
                 while len(self._cache) > self.size:
                     self._cache.popitem(last=False)
-            return [vectors[key] for key in keys]
+            ordered = [vectors[key] for key in keys]
+            if then is not None:
+                then(ordered)
+            return ordered
 
-        return QueryVectors(finish, in_flight=True)
+        answer = self.embedder(host, model, timeout).begin_embed([key[2] for key in missing], then=arrived)
 
+        def finish() -> list[Any]:
+            try:
+                return answer()
+            except EmbedderTimeout as exc:
+                with self._lock:
+                    self._resting[(host, model)] = (time.monotonic() + EMBEDDER_REST_S, exc)
+                raise
 
-@dataclass(frozen=True)
-class QueryVectors:
-    """Query vectors being embedded (in_flight) or already known; calling it waits for them."""
-
-    result: Callable[[], list[Any]]
-    in_flight: bool
-
-    def __call__(self) -> list[Any]:
-        return self.result()
+        return finish
 
 
 def _raise(error: BaseException) -> Any:
@@ -1283,34 +1278,30 @@ class SearchScope:
 
 
 @dataclass
-class KeywordFirst:
-    """A hybrid search's pre-filter and keyword candidates, read from index generation `key`
-    while its query vectors were being embedded, and the Chroma queries started as soon as the
-    vectors arrived (by phrasing and lifecycle)."""
+class Overlapped:
+    """A search's work done on index generation `key` while Ollama embeds its phrasings: the
+    pre-filter, the keyword candidates (hybrid mode), and the Chroma queries (by phrasing and
+    lifecycle), started by the thread that receives the vectors as soon as they arrive."""
 
     key: tuple[str, int]
     scope: SearchScope
-    found: Candidates
-    embedding: QueryVectors
+    found: Candidates | None = None
     queries: dict[tuple[int, str], _Job] = field(default_factory=dict)
-    _ahead: Pending | None = None
 
-    def start_vector_queries(self, index: OpenIndex, manager: StoreManager, n: int) -> None:
-        def when_embedded() -> list[Any]:
-            vectors = self.embedding()
+    def vector_queries(self, index: OpenIndex, manager: StoreManager, n: int) -> Callable[[list[Any]], None] | None:
+        """What to run when the vectors arrive (None when the pre-filter lets nothing through)."""
+        if self.scope.empty:
+            return None
+
+        def start(vectors: list[Any]) -> None:
             for p, vector in enumerate(vectors):
                 for lc in self.scope.lifecycles:
                     paths = self.scope.paths.get(lc)
                     if paths is None or paths:
                         self.queries[(p, lc)] = index.start_vector_query(lc, vector, n, paths,
                                                                          lambda: manager.is_live(index))
-            return vectors
 
-        self._ahead = Pending(when_embedded)
-
-    def vectors(self) -> list[Any]:
-        """The query vectors (errors as the embedding raised them)."""
-        return self._ahead.result() if self._ahead is not None else self.embedding()
+        return start
 
 
 @dataclass(frozen=True)
@@ -1487,22 +1478,25 @@ class RetrievalService:
         scheme = PREFIX_SCHEMES[current.manifest.prefix_scheme]
         return [scheme.query_text(p) for p in phrasings]
 
-    def _query_vectors(self, phrasings: Sequence[str], current: CurrentIndex) -> QueryVectors:
-        """The phrasings' query vectors, from the cache or being embedded (one call for all)."""
+    def _query_vectors(self, phrasings: Sequence[str], current: CurrentIndex,
+                       then: Callable[[list[Any]], None] | None) -> Callable[[], list[Any]]:
+        """The phrasings' query vectors, from the cache or being embedded (one call for all); the
+        returned function waits for them. then(vectors) runs when an embedding call answers."""
         settings = self.settings
         manifest = current.manifest
         self._check_model(current)
         timeout = min(settings.embed_timeout_s, QUERY_EMBED_TIMEOUT_S)
         return self.queries.begin(settings.ollama_host, manifest.model, self._query_texts(phrasings, current),
                                   timeout, manifest.dims,
-                                  (current.index, current.generation, current.stamp.model_digest))
+                                  (current.index, current.generation, current.stamp.model_digest), then)
 
     # search_corpus ----------------------------------------------------------------------------
     def search(self, args: SearchCorpusInput) -> SearchResponse:
         """Embed the phrasings (outside the store lock: it can take seconds; one call for all), then
         run the stages on one generation of the index: pre-filter -> candidates -> rank -> hits ->
-        confidence. In hybrid mode the keyword channel runs while Ollama embeds (it needs no
-        vector), and is kept when the index did not move on meanwhile."""
+        confidence. While Ollama embeds, the pre-filter and (hybrid mode) the keyword channel run,
+        and the vector queries start as soon as the vectors arrive; all of it is kept when the
+        index did not move on meanwhile."""
         if args.mode == "keyword" and args.min_score is not None:
             raise RagError(ErrorCode.INVALID_ARGUMENT, "min_score needs similarity scores, which keyword mode "
                            "does not compute", "drop min_score, or use mode 'hybrid' or 'vector'")
@@ -1511,7 +1505,7 @@ class RetrievalService:
         vectors: list[Any] | None = None
         embedded_for: Any = None
         degraded: RagError | None = None
-        early: KeywordFirst | None = None
+        early: Overlapped | None = None
         for _attempt in range(3):
             with manager.lock:
                 index = manager.open()
@@ -1521,11 +1515,15 @@ class RetrievalService:
                     return self._search_index(index, args, phrasings, degraded,
                                               early if early is not None and early.key == index.key else None)
                 current = index.current
-                embedding = self._query_vectors(texts, current)
-                early = (self._keyword_first(index, args, [Phrasing(text, None) for text in texts], embedding)
-                         if args.mode == "hybrid" and embedding.in_flight else None)
+                # The pre-filter first: the vector queries the embedding's thread starts need it.
+                early = Overlapped(index.key, self._prefilter(index, args))
+                embedding = self._query_vectors(texts, current, early.vector_queries(
+                    index, manager, max(CHANNEL_CANDIDATES, args.k)))
+                if args.mode == "hybrid" and not early.scope.empty:
+                    early.found = self._keyword_candidates(index, args, early.scope,
+                                                           [Phrasing(text, None) for text in texts])
             try:
-                vectors = early.vectors() if early is not None else embedding()
+                vectors = embedding()
             except RagError as exc:
                 # A dependency that is down degrades hybrid search to its keyword channel; vector
                 # mode has nothing to fall back on.
@@ -1537,31 +1535,18 @@ class RetrievalService:
         raise RagError(ErrorCode.INTERNAL, "the index kept changing during the search", "retry")
 
     def _search_index(self, index: OpenIndex, args: SearchCorpusInput, phrasings: list[Phrasing],
-                      degraded: RagError | None, early: KeywordFirst | None = None) -> SearchResponse:
+                      degraded: RagError | None, early: Overlapped | None = None) -> SearchResponse:
         scope = early.scope if early is not None else self._prefilter(index, args)
         found = self._new_candidates(index)
         if not scope.empty:
-            found = early.found if early is not None else self._keyword_candidates(index, args, scope, phrasings)
+            found = (early.found if early is not None and early.found is not None
+                     else self._keyword_candidates(index, args, scope, phrasings))
             self._vector_candidates(index, args, scope, phrasings, found, early.queries if early is not None else {})
             self._settle_candidates(index, args, phrasings, found)
         ranked = self._with_texts(index, rank(found, args.k), found)
         hits = self._hits(index, ranked, found, phrasings)
         confidence = self._confidence(index, found.rows[ranked[0][0]], hits[0], found, phrasings) if hits else None
         return self._search_response(index, args, scope, found, hits, confidence, degraded)
-
-    def _keyword_first(self, index: OpenIndex, args: SearchCorpusInput, phrasings: list[Phrasing],
-                       embedding: QueryVectors) -> KeywordFirst:
-        """A hybrid search's pre-filter and keyword channel, run while Ollama embeds its
-        phrasings; as soon as the vectors arrive, their Chroma queries start on the Chroma thread
-        (on a helper thread that waits for them), so the vector channel's first round runs
-        alongside the keyword channel too."""
-        scope = self._prefilter(index, args)
-        first = KeywordFirst(index.key, scope, self._new_candidates(index), embedding)
-        if scope.empty:
-            return first
-        first.start_vector_queries(index, self.manager, max(CHANNEL_CANDIDATES, args.k))
-        first.found = self._keyword_candidates(index, args, scope, phrasings)
-        return first
 
     def _prefilter(self, index: OpenIndex, args: SearchCorpusInput) -> SearchScope:
         """Lifecycle and path_prefix, applied before ranking in both channels so a filtered-out
