@@ -12,6 +12,7 @@ Exit status: 0 all good, 1 some files failed, 2 nothing done.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import errno
 import fcntl
@@ -528,23 +529,225 @@ def renumber(chunks: Sequence[rules.Chunk]) -> list[rules.Chunk]:
 
 
 # ---------------------------------------------------------------------------
+# The vector process: the run's vector store, in a process of its own.
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when the ingest that started it dies (kill -9
+    included), so no write of a dead run lands after the next run has started. Elsewhere the
+    process ends when its pipe closes."""
+    if sys.platform.startswith("linux"):
+        import ctypes  # noqa: PLC0415
+
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _serve_vectors(fd: int) -> None:
+    """The vector process's loop, on its end of the socket `fd`: one VectorStore, operations in
+    the order they were sent, one answer each, ("ok", value) or ("error", (code, message, hint)).
+    Ends when the socket closes."""
+    from multiprocessing.connection import Connection  # noqa: PLC0415
+
+    conn = Connection(fd)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the parent decides
+    _die_with_parent()
+    rules.import_heavy("chromadb")  # ~1 s, paid while the parent walks the corpus and asks Ollama
+    vectors: rules.VectorStore | None = None
+    while True:
+        try:
+            operation, args = conn.recv()
+        except (EOFError, OSError):
+            break
+        try:
+            if operation == "open":
+                settings, layout, index_name, metadata = args
+                vectors = rules.vector_store(settings, layout, index_name, create=True).open(
+                    create=True, metadata=metadata)
+                value = None
+            elif vectors is None:
+                raise RagError(ErrorCode.INTERNAL, f"vector store operation {operation!r} before open", "report it")
+            else:
+                value = getattr(vectors, operation)(*args)
+                if operation == "close":
+                    vectors = None
+            answer: tuple[str, Any] = ("ok", value)
+        except RagError as exc:
+            answer = ("error", (exc.code, exc.message, exc.hint))
+        except Exception as exc:  # noqa: BLE001 - every failure goes back to the parent
+            answer = ("error", (ErrorCode.INTERNAL, f"the vector store failed: {rules.shown(exc, 300)}",
+                                "run ingest again; if it repeats, report it"))
+        try:
+            conn.send(answer)
+        except (BrokenPipeError, OSError):
+            break
+    if vectors is not None:
+        vectors.close()
+
+
+class VectorProcess:
+    """The run's vector store in a process of its own, with the VectorStore methods ingest uses.
+
+    Chroma's upsert holds the GIL for its whole length (measured: a thread with work to do got
+    0.07 s of CPU during 2 s of upserts), so in one process nothing else of ingest runs while
+    Chroma writes. Here the next group's embedding and the previous group's keyword rows run
+    meanwhile. Operations run in the order sent: writes (upsert, delete) return at once and are
+    waited for with settle(), before the rows that need them commit; reads wait for everything
+    sent before them. A failure of a write is raised by the next settle or read. The process is
+    started before it is needed, so Chroma's import overlaps the walk; it dies with ingest."""
+
+    def __init__(self) -> None:
+        import socket  # noqa: PLC0415
+        from multiprocessing.connection import Connection  # noqa: PLC0415
+
+        # A plain interpreter, not multiprocessing's spawn: that would run the caller's main
+        # module again in the child. Its stdout is not ours: there `--json` prints the summary.
+        mine, theirs = socket.socketpair()
+        with theirs:
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
+                 f"import ingest; ingest._serve_vectors({theirs.fileno()})"],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        self._conn = Connection(mine.detach())
+        self._sent = 0
+        self._answered = 0
+        self._awaiting: collections.deque[str] = collections.deque()  # operations sent, not yet answered
+        self._failure: RagError | None = None  # the first failed write: every later settle raises it
+
+    def open(self, settings: rules.Settings, layout: rules.StoreLayout, index_name: str,
+             metadata: dict[str, Any]) -> VectorProcess:
+        self._read("open", settings, layout, index_name, metadata)
+        return self
+
+    # Writes: sent now, done in order; settle() waits for them.
+    def upsert(self, lifecycle: str, ids: Sequence[str], embeddings: Sequence[Any], documents: Sequence[str],
+               metadatas: Sequence[dict[str, Any]]) -> int:
+        return self._send("upsert", (lifecycle, list(ids), list(embeddings), list(documents), list(metadatas)))
+
+    def delete(self, lifecycle: str, ids: Sequence[str]) -> int:
+        return self._send("delete", (lifecycle, list(ids)))
+
+    def settle(self, ticket: int | None = None) -> None:
+        """Wait until the operations sent up to `ticket` (default: all) are done; raise the first
+        failed write so far."""
+        upto = self._sent if ticket is None else ticket
+        while self._answered < upto:
+            with contextlib.suppress(RagError):
+                self._take_answer()
+        if self._failure is not None:
+            raise self._failure
+
+    # Reads: answered once everything sent before them is done.
+    def ids(self, lifecycle: str) -> list[str]:
+        return self._read("ids", lifecycle)
+
+    def count(self, lifecycle: str) -> int:
+        return self._read("count", lifecycle)
+
+    def embeddings(self, lifecycle: str, ids: Sequence[str]) -> tuple[list[str], Any]:
+        return self._read("embeddings", lifecycle, list(ids))
+
+    def metadatas(self, lifecycle: str, ids: Sequence[str]) -> tuple[list[str], list[dict[str, Any]]]:
+        return self._read("metadatas", lifecycle, list(ids))
+
+    def update_metadatas(self, lifecycle: str, ids: Sequence[str], metadatas: Sequence[dict[str, Any]]) -> None:
+        self._read("update_metadatas", lifecycle, list(ids), list(metadatas))
+
+    def query(self, lifecycle: str, vector: Sequence[float], n: int,
+              paths: Sequence[str] | None) -> list[tuple[str, float]]:
+        return self._read("query", lifecycle, vector, n, paths)
+
+    def merge_metadata(self, updates: dict[str, Any]) -> None:
+        self._read("merge_metadata", updates)
+
+    def close(self) -> None:
+        """Close the store (the process stays for another open); a failure here changes nothing."""
+        with contextlib.suppress(RagError):
+            self._send("close", ())
+            self.settle()
+
+    def _read(self, operation: str, *args: Any) -> Any:
+        ticket = self._send(operation, args)
+        self.settle(ticket - 1)
+        return self._take_answer()
+
+    def _send(self, operation: str, args: tuple[Any, ...]) -> int:
+        while self._conn.poll():  # answers never pile up in the pipe while a big request goes out
+            with contextlib.suppress(RagError):
+                self._take_answer()
+        try:
+            self._conn.send((operation, args))
+        except (BrokenPipeError, OSError):
+            raise self._gone() from None
+        self._sent += 1
+        self._awaiting.append(operation)
+        return self._sent
+
+    def _take_answer(self) -> Any:
+        try:
+            status, value = self._conn.recv()
+        except (EOFError, OSError):
+            raise self._gone() from None
+        self._answered += 1
+        operation = self._awaiting.popleft()
+        if status == "error":
+            error = RagError(*value)
+            if self._failure is None and operation in ("upsert", "delete"):
+                self._failure = error
+            raise error
+        return value
+
+    def _gone(self) -> RagError:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(1.0)
+        error = RagError(ErrorCode.INTERNAL, "the vector process ended unexpectedly (exit status "
+                         f"{self._process.returncode})", "run ingest again; what was committed stays")
+        if self._failure is None:
+            self._failure = error
+        return error
+
+    def shut(self) -> None:
+        """End the process (its store closes first); what it was sent is done by then."""
+        with contextlib.suppress(Exception):
+            self._conn.close()
+        try:
+            self._process.wait(30.0)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait(5.0)
+
+
+# ---------------------------------------------------------------------------
 # Writing: vectors first, then the SQLite commit, then old vectors out.
+
+
+@dataclass
+class Sent:
+    """Files whose vectors went to the store (the operations up to `ticket`), rows not committed."""
+
+    files: list[PreparedFile]
+    new_ids: set[str]
+    ticket: int
 
 
 class Store:
     """One index: its vectors (a collection per lifecycle, embedded or on a Chroma server) plus
     the SQLite keyword index in the index folder."""
 
-    def __init__(self, layout: rules.StoreLayout, manifest: rules.IndexManifest, settings: rules.Settings) -> None:
+    def __init__(self, layout: rules.StoreLayout, manifest: rules.IndexManifest, settings: rules.Settings,
+                 vectors: VectorProcess) -> None:
         self.name = manifest.index_name()
         self.manifest = manifest
         meta = {"hnsw:space": "cosine", **{f"manifest_{k}": v for k, v in manifest.to_dict().items()}}
         layout.index_dir(self.name).mkdir(parents=True, exist_ok=True)
-        self.vectors = rules.vector_store(settings, layout, self.name, create=True).open(create=True, metadata=meta)
+        self.vectors = vectors.open(settings, layout, self.name, meta)
         self.db = open_keyword_db(layout.keyword_db(self.name))
         self._fill_embed_keys(rules.PREFIX_SCHEMES.get(manifest.prefix_scheme, rules.PREFIX_SCHEMES["none"]))
         self._fill_cjk_shares()
         self._vector_writes_marked = False
+        # Vectors sent to the store whose rows are not committed yet, by embed key: reusable
+        # by the next group before the rows that make them findable are committed.
+        self._sent_vectors: dict[str, Any] = {}
 
     def _fill_embed_keys(self, scheme: rules.PrefixScheme) -> None:
         """Stores written before chunks carried their embed_key get it, computed from what the rows
@@ -615,13 +818,14 @@ class Store:
 
     def stored_vectors(self, keys: Sequence[str]) -> dict[str, Any]:
         """The vectors the index already holds for these embed keys (those it has)."""
+        found = {key: self._sent_vectors[key] for key in keys if key in self._sent_vectors}
+        keys = [key for key in keys if key not in found]
         owners: dict[str, dict[str, str]] = {}  # lifecycle -> chunk id -> key
-        for batch in rules.batched(list(keys), 500):
+        for batch in rules.batched(keys, 500):
             marks = ",".join("?" * len(batch))
             for chunk, lifecycle, key in self.db.execute(
                     f"SELECT id, lifecycle, embed_key FROM chunks WHERE embed_key IN ({marks})", list(batch)):
                 owners.setdefault(lifecycle, {}).setdefault(chunk, key)
-        found: dict[str, Any] = {}
         for lifecycle, by_id in owners.items():
             ids = [i for i, key in by_id.items() if key not in found]
             for batch in rules.batched(ids, 1000):
@@ -657,9 +861,12 @@ class Store:
             self.remove(paths)
         return removed
 
-    def write(self, files: Sequence[PreparedFile]) -> None:
+    def send(self, files: Sequence[PreparedFile]) -> Sent:
+        """Send these embedded files' vectors to the store (written while the caller goes on);
+        commit() makes them the files' chunks."""
         self._begin_vector_writes()
         new_ids: set[str] = set()
+        ticket = 0
         for lifecycle in rules.LIFECYCLES:
             records = [(rules.chunk_id(pf.file.path, pf.content_hash, chunk.index), vector, chunk.text,
                         rules.chunk_metadata(pf.doc, chunk, pf.content_hash, pf.file.mtime_ns))
@@ -668,15 +875,27 @@ class Store:
             new_ids.update(record[0] for record in records)
             for batch in rules.batched(records, UPSERT_BATCH):
                 ids, vectors, texts, metas = zip(*batch)
-                self.vectors.upsert(lifecycle, ids, vectors, texts, metas)
-        paths = [pf.file.path for pf in files]
+                ticket = self.vectors.upsert(lifecycle, ids, vectors, texts, metas)
+        for pf in files:
+            self._sent_vectors.update(zip(pf.keys, pf.vectors))
+            pf.vectors = []  # 100k chunks of vectors would hold GBs until the end
+        return Sent(list(files), new_ids, ticket)
+
+    def commit(self, sent: Sent) -> None:
+        """Once the store holds their vectors, one transaction makes the files' new chunk rows
+        and keyword terms the truth; then their old vectors go."""
+        self.vectors.settle(sent.ticket)
+        paths = [pf.file.path for pf in sent.files]
         old = self._chunk_ids_of(paths)
         with transaction(self.db):
             self._delete_rows(paths)
-            for pf in files:
+            for pf in sent.files:
                 self._insert_rows(pf)
             self._mark_unpublished()
-        self._delete_vectors({i: lc for i, lc in old.items() if i not in new_ids})
+        for pf in sent.files:
+            for key in pf.keys:
+                self._sent_vectors.pop(key, None)
+        self._delete_vectors({i: lc for i, lc in old.items() if i not in sent.new_ids})
 
     def remove(self, paths: Sequence[str]) -> None:
         self._begin_vector_writes()
@@ -725,6 +944,7 @@ class Store:
         return any(self.vectors.count(lifecycle) != committed.get(lifecycle, 0) for lifecycle in rules.LIFECYCLES)
 
     def end_vector_writes(self) -> None:
+        self.vectors.settle()  # the last deletes of old vectors included
         with transaction(self.db):
             self.db.execute("DELETE FROM meta WHERE key = 'vector_writes'")
 
@@ -1214,6 +1434,21 @@ def run(args: argparse.Namespace, summary: Summary | None = None) -> Summary:
     if not corpus.is_dir():
         raise RagError(ErrorCode.CORPUS_MISSING, f"corpus folder {corpus} does not exist",
                        "set RAG_CORPUS_DIR or pass --corpus DIR")
+    # Started first, so Chroma's import in it overlaps the walk and Ollama's answers.
+    vectors = None if args.dry_run else VectorProcess()
+    try:
+        _run_in(args, summary, settings, layout, vectors)
+    finally:
+        if vectors is not None:
+            vectors.shut()
+    summary.seconds = time.monotonic() - started
+    return summary
+
+
+def _run_in(args: argparse.Namespace, summary: Summary, settings: rules.Settings, layout: rules.StoreLayout,
+            vectors: VectorProcess | None) -> None:
+    """run() once its settings are read; `vectors` is None only for a dry run."""
+    corpus = settings.corpus_dir
     walk = walk_corpus(corpus, settings.respect_gitignore)
     for warning in walk.warnings:
         log.warning("%s", warning)
@@ -1223,8 +1458,7 @@ def run(args: argparse.Namespace, summary: Summary | None = None) -> Summary:
     check_same_corpus(current, corpus, settings.store_dir, args.replace_corpus)
     if args.dry_run:
         dry_run(args, settings, layout, walk, current, summary)
-        summary.seconds = time.monotonic() - started
-        return summary
+        return
 
     scheme = scheme_for(settings.embed_model)
     embedder = rules.OllamaEmbedder(settings.ollama_host, settings.embed_model, settings.embed_timeout_s,
@@ -1252,13 +1486,13 @@ def run(args: argparse.Namespace, summary: Summary | None = None) -> Summary:
                         "re-embedding every chunk", settings.embed_model,
                         current.stamp.model_digest[:12], model.digest[:12])  # type: ignore[union-attr]
         full = args.full or summary.model_changed
-        store, plan, repaired = _open_and_plan(layout, settings, scheme, dims, walk, full)
+        store, plan, repaired = _open_and_plan(layout, settings, scheme, dims, walk, full, vectors)
         if plan.changed and model is None:
             # Another ingest or an editor changed files since the look before the lock.
             model = probe_model(embedder, scheme, settings)
             if model.dims != dims:
                 store.close()
-                store, plan, repaired = _open_and_plan(layout, settings, scheme, model.dims, walk, full)
+                store, plan, repaired = _open_and_plan(layout, settings, scheme, model.dims, walk, full, vectors)
         try:
             manifest = store.manifest
             registry = load_registry(store.db)
@@ -1299,8 +1533,6 @@ def run(args: argparse.Namespace, summary: Summary | None = None) -> Summary:
                      changed_anything or summary.model_changed, _digest_to_record(current, model, summary, plan))
         finally:
             store.close()
-    summary.seconds = time.monotonic() - started
-    return summary
 
 
 def _calibrate(store: Store, embedding: Embedding) -> bool:
@@ -1318,39 +1550,46 @@ def _calibrate(store: Store, embedding: Embedding) -> bool:
 
 
 def _open_and_plan(layout: rules.StoreLayout, settings: rules.Settings, scheme: rules.PrefixScheme, dims: int,
-                   walk: Walk, full: bool) -> tuple[Store, Plan, int]:
+                   walk: Walk, full: bool, vectors: VectorProcess) -> tuple[Store, Plan, int]:
     """Open (or create) the index for these settings, repair what an interrupted run left, and
     compare the corpus with what it holds."""
-    store = Store(layout, rules.manifest_for(settings, scheme.name, dims), settings)
+    store = Store(layout, rules.manifest_for(settings, scheme.name, dims), settings, vectors)
     repaired = store.reconcile() if full or store.needs_reconcile() else 0
     return store, plan_changes(walk, load_registry(store.db), full), repaired
 
 
 def _embed_and_write(store: Store, embedding: Embedding, plan: Plan, summary: Summary) -> tuple[set[str], list[str]]:
-    """Embed the changed files a commit group at a time and write each group as soon as it is
-    embedded. Returns the paths written and the run's own errors (the embedder going away)."""
+    """Embed the changed files a commit group at a time; each group's vectors go to the store as
+    soon as they are embedded, and its rows commit while the store writes the next group's.
+    Returns the paths written and the run's own errors (the embedder going away)."""
     written: set[str] = set()
     run_errors: list[str] = []
     progress = Progress(len(plan.changed), sum(len(pf.chunks) for pf in plan.changed))
     embedding.on_embedded = progress.embedded
     embedding.on_reused = progress.embedded
+
+    def commit(sent: Sent) -> None:
+        store.commit(sent)
+        written.update(pf.file.path for pf in sent.files)
+        summary.chunks_written += sum(len(pf.chunks) for pf in sent.files)
+        progress.committed(len(sent.files))
+
+    pending: Sent | None = None
     try:
         for group in _groups(plan.changed):
             try:
-                embedding.embed_files(group)
-            except RagError as exc:
-                if not _fails_files_alone(exc):
-                    raise
-                group = _embed_individually(embedding, group, plan)
-            for pf in group:
-                pf.chunks = renumber(pf.chunks)
-            if group:
-                store.write(group)
-                for pf in group:
-                    pf.vectors = []  # 100k chunks of Python float lists would hold GBs until the end
-                written.update(pf.file.path for pf in group)
-                summary.chunks_written += sum(len(pf.chunks) for pf in group)
-            progress.committed(len(group))
+                group = _embedded(embedding, group, plan)
+            except RagError:
+                if pending is not None:  # embedded before the failure: it stays
+                    commit(pending)
+                    pending = None
+                raise
+            sent = store.send(group) if group else None
+            if pending is not None:
+                commit(pending)
+            pending = sent
+        if pending is not None:
+            commit(pending)
     except RagError as exc:
         if exc.code not in (ErrorCode.EMBEDDER_UNAVAILABLE, ErrorCode.MODEL_NOT_FOUND):
             raise
@@ -1364,6 +1603,20 @@ def _embed_and_write(store: Store, embedding: Embedding, plan: Plan, summary: Su
         progress.finish()
         summary.chunks_embedded, summary.chunks_reused = embedding.embedded, embedding.reused
     return written, run_errors
+
+
+def _embedded(embedding: Embedding, group: list[PreparedFile], plan: Plan) -> list[PreparedFile]:
+    """A commit group's files with their vectors; when one file's own content fails, the others
+    still go (the failing ones are recorded in plan.failed)."""
+    try:
+        embedding.embed_files(group)
+    except RagError as exc:
+        if not _fails_files_alone(exc):
+            raise
+        group = _embed_individually(embedding, group, plan)
+    for pf in group:
+        pf.chunks = renumber(pf.chunks)
+    return group
 
 
 def _digest_to_record(current: rules.CurrentIndex | None, model: ModelFacts | None, summary: Summary,

@@ -60,7 +60,6 @@ CRASHING_CHILD = r"""
 import os, signal, sys
 sys.path.insert(0, sys.argv.pop(1))
 import corpus_rules, ingest
-from chromadb.api.models.Collection import Collection
 
 ingest.EMBED_BATCH = 4
 ingest.COMMIT_BATCH_CHUNKS = 4
@@ -79,10 +78,11 @@ def crash_on(owner, name, after):
         return result
     setattr(owner, name, wrapper)
 
+# Chroma runs in ingest's vector process, which dies with ingest: crashes are injected here.
 points = {
-    "chroma_update": (Collection, "update", True),  # mtime-only update: Chroma done, SQLite not
+    "chroma_update": (ingest.VectorProcess, "update_metadatas", True),  # mtime-only update: Chroma done, SQLite not
     "insert_rows": (ingest.Store, "_insert_rows", False),  # new vectors in, SQLite transaction open
-    "chroma_delete": (Collection, "delete", True),  # first vector delete (reconcile's strays)
+    "chroma_delete": (ingest.VectorProcess, "delete", True),  # first vector delete sent (reconcile's strays)
     "delete_vectors": (ingest.Store, "_delete_vectors", False),  # committed, old vectors not yet out
     "write_current": (corpus_rules.StoreLayout, "write_current", False),  # all written, CURRENT not
 }
