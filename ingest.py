@@ -614,8 +614,16 @@ class VectorProcess:
         self._awaiting: collections.deque[str] = collections.deque()  # operations sent, not yet answered
         self._failure: RagError | None = None  # the first failed write: every later settle raises it
 
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
     def open(self, settings: rules.Settings, layout: rules.StoreLayout, index_name: str,
              metadata: dict[str, Any]) -> VectorProcess:
+        """Open an index's store (a fresh client: it sees every write made since); a failed write
+        of an earlier run no longer counts."""
+        with contextlib.suppress(RagError):
+            self.settle()
+        self._failure = None
         self._read("open", settings, layout, index_name, metadata)
         return self
 
@@ -1422,9 +1430,10 @@ def dry_run_listing(walk: Walk, plan: Plan, registry: dict[str, DocumentRow], co
     return sorted(entries, key=lambda e: (order[e["action"]], e["path"]))
 
 
-def run(args: argparse.Namespace, summary: Summary | None = None) -> Summary:
+def run(args: argparse.Namespace, summary: Summary | None = None, vectors: VectorProcess | None = None) -> Summary:
     """One ingest run. `summary` is filled in as the run goes, so a run that stops on an error can
-    still report what it did."""
+    still report what it did. `vectors`: a vector process to use (--watch keeps one for all its
+    runs); by default the run starts its own."""
     summary = Summary(dry_run=args.dry_run) if summary is None else summary
     started = time.monotonic()
     settings = rules.load_settings(corpus_dir=args.corpus, store_dir=args.store)
@@ -1435,12 +1444,14 @@ def run(args: argparse.Namespace, summary: Summary | None = None) -> Summary:
         raise RagError(ErrorCode.CORPUS_MISSING, f"corpus folder {corpus} does not exist",
                        "set RAG_CORPUS_DIR or pass --corpus DIR")
     # Started first, so Chroma's import in it overlaps the walk and Ollama's answers.
-    vectors = None if args.dry_run else VectorProcess()
+    owned = vectors is None and not args.dry_run
+    if owned:
+        vectors = VectorProcess()
     try:
         _run_in(args, summary, settings, layout, vectors)
     finally:
-        if vectors is not None:
-            vectors.shut()
+        if owned:
+            vectors.shut()  # type: ignore[union-attr]
     summary.seconds = time.monotonic() - started
     return summary
 
@@ -1744,12 +1755,13 @@ def failure_of(exc: BaseException) -> RagError:
     return failure
 
 
-def run_once(args: argparse.Namespace, quiet: bool = False) -> tuple[int, Summary]:
+def run_once(args: argparse.Namespace, quiet: bool = False,
+             vectors: VectorProcess | None = None) -> tuple[int, Summary]:
     """One run and its report: (exit status, summary). Every way a run can stop ends here in the
     error vocabulary; Ctrl-C propagates (committed work is kept, the next run continues)."""
     summary = Summary(dry_run=args.dry_run)
     try:
-        run(args, summary)
+        run(args, summary, vectors)
     except Exception as exc:  # noqa: BLE001 - every way a run can stop ends in the vocabulary
         error = exc if isinstance(exc, RagError) else failure_of(exc)
         log.error("%s", error.message)
@@ -1808,7 +1820,8 @@ def watch(args: argparse.Namespace) -> int:
     settle_ms = int(args.settle * 1000)
     signal.signal(signal.SIGTERM, _interrupt)  # systemd's stop: end like Ctrl-C
     log.info("watching %s (runs once changes have settled for %.1f s)", corpus, args.settle)
-    status, summary = run_once(args, quiet=True)
+    vectors = VectorProcess()  # one for every run: Chroma's import and a process start are paid once
+    status, summary = run_once(args, quiet=True, vectors=vectors)
     _watch_line("start", status, summary)
     retries = 0
     logging.getLogger("ingest").setLevel(logging.WARNING)  # one line per run from here on
@@ -1822,7 +1835,10 @@ def watch(args: argparse.Namespace) -> int:
             if changes is None:
                 return 0  # the corpus folder went away
             what = f"{len(changes)} change(s)" if changes else "retry"
-            status, summary = run_once(args, quiet=True)
+            if not vectors.alive():  # killed from outside, say: the next run gets a new one
+                vectors.shut()
+                vectors = VectorProcess()
+            status, summary = run_once(args, quiet=True, vectors=vectors)
             retries = retries + 1 if _unfinished(status, summary) and not changes else 0
             _watch_line(what, status, summary)
     except KeyboardInterrupt:
@@ -1830,6 +1846,7 @@ def watch(args: argparse.Namespace) -> int:
         return 0
     finally:
         batches.close()
+        vectors.shut()
 
 
 def _interrupt(*_: Any) -> None:

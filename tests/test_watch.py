@@ -98,8 +98,11 @@ def test_edits_additions_deletions_renames_and_atomic_saves_show_up(watched: tup
         (corpus / "notes" / "kumquat.md").rename(corpus / "notes" / "citrus.md")
         visible("KUMQUATADDED", "notes/citrus.md")
         assert "notes/kumquat.md" not in paths_found(server, "KUMQUATADDED")
+        runs = watcher.runs()
         (corpus / "notes" / "citrus.md").unlink()
         visible("KUMQUATADDED", None)
+        # The change is searchable once committed; the run's line comes after CURRENT.json.
+        watcher.wait_for_run_after(runs)
         # An editor's atomic save: write a temp file beside it, then rename it over the real one,
         # plus a backup file (x.md~) and a swap file: one run, for the real file only.
         before = watcher.runs()
@@ -137,3 +140,54 @@ def _added(line: str) -> int:
         return 0
     words = line.split()
     return int(words[words.index("added,") - 1]) if "added," in words else 0
+
+
+def _vector_processes(parent: int) -> list[int]:
+    """The vector process(es) a watcher started: its children running ingest._serve_vectors."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and "_serve_vectors" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie left for its parent to reap counts: its cmdline is empty)."""
+    try:
+        return not Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the watcher's child in /proc (Linux)")
+def test_a_vector_process_killed_between_runs_is_replaced_and_dies_with_the_watcher(tmp_path: Path) -> None:
+    """The watcher keeps one vector process for all its runs; killed from outside, the next run
+    starts a new one instead of failing on a dead pipe; kill -9 of the watcher takes it along."""
+    with FakeOllama() as fake:
+        corpus, store = copy_sample(tmp_path), tmp_path / "store"
+        watcher = Watcher(fake, corpus, store)
+        try:
+            children = _vector_processes(watcher.proc.pid)
+            assert len(children) == 1, children
+            os.kill(children[0], signal.SIGKILL)
+            poll(lambda: _gone(children[0]), timeout=10, interval=0.05)
+            runs = watcher.runs()
+            (corpus / "after-kill.md").write_text("# After\n\nPHOENIXTOKEN rises again.\n", encoding="utf-8")
+            watcher.wait_for_run_after(runs)
+            last = [line for line in watcher.lines if line.startswith("ingest: watch ")][-1]
+            assert "1 added" in last and "[ok]" in last, watcher.lines[-3:]
+            with raw_server(store, corpus, fake.host) as server:
+                assert paths_found(server, "PHOENIXTOKEN") == {"after-kill.md"}
+            replacement = _vector_processes(watcher.proc.pid)
+            assert len(replacement) == 1 and replacement != children, (children, replacement)
+        finally:
+            watcher.proc.kill()
+            watcher.proc.wait(timeout=10)
+        poll(lambda: _gone(replacement[0]), timeout=10, interval=0.05)
