@@ -715,9 +715,14 @@ class VectorProcess:
         return error
 
     def shut(self) -> None:
-        """End the process (its store closes first); what it was sent is done by then."""
+        """End the process. When everything sent was answered (the store closed last) there is
+        nothing left for it to do and its exit is not waited for (~0.1 s); otherwise it may still
+        be writing, and it is waited for (killed after 30 s), so no write lands after this."""
+        settled = self._answered == self._sent
         with contextlib.suppress(Exception):
             self._conn.close()
+        if settled:
+            return
         try:
             self._process.wait(30.0)
         except subprocess.TimeoutExpired:
