@@ -367,6 +367,9 @@ class SearchResponse(BaseModel):
     confidence: Literal["high", "medium", "low"] | None = Field(
         None, description="How likely the first result answers the query (null without results); low means "
                           "the documents may not answer it: say so rather than cite a near miss.")
+    confidence_score: float | None = Field(
+        None, description="The value confidence is read from (high from 0.5, medium from 0.1): finer than the "
+                          "level, to compare the first results of several searches of this index.")
     confidence_reason: str | None = Field(None, description="Why, in one line.")
     missing_identifiers: list[str] = Field(default_factory=list,
                                            description="Identifiers in the query that no indexed passage contains.")
@@ -508,8 +511,15 @@ class Evidence:
     missing: tuple[str, ...] = ()  # those no indexed passage contains
 
 
-def judge(evidence: Evidence) -> tuple[Literal["high", "medium", "low"], str]:
-    """The confidence that the best hit answers the query, and why, in one line.
+@dataclass(frozen=True)
+class Judgement:
+    level: Literal["high", "medium", "low"]
+    score: float  # the value the level is read from: high from CONFIDENCE_HIGH, medium from CONFIDENCE_MEDIUM
+    reason: str
+
+
+def judge(evidence: Evidence) -> Judgement:
+    """The confidence that the best hit answers the query, its value, and why, in one line.
 
     Without a generator, three signals exist: how far the passage stands out from the near
     misses, on this corpus's own scale (between what its headings' best passages in other
@@ -535,7 +545,8 @@ def judge(evidence: Evidence) -> tuple[Literal["high", "medium", "low"], str]:
         value += CONFIDENCE_AGREEMENT_BONUS * (evidence.phrasings_found - 1) / (evidence.phrasings - 1)
         notes.append(f"found by {evidence.phrasings_found} of {evidence.phrasings} phrasings")
     if evidence.identifiers and len(evidence.missing) == len(evidence.identifiers):
-        return "low", f"no indexed passage contains {', '.join(evidence.missing)}: the documents do not mention it"
+        return Judgement("low", round(min(value, CONFIDENCE_MEDIUM) - CONFIDENCE_MISSING_PENALTY, 4),
+                         f"no indexed passage contains {', '.join(evidence.missing)}: the documents do not mention it")
     if evidence.missing:
         value -= CONFIDENCE_MISSING_PENALTY
         notes.insert(0, f"no indexed passage contains {', '.join(evidence.missing)}")
@@ -544,7 +555,7 @@ def judge(evidence: Evidence) -> tuple[Literal["high", "medium", "low"], str]:
         notes.insert(0, f"contains {', '.join(evidence.exact)}")
     level: Literal["high", "medium", "low"] = (
         "high" if value >= CONFIDENCE_HIGH else "medium" if value >= CONFIDENCE_MEDIUM else "low")
-    return level, "; ".join(notes) or "no similarity or term evidence"
+    return Judgement(level, round(value, 4), "; ".join(notes) or "no similarity or term evidence")
 
 
 def select_top_k(fused: Sequence[tuple[str, float]], channel_bests: Sequence[str | None], k: int) -> list[tuple[str, float]]:
@@ -1712,7 +1723,7 @@ class RetrievalService:
 
     @staticmethod
     def _confidence(index: OpenIndex, row: ChunkRow, top: SearchHit, found: Candidates,
-                    phrasings: list[Phrasing]) -> tuple[Literal["high", "medium", "low"], str]:
+                    phrasings: list[Phrasing]) -> Judgement:
         """How likely the first hit (its row and its hit) answers the query (see judge)."""
         shares = [share for p, phrasing in enumerate(phrasings)
                   if (share := found.term_evidence(p, phrasing, row)) is not None]
@@ -1726,7 +1737,7 @@ class RetrievalService:
             missing=tuple(found.missing)))
 
     def _search_response(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope, found: Candidates,
-                         hits: list[SearchHit], confidence: tuple[str, str] | None,
+                         hits: list[SearchHit], confidence: Judgement | None,
                          degraded: RagError | None) -> SearchResponse:
         """The response: hits within the text budget, the confidence, the index stamp, and a
         message that says why there is nothing when there is nothing."""
@@ -1736,7 +1747,8 @@ class RetrievalService:
             if args.min_score is not None:
                 extra["hint"] += "; min_score was not applied (it needs the query's embedding)"
         if confidence is not None:
-            extra["confidence"], extra["confidence_reason"] = confidence
+            extra.update(confidence=confidence.level, confidence_score=confidence.score,
+                         confidence_reason=confidence.reason)
         plan = found.keyword_plan
         message = None
         if scope.empty:

@@ -204,21 +204,38 @@ def evidence(**fields: Any) -> server.Evidence:
 
 
 def test_confidence_levels_follow_the_evidence() -> None:
-    assert server.judge(evidence())[0] == "high"
-    assert server.judge(evidence(margin=0.015, coverage=0.3))[0] == "medium"
-    assert server.judge(evidence(margin=0.0, coverage=0.1))[0] == "low"
+    assert server.judge(evidence()).level == "high"
+    assert server.judge(evidence(margin=0.015, coverage=0.3)).level == "medium"
+    assert server.judge(evidence(margin=0.0, coverage=0.1)).level == "low"
     # Without a calibration the margin means nothing on its own; term evidence still counts.
-    assert server.judge(evidence(calibration=None, coverage=0.9))[0] == "high"
-    level, reason = server.judge(evidence(identifiers=("UV_NO_TELEMETRY",), missing=("UV_NO_TELEMETRY",)))
-    assert level == "low" and "UV_NO_TELEMETRY" in reason
-    level, reason = server.judge(evidence(margin=0.0, coverage=0.1, identifiers=("E4091",), exact=("E4091",)))
-    assert level == "high" and "contains E4091" in reason
-    level, reason = server.judge(evidence(identifiers=("E4091", "E9999"), exact=("E4091",), missing=("E9999",),
-                                          margin=0.015, coverage=0.3))
-    assert level == "low" and "E9999" in reason
+    assert server.judge(evidence(calibration=None, coverage=0.9)).level == "high"
+    absent = server.judge(evidence(identifiers=("UV_NO_TELEMETRY",), missing=("UV_NO_TELEMETRY",)))
+    assert absent.level == "low" and "UV_NO_TELEMETRY" in absent.reason
+    whole = server.judge(evidence(margin=0.0, coverage=0.1, identifiers=("E4091",), exact=("E4091",)))
+    assert whole.level == "high" and "contains E4091" in whole.reason
+    partly = server.judge(evidence(identifiers=("E4091", "E9999"), exact=("E4091",), missing=("E9999",),
+                                   margin=0.015, coverage=0.3))
+    assert partly.level == "low" and "E9999" in partly.reason
     more = server.judge(evidence(margin=0.016, coverage=0.6, phrasings=3, phrasings_found=3))
     fewer = server.judge(evidence(margin=0.016, coverage=0.6, phrasings=3, phrasings_found=1))
-    assert ["low", "medium", "high"].index(more[0]) > ["low", "medium", "high"].index(fewer[0])
+    assert ["low", "medium", "high"].index(more.level) > ["low", "medium", "high"].index(fewer.level)
+
+
+def test_the_confidence_score_orders_within_a_level_and_the_levels_follow_it() -> None:
+    """The score is the value the level is read from: within one level a stronger passage scores
+    higher, and every level's scores sit above the next lower level's."""
+    ladder = [server.judge(evidence(margin=m, coverage=c))
+              for m, c in ((0.0, 0.0), (0.0, 0.1), (0.01, 0.2), (0.015, 0.3), (0.02, 0.5), (0.03, 0.7), (0.05, 1.0))]
+    scores = [j.score for j in ladder]
+    assert scores == sorted(scores) and len(set(scores)) == len(scores), scores
+    order = ["low", "medium", "high"]
+    assert [order.index(j.level) for j in ladder] == sorted(order.index(j.level) for j in ladder)
+    assert {j.level for j in ladder} == set(order)
+    for j in ladder:
+        assert (j.score >= server.CONFIDENCE_HIGH) == (j.level == "high")
+        assert (j.score < server.CONFIDENCE_MEDIUM) == (j.level == "low")
+    absent = server.judge(evidence(identifiers=("UV_NO_TELEMETRY",), missing=("UV_NO_TELEMETRY",)))
+    assert absent.score < min(j.score for j in ladder if j.level != "low")
 
 
 def test_select_top_k_with_one_slot_keeps_the_fused_winner() -> None:

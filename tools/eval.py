@@ -6,9 +6,10 @@
 Builds an index of DIR with ingest.py (in a temporary store unless --store is given) against
 whatever OLLAMA_HOST points to, runs every query through `python server.py` with an MCP
 client, and prints per query kind: file_hit@5, section_hit@5, MRR@10, and latency p50/p95,
-for each mode; over all queries, how well the top-1 score and the response's `confidence`
-(low < medium < high) tell answerable from unanswerable queries (AUROC), and the share of
-each marked low.
+for each mode; over all queries, how well the top-1 score, the response's `confidence`
+(low < medium < high) and its `confidence_score` tell answerable from unanswerable queries
+(AUROC), the share of each marked low, and the share of unanswerable ones scored below the
+cut that flags at most 10% of the answerable ones.
 
 A query line: {"id", "query", "kind", "gold": [{"path", "heading"}], "corpus"?, "phrasings"?}.
 `gold: []` marks an unanswerable (negative) query. With --phrasings FILE (lines {"id",
@@ -127,6 +128,7 @@ class Outcome:
     seconds: float
     error: str | None = None
     confidence: str | None = None
+    confidence_score: float | None = None
 
     def file_hit(self, k: int = 5) -> bool:
         paths = {g[0] for g in self.query.gold}
@@ -150,12 +152,25 @@ class Outcome:
     def confidence_value(self) -> float:
         return float(CONFIDENCE_ORDER.get(self.confidence or "low", 0)) if self.results else -1.0
 
+    def score_value(self) -> float:
+        """The response's confidence_score (no results: below any score)."""
+        return float(self.confidence_score) if self.results and self.confidence_score is not None else float("-inf")
+
 
 def auroc(positives: Sequence[float], negatives: Sequence[float]) -> float | None:
     if not positives or not negatives:
         return None
     wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p in positives for n in negatives)
     return wins / (len(positives) * len(negatives))
+
+
+def flagged_at(answerable: Sequence[float], unanswerable: Sequence[float], share: float = 0.10) -> float | None:
+    """The share of unanswerable queries scored below the highest cut that flags at most `share`
+    of the answerable ones (the issue's "low at <= 10% of answerable" point, on the score)."""
+    if not answerable or not unanswerable:
+        return None
+    cut = sorted(answerable)[int(share * len(answerable))]  # fewer than share*n answerable lie below it
+    return sum(value < cut for value in unanswerable) / len(unanswerable)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -177,6 +192,8 @@ class Row:
     confidence_auroc: float | None = None
     answerable_low: float | None = None  # share of answerable queries whose confidence is low
     unanswerable_low: float | None = None  # share of unanswerable ones
+    score_auroc: float | None = None  # of confidence_score
+    unanswerable_flagged: float | None = None  # below the score cut that flags <= 10% of answerable
 
 
 def summarise(outcomes: Sequence[Outcome]) -> list[Row]:
@@ -185,6 +202,7 @@ def summarise(outcomes: Sequence[Outcome]) -> list[Row]:
         by_kind[outcome.query.kind].append(outcome)
     negatives = [o.top_score() for o in outcomes if not o.query.gold]
     negative_confidence = [o.confidence_value() for o in outcomes if not o.query.gold]
+    negative_scores = [o.score_value() for o in outcomes if not o.query.gold]
     rows = []
     for kind, group in [*sorted(by_kind.items()), ("all", list(outcomes))]:
         answerable = [o for o in group if o.query.gold]
@@ -202,7 +220,10 @@ def summarise(outcomes: Sequence[Outcome]) -> list[Row]:
             errors=sum(1 for o in group if o.error),
             confidence_auroc=auroc([o.confidence_value() for o in answerable], negative_confidence)
             if kind == "all" else None,
-            answerable_low=share_low(answerable), unanswerable_low=share_low(unanswerable)))
+            answerable_low=share_low(answerable), unanswerable_low=share_low(unanswerable),
+            score_auroc=auroc([o.score_value() for o in answerable], negative_scores) if kind == "all" else None,
+            unanswerable_flagged=flagged_at([o.score_value() for o in answerable], negative_scores)
+            if kind == "all" else None))
     return rows
 
 
@@ -212,12 +233,13 @@ def markdown_table(mode: str, rows: Sequence[Row]) -> str:
 
     out = [f"mode: {mode}", "",
            "| kind | n | file_hit@5 | section_hit@5 | MRR@10 | AUROC top-1 | AUROC confidence | low: answerable "
-           "| low: unanswerable | p50 ms | p95 ms | errors |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| low: unanswerable | AUROC confidence_score | unanswerable below the 10% cut | p50 ms | p95 ms | errors |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         out.append(f"| {r.kind} | {r.n} | {fmt(r.file_hit5)} | {fmt(r.section_hit5)} | {fmt(r.mrr10)} | "
                    f"{fmt(r.auroc)} | {fmt(r.confidence_auroc)} | {fmt(r.answerable_low)} | "
-                   f"{fmt(r.unanswerable_low)} | {r.p50_ms:.0f} | {r.p95_ms:.0f} | {r.errors} |")
+                   f"{fmt(r.unanswerable_low)} | {fmt(r.score_auroc)} | {fmt(r.unanswerable_flagged)} | "
+                   f"{r.p50_ms:.0f} | {r.p95_ms:.0f} | {r.errors} |")
     return "\n".join(out)
 
 
@@ -259,7 +281,8 @@ async def run_queries(queries: Sequence[Query], modes: Sequence[str], env: dict[
                 else:
                     content = result.structured_content or {}
                     outcomes[mode].append(Outcome(query, list(content.get("results", [])), seconds,
-                                                  confidence=content.get("confidence")))
+                                                  confidence=content.get("confidence"),
+                                                  confidence_score=content.get("confidence_score")))
     return outcomes
 
 
