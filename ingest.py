@@ -543,10 +543,18 @@ def _die_with_parent() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+VECTOR_WRITES = ("upsert", "delete")
+
+
 def _serve_vectors(fd: int) -> None:
     """The vector process's loop, on its end of the socket `fd`: one VectorStore, operations in
     the order they were sent, one answer each, ("ok", value) or ("error", (code, message, hint)).
-    Ends when the socket closes."""
+    Ends when the socket closes.
+
+    After a write fails (a full disk, say), the store is never touched again: every later
+    operation gets that write's error at once. Chroma can keep a lock from the failed write, and
+    its next write then waits on it for ever (seen with a file-size limit: SQLite's busy loop in
+    one of Chroma's own connections). The parent replaces a process whose write failed."""
     from multiprocessing.connection import Connection  # noqa: PLC0415
 
     conn = Connection(fd)
@@ -554,12 +562,15 @@ def _serve_vectors(fd: int) -> None:
     _die_with_parent()
     rules.import_heavy("chromadb")  # ~1 s, paid while the parent walks the corpus and asks Ollama
     vectors: rules.VectorStore | None = None
+    failed: tuple[Any, ...] | None = None  # the failed write's error
     while True:
         try:
             operation, args = conn.recv()
         except (EOFError, OSError):
             break
         try:
+            if failed is not None:
+                raise RagError(*failed)
             if operation == "open":
                 settings, layout, index_name, metadata = args
                 vectors = rules.vector_store(settings, layout, index_name, create=True).open(
@@ -577,11 +588,13 @@ def _serve_vectors(fd: int) -> None:
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the parent
             answer = ("error", (ErrorCode.INTERNAL, f"the vector store failed: {rules.shown(exc, 300)}",
                                 "run ingest again; if it repeats, report it"))
+        if answer[0] == "error" and operation in VECTOR_WRITES and failed is None:
+            failed = answer[1]
         try:
             conn.send(answer)
         except (BrokenPipeError, OSError):
             break
-    if vectors is not None:
+    if vectors is not None and failed is None:  # closing a store left locked could wait for ever too
         vectors.close()
 
 
@@ -614,16 +627,17 @@ class VectorProcess:
         self._awaiting: collections.deque[str] = collections.deque()  # operations sent, not yet answered
         self._failure: RagError | None = None  # the first failed write: every later settle raises it
 
-    def alive(self) -> bool:
-        return self._process.poll() is None
+    def usable(self) -> bool:
+        """Whether another run can use this process: it is alive and none of its writes failed
+        (after one, it touches the store no more; see _serve_vectors)."""
+        return self._process.poll() is None and self._failure is None
 
     def open(self, settings: rules.Settings, layout: rules.StoreLayout, index_name: str,
              metadata: dict[str, Any]) -> VectorProcess:
-        """Open an index's store (a fresh client: it sees every write made since); a failed write
-        of an earlier run no longer counts."""
+        """Open an index's store (a fresh client: it sees every write made since). A process whose
+        write failed opens nothing more (the error is raised): --watch starts a new one."""
         with contextlib.suppress(RagError):
             self.settle()
-        self._failure = None
         self._read("open", settings, layout, index_name, metadata)
         return self
 
@@ -700,7 +714,7 @@ class VectorProcess:
         operation = self._awaiting.popleft()
         if status == "error":
             error = RagError(*value)
-            if self._failure is None and operation in ("upsert", "delete"):
+            if self._failure is None and operation in VECTOR_WRITES:
                 self._failure = error
             raise error
         return value
@@ -1457,7 +1471,7 @@ def run(args: argparse.Namespace, summary: Summary | None = None, vectors: Vecto
     finally:
         if owned:
             vectors.shut()  # type: ignore[union-attr]
-    summary.seconds = time.monotonic() - started
+        summary.seconds = time.monotonic() - started  # a run that failed took its time too
     return summary
 
 
@@ -1840,7 +1854,7 @@ def watch(args: argparse.Namespace) -> int:
             if changes is None:
                 return 0  # the corpus folder went away
             what = f"{len(changes)} change(s)" if changes else "retry"
-            if not vectors.alive():  # killed from outside, say: the next run gets a new one
+            if not vectors.usable():  # killed from outside, or a write failed: the next run gets a new one
                 vectors.shut()
                 vectors = VectorProcess()
             status, summary = run_once(args, quiet=True, vectors=vectors)

@@ -6,6 +6,7 @@ writes causes a few runs, not one per write; the lock is free between runs; Ctrl
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,10 +27,11 @@ VISIBLE_WITHIN_S = 15.0  # generous for a loaded CI machine; the bench measures 
 
 
 class Watcher:
-    def __init__(self, fake: FakeOllama, corpus: Path, store: Path) -> None:
+    def __init__(self, fake: FakeOllama, corpus: Path, store: Path, **popen: Any) -> None:
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "ingest.py"), "--corpus", str(corpus), "--store",
                                       str(store), "--watch", "--settle", str(SETTLE_S)], env=child_env(fake),
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT.parent)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT.parent,
+                                     **popen)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -191,3 +194,40 @@ def test_a_vector_process_killed_between_runs_is_replaced_and_dies_with_the_watc
             watcher.proc.kill()
             watcher.proc.wait(timeout=10)
         poll(lambda: _gone(replacement[0]), timeout=10, interval=0.05)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the watcher's child in /proc (Linux)")
+def test_a_vector_process_whose_write_failed_is_replaced(tmp_path: Path) -> None:
+    """A full disk fails a run in Chroma's write; once there is room again the next run works. The
+    vector process whose write failed is not used again: Chroma can keep a lock from the failed
+    write, and its next write waited for ever on it. The disk is 'full' by a file-size limit on
+    the watcher, which its first vector process inherits; the limit is then lifted on the watcher
+    only, so a reused process would still fail."""
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        # The soft limit only: lifting it again later needs no privilege.
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, resource.RLIM_INFINITY))
+
+    with FakeOllama() as fake:
+        corpus, store = copy_sample(tmp_path), tmp_path / "store"
+        watcher = Watcher(fake, corpus, store, preexec_fn=small_files)
+        try:
+            first = [line for line in watcher.lines if line.startswith("ingest: watch ")][-1]
+            assert "could not finish" in first, watcher.lines[-3:]
+            assert any("could not be written" in line for line in watcher.lines), watcher.lines[-3:]
+            children = _vector_processes(watcher.proc.pid)
+            assert len(children) == 1, children
+            resource.prlimit(watcher.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            runs = watcher.runs()
+            (corpus / "after-full.md").write_text("# After\n\nROOMTOKEN again.\n", encoding="utf-8")
+            watcher.wait_for_run_after(runs)
+            last = [line for line in watcher.lines if line.startswith("ingest: watch ")][-1]
+            assert "[ok]" in last, watcher.lines[-3:]
+            with raw_server(store, corpus, fake.host) as server:
+                assert paths_found(server, "ROOMTOKEN") == {"after-full.md"}
+            replacement = _vector_processes(watcher.proc.pid)
+            assert len(replacement) == 1 and replacement != children, (children, replacement)
+        finally:
+            watcher.proc.kill()
+            watcher.proc.wait(timeout=10)
