@@ -2056,8 +2056,11 @@ class OllamaEmbedder:
                                          transport=_deadline_transport_class()(self.timeout_s))
         return self._client
 
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        return self._answer(Pending(fn))
+    def _call(self, fn: Callable[[Any], Any]) -> Any:
+        # The client is built (ollama and httpx imported) before the clock starts: on a loaded
+        # machine the imports alone can outlast a short RAG_EMBED_TIMEOUT.
+        client = self._get_client()
+        return self._answer(Pending(lambda: fn(client)))
 
     def _answer(self, call: Pending) -> Any:
         try:
@@ -2099,7 +2102,7 @@ class OllamaEmbedder:
 
     def model_digest(self) -> str | None:
         """The model's digest as Ollama lists it (`/api/tags`); None when it is not listed there."""
-        listed = self._call(lambda: self._get_client().list())
+        listed = self._call(lambda client: client.list())
         for entry in listed.models or []:
             if entry.model and same_model(entry.model, self.model):
                 return entry.digest or None
@@ -2107,7 +2110,7 @@ class OllamaEmbedder:
 
     def model_info(self) -> ModelInfo:
         """Context length and dimensions from `POST /api/show`, registry values as fallback."""
-        shown_model = self._call(lambda: self._get_client().show(self.model))
+        shown_model = self._call(lambda client: client.show(self.model))
         info = dict(shown_model.modelinfo or {})
         arch = info.get("general.architecture")
         context = info.get(f"{arch}.context_length") if arch else None
@@ -2129,10 +2132,11 @@ class OllamaEmbedder:
         runs on the thread that received the answer, as soon as it arrives: a search starts its
         vector queries from there rather than waking another thread to do it."""
         options: dict[str, Any] = {"keep_alive": self.keep_alive} if self.keep_alive is not None else {}
+        client = self._get_client()  # outside the timed call, as in _call
 
         def fetch() -> Any:
             try:
-                response = self._get_client().embed(model=self.model, input=list(texts), truncate=False, **options)
+                response = client.embed(model=self.model, input=list(texts), truncate=False, **options)
             except Exception as exc:  # noqa: BLE001 - translated here, raised to the waiter
                 raise self._translate(exc) from exc
             matrix = self._vectors(texts, response)
