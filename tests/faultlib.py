@@ -82,6 +82,31 @@ def poll(condition: Callable[[], Any], timeout: float = 60.0, interval: float = 
 # Reading the store the way the server does (read-only SQLite), for observing a running ingest.
 
 
+def vector_processes(parent: int) -> list[int]:
+    """The vector process(es) an ingest or a watcher started: its children running
+    ingest._serve_vectors (Linux /proc; none elsewhere)."""
+    found = []
+    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and "_serve_vectors" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def gone(pid: int) -> bool:
+    """Exited (a zombie left for its parent to reap counts: its cmdline is empty)."""
+    try:
+        return not Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+
+
 def index_dir(store: Path) -> Path:
     return store / current_of(store)["index"]
 
@@ -95,8 +120,16 @@ def ro_query(db: Path, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any
 
 
 def vector_count(index: Path) -> int:
-    """Rows in Chroma's embeddings table (both collections): grows when ingest writes vectors."""
-    return int(ro_query(index / rules.CHROMA_SUBDIR / "chroma.sqlite3", "SELECT count(*) FROM embeddings")[0][0])
+    """Rows in Chroma's embeddings table (both collections): grows when ingest writes vectors.
+
+    Read with a connection that may write: a writer killed mid-transaction leaves a hot journal,
+    which a read-only connection cannot roll back ("attempt to write a readonly database"); any
+    opener (Chroma, the server) rolls it back, and so does this one."""
+    con = sqlite3.connect(f"file:{index / rules.CHROMA_SUBDIR / 'chroma.sqlite3'}?mode=rw", uri=True, timeout=30)
+    try:
+        return int(con.execute("SELECT count(*) FROM embeddings").fetchone()[0])
+    finally:
+        con.close()
 
 
 def committed_hashes(index: Path) -> dict[str, str]:

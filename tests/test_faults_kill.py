@@ -34,10 +34,12 @@ from faultlib import (
     commit_groups,
     committed_hashes,
     embed_calls_by_file,
+    gone,
     index_dir,
     poll,
     ro_query,
     vector_count,
+    vector_processes,
     write_handbooks,
     write_lock,
 )
@@ -82,7 +84,12 @@ class Run:
         poll(lambda: self.fake.embed_calls >= self.base_calls + n or not self.alive())
 
     def kill(self) -> None:
+        """kill -9 of the ingest; its vector process dies with it (PR_SET_PDEATHSIG), a moment
+        later: waited for too, so nothing observed afterwards is still being written."""
+        children = vector_processes(self.proc.pid)
         self.proc.send_signal(signal.SIGKILL)
+        for pid in children:
+            poll(lambda: gone(pid), timeout=30, interval=0.005)
 
 
 def at(seconds: float) -> Callable[[Run], None]:

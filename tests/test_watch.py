@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from fake_ollama import FakeOllama
-from faultlib import poll
+from faultlib import gone, poll, vector_processes
 from helpers import ROOT, call, child_env, copy_sample, raw_server, run_ingest
 
 SETTLE_S = 0.3
@@ -145,30 +145,6 @@ def _added(line: str) -> int:
     return int(words[words.index("added,") - 1]) if "added," in words else 0
 
 
-def _vector_processes(parent: int) -> list[int]:
-    """The vector process(es) a watcher started: its children running ingest._serve_vectors."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and "_serve_vectors" in cmdline:
-            found.append(int(entry.name))
-    return found
-
-
-def _gone(pid: int) -> bool:
-    """Exited (a zombie left for its parent to reap counts: its cmdline is empty)."""
-    try:
-        return not Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return True
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the watcher's child in /proc (Linux)")
 def test_a_vector_process_killed_between_runs_is_replaced_and_dies_with_the_watcher(tmp_path: Path) -> None:
     """The watcher keeps one vector process for all its runs; killed from outside, the next run
@@ -177,10 +153,10 @@ def test_a_vector_process_killed_between_runs_is_replaced_and_dies_with_the_watc
         corpus, store = copy_sample(tmp_path), tmp_path / "store"
         watcher = Watcher(fake, corpus, store)
         try:
-            children = _vector_processes(watcher.proc.pid)
+            children = vector_processes(watcher.proc.pid)
             assert len(children) == 1, children
             os.kill(children[0], signal.SIGKILL)
-            poll(lambda: _gone(children[0]), timeout=10, interval=0.05)
+            poll(lambda: gone(children[0]), timeout=10, interval=0.05)
             runs = watcher.runs()
             (corpus / "after-kill.md").write_text("# After\n\nPHOENIXTOKEN rises again.\n", encoding="utf-8")
             watcher.wait_for_run_after(runs)
@@ -188,12 +164,12 @@ def test_a_vector_process_killed_between_runs_is_replaced_and_dies_with_the_watc
             assert "1 added" in last and "[ok]" in last, watcher.lines[-3:]
             with raw_server(store, corpus, fake.host) as server:
                 assert paths_found(server, "PHOENIXTOKEN") == {"after-kill.md"}
-            replacement = _vector_processes(watcher.proc.pid)
+            replacement = vector_processes(watcher.proc.pid)
             assert len(replacement) == 1 and replacement != children, (children, replacement)
         finally:
             watcher.proc.kill()
             watcher.proc.wait(timeout=10)
-        poll(lambda: _gone(replacement[0]), timeout=10, interval=0.05)
+        poll(lambda: gone(replacement[0]), timeout=10, interval=0.05)
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the watcher's child in /proc (Linux)")
@@ -216,7 +192,7 @@ def test_a_vector_process_whose_write_failed_is_replaced(tmp_path: Path) -> None
             first = [line for line in watcher.lines if line.startswith("ingest: watch ")][-1]
             assert "could not finish" in first, watcher.lines[-3:]
             assert any("could not be written" in line for line in watcher.lines), watcher.lines[-3:]
-            children = _vector_processes(watcher.proc.pid)
+            children = vector_processes(watcher.proc.pid)
             assert len(children) == 1, children
             resource.prlimit(watcher.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
             runs = watcher.runs()
@@ -226,7 +202,7 @@ def test_a_vector_process_whose_write_failed_is_replaced(tmp_path: Path) -> None
             assert "[ok]" in last, watcher.lines[-3:]
             with raw_server(store, corpus, fake.host) as server:
                 assert paths_found(server, "ROOMTOKEN") == {"after-full.md"}
-            replacement = _vector_processes(watcher.proc.pid)
+            replacement = vector_processes(watcher.proc.pid)
             assert len(replacement) == 1 and replacement != children, (children, replacement)
         finally:
             watcher.proc.kill()
