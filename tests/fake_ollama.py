@@ -299,6 +299,10 @@ class FakeOllama:
         # runner), and the work dropped when the client gives up and disconnects.
         self.delay_per_text_seconds: float = 0.0
         self.weights = ""  # folded into the model digest
+        # Cleared by configure(hold=True): embed calls wait until configure(hold=False), so a test
+        # can act while a call is in flight however slow the machine is.
+        self._released = threading.Event()
+        self._released.set()
         self._runner = threading.Lock()
         self.embed_calls = 0
         self.embedded_inputs: list[str] = []
@@ -378,6 +382,8 @@ class FakeOllama:
                     self.nan_for = None if value is None else str(value)
                 elif key == "weights":  # a re-pull under the same name: another digest in /api/tags
                     self.weights = str(value)
+                elif key == "hold":
+                    (self._released.clear if value else self._released.set)()
                 else:
                     raise ValueError(f"unknown fake config field: {key}")
             return self._config_locked()
@@ -400,6 +406,7 @@ class FakeOllama:
             "nan_for": self.nan_for,
             "delay_per_text_seconds": self.delay_per_text_seconds,
             "weights": self.weights,
+            "hold": not self._released.is_set(),
         }
 
     def reset(self) -> None:
@@ -418,6 +425,7 @@ class FakeOllama:
         self.wrong_dims = None
         self.trickle_seconds = None
         self.nan_for = None
+        self._released.set()
         self.delay_per_text_seconds = 0.0
         self.weights = ""
         self.embed_calls = 0
@@ -556,6 +564,8 @@ class FakeOllama:
             delay, fail_after = self.delay_seconds, self.fail_after
         if delay > 0:
             self._stopping.wait(delay)
+        while not self._released.wait(0.05) and not self._stopping.is_set():
+            pass
         if fail_after is not None and call_number > fail_after:
             return 500, {"error": "llama runner process has terminated: exit status 2 (fake fail_after)"}
         if inputs is None:

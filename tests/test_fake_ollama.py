@@ -148,6 +148,21 @@ def test_delay_beyond_client_timeout_raises_httpx_read_timeout(fake_ollama: Fake
         _client(fake_ollama, timeout=0.3).embed(model=MODEL, input="x")
 
 
+def test_held_embed_calls_answer_once_released(fake_ollama: FakeOllama) -> None:
+    import threading
+
+    fake_ollama.configure(hold=True)
+    answers: list[int] = []
+    call = threading.Thread(
+        target=lambda: answers.append(len(_client(fake_ollama).embed(model=MODEL, input="x").embeddings)))
+    call.start()
+    call.join(0.5)
+    assert call.is_alive() and not answers and fake_ollama.calls()["embed_calls"] == 1
+    fake_ollama.configure(hold=False)
+    call.join(5)
+    assert answers == [1]
+
+
 def test_stop_refuses_then_restart_on_same_port(fake_ollama: FakeOllama) -> None:
     client = _client(fake_ollama)  # one pooled keep-alive client across the outage
     client.embed(model=MODEL, input="before")

@@ -119,10 +119,10 @@ def test_search_whose_embedding_outlives_its_generation_answers_from_the_new_one
     fake.reset()
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
     assert run_ingest(fake, corpus, store).code == 0
-    with FakeOllama() as slow:  # the server's Ollama: same vectors, answering after a pause
+    with FakeOllama() as slow:  # the server's Ollama: same vectors, answering once released
         svc = server.RetrievalService(settings_loader=lambda: load_settings(
             {"OLLAMA_HOST": slow.host, "RAG_CORPUS_DIR": str(corpus), "RAG_STORE_DIR": str(store)}))
-        slow.configure(delay_seconds=3.0)
+        slow.configure(hold=True)
         answer: dict[str, object] = {}
         query = f"{NEW_TOKEN} arrival notes"
         searching = threading.Thread(target=lambda: answer.update(result=server.mcp_result(
@@ -133,7 +133,8 @@ def test_search_whose_embedding_outlives_its_generation_answers_from_the_new_one
             assert time.monotonic() < deadline, "the search never asked for its embedding"
             time.sleep(0.01)
         (corpus / "fresh.md").write_text(f"# Fresh page\n\n{NEW_TOKEN} arrived with the re-index.\n", encoding="utf-8")
-        assert run_ingest(fake, corpus, store).code == 0  # the fast Ollama: done before the pause ends
+        assert run_ingest(fake, corpus, store).code == 0  # the fast Ollama, while the query's call is held
+        slow.configure(hold=False)
         searching.join(30)
         svc.close(10)
     is_error, payload = tool_payload("search_corpus", answer["result"])
