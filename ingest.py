@@ -606,10 +606,26 @@ class VectorProcess:
     Chroma writes. Here the next group's embedding and the previous group's keyword rows run
     meanwhile. Operations run in the order sent: writes (upsert, delete) return at once and are
     waited for with settle(), before the rows that need them commit; reads wait for everything
-    sent before them. A failure of a write is raised by the next settle or read. The process is
-    started before it is needed, so Chroma's import overlaps the walk; it dies with ingest."""
+    sent before them. A failure of a write is raised by the next settle or read.
+
+    Nothing starts until a run needs the store: a run with nothing to write never pays Chroma's
+    import (~1.5 s of CPU). A run that will write calls start() as soon as it knows, so the
+    import overlaps its model probe, planning and chunking. The process dies with ingest."""
 
     def __init__(self) -> None:
+        self._process: subprocess.Popen[bytes] | None = None
+        self._conn: Any = None
+        self._opening: tuple[Any, ...] | None = None  # open() arguments, sent with the first operation
+        self._open = False  # a store is open in the process
+        self._sent = 0
+        self._answered = 0
+        self._awaiting: collections.deque[str] = collections.deque()  # operations sent, not yet answered
+        self._failure: RagError | None = None  # the first failed write: every later settle raises it
+
+    def start(self) -> None:
+        """Start the process now (it imports Chroma meanwhile); idempotent."""
+        if self._process is not None:
+            return
         import socket  # noqa: PLC0415
         from multiprocessing.connection import Connection  # noqa: PLC0415
 
@@ -622,23 +638,25 @@ class VectorProcess:
                  f"import ingest; ingest._serve_vectors({theirs.fileno()})"],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         self._conn = Connection(mine.detach())
-        self._sent = 0
-        self._answered = 0
-        self._awaiting: collections.deque[str] = collections.deque()  # operations sent, not yet answered
-        self._failure: RagError | None = None  # the first failed write: every later settle raises it
 
     def usable(self) -> bool:
-        """Whether another run can use this process: it is alive and none of its writes failed
-        (after one, it touches the store no more; see _serve_vectors)."""
-        return self._process.poll() is None and self._failure is None
+        """Whether another run can use this process: not started yet, or alive with none of its
+        writes failed (after one, it touches the store no more; see _serve_vectors)."""
+        return self._process is None or (self._process.poll() is None and self._failure is None)
+
+    def in_use(self) -> bool:
+        """Whether the store is open (an operation needed it)."""
+        return self._open
 
     def open(self, settings: rules.Settings, layout: rules.StoreLayout, index_name: str,
              metadata: dict[str, Any]) -> VectorProcess:
-        """Open an index's store (a fresh client: it sees every write made since). A process whose
-        write failed opens nothing more (the error is raised): --watch starts a new one."""
-        with contextlib.suppress(RagError):
-            self.settle()
-        self._read("open", settings, layout, index_name, metadata)
+        """Open an index's store (a fresh client: it sees every write made since) when the first
+        operation needs it; its errors are raised there. A process whose write failed opens
+        nothing more (the error is raised): --watch starts a new one."""
+        if self._process is not None:
+            with contextlib.suppress(RagError):
+                self.settle()
+        self._opening = (settings, layout, index_name, metadata)
         return self
 
     # Writes: sent now, done in order; settle() waits for them.
@@ -683,7 +701,12 @@ class VectorProcess:
         self._read("merge_metadata", updates)
 
     def close(self) -> None:
-        """Close the store (the process stays for another open); a failure here changes nothing."""
+        """Close the store (the process stays for another open); a failure here changes nothing.
+        A store that was never opened has nothing to close."""
+        self._opening = None
+        if not self._open:
+            return
+        self._open = False
         with contextlib.suppress(RagError):
             self._send("close", ())
             self.settle()
@@ -694,6 +717,11 @@ class VectorProcess:
         return self._take_answer()
 
     def _send(self, operation: str, args: tuple[Any, ...]) -> int:
+        self.start()
+        if self._opening is not None and operation != "open":
+            opening, self._opening = self._opening, None
+            self._read("open", *opening)
+            self._open = True
         while self._conn.poll():  # answers never pile up in the pipe while a big request goes out
             with contextlib.suppress(RagError):
                 self._take_answer()
@@ -720,6 +748,7 @@ class VectorProcess:
         return value
 
     def _gone(self) -> RagError:
+        assert self._process is not None
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._process.wait(1.0)
         error = RagError(ErrorCode.INTERNAL, "the vector process ended unexpectedly (exit status "
@@ -732,6 +761,8 @@ class VectorProcess:
         """End the process. When everything sent was answered (the store closed last) there is
         nothing left for it to do and its exit is not waited for (~0.1 s); otherwise it may still
         be writing, and it is waited for (killed after 30 s), so no write lands after this."""
+        if self._process is None:
+            return
         settled = self._answered == self._sent
         with contextlib.suppress(Exception):
             self._conn.close()
@@ -962,11 +993,15 @@ class Store:
                 self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('vector_writes', '1')")
             self._vector_writes_marked = True
 
-    def needs_reconcile(self) -> bool:
-        """After an interrupted run, or when the vector counts disagree with the committed rows
-        (vectors lost or added behind ingest's back); counting is cheap, listing ids is not."""
+    def needs_reconcile(self, count: bool) -> bool:
+        """After an interrupted run, or (with `count`) when the vector counts disagree with the
+        committed rows (vectors lost or added behind ingest's back); counting is cheap, listing ids
+        is not. A run with nothing to write does not count: it would open the vector store for
+        that alone, and the next run that writes (or --full) finds such damage."""
         if self.db.execute("SELECT 1 FROM meta WHERE key = 'vector_writes'").fetchone() is not None:
             return True
+        if not count:
+            return False
         committed = dict(self.db.execute("SELECT lifecycle, count(*) FROM chunks GROUP BY lifecycle"))
         return any(self.vectors.count(lifecycle) != committed.get(lifecycle, 0) for lifecycle in rules.LIFECYCLES)
 
@@ -1028,7 +1063,8 @@ class Store:
         chunks = self.db.execute("SELECT count(*) FROM chunks").fetchone()[0]
         return files, chunks
 
-    def stamp(self, stamp: rules.IndexStamp) -> None:
+    def stamp(self, stamp: rules.IndexStamp, in_vectors: bool) -> None:
+        """The stamp in the keyword index, and (in_vectors) in the vector store's metadata too."""
         facts = rules.corpus_facts(self.db.execute("SELECT path, lifecycle, cjk_share FROM documents"))
         with transaction(self.db):
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('stamp', ?)", (json.dumps(asdict(stamp)),))
@@ -1036,7 +1072,8 @@ class Store:
                             (rules.META_CORPUS_FACTS, facts.to_json()))
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('manifest', ?)",
                             (json.dumps(self.manifest.to_dict()),))
-        self.vectors.merge_metadata({f"stamp_{k}": v for k, v in asdict(stamp).items() if v is not None})
+        if in_vectors:
+            self.vectors.merge_metadata({f"stamp_{k}": v for k, v in asdict(stamp).items() if v is not None})
 
 
 # ---------------------------------------------------------------------------
@@ -1245,6 +1282,10 @@ class Plan:
     excluded: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     removed: list[str] = field(default_factory=list)
+
+    def writes_vectors(self) -> bool:
+        """Whether carrying out the plan writes to the vector store."""
+        return bool(self.changed or self.removed or self.mtime_only)
 
 
 def plan_changes(walk: Walk, registry: dict[str, DocumentRow], full: bool) -> Plan:
@@ -1462,7 +1503,7 @@ def run(args: argparse.Namespace, summary: Summary | None = None, vectors: Vecto
     if not corpus.is_dir():
         raise RagError(ErrorCode.CORPUS_MISSING, f"corpus folder {corpus} does not exist",
                        "set RAG_CORPUS_DIR or pass --corpus DIR")
-    # Started first, so Chroma's import in it overlaps the walk and Ollama's answers.
+    # Started when the run knows it has work (see _run_in), not for a run with nothing to write.
     owned = vectors is None and not args.dry_run
     if owned:
         vectors = VectorProcess()
@@ -1500,6 +1541,7 @@ def _run_in(args: argparse.Namespace, summary: Summary, settings: rules.Settings
     if (current is None or args.full
             or rules.manifest_for(settings, scheme.name, current.manifest.dims).index_name() != current.index
             or plan_changes(walk, _registry_of(layout, current), False).changed):
+        vectors.start()  # type: ignore[union-attr]  # Chroma's import overlaps the probe, planning and chunking
         model: ModelFacts | None = probe_model(embedder, scheme, settings)
     else:
         model = probe_model_if_reachable(settings, scheme)
@@ -1584,7 +1626,10 @@ def _open_and_plan(layout: rules.StoreLayout, settings: rules.Settings, scheme: 
     """Open (or create) the index for these settings, repair what an interrupted run left, and
     compare the corpus with what it holds."""
     store = Store(layout, rules.manifest_for(settings, scheme.name, dims), settings, vectors)
-    repaired = store.reconcile() if full or store.needs_reconcile() else 0
+    plan = plan_changes(walk, load_registry(store.db), full)
+    if not (full or store.needs_reconcile(count=plan.writes_vectors())):
+        return store, plan, 0
+    repaired = store.reconcile()  # it may drop files whose vectors were lost: plan again
     return store, plan_changes(walk, load_registry(store.db), full), repaired
 
 
@@ -1671,14 +1716,17 @@ def _publish(layout: rules.StoreLayout, settings: rules.Settings, store: Store, 
     stamp = rules.IndexStamp(commit=summary.commit, dirty=summary.dirty,
                              ingested_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                              files=files, chunks=chunks, model_digest=model_digest)
-    store.stamp(stamp)
+    announce = (summary.rebuilt or changed_anything or current is None or current.corpus_dir != str(settings.corpus_dir)
+                or current.corpus_id != walk.root_id
+                or (current.stamp.commit, current.stamp.dirty) != (stamp.commit, stamp.dirty))
+    # The vector store's copy of the stamp follows the generations; a run that changed nothing
+    # does not open the vector store just to note when it ran.
+    store.stamp(stamp, in_vectors=announce or store.vectors.in_use())
     if summary.rebuilt and (plan.failed or summary.left_for_next_run) and current is not None:
         summary.errors.append(f"the new index {store.name} is incomplete; {current.index} stays live until a "
                               "run completes without failures")
         return
-    if (summary.rebuilt or changed_anything or current is None or current.corpus_dir != str(settings.corpus_dir)
-            or current.corpus_id != walk.root_id
-            or (current.stamp.commit, current.stamp.dirty) != (stamp.commit, stamp.dirty)):
+    if announce:
         generation = (current.generation + 1) if current else 1
         layout.write_current(rules.CurrentIndex(index=store.name, generation=generation, manifest=store.manifest,
                                                  stamp=stamp, corpus_dir=str(settings.corpus_dir), corpus_id=walk.root_id))
