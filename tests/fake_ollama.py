@@ -288,6 +288,11 @@ class FakeOllama:
         self.context_length = context_length
         self.missing_models: set[str] = set()
         self.fail_after: int | None = None
+        # Faults keyed on content, not on call numbers (the client sizes its calls by the pace it
+        # measures, so a loaded machine changes the numbering): once a call carrying this text has
+        # arrived, every later call answers 500, and the models in missing_after_carrying are gone.
+        self.fail_after_carrying: str | None = None
+        self.missing_after_carrying: tuple[str, set[str]] | None = None
         self.delay_seconds: float = 0.0
         self.max_input_tokens: int | None = None
         self.wrong_dims: int | None = None
@@ -306,6 +311,8 @@ class FakeOllama:
         self._runner = threading.Lock()
         self.embed_calls = 0
         self.embedded_inputs: list[str] = []
+        self.call_inputs: list[list[str]] = []  # the inputs of each embed call, in arrival order
+        self._carried: set[str] = set()  # the content-keyed faults' texts some call has carried
         self.requests: list[tuple[str, str, Any]] = []
 
     # lifecycle ----------------------------------------------------------------------------
@@ -382,6 +389,12 @@ class FakeOllama:
                     self.nan_for = None if value is None else str(value)
                 elif key == "weights":  # a re-pull under the same name: another digest in /api/tags
                     self.weights = str(value)
+                elif key == "fail_after_carrying":  # counted from now on
+                    self.fail_after_carrying = None if value is None else str(value)
+                    self._carried.clear()
+                elif key == "missing_after_carrying":  # [text, [model, ...]], counted from now on
+                    self.missing_after_carrying = None if value is None else (str(value[0]), set(value[1]))
+                    self._carried.clear()
                 elif key == "hold":
                     (self._released.clear if value else self._released.set)()
                 else:
@@ -399,6 +412,9 @@ class FakeOllama:
             "dims": self.dims,
             "context_length": self.context_length,
             "fail_after": self.fail_after,
+            "fail_after_carrying": self.fail_after_carrying,
+            "missing_after_carrying": (None if self.missing_after_carrying is None else
+                                       [self.missing_after_carrying[0], sorted(self.missing_after_carrying[1])]),
             "delay_seconds": self.delay_seconds,
             "max_input_tokens": self.max_input_tokens,
             "wrong_dims": self.wrong_dims,
@@ -420,6 +436,8 @@ class FakeOllama:
         self.context_length = self._defaults["context_length"]
         self.missing_models = set()
         self.fail_after = None
+        self.fail_after_carrying = None
+        self.missing_after_carrying = None
         self.delay_seconds = 0.0
         self.max_input_tokens = None
         self.wrong_dims = None
@@ -430,6 +448,8 @@ class FakeOllama:
         self.weights = ""
         self.embed_calls = 0
         self.embedded_inputs = []
+        self.call_inputs = []
+        self._carried = set()
         self.requests = []
 
     def calls(self) -> dict[str, Any]:
@@ -437,13 +457,25 @@ class FakeOllama:
             return {
                 "embed_calls": self.embed_calls,
                 "embedded_inputs": list(self.embedded_inputs),
+                "call_inputs": [list(inputs) for inputs in self.call_inputs],
                 "requests": [[m, p, b] for m, p, b in self.requests],
             }
+
+    def calls_carrying(self, text: str) -> int:
+        """How many embed calls so far carried an input containing `text`."""
+        with self._lock:
+            return sum(1 for inputs in self.call_inputs if any(text in item for item in inputs))
 
     # request handling ----------------------------------------------------------------------
     def _record(self, method: str, path: str, body: Any) -> None:
         with self._lock:
             self.requests.append((method, path, body))
+
+    def _carrying_texts(self) -> list[str]:
+        texts = [self.fail_after_carrying]
+        if self.missing_after_carrying is not None:
+            texts.append(self.missing_after_carrying[0])
+        return [text for text in texts if text is not None]
 
     def _available(self, name: str) -> bool:
         wanted = normalize_model_name(name)
@@ -560,13 +592,19 @@ class FakeOllama:
         with self._lock:
             self.embed_calls += 1
             self.embedded_inputs.extend(inputs or [])
+            self.call_inputs.append(list(inputs or []))
             call_number = self.embed_calls
             delay, fail_after = self.delay_seconds, self.fail_after
+            # A content-keyed fault hits the calls after the first one carrying its text.
+            failing = self.fail_after_carrying in self._carried
+            if self.missing_after_carrying is not None and self.missing_after_carrying[0] in self._carried:
+                self.missing_models |= self.missing_after_carrying[1]
+            self._carried |= {text for text in self._carrying_texts() if any(text in item for item in inputs or [])}
         if delay > 0:
             self._stopping.wait(delay)
         while not self._released.wait(0.05) and not self._stopping.is_set():
             pass
-        if fail_after is not None and call_number > fail_after:
+        if failing or (fail_after is not None and call_number > fail_after):
             return 500, {"error": "llama runner process has terminated: exit status 2 (fake fail_after)"}
         if inputs is None:
             return 400, {"error": "invalid input type"}

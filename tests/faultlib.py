@@ -50,8 +50,9 @@ class OllamaProcess:
     def configure(self, **fields: Any) -> None:
         self._call("/_fake/config", fields)
 
-    def embed_calls(self) -> int:
-        return int(self._call("/_fake/calls")["embed_calls"])
+    def calls_carrying(self, text: str) -> int:
+        """How many embed calls so far carried an input containing `text`."""
+        return sum(1 for inputs in self._call("/_fake/calls")["call_inputs"] if any(text in item for item in inputs))
 
     def kill(self) -> None:
         if self.proc.poll() is None:

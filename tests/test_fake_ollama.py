@@ -116,6 +116,27 @@ def test_fail_after(fake_ollama: FakeOllama) -> None:
     assert fake_ollama.embed_calls == 3
 
 
+def test_content_keyed_faults_hit_the_calls_after_the_first_carrying_their_text(fake_ollama: FakeOllama) -> None:
+    client = _client(fake_ollama)
+    fake_ollama.configure(fail_after_carrying="MARK", missing_after_carrying=["OTHER", [MODEL]])
+    client.embed(model=MODEL, input=["plain"])
+    client.embed(model=MODEL, input=["plain", "has MARK inside"])  # the carrying call itself answers
+    with pytest.raises(ollama.ResponseError) as err:
+        client.embed(model=MODEL, input="after")
+    assert err.value.status_code == 500 and fake_ollama.calls_carrying("MARK") == 1
+    fake_ollama.configure(fail_after_carrying=None)
+    client.embed(model=MODEL, input="OTHER arrives")
+    with pytest.raises(ollama.ResponseError) as err:
+        client.embed(model=MODEL, input="the model is gone now")
+    assert err.value.status_code == 404
+    assert [len(inputs) for inputs in fake_ollama.calls()["call_inputs"]] == [1, 2, 1, 1, 1]
+    # Set again, a fault counts from then: earlier carrying calls do not arm it.
+    fake_ollama.configure(missing_models=[], missing_after_carrying=None, fail_after_carrying="MARK")
+    client.embed(model=MODEL, input="fine again")
+    fake_ollama.reset()
+    assert fake_ollama.calls_carrying("MARK") == 0 and fake_ollama.config()["fail_after_carrying"] is None
+
+
 def test_context_length_and_truncate(fake_ollama: FakeOllama) -> None:
     client = _client(fake_ollama)
     fake_ollama.max_input_tokens = 10

@@ -8,20 +8,20 @@ next run converges to exactly what a clean ingest of revision B produces.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+import ingest
 from fake_ollama import FakeOllama
 from faultlib import (
     OllamaProcess,
     chunk_counts,
     clean_reference,
+    commit_groups,
     committed_hashes,
-    embed_calls_by_file,
     index_dir,
     poll,
     write_handbooks,
@@ -62,13 +62,14 @@ class Revisions:
     old_state: dict
     old_hashes: dict[str, str]
     new_hashes: dict[str, str]
-    calls: dict[str, list[int]]  # file -> embedding calls of a run that re-embeds revision B
+    indexed: int  # files ingest indexes (all of them change from A to B)
+    ab_token: str  # in every chunk of ab-handbook.md: content-keyed faults hit the calls after its first
 
 
 @pytest.fixture
 def revisions(ollama: FakeOllama, tmp_path: Path) -> Revisions:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
-    write_handbooks(corpus, HANDBOOKS, "A")
+    tokens = write_handbooks(corpus, HANDBOOKS, "A")
     first = run_ingest(ollama, corpus, store)
     assert first.code == 0, first.err
     old_state, old_hashes = chroma_state(store), corpus_hashes(corpus)
@@ -77,11 +78,12 @@ def revisions(ollama: FakeOllama, tmp_path: Path) -> Revisions:
         if path.relative_to(corpus).as_posix() not in HANDBOOKS:
             edit(path, path.read_text(encoding="utf-8") + "\nRevision B closing line.\n")
     new_hashes = corpus_hashes(corpus)
-    calls = embed_calls_by_file(chunk_counts(corpus))
-    # The premise of "mid-file": ab-handbook.md needs two calls of its own, after aa's group.
-    assert len(calls["ab-handbook.md"]) >= 2 and calls["ab-handbook.md"][0] > calls["aa-handbook.md"][-1]
+    counts = chunk_counts(corpus)
+    # The premise of "mid-file": aa-handbook.md is a commit group of its own, and ab-handbook.md
+    # needs two calls of its own (more chunks than one call carries), whatever their sizes.
+    assert commit_groups(counts)[0] == ["aa-handbook.md"] and counts["ab-handbook.md"] > ingest.EMBED_BATCH
     ollama.reset()
-    return Revisions(corpus, store, old_state, old_hashes, new_hashes, calls)
+    return Revisions(corpus, store, old_state, old_hashes, new_hashes, len(counts), tokens["ab-handbook.md"])
 
 
 def assert_old_or_new(rev: Revisions, *, new: set[str]) -> None:
@@ -123,30 +125,16 @@ def test_ollama_down_at_start_changes_nothing_then_converges(ollama: FakeOllama,
     assert_converges(ollama, revisions, tmp_path)
 
 
-def run_with_fault_at(ollama: FakeOllama, rev: Revisions, call_number: int, fault: Callable[[], None]) -> Done:
-    """Run ingest with slow embedding calls and apply `fault` while call `call_number` of the run
-    is in flight (the fake answers after its delay, so the fault hits that call)."""
-    ollama.configure(delay_seconds=0.3)
-    base = ollama.embed_calls
-    proc = start_ingest(ollama, rev.corpus, rev.store)
-    trigger = threading.Thread(target=lambda: (
-        poll(lambda: ollama.embed_calls >= base + call_number or proc.poll() is not None), fault()))
-    trigger.start()
-    done = finish(proc)
-    trigger.join(timeout=60)
-    return done
-
-
 def test_ollama_process_dies_mid_file_keeps_that_files_old_chunks(ollama: FakeOllama, revisions: Revisions,
                                                                   tmp_path: Path) -> None:
     # The Ollama process is SIGKILLed while it answers the second call that carries
-    # ab-handbook.md: aa-handbook.md's group is committed, ab-handbook.md keeps its old chunks.
+    # ab-handbook.md (each call takes 0.5 s): aa-handbook.md's group is committed, ab-handbook.md
+    # keeps its old chunks.
     dying = OllamaProcess()
     try:
-        dying.configure(delay_seconds=0.3)
+        dying.configure(delay_seconds=0.5)
         proc = start_ingest(dying, revisions.corpus, revisions.store)
-        poll(lambda: dying.embed_calls() >= revisions.calls["ab-handbook.md"][1] or proc.poll() is not None,
-             interval=0.01)
+        poll(lambda: dying.calls_carrying(revisions.ab_token) >= 2 or proc.poll() is not None, interval=0.02)
         dying.kill()
         done = finish(proc)
     finally:
@@ -161,16 +149,16 @@ def test_ollama_500s_mid_file_keep_that_files_old_chunks(ollama: FakeOllama, rev
                                                         tmp_path: Path) -> None:
     # The runner dies after the first call carrying ab-handbook.md: its second call and every
     # later one answer HTTP 500.
-    ollama.configure(fail_after=revisions.calls["ab-handbook.md"][0])
+    ollama.configure(fail_after_carrying=revisions.ab_token)
     done = run_ingest(ollama, revisions.corpus, revisions.store)
     assert done.code == 1, done.err
     assert "Traceback" not in done.err and "HTTP 500" in done.err
     assert "left for the next run: ab-handbook.md" in done.err
     assert_old_or_new(revisions, new={"aa-handbook.md"})
     # Left for the next run, not failed: nothing is wrong with those files.
-    assert (done.summary["left_for_next_run"], done.summary["failed"]) == (len(revisions.calls) - 1, 0)
-    ollama.configure(fail_after=None)
-    assert assert_converges(ollama, revisions, tmp_path).summary["updated"] == len(revisions.calls) - 1
+    assert (done.summary["left_for_next_run"], done.summary["failed"]) == (revisions.indexed - 1, 0)
+    ollama.configure(fail_after_carrying=None)
+    assert assert_converges(ollama, revisions, tmp_path).summary["updated"] == revisions.indexed - 1
 
 
 def test_ollama_500s_from_the_first_call_keep_every_file(ollama: FakeOllama, revisions: Revisions,
@@ -179,7 +167,7 @@ def test_ollama_500s_from_the_first_call_keep_every_file(ollama: FakeOllama, rev
     done = run_ingest(ollama, revisions.corpus, revisions.store)
     # Nothing could be embedded: exit 2, every file left for the next run.
     assert done.code == 2 and "HTTP 500" in done.err and "Traceback" not in done.err
-    assert done.summary["chunks_written"] == 0 and done.summary["left_for_next_run"] == len(revisions.calls)
+    assert done.summary["chunks_written"] == 0 and done.summary["left_for_next_run"] == revisions.indexed
     assert_old_or_new(revisions, new=set())
     ollama.configure(fail_after=None)
     assert_converges(ollama, revisions, tmp_path)
@@ -205,14 +193,12 @@ def test_model_404_at_start_and_mid_run(ollama: FakeOllama, revisions: Revisions
     assert done.code == 2 and done.summary["error"]["code"] == "model_not_found"
     assert "ollama pull embeddinggemma" in done.err
     assert file_listing(revisions.store) == before
-    # Mid-run: the model disappears while the call that starts ab-handbook.md is in flight (the
-    # fake checks the model after its delay).
-    ollama.configure(missing_models=[])
-    done = run_with_fault_at(ollama, revisions, revisions.calls["ab-handbook.md"][0],
-                             lambda: ollama.configure(missing_models=["embeddinggemma"]))
+    # Mid-run: the model disappears once the first call carrying ab-handbook.md has arrived.
+    ollama.configure(missing_models=[], missing_after_carrying=[revisions.ab_token, ["embeddinggemma"]])
+    done = run_ingest(ollama, revisions.corpus, revisions.store)
     assert done.code == 1 and "Traceback" not in done.err, done.err
     assert "ollama pull embeddinggemma" in done.err
     assert_old_or_new(revisions, new={"aa-handbook.md"})
-    ollama.configure(missing_models=[], delay_seconds=0.0)
+    ollama.configure(missing_models=[], missing_after_carrying=None)
     assert_converges(ollama, revisions, tmp_path)
 
