@@ -78,6 +78,12 @@ class HttpServer:
     def stderr(self) -> str:
         return "".join(self.stderr_lines)
 
+    def wait_for_stderr(self, text: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.stderr:
+            assert time.monotonic() < deadline and self.proc.poll() is None, f"no {text!r} in:\n{self.stderr}"
+            time.sleep(0.02)
+
     @property
     def mcp_url(self) -> str:
         return f"{self.base}/mcp"
@@ -452,6 +458,9 @@ def slow_fake() -> Iterator[FakeOllama]:
 
 def test_timeout_is_504_and_the_next_call_is_served(built: Built, slow_fake: FakeOllama) -> None:
     with http_server(built.server_env(slow_fake.host, RAG_TOOL_TIMEOUT="1", RAG_EMBED_TIMEOUT="30")) as running:
+        # The warm-up opens the store meanwhile (seconds on a loaded machine): the 1 s budget is
+        # for the calls, not for the server's start.
+        running.wait_for_stderr("warm-up: done")
         slow_fake.configure(delay_seconds=4)
         timed_out = bridge(running, "search_corpus", {"query": "a query nobody asked before", "mode": "vector"})
         details = bridge_failure(timed_out, 504, "TIMEOUT_ERROR")
