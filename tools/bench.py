@@ -70,7 +70,6 @@ SLOW_EMBED_PER_TEXT_S = 0.020
 SLOW_EMBED_TIMEOUT_S = 60
 # Issue 11: --watch. Edits measured, the poll interval of the searches that look for each, and the
 # pause before the next edit once the watcher reported its run (each edit meets an idle watcher).
-WATCH_PROBES = 20
 WATCH_POLL_S = 0.05
 WATCH_QUIET_S = 0.3
 WATCH_FIND_TIMEOUT_S = 30.0
@@ -1187,11 +1186,12 @@ class Bench:
         self.bare_http.write_text(BARE_HTTP_SERVER, encoding="utf-8")
         sizes = args.scale_sizes if args.scale else args.sizes
         self.sizes = [1000] if self.quick else [int(s) for s in sizes.split(",")]
-        self.reps = {"handshake": 5, "cold": 1 if self.quick else 3, "roundtrip": 100 if self.quick else 300,
+        # --quick is the test suite's smoke run: every figure once, as few repetitions as give one.
+        self.reps = {"handshake": 3 if self.quick else 5, "cold": 1 if self.quick else 3, "roundtrip": 100 if self.quick else 300,
                      "warmup": 5 if self.quick else 10, "hybrid": 40 if self.quick else 120,
                      "other_modes": 30 if self.quick else 60, "raw": 100 if self.quick else 300,
                      "http_single": 40 if self.quick else 80, "http_each": 10 if self.quick else 20,
-                     "cli": 3 if self.quick else 5}
+                     "cli": 3 if self.quick else 5, "watch": 5 if self.quick else 20}
         self.vectors = FastVectors(DIMS)
         self.n_results = server_channel_candidates(self.server)
         self.stores: dict[int, Path] = {}
@@ -1703,8 +1703,8 @@ class Bench:
         """A fresh build against a second fake that takes 20 ms per text, one call at a time, with
         RAG_EMBED_TIMEOUT=60: every chunk must arrive (no call near the timeout, nothing left for the
         next run). The limit is the embedder's own time for the texts, so the ratio is ingest's
-        overhead on top of a slow embedder. The 10k corpus takes ~200 s; --quick uses the 1k one."""
-        size = 1000 if self.quick else 10000
+        overhead on top of a slow embedder. The 10k corpus takes ~200 s; --quick uses 200 chunks."""
+        size = 200 if self.quick else 10000
         label = size_label(size)
         corpus, _ = self.corpus_of(size)
         store = self.work / f"store-slow-{label}"
@@ -1762,7 +1762,7 @@ class Bench:
         # Active documents only: a search leaves superseded ones out.
         files = [f for f in sorted(corpus.rglob("*.md")) if "lifecycle: superseded" not in f.read_text("utf-8")]
         settle = self.args.settle
-        log(f"watching the {label} corpus (--settle {settle:g}) and searching for {WATCH_PROBES} edits ...")
+        log(f"watching the {label} corpus (--settle {settle:g}) and searching for {self.reps['watch']} edits ...")
         stderr = open(self.work / "watch.stderr", "ab")
         watcher = subprocess.Popen([self.python, str(self.ingest), "--corpus", str(corpus), "--store", str(store),
                                     "--json", "--watch", "--settle", str(settle)],
@@ -1781,7 +1781,7 @@ class Bench:
             with self.spawn_server(size, "watch", store=store, corpus=corpus) as peer:
                 peer.handshake()
                 peer.call("search_corpus", {"query": "warm up the keyword channel", "mode": "keyword"})
-                for probe in range(WATCH_PROBES):
+                for probe in range(self.reps["watch"]):
                     path = files[(probe * 37) % len(files)]
                     token = f"benchwatch{probe:02d}{rng.randrange(36 ** 6):06x}"
                     with open(path, "a", encoding="utf-8") as handle:
@@ -1808,7 +1808,7 @@ class Bench:
         self.details["watch"] = {"settle_s": settle, "latencies_s": latencies, "misses": misses, "runs": runs,
                                  "poll_s": WATCH_POLL_S, "sigint_exit": exit_status}
         run_note = f"watcher run median {statistics.median(run_s):.2f} s" if run_s else "no watcher runs"
-        what = f"--watch --settle {settle:g}, {label} chunks, {WATCH_PROBES} edits"
+        what = f"--watch --settle {settle:g}, {label} chunks, {self.reps['watch']} edits"
         self.add(Figure(f"watch.latency_p50_s@{label}", f"Edit to searchable ({what}) p50", p50, "s", "<= 3 s",
                         limit=settle, limit_what="--settle: how long changes must be quiet before a run",
                         ratio=p50 / settle if settle else None, passed=p50 <= 3.0, size=size,
