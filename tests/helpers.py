@@ -449,10 +449,7 @@ class RawServer:
         return self.request("tools/call", {"name": name, "arguments": arguments})["result"]
 
     def wait_for_stderr(self, text: str, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while not any(text in line for line in self.stderr_lines):
-            assert time.monotonic() < deadline, f"{text!r} never logged"
-            time.sleep(0.05)
+        wait_for_logged(self.stderr_lines, text, timeout)
 
     def close(self) -> int:
         assert self.proc.stdin is not None
@@ -465,6 +462,14 @@ class RawServer:
         for thread in self._threads:
             thread.join(timeout=10)
         return code
+
+
+def wait_for_logged(lines: list[str], text: str, timeout: float = 60) -> None:
+    """Until one of `lines` (a process's stderr, appended by a reader thread) contains `text`."""
+    deadline = time.monotonic() + timeout
+    while not any(text in line for line in lines):
+        assert time.monotonic() < deadline, f"{text!r} never logged"
+        time.sleep(0.05)
 
 
 def server_env(store: Path, corpus: Path | None, host: str, **extra: str) -> dict[str, str]:

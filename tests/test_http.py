@@ -32,7 +32,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
 from fake_ollama import FakeOllama
-from helpers import ROOT, SERVER, Built, build, connect, free_port, output_validators, tool
+from helpers import ROOT, SERVER, Built, build, connect, free_port, output_validators, tool, wait_for_logged
 
 TOKEN = "team-secret-token-0123456789"
 LISTENING = re.compile(r"listening on (http://[^ ]+)/mcp")
@@ -77,12 +77,6 @@ class HttpServer:
     @property
     def stderr(self) -> str:
         return "".join(self.stderr_lines)
-
-    def wait_for_stderr(self, text: str, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.stderr:
-            assert time.monotonic() < deadline and self.proc.poll() is None, f"no {text!r} in:\n{self.stderr}"
-            time.sleep(0.02)
 
     @property
     def mcp_url(self) -> str:
@@ -460,7 +454,7 @@ def test_timeout_is_504_and_the_next_call_is_served(built: Built, slow_fake: Fak
     with http_server(built.server_env(slow_fake.host, RAG_TOOL_TIMEOUT="1", RAG_EMBED_TIMEOUT="30")) as running:
         # The warm-up opens the store meanwhile (seconds on a loaded machine): the 1 s budget is
         # for the calls, not for the server's start.
-        running.wait_for_stderr("warm-up: done")
+        wait_for_logged(running.stderr_lines, "warm-up: done")
         slow_fake.configure(delay_seconds=4)
         timed_out = bridge(running, "search_corpus", {"query": "a query nobody asked before", "mode": "vector"})
         details = bridge_failure(timed_out, 504, "TIMEOUT_ERROR")
