@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
 
-__all__ = ["FakeOllama", "fake_embedding", "count_tokens", "normalize_model_name", "main"]
+__all__ = ["FakeOllama", "fake_embedding", "count_tokens", "normalize_model_name", "calls_carrying", "main"]
 
 _CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f\uac00-\ud7af"
 _CJK_RUN_RE = re.compile(f"[{_CJK}]+")
@@ -263,6 +263,12 @@ class _Trickle:
         self.payload, self.interval = payload, interval
 
 
+def calls_carrying(call_inputs: list[list[str]], text: str) -> int:
+    """How many embed calls (their inputs, as in calls()["call_inputs"]) carried an input
+    containing `text`."""
+    return sum(1 for inputs in call_inputs if any(text in item for item in inputs))
+
+
 class FakeOllama:
     """In-process fake Ollama server on 127.0.0.1 with switchable faults and a call record."""
 
@@ -462,9 +468,8 @@ class FakeOllama:
             }
 
     def calls_carrying(self, text: str) -> int:
-        """How many embed calls so far carried an input containing `text`."""
         with self._lock:
-            return sum(1 for inputs in self.call_inputs if any(text in item for item in inputs))
+            return calls_carrying(self.call_inputs, text)
 
     # request handling ----------------------------------------------------------------------
     def _record(self, method: str, path: str, body: Any) -> None:

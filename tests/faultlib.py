@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import corpus_rules as rules
-from fake_ollama import FakeOllama
+from fake_ollama import FakeOllama, calls_carrying
 from helpers import ROOT, current_of, edit, run_ingest, snapshot
 
 # ---------------------------------------------------------------------------
@@ -51,8 +51,7 @@ class OllamaProcess:
         self._call("/_fake/config", fields)
 
     def calls_carrying(self, text: str) -> int:
-        """How many embed calls so far carried an input containing `text`."""
-        return sum(1 for inputs in self._call("/_fake/calls")["call_inputs"] if any(text in item for item in inputs))
+        return calls_carrying(self._call("/_fake/calls")["call_inputs"], text)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
