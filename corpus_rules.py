@@ -1207,15 +1207,13 @@ class ChunkRow:
     end_line: int
     heading: str
     lifecycle: str
-    text: str | None  # None: not read (a search reads the texts of its hits only, see CHUNK_SELECT_WITHOUT_TEXT)
+    text: str
     title: str
 
 
 CHUNK_COLUMNS = ("c.id, c.path, c.chunk_index, c.start_line, c.end_line, c.heading, c.lifecycle, c.text, "
                  "coalesce(d.title, c.path)")
 CHUNK_SELECT = f"SELECT {CHUNK_COLUMNS} FROM chunks c LEFT JOIN documents d ON d.path = c.path"
-# Candidates are checked and ranked without their texts, which are most of a row's bytes.
-CHUNK_SELECT_WITHOUT_TEXT = CHUNK_SELECT.replace("c.text,", "NULL,", 1)
 
 
 # What ingest measures about the corpus for the server, kept in the keyword index's `meta` table

@@ -51,7 +51,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from corpus_rules import (
     CHUNK_COLUMNS,
     CHUNK_SELECT,
-    CHUNK_SELECT_WITHOUT_TEXT,
     CHUNKER_VERSION,
     IDENTIFIERS_MAX,
     Calibration,
@@ -93,7 +92,6 @@ from corpus_rules import (
     nfc,
     normalize_relative_path,
     open_folder,
-    path_matches_prefix,
     query_terms,
     read_beneath,
     same_model,
@@ -994,20 +992,20 @@ class OpenIndex:
             [expression, *lifecycles, *params, n])
         return [ChunkRow(*r) for r in rows]
 
-    def chunks_by_id(self, ids: Sequence[str], with_text: bool = True) -> dict[str, ChunkRow]:
-        select = CHUNK_SELECT if with_text else CHUNK_SELECT_WITHOUT_TEXT
+    def chunks_by_id(self, ids: Sequence[str]) -> dict[str, ChunkRow]:
         out: dict[str, ChunkRow] = {}
         for batch in batched(ids, 500):  # SQLite's host-parameter limit
-            rows = self._sql(f"{select} WHERE c.id IN ({','.join('?' * len(batch))})", batch)
+            rows = self._sql(f"{CHUNK_SELECT} WHERE c.id IN ({','.join('?' * len(batch))})", batch)
             out.update({str(r[0]): ChunkRow(*r) for r in rows})
         return out
 
-    def texts_of(self, ids: Sequence[str]) -> dict[str, str]:
-        """The texts of these chunks (those still committed)."""
-        out: dict[str, str] = {}
+    def committed(self, ids: Sequence[str]) -> set[str]:
+        """Which of these chunk ids have a committed row. The primary-key index alone answers it
+        (measured at 10k chunks: 0.08 ms for 50 ids, against 0.5 ms for their rows)."""
+        out: set[str] = set()
         for batch in batched(ids, 500):
-            out.update((str(i), str(t)) for i, t in self._sql(
-                f"SELECT id, text FROM chunks WHERE id IN ({','.join('?' * len(batch))})", batch))
+            out.update(str(i) for (i,) in self._sql(
+                f"SELECT id FROM chunks WHERE id IN ({','.join('?' * len(batch))})", batch))
         return out
 
     def chunks_of(self, path: str) -> list[ChunkRow]:
@@ -1347,13 +1345,15 @@ class Candidates:
     passages: PassageTerms = field(default_factory=lambda: PassageTerms(PASSAGE_TERMS_CACHE_SIZE))
     index_name: str = ""  # the index the rows come from (an id names one text within one index)
 
-    def add(self, ranked: RankedList, rows: Mapping[str, ChunkRow] | Sequence[ChunkRow]) -> None:
+    def add(self, ranked: RankedList, rows: Sequence[ChunkRow]) -> None:
         self.lists.append(ranked)
-        for row in rows.values() if isinstance(rows, Mapping) else rows:
-            if row.text is not None or row.id not in self.rows:  # a row read with its text stays
-                self.rows[row.id] = row
+        self.rows.update((row.id, row) for row in rows)
         for item in ranked.ids:
             self.found_by.setdefault(item, set()).add((ranked.channel, ranked.phrasing))
+
+    def ids(self) -> list[str]:
+        """Every candidate still in a list (min_score may have dropped some), first seen first."""
+        return list(dict.fromkeys(item for ranked in self.lists for item in ranked.ids))
 
     def drop(self, ids: set[str]) -> None:
         self.dropped |= ids
@@ -1504,7 +1504,7 @@ class RetrievalService:
                                   (current.index, current.generation, current.stamp.model_digest), then)
 
     # search_corpus ----------------------------------------------------------------------------
-    def search(self, args: SearchCorpusInput) -> SearchResponse:
+    def search(self, args: SearchCorpusInput) -> dict[str, Any]:
         """Embed the phrasings (outside the store lock: it can take seconds; one call for all), then
         run the stages on one generation of the index: pre-filter -> candidates -> rank -> hits ->
         confidence. While Ollama embeds, the pre-filter and (hybrid mode) the keyword channel run,
@@ -1548,7 +1548,7 @@ class RetrievalService:
         raise RagError(ErrorCode.INTERNAL, "the index kept changing during the search", "retry")
 
     def _search_index(self, index: OpenIndex, args: SearchCorpusInput, phrasings: list[Phrasing],
-                      degraded: RagError | None, early: Overlapped | None = None) -> SearchResponse:
+                      degraded: RagError | None, early: Overlapped | None = None) -> dict[str, Any]:
         scope = early.scope if early is not None else self._prefilter(index, args)
         found = self._new_candidates(index)
         if not scope.empty:
@@ -1556,7 +1556,7 @@ class RetrievalService:
                      else self._keyword_candidates(index, args, scope, phrasings))
             self._vector_candidates(index, args, scope, phrasings, found, early.queries if early is not None else {})
             self._settle_candidates(index, args, phrasings, found)
-        ranked = self._with_texts(index, rank(found, args.k), found)
+        ranked = self._with_rows(index, rank(found, args.k), found)
         hits = self._hits(index, ranked, found, phrasings)
         confidence = self._confidence(index, found.rows[ranked[0][0]], hits[0], found, phrasings) if hits else None
         return self._search_response(index, args, scope, found, hits, confidence, degraded)
@@ -1617,9 +1617,9 @@ class RetrievalService:
         for p, phrasing in enumerate(phrasings):
             if phrasing.vector is None:
                 continue
-            ids, scores, rows = self._vector_channel(index, phrasing.vector, scope, args.k,
-                                                     {lc: job for (q, lc), job in started.items() if q == p})
-            found.add(RankedList("vector", p, tuple(ids), 1.0 if p == 0 else EXTRA_PHRASING_WEIGHT), rows)
+            ids, scores = self._vector_channel(index, phrasing.vector, scope, args.k,
+                                               {lc: job for (q, lc), job in started.items() if q == p})
+            found.add(RankedList("vector", p, tuple(ids), 1.0 if p == 0 else EXTRA_PHRASING_WEIGHT), ())
             found.similarities[p] = [score for score in scores.values() if score is not None]
             for item, score in scores.items():
                 found.scores[item] = max(score, found.scores.get(item) or -1.0)
@@ -1629,12 +1629,12 @@ class RetrievalService:
         """With min_score, candidates below it dropped (before fusion, so a weak candidate never
         takes a slot); then which candidates hold each query identifier whole or all its parts."""
         if args.min_score is not None and any(p.vector is not None for p in phrasings):
-            unscored = [i for i in found.rows if i not in found.scores]
+            unscored = [i for i in found.ids() if i not in found.scores]  # keyword candidates: rows read
             found.scores.update(self._stored_scores(index, phrasings, unscored, found.rows))
             found.drop({i for i, s in found.scores.items() if s is None or s < args.min_score})
         for identifier, term in found.identifiers:
             if identifier not in found.missing:
-                ids = list(found.rows)
+                ids = found.ids()
                 found.whole[identifier] = index.holders(fts_any([term]), ids)
                 found.parts[identifier] = index.holders(fts_all(keyword_terms(identifier)[1:]), ids)
 
@@ -1652,12 +1652,15 @@ class RetrievalService:
         found.missing = [identifier for term, identifier in seen.items() if counts.get(term, 0) == 0]
 
     def _vector_channel(self, index: OpenIndex, vector: Sequence[float], scope: SearchScope, k: int,
-                        started: Mapping[str, _Job]) -> tuple[list[str], dict[str, float | None], dict[str, ChunkRow]]:
-        """Vector candidates whose chunk rows are committed, best first: (ids, similarities, rows).
+                        started: Mapping[str, _Job]) -> tuple[list[str], dict[str, float | None]]:
+        """Vector candidates whose chunk rows are committed, best first: (ids, similarities).
 
         Over-fetches until at least k committed candidates are found or the store is exhausted:
         vectors without a committed row (an ingest in flight or interrupted) never take a slot.
         The first round reads the queries already `started` (by lifecycle) where there are any.
+        A committed id needs no further check: ids are content-addressed (path, content hash,
+        position), so its path and lifecycle are those of the vector's collection and filter; the
+        rows themselves are read for the hits only (see _with_rows).
         """
         n = max(CHANNEL_CANDIDATES, k)
         while True:
@@ -1677,29 +1680,23 @@ class RetrievalService:
             best: dict[str, float] = {}
             for item, distance in raw:
                 best.setdefault(item, distance)
-            rows = index.chunks_by_id(list(best), with_text=False)
-            # The committed row is the truth: it also re-checks lifecycle and prefix.
-            valid = [(i, d) for i, d in best.items() if i in rows and rows[i].lifecycle in scope.lifecycles
-                     and path_matches_prefix(rows[i].path, scope.prefix or "")]
+            committed = index.committed(list(best))
+            valid = [(i, d) for i, d in best.items() if i in committed]
             if len(valid) >= k or exhausted or n >= MAX_VECTOR_FETCH:
                 break
             n = min(n * 4, MAX_VECTOR_FETCH)
             started = {}
         kept = valid[:max(CHANNEL_CANDIDATES, k)]
-        return [i for i, _ in kept], {i: 1.0 - d for i, d in kept}, {i: rows[i] for i, _ in kept}
+        return [i for i, _ in kept], {i: 1.0 - d for i, d in kept}
 
     @staticmethod
-    def _with_texts(index: OpenIndex, ranked: list[tuple[str, float]], found: Candidates) -> list[tuple[str, float]]:
-        """The ranked candidates with their texts read (vector candidates come without them); one
+    def _with_rows(index: OpenIndex, ranked: list[tuple[str, float]], found: Candidates) -> list[tuple[str, float]]:
+        """The ranked candidates with their rows read (vector candidates come without them); one
         whose row an ingest removed since it was found is no longer committed and drops out."""
-        unread = [item for item, _ in ranked if found.rows[item].text is None]
-        if not unread:
-            return ranked
-        texts = index.texts_of(unread)
-        for item in unread:
-            if item in texts:
-                found.rows[item] = dataclasses.replace(found.rows[item], text=texts[item])
-        return [(item, value) for item, value in ranked if found.rows[item].text is not None]
+        unread = [item for item, _ in ranked if item not in found.rows]
+        if unread:
+            found.rows.update(index.chunks_by_id(unread))
+        return [(item, value) for item, value in ranked if item in found.rows]
 
     def _hits(self, index: OpenIndex, ranked: Sequence[tuple[str, float]], found: Candidates,
               phrasings: list[Phrasing]) -> list[SearchHit]:
@@ -1740,9 +1737,10 @@ class RetrievalService:
 
     def _search_response(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope, found: Candidates,
                          hits: list[SearchHit], confidence: Judgement | None,
-                         degraded: RagError | None) -> SearchResponse:
-        """The response: hits within the text budget, the confidence, the index stamp, and a
-        message that says why there is nothing when there is nothing."""
+                         degraded: RagError | None) -> dict[str, Any]:
+        """The response's payload: hits within the text budget, the confidence, the index stamp,
+        and a message that says why there is nothing when there is nothing. Built as the output
+        model (so it fits the declared outputSchema), then trimmed to the budget as JSON."""
         extra: dict[str, Any] = {}
         if degraded is not None:
             extra = {"degraded": str(degraded.code), "hint": f"{degraded.message}: keyword results only. {degraded.hint}"}
@@ -1771,7 +1769,7 @@ class RetrievalService:
                                   dropped_below_min_score=len(found.dropped), message=message,
                                   missing_identifiers=found.missing, index=self._index_info(index.current),
                                   staleness=self._staleness(index), **extra)
-        return SearchResponse.model_validate(fit_hits(response.model_dump(mode="json")))
+        return fit_hits(response.model_dump(mode="json"))
 
     def _stored_scores(self, index: OpenIndex, phrasings: Sequence[Phrasing], ids: Sequence[str],
                        rows: Mapping[str, ChunkRow]) -> dict[str, float | None]:
@@ -1806,7 +1804,7 @@ class RetrievalService:
         return out
 
     # get_file ---------------------------------------------------------------------------------
-    def get_file(self, args: GetFileInput) -> FileResponse:
+    def get_file(self, args: GetFileInput) -> dict[str, Any]:
         manager = self.manager
         with manager.lock:
             index = manager.open()
@@ -1820,7 +1818,7 @@ class RetrievalService:
         if raw is None:
             with manager.lock:
                 chunks = manager.open().chunks_of(doc.path)
-            return file_from_chunks(doc, chunks, args.start_line, args.end_line)
+            return file_from_chunks(doc, chunks, args.start_line, args.end_line).model_dump(mode="json")
         text = raw.decode("utf-8-sig", errors="replace")
         lines = split_lines(text)
         part = slice_lines(lines, args.start_line, args.end_line)
@@ -1829,10 +1827,11 @@ class RetrievalService:
                             source="disk", truncated=part.truncated, next_start_line=part.next_start_line,
                             changed_since_ingest=content_hash(raw) != doc.content_hash,
                             message=("text cut at the size limit; continue with start_line="
-                                     f"{part.next_start_line}") if part.truncated and part.next_start_line else None)
+                                     f"{part.next_start_line}") if part.truncated and part.next_start_line else None,
+                            ).model_dump(mode="json")
 
     # list_documents ---------------------------------------------------------------------------
-    def list_documents(self, args: ListDocumentsInput) -> ListDocumentsResponse:
+    def list_documents(self, args: ListDocumentsInput) -> dict[str, Any]:
         manager = self.manager
         with manager.lock:
             index = manager.open()
@@ -1851,7 +1850,7 @@ class RetrievalService:
             message = f"offset {args.offset} is past the end ({total} documents)"
         return ListDocumentsResponse(documents=entries, total=total, offset=args.offset,
                                      next_offset=end if end < total else None, message=message,
-                                     index=info, staleness=staleness)
+                                     index=info, staleness=staleness).model_dump(mode="json")
 
 
 def _lifecycle(value: str) -> Literal["active", "superseded"]:
@@ -1957,7 +1956,7 @@ class ToolSpec:
     description: str
     input_model: type[_ToolInput]
     output_model: type[BaseModel]
-    handler: Callable[[RetrievalService, Any], BaseModel]
+    handler: Callable[[RetrievalService, Any], dict[str, Any]]  # the structured payload, as JSON
 
 
 TOOLS: dict[str, ToolSpec] = {spec.name: spec for spec in (
@@ -2039,7 +2038,7 @@ def dispatch(service: RetrievalService, name: str, arguments: Mapping[str, Any] 
             args = spec.input_model.model_validate(dict(arguments or {}))
         except ValidationError as exc:
             raise RagError(ErrorCode.INVALID_ARGUMENT, describe_validation_error(exc), _argument_hint(spec)) from None
-        outcome = Outcome(name, payload=spec.handler(service, args).model_dump(mode="json"))
+        outcome = Outcome(name, payload=spec.handler(service, args))
     except RagError as exc:
         outcome = Outcome(name, error=exc)
     except Exception:  # noqa: BLE001 - the boundary: a crash must become a structured error
