@@ -15,6 +15,15 @@ for _p in (str(ROOT), str(TESTS_DIR)):
         sys.path.insert(0, _p)
 
 from fake_ollama import FakeOllama  # noqa: E402  (needs the sys.path entry above)
+from helpers import copy_index, copy_sample, run_ingest  # noqa: E402
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Test files marked `heavy` (over a minute of wall time each) run first. xdist hands out
+    whole files in collection order (--dist loadfile, --no-loadscope-reorder: its own reorder
+    puts the files with the most tests first, which left the one-test minute-long files for the
+    end, a worker busy with one while the other idled)."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)  # stable: files stay whole
 
 
 @pytest.fixture(scope="module")
@@ -37,3 +46,22 @@ def fake_ollama() -> Iterator[FakeOllama]:
 def fake_ollama_env(fake_ollama: FakeOllama, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeOllama]:
     monkeypatch.setenv("OLLAMA_HOST", fake_ollama.host)
     yield fake_ollama
+
+
+@pytest.fixture(scope="session")
+def indexed_sample(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The sample corpus and the store the real `python ingest.py` built from it, once per test
+    process (an xdist worker): never changed, only copied (see `sample_index`)."""
+    tmp = tmp_path_factory.mktemp("indexed-sample")
+    with FakeOllama() as fake:
+        corpus, store = copy_sample(tmp), tmp / "store"
+        done = run_ingest(fake, corpus, store)
+        assert done.code == 0, done.err
+    return corpus, store
+
+
+@pytest.fixture
+def sample_index(indexed_sample: tuple[Path, Path], tmp_path: Path) -> tuple[Path, Path]:
+    """tmp_path/corpus and tmp_path/store: a fresh copy of the indexed sample, as an ingest of
+    the copy would have left it (every FakeOllama embeds the same text to the same vector)."""
+    return copy_index(*indexed_sample, tmp_path)

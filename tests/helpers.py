@@ -14,6 +14,7 @@ server tests (`Built`, `build`); `python server.py` spoken to in raw JSON-RPC (`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -152,6 +153,30 @@ def copy_sample(tmp_path: Path, name: str = "corpus") -> Path:
     dest = tmp_path / name
     shutil.copytree(SAMPLE, dest)  # copy2 keeps mtimes
     return dest
+
+
+def copy_index(corpus: Path, store: Path, dest: Path) -> tuple[Path, Path]:
+    """dest/corpus and dest/store: copies of a corpus and of the store ingest built from it, the
+    store pointed at the copied corpus as ingest would have written it there (CURRENT.json's
+    corpus folder and identity, each document's resolved path; nothing else in a store names
+    the corpus). For tests that need an index of the sample to start from and test something
+    else: the real ingest of the sample runs once per test process (conftest `sample_index`)."""
+    new_corpus, new_store = dest / "corpus", dest / "store"
+    shutil.copytree(corpus, new_corpus, symlinks=True)  # copy2 keeps mtimes: every file looks unchanged
+    shutil.copytree(store, new_store)
+    layout = StoreLayout(new_store)
+    current = layout.read_current()
+    assert current is not None
+    root = os.stat(os.path.realpath(new_corpus))
+    layout.write_current(dataclasses.replace(current, corpus_dir=str(new_corpus), corpus_id=(root.st_dev, root.st_ino)))
+    old_root, new_root = os.path.realpath(corpus), os.path.realpath(new_corpus)
+    con = sqlite3.connect(new_store / current.index / rules.KEYWORD_DB)
+    try:
+        with con:
+            con.execute("UPDATE documents SET real_path = ? || substr(real_path, ?)", (new_root, len(old_root) + 1))
+    finally:
+        con.close()
+    return new_corpus, new_store
 
 
 def edit(path: Path, content: str | bytes) -> None:
@@ -369,6 +394,11 @@ def ingest_index(corpus: Path, store: Path, host: str, *extra: str) -> subproces
     env.pop("RAG_EMBED_MODEL", None)
     return subprocess.run([sys.executable, str(INGEST), "--corpus", str(corpus), "--store", str(store),
                            *extra], env=env, capture_output=True, text=True, timeout=120)
+
+
+def sample_built(indexed_sample: tuple[Path, Path], dest: Path, host: str) -> Built:
+    """A copy of the indexed sample (conftest `indexed_sample`) in dest, served with `host`."""
+    return Built(*copy_index(*indexed_sample, dest), host)
 
 
 def build(tmp: Path, host: str, source: Path = SAMPLE, *, symlinks: bool = True) -> Built:

@@ -36,6 +36,8 @@ from helpers import (
     run_ingest,
 )
 
+pytestmark = pytest.mark.heavy  # over a minute of wall time: scheduled first (conftest.py)
+
 QUERIES = ["who gets paged for a sev-1", "rollback the database after a bad deploy", "E4091", "ログ収集"]
 
 

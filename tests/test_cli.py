@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 
 from fake_ollama import FakeOllama
-from helpers import ROOT, SERVER, Built, build, free_port, ingest_index, output_validators
+from helpers import ROOT, SERVER, Built, free_port, ingest_index, output_validators, sample_built
 
 
 @pytest.fixture(scope="module")
-def built(fake: FakeOllama, tmp_path_factory: pytest.TempPathFactory) -> Built:
-    return build(tmp_path_factory.mktemp("cli"), fake.host, symlinks=False)
+def built(fake: FakeOllama, indexed_sample: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Built:
+    return sample_built(indexed_sample, tmp_path_factory.mktemp("cli"), fake.host)
 
 
 def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -155,10 +155,11 @@ def readme_ci_example() -> str:
     return found.group(1)
 
 
-def test_readme_ci_example_fails_the_job_when_the_passage_is_gone(tmp_path: Path, fake: FakeOllama) -> None:
+def test_readme_ci_example_fails_the_job_when_the_passage_is_gone(sample_index: tuple[Path, Path],
+                                                                  fake: FakeOllama) -> None:
     """The README's CI recipe, run as written: passes on the sample corpus, fails once the
     passage it guards is deleted and the corpus re-indexed."""
-    built = build(tmp_path, fake.host, symlinks=False)
+    built = Built(*sample_index, fake.host)
     env = {**os.environ, **built.server_env(fake.host)}
     env.pop("RAG_EMBED_MODEL", None)
 

@@ -40,6 +40,8 @@ from helpers import (
     store_bytes,
 )
 
+pytestmark = pytest.mark.heavy  # over a minute of wall time: scheduled first (conftest.py)
+
 OUTSIDE = "OUTSIDE-SECRET-9173"
 ALIAS_BOMB = """---
 a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]
@@ -58,12 +60,9 @@ rag: *i
 
 
 @pytest.fixture
-def indexed(fake: FakeOllama, tmp_path: Path) -> tuple[Path, Path]:
+def indexed(fake: FakeOllama, sample_index: tuple[Path, Path]) -> tuple[Path, Path]:
     fake.reset()
-    corpus, store = copy_sample(tmp_path), tmp_path / "store"
-    done = run_ingest(fake, corpus, store)
-    assert done.code == 0, done.err
-    return corpus, store
+    return sample_index
 
 
 def as_a_user(command: list[str]) -> list[str]:

@@ -19,7 +19,7 @@ from faultlib import index_dir, write_lock
 from helpers import (
     call,
     connect,
-    copy_sample,
+    copy_index,
     file_listing,
     raw_server,
     run_ingest,
@@ -46,12 +46,8 @@ class Built:
 
 
 @pytest.fixture(scope="module")
-def built(fake: FakeOllama, tmp_path_factory: pytest.TempPathFactory) -> Built:
-    tmp = tmp_path_factory.mktemp("index-faults")
-    corpus, store = copy_sample(tmp), tmp / "store"
-    done = run_ingest(fake, corpus, store)
-    assert done.code == 0, done.err
-    return Built(corpus, store)
+def built(indexed_sample: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Built:
+    return Built(*copy_index(*indexed_sample, tmp_path_factory.mktemp("index-faults")))
 
 
 def copy_store(built: Built, tmp_path: Path) -> Path:

@@ -39,6 +39,8 @@ from helpers import (
     start_ingest,
 )
 
+pytestmark = pytest.mark.heavy  # over a minute of wall time: scheduled first (conftest.py)
+
 # aa- sorts first: a group of its own (>= COMMIT_BATCH_CHUNKS chunks), then ab- shares the second
 # group with the sample files, and needs two embedding calls of its own.
 HANDBOOKS = {"aa-handbook.md": 260, "ab-handbook.md": 100}

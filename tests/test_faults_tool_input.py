@@ -11,6 +11,7 @@ import json
 import math
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fake_ollama import FakeOllama
-from helpers import RawServer, call, copy_sample, raw_server, run_ingest, tool_payload
+from helpers import RawServer, call, copy_index, raw_server, tool_payload
 
 EXAMPLES = 500
 # Codes bad input may legitimately produce; `internal` would mean a crash path.
@@ -95,12 +96,9 @@ def exchange(server: RawServer, tool: str, arguments: dict[str, Any]) -> tuple[b
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RawServer]:
-    tmp = tmp_path_factory.mktemp("tool-input")
+def server(indexed_sample: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[RawServer]:
+    corpus, store = copy_index(*indexed_sample, tmp_path_factory.mktemp("tool-input"))
     with FakeOllama() as fake:
-        corpus, store = copy_sample(tmp), tmp / "store"
-        done = run_ingest(fake, corpus, store)
-        assert done.code == 0, done.err
         with raw_server(store, corpus, fake.host) as running:
             yield running
             # Still up and answering after every case of every tool.

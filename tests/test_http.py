@@ -32,7 +32,9 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
 from fake_ollama import FakeOllama
-from helpers import ROOT, SERVER, Built, build, connect, free_port, output_validators, tool, wait_for_logged
+from helpers import ROOT, SERVER, Built, connect, free_port, output_validators, sample_built, tool, wait_for_logged
+
+pytestmark = pytest.mark.heavy  # over a minute of wall time: scheduled first (conftest.py)
 
 TOKEN = "team-secret-token-0123456789"
 LISTENING = re.compile(r"listening on (http://[^ ]+)/mcp")
@@ -107,8 +109,8 @@ def http_server(env: dict[str, str], *args: str) -> Iterator[HttpServer]:
 
 
 @pytest.fixture(scope="module")
-def built(fake: FakeOllama, tmp_path_factory: pytest.TempPathFactory) -> Built:
-    return build(tmp_path_factory.mktemp("http"), fake.host, symlinks=False)
+def built(fake: FakeOllama, indexed_sample: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Built:
+    return sample_built(indexed_sample, tmp_path_factory.mktemp("http"), fake.host)
 
 
 @pytest.fixture(scope="module")

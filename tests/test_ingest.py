@@ -45,6 +45,8 @@ from helpers import (
     store_bytes,
 )
 
+pytestmark = pytest.mark.heavy  # over a minute of wall time: scheduled first (conftest.py)
+
 SECRET = b"SECRET-OFFSITE-TOKEN-7731"
 GEMMA = rules.PREFIX_SCHEMES["embeddinggemma"]
 SUMMARY_KEYS = {"exit", "scanned", "added", "updated", "unchanged", "removed", "excluded", "ignored", "failed",

@@ -37,6 +37,8 @@ from helpers import (
     start_ingest,
 )
 
+pytestmark = pytest.mark.heavy  # over a minute of wall time: scheduled first (conftest.py)
+
 
 @pytest.fixture
 def fake() -> FakeOllama:

@@ -25,6 +25,8 @@ import pytest
 from fake_ollama import FakeOllama
 from helpers import copy_sample, run_ingest
 
+pytestmark = pytest.mark.heavy  # over a minute of wall time: scheduled first (conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "server.py"
 INSPECTORS = ("0.15.0", "2.12.0")

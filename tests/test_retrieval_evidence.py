@@ -18,12 +18,12 @@ import pytest
 import server
 from corpus_rules import Calibration, CorpusFacts, StoreLayout, load_settings
 from fake_ollama import FakeOllama
-from helpers import Built, build, connect, ingest_index, keyword_db, tool_payload
+from helpers import Built, connect, ingest_index, keyword_db, sample_built, tool_payload
 
 
 @pytest.fixture(scope="module")
-def built(fake: FakeOllama, tmp_path_factory: pytest.TempPathFactory) -> Built:
-    return build(tmp_path_factory.mktemp("evidence"), fake.host, symlinks=False)
+def built(fake: FakeOllama, indexed_sample: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Built:
+    return sample_built(indexed_sample, tmp_path_factory.mktemp("evidence"), fake.host)
 
 
 def service(built: Built, **env: str) -> server.RetrievalService:
@@ -180,8 +180,9 @@ def test_confidence_separates_answerable_from_off_topic(built: Built) -> None:
     assert nothing["results"] == [] and nothing["confidence"] is None
 
 
-def test_old_index_gains_calibration_and_language_shares_on_the_next_ingest(fake: FakeOllama, tmp_path: Path) -> None:
-    built = build(tmp_path, fake.host, symlinks=False)
+def test_old_index_gains_calibration_and_language_shares_on_the_next_ingest(fake: FakeOllama,
+                                                                           sample_index: tuple[Path, Path]) -> None:
+    built = Built(*sample_index, fake.host)
     path = StoreLayout(built.store).keyword_db(built.index_dir.name)
     with sqlite3.connect(path) as db:  # as a store written before either existed
         db.execute("ALTER TABLE documents DROP COLUMN cjk_share")

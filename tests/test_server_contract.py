@@ -33,7 +33,7 @@ from corpus_rules import (
     path_matches_prefix,
 )
 from fake_ollama import FakeOllama, fake_embedding
-from helpers import SAMPLE, Built, build, ingest_index, tool_payload
+from helpers import SAMPLE, Built, build, ingest_index, sample_built, tool_payload
 
 
 # ---------------------------------------------------------------------------
@@ -41,19 +41,19 @@ from helpers import SAMPLE, Built, build, ingest_index, tool_payload
 
 
 @pytest.fixture(scope="module")
-def base(fake: FakeOllama, tmp_path_factory: pytest.TempPathFactory) -> Built:
+def base(fake: FakeOllama, indexed_sample: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Built:
     """Shared, never modified: tests that change the corpus or store use `fresh`."""
-    return build(tmp_path_factory.mktemp("base"), fake.host)
+    return sample_built(indexed_sample, tmp_path_factory.mktemp("base"), fake.host)
 
 
 @pytest.fixture
-def fresh(fake: FakeOllama, tmp_path: Path) -> Built:
-    return build(tmp_path, fake.host)
+def fresh(fake: FakeOllama, sample_index: tuple[Path, Path]) -> Built:
+    return Built(*sample_index, fake.host)
 
 
 @pytest.fixture(scope="module")
-def _swappable(fake: FakeOllama, tmp_path_factory: pytest.TempPathFactory) -> Built:
-    return build(tmp_path_factory.mktemp("swappable"), fake.host)
+def _swappable(fake: FakeOllama, indexed_sample: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Built:
+    return sample_built(indexed_sample, tmp_path_factory.mktemp("swappable"), fake.host)
 
 
 @pytest.fixture

@@ -22,7 +22,10 @@ from mcp import Client
 
 from corpus_rules import StoreLayout
 from fake_ollama import FakeOllama
-from helpers import SERVER, Built, RawServer, build, connect, ingest_index, server_env, tool, tool_payload
+from helpers import (SERVER, Built, RawServer, build, connect, ingest_index, sample_built, server_env, tool,
+                     tool_payload)
+
+pytestmark = pytest.mark.heavy  # over a minute of wall time: scheduled first (conftest.py)
 
 TOKEN = "SECRET-OFFSITE-TOKEN-7731"
 T = TypeVar("T")
@@ -33,8 +36,8 @@ T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
-def built(fake: FakeOllama, tmp_path_factory: pytest.TempPathFactory) -> Built:
-    return build(tmp_path_factory.mktemp("e2e"), fake.host, symlinks=False)
+def built(fake: FakeOllama, indexed_sample: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Built:
+    return sample_built(indexed_sample, tmp_path_factory.mktemp("e2e"), fake.host)
 
 
 def run(fn: Callable[[], Awaitable[T]]) -> T:
@@ -172,8 +175,8 @@ def test_fts5_syntax_in_queries_is_plain_text(built: Built, fake: FakeOllama) ->
     run(scenario)
 
 
-def test_reingest_is_seen_without_restarting_the_server(fake: FakeOllama, tmp_path: Path) -> None:
-    index = build(tmp_path, fake.host, symlinks=False)
+def test_reingest_is_seen_without_restarting_the_server(fake: FakeOllama, sample_index: tuple[Path, Path]) -> None:
+    index = Built(*sample_index, fake.host)
     query = "ZEBRA-QUOKKA-4411 failover drill schedule"
 
     async def scenario() -> None:
@@ -268,8 +271,8 @@ def test_missing_store_is_index_missing_and_never_created(built: Built, fake: Fa
     assert not store.exists() and not store.parent.exists()
 
 
-def test_symlink_swap_is_path_rejected(fake: FakeOllama, tmp_path: Path) -> None:
-    index = build(tmp_path, fake.host, symlinks=False)
+def test_symlink_swap_is_path_rejected(fake: FakeOllama, sample_index: tuple[Path, Path]) -> None:
+    index = Built(*sample_index, fake.host)
     target = index.corpus / "oncall" / "escalation.md"
     target.unlink()
     target.symlink_to("/etc/passwd")
