@@ -194,6 +194,24 @@ def test_term_weights_and_coverage() -> None:
     assert server.keyword_weight(0.0) == server.KEYWORD_WEIGHT_FLOOR and server.keyword_weight(3.0) == 1.0
 
 
+def test_a_passage_is_in_its_documents_language() -> None:
+    """A code block of a Japanese document reads as English on its own; it is Japanese."""
+    code = rules.cjk_share("```js\nexport default defineConfig({ plugins: [legacy()] })\n```")
+    japanese, english = "本番ビルドだけでプラグインを使うには？", "How do I use a plugin in production builds only?"
+    assert code == 0.0
+    assert server.same_language(japanese, 0.37, code) and not server.same_language(english, 0.37, code)
+    assert server.same_language(english, 0.0, 0.8), "an English document's Japanese quote stays English"
+    # A store written before ingest measured documents: the passage stands for itself.
+    assert server.same_language(english, None, code) and not server.same_language(japanese, None, code)
+
+
+@given(st.text(max_size=80), st.floats(min_value=0.0, max_value=1.0), st.floats(min_value=0.0, max_value=1.0),
+       st.floats(min_value=0.0, max_value=1.0))
+def test_the_document_decides_a_passages_language(query: str, document: float, passage: float, other: float) -> None:
+    assert server.same_language(query, document, passage) == server.same_language(query, document, other)
+    assert server.same_language(query, None, passage) == server.same_language(query, passage, other)
+
+
 CALIBRATION = rules.Calibration(unrelated=0.01, related=0.03, queries=20, chunks=100)
 
 
