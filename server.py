@@ -117,7 +117,7 @@ CHANNEL_CANDIDATES = 50
 MAX_VECTOR_FETCH = 4000
 RRF_K = 60
 # Fusion weights: each extra phrasing counts this much against the main query's 1.0, and the
-# keyword channel of a phrasing never counts less than this (see keyword_weight).
+# keyword channel of a phrasing with any evidence never counts less than this (see keyword_weight).
 EXTRA_PHRASING_WEIGHT = 0.7
 KEYWORD_WEIGHT_FLOOR = 0.2
 KEYWORD_EVIDENCE_FULL = 0.3
@@ -456,10 +456,12 @@ def term_weights(terms: Sequence[str], documents_with: Mapping[str, int], total:
     return {term: math.log1p(max(total, 1) / (1 + documents_with.get(term, 0))) for term in terms}
 
 
-def coverage(weights: Mapping[str, float], present: Container[str]) -> float:
-    """The share of the query's term weight a passage contains (0 when the query has no terms)."""
+def coverage(weights: Mapping[str, float], present: Container[str], countable: Container[str] | None = None) -> float:
+    """The share of the query's term weight a passage contains (0 when the query has no terms),
+    counting only the `countable` terms as contained when given (see shared_terms)."""
     total = sum(weights.values())
-    return sum(w for term, w in weights.items() if term in present) / total if total > 0 else 0.0
+    held = sum(w for term, w in weights.items() if term in present and (countable is None or term in countable))
+    return held / total if total > 0 else 0.0
 
 
 def same_language(query: str, document_cjk_share: float | None, passage_cjk_share: float) -> bool:
@@ -471,12 +473,28 @@ def same_language(query: str, document_cjk_share: float | None, passage_cjk_shar
     return reads_as_cjk(cjk_share(query)) == reads_as_cjk(share)
 
 
+@functools.lru_cache(maxsize=1024)
+def shared_terms(query: str) -> frozenset[str]:
+    """The query's terms that a passage in another language can hold for a reason: its
+    identifiers, and its terms in the other script (names a Japanese question writes in Latin
+    letters, a Japanese word in an English question). The rest of an English question matching a
+    Japanese passage are ordinary words meeting the code and API names in it (`make`, `only`,
+    `import`): incidental."""
+    cjk = reads_as_cjk(cjk_share(query))
+    identifiers = {identifier_term(identifier) for identifier in query_identifiers(query)}
+    other_script = {term for term in query_terms(query) if reads_as_cjk(cjk_share(term)) != cjk}
+    return frozenset(term for term in identifiers | other_script if term is not None)
+
+
 def keyword_weight(best_coverage: float) -> float:
     """The keyword channel's weight in fusion for one phrasing: how much of the phrasing's term
-    weight its best passages contain, full from KEYWORD_EVIDENCE_FULL on. A question in another language than the corpus, or one
-    whose distinctive words are nowhere, matches only incidental words (an English API name in a
-    Japanese question): its keyword ranking is weak evidence, and fusion must not let it push
-    the vector channel's right section out."""
+    weight its best passages contain, full from KEYWORD_EVIDENCE_FULL on, never less than
+    KEYWORD_WEIGHT_FLOOR; nothing when they hold none of it that counts (a question in another
+    language than the passages, with no identifier or name they share). Its matches are then
+    incidental, and RRF is flat over ranks: even at the floor, a passage the vector channel ranks
+    5th and the keyword channel 20th (1/65 + 0.2/80) outranks the vector channel's first (1/61)."""
+    if best_coverage <= 0.0:
+        return 0.0
     return max(KEYWORD_WEIGHT_FLOOR, min(1.0, best_coverage / KEYWORD_EVIDENCE_FULL))
 
 
@@ -1379,8 +1397,8 @@ class Candidates:
 
     def term_evidence(self, p: int, phrasing: Phrasing, row: ChunkRow) -> float | None:
         """The share of phrasing p's term weight a passage holds, or None when the two are not in
-        one language (term overlap between a Japanese question and an English passage is an
-        incidental API name, not evidence) or the phrasing's terms were not weighed."""
+        one language (a Japanese passage cannot hold an English question's words: their absence
+        says nothing) or the phrasing's terms were not weighed."""
         weights = self.weights.get(p)
         if weights is None:
             return None
@@ -1388,6 +1406,17 @@ class Candidates:
         if not same_language(phrasing.text, self.languages.get(row.path), text_cjk_share):
             return None
         return coverage(weights, terms)
+
+    def keyword_evidence(self, p: int, phrasing: Phrasing, row: ChunkRow) -> float:
+        """What a passage the keyword channel found says for phrasing p: the share of its term
+        weight the passage holds, across languages of its shared_terms only."""
+        weights = self.weights.get(p)
+        if weights is None:
+            return 0.0
+        terms, text_cjk_share = self.passages.of(self.index_name, row)
+        if same_language(phrasing.text, self.languages.get(row.path), text_cjk_share):
+            return coverage(weights, terms)
+        return coverage(weights, terms, shared_terms(phrasing.text))
 
 
 class PassageTerms:
@@ -1618,7 +1647,7 @@ class RetrievalService:
                                             max(CHANNEL_CANDIDATES, args.k))
             if p == 0:
                 found.keyword_plan = plan
-            evidence = max((found.term_evidence(p, phrasing, row) or 0.0 for row in rows[:KEYWORD_EVIDENCE_ROWS]),
+            evidence = max((found.keyword_evidence(p, phrasing, row) for row in rows[:KEYWORD_EVIDENCE_ROWS]),
                            default=0.0)
             weight = (1.0 if p == 0 else EXTRA_PHRASING_WEIGHT) * (
                 keyword_weight(evidence) if args.mode == "hybrid" else 1.0)

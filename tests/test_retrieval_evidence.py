@@ -173,6 +173,22 @@ def test_a_code_section_of_a_japanese_document_is_japanese(japanese: Built) -> N
     assert "of the query's distinctive terms" in payload["confidence_reason"], payload["confidence_reason"]
 
 
+def test_an_english_question_over_japanese_documents_is_ranked_by_its_meaning(japanese: Built) -> None:
+    """The question's words meet only the code of the Japanese passages (restart, status): the
+    keyword channel has no evidence and adds nothing to any hit's fused score. An identifier
+    named as written is evidence across languages."""
+    svc = service(japanese)
+    question = "How do I restart the log shipper and check the status of its queue?"
+    hybrid = search(svc, query=question, k=4)["results"]
+    vector = search(svc, query=question, k=4, mode="vector")["results"]
+    assert "keyword" in hybrid[0]["matched"], "the keyword channel did match the code"
+    assert [(h["path"], h["start_line"], h["rank_score"]) for h in hybrid] == [
+        (h["path"], h["start_line"], h["rank_score"]) for h in vector]
+    named = search(svc, query="Where is LOG_SHIPPER_BATCH_SIZE set?", k=4)["results"][0]
+    assert named["exact_matches"] == ["LOG_SHIPPER_BATCH_SIZE"]
+    assert named["rank_score"] > 1 / (server.RRF_K + 1), "more than the vector channel alone gives"
+
+
 # ---------------------------------------------------------------------------
 # Several phrasings in one search.
 

@@ -191,7 +191,43 @@ def test_term_weights_and_coverage() -> None:
     assert weights["ollama_keep_alive"] > weights["alive"] > weights["keep"] > 0
     assert server.coverage(weights, {"keep", "alive"}) < 0.5 < server.coverage(weights, {"ollama_keep_alive"})
     assert server.coverage(weights, set()) == 0.0 and server.coverage({}, {"x"}) == 0.0
-    assert server.keyword_weight(0.0) == server.KEYWORD_WEIGHT_FLOOR and server.keyword_weight(3.0) == 1.0
+    everything = {"ollama_keep_alive", "keep", "alive"}
+    assert server.coverage(weights, everything) == pytest.approx(1.0)
+    assert server.coverage(weights, everything, {"ollama_keep_alive"}) == server.coverage(weights, {"ollama_keep_alive"})
+    assert server.coverage(weights, everything, frozenset()) == 0.0
+    assert server.keyword_weight(0.001) == server.KEYWORD_WEIGHT_FLOOR and server.keyword_weight(3.0) == 1.0
+    assert server.keyword_weight(0.0) == 0.0, "a channel with no evidence weighs nothing, not the floor"
+
+
+def test_shared_terms_are_what_a_passage_in_another_language_can_hold_for_a_reason() -> None:
+    assert server.shared_terms("How do I make a Vite plugin apply only during production builds?") == frozenset()
+    assert server.shared_terms("uv でベータ版や RC などのプレリリース版も候補に入れるには？") == {"uv", "rc"}
+    named = server.shared_terms("What should `base` be for GitHub Pages, and is UV_INDEX_URL read?")
+    assert {"base", "github", "uv_index_url"} <= named and "pages" not in named
+    english = "Which example does the Japanese guide call 設定例 for the log shipper configuration?"
+    assert server.shared_terms(english) == {"設定", "定例"}
+
+
+@given(st.lists(st.sampled_from(["make", "apply", "only", "vite", "uv", "rc", "server.fs.allow", "v-model", "本番",
+                                 "ビルド", "設定を", "OLLAMA_KEEP_ALIVE", "--frozen", "E4091"]), max_size=12))
+def test_shared_terms_are_query_terms(words: list[str]) -> None:
+    query = " ".join(words)
+    shared = server.shared_terms(query)
+    assert shared <= set(rules.query_terms(query))
+    identifiers = {rules.identifier_term(i) for i in rules.query_identifiers(query)} - {None}
+    assert identifiers <= shared
+
+
+def test_a_keyword_channel_without_evidence_leaves_the_vector_ranking_alone() -> None:
+    """RRF is flat over ranks: even at the floor weight, passages the keyword channel ranks deep
+    (its incidental matches) and the vector channel ranks 5th outrank the vector channel's first.
+    At the weight of no evidence they do not."""
+    vector = [f"v{i}" for i in range(50)]
+    keyword = [f"k{i}" for i in range(10)] + vector[4:40]
+    at_floor = [i for i, _ in server.fuse_rankings(two_channels(vector, keyword, server.KEYWORD_WEIGHT_FLOOR))]
+    assert at_floor.index("v4") < at_floor.index("v0")
+    unweighed = [i for i, _ in server.fuse_rankings(two_channels(vector, keyword, server.keyword_weight(0.0)))]
+    assert unweighed[:50] == vector
 
 
 def test_a_passage_is_in_its_documents_language() -> None:
