@@ -527,7 +527,7 @@ class Evidence:
     """What is known about the best hit of a search, for its confidence."""
 
     similarity: float | None  # its best cosine similarity over the phrasings (None: keyword only)
-    margin: float | None  # how far that stands out from the phrasings' other vector candidates
+    margin: float | None  # how far it stands out from a phrasing's other vector candidates (see best_margin)
     calibration: Calibration | None  # this corpus's margin scale, measured at ingest
     coverage: float | None  # the largest share of a same-language phrasing's term weight it contains
     phrasings_found: int  # how many phrasings found it
@@ -582,6 +582,19 @@ def judge(evidence: Evidence) -> Judgement:
     level: Literal["high", "medium", "low"] = (
         "high" if value >= CONFIDENCE_HIGH else "medium" if value >= CONFIDENCE_MEDIUM else "low")
     return Judgement(level, round(value, 4), "; ".join(notes) or "no similarity or term evidence")
+
+
+def best_margin(similarities: Mapping[int, Mapping[str, float]], item: str) -> float | None:
+    """How far a passage stands out from the crowd (see margin) for the phrasing it stands out
+    most for, from each phrasing's vector candidates (id -> similarity), by its similarity to that
+    phrasing. Phrasings sit at different levels of similarity to a whole corpus (a list of
+    identifiers, a translation, a full question): the passage's best similarity over all
+    phrasings against another phrasing's crowd would measure the gap between the two levels. A
+    passage a phrasing did not find is at most as similar to it as its last candidate. None
+    without three candidates for any phrasing."""
+    margins = [m for found in similarities.values() if found
+               and (m := margin(list(found.values()), found.get(item, min(found.values())))) is not None]
+    return max(margins, default=None)
 
 
 def select_top_k(fused: Sequence[tuple[str, float]], channel_bests: Sequence[str | None], k: int) -> list[tuple[str, float]]:
@@ -1372,7 +1385,7 @@ class Candidates:
     scores: dict[str, float | None] = field(default_factory=dict)
     found_by: dict[str, set[tuple[str, int]]] = field(default_factory=dict)
     weights: dict[int, dict[str, float]] = field(default_factory=dict)
-    similarities: dict[int, list[float]] = field(default_factory=dict)  # per phrasing, of its vector candidates
+    similarities: dict[int, dict[str, float]] = field(default_factory=dict)  # per phrasing, of its vector candidates
     keyword_plan: KeywordPlan | None = None
     identifiers: list[tuple[str, str]] = field(default_factory=list)  # (as typed, keyword term)
     missing: list[str] = field(default_factory=list)
@@ -1668,7 +1681,7 @@ class RetrievalService:
             ids, scores, rows = self._vector_channel(index, phrasing.vector, scope, args.k,
                                                      {lc: job for (q, lc), job in started.items() if q == p})
             found.add(RankedList("vector", p, tuple(ids), 1.0 if p == 0 else EXTRA_PHRASING_WEIGHT), rows)
-            found.similarities[p] = [score for score in scores.values() if score is not None]
+            found.similarities[p] = {item: score for item, score in scores.items() if score is not None}
             for item, score in scores.items():
                 found.scores[item] = max(score, found.scores.get(item) or -1.0)
 
@@ -1777,10 +1790,8 @@ class RetrievalService:
         """How likely the first hit (its row and its hit) answers the query (see judge)."""
         shares = [share for p, phrasing in enumerate(phrasings)
                   if (share := found.term_evidence(p, phrasing, row)) is not None]
-        margins = [m for sims in found.similarities.values()
-                   if top.score is not None and (m := margin(sims, top.score)) is not None]
         return judge(Evidence(
-            similarity=top.score, margin=max(margins, default=None), calibration=index.calibration,
+            similarity=top.score, margin=best_margin(found.similarities, row.id), calibration=index.calibration,
             coverage=max(shares, default=None),
             phrasings_found=len(top.phrasings), phrasings=len(phrasings),
             identifiers=tuple(i for i, _ in found.identifiers), exact=tuple(top.exact_matches),

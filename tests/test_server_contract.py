@@ -292,6 +292,38 @@ def test_the_confidence_score_orders_within_a_level_and_the_levels_follow_it() -
     assert absent.score < min(j.score for j in ladder if j.level != "low")
 
 
+def test_a_passage_stands_out_by_its_own_similarity_to_each_phrasing() -> None:
+    """Two phrasings at different levels of similarity to the whole corpus: the passage's
+    similarity to the higher one measured against the lower one's crowd stands out by the gap
+    between the levels, whatever the passage."""
+    question = {"hit": 0.862, **{f"q{i}": 0.860 - 0.001 * i for i in range(30)}}
+    terse = {"hit": 0.802, **{f"t{i}": 0.800 - 0.001 * i for i in range(30)}}
+    mixed = rules.margin(list(terse.values()), max(question["hit"], terse["hit"]))
+    assert mixed is not None and mixed > 0.06
+    stands_out = server.best_margin({0: question, 1: terse}, "hit")
+    assert stands_out == pytest.approx(max(rules.margin(list(question.values())), rules.margin(list(terse.values()))))
+    assert stands_out is not None and stands_out < 0.02
+    # A passage only one phrasing found is, for the other, at most as similar as its last candidate.
+    assert server.best_margin({0: question, 1: terse}, "q0") == pytest.approx(
+        rules.margin(list(question.values()), question["q0"]))
+    assert server.best_margin({0: {"a": 0.9, "b": 0.8}}, "a") is None and server.best_margin({}, "a") is None
+
+
+similarity_maps = st.dictionaries(st.sampled_from([f"c{i}" for i in range(25)]),
+                                  st.floats(min_value=-1.0, max_value=1.0), min_size=3)
+
+
+@given(st.lists(similarity_maps, min_size=1, max_size=5), st.sampled_from([f"c{i}" for i in range(25)]))
+def test_no_passage_stands_out_more_than_a_phrasings_own_best(maps: list[dict[str, float]], item: str) -> None:
+    by_phrasing = dict(enumerate(maps))
+    own_best = max(m for found in maps if (m := rules.margin(list(found.values()))) is not None)
+    got = server.best_margin(by_phrasing, item)
+    assert got is not None and got <= own_best + 1e-12
+    for found in maps:
+        if item in found:
+            assert got >= rules.margin(list(found.values()), found[item]) - 1e-12
+
+
 def test_select_top_k_with_one_slot_keeps_the_fused_winner() -> None:
     fused = server.fuse_rankings(two_channels(["a", "m"], ["b", "m"]))
     assert server.select_top_k(fused, ["a", "b"], 1) == fused[:1]
