@@ -831,16 +831,28 @@ def test_query_identifiers_are_whole_terms_of_the_query(query: str) -> None:
 def test_cjk_share() -> None:
     assert rules.cjk_share("Deploy runbook: roll back") == 0.0
     assert rules.cjk_share("ログ収集ガイド") == 1.0
-    assert 0.0 < rules.cjk_share("v-model と defineProps の違い") < rules.CJK_DOCUMENT
     assert rules.cjk_share("1234 !!") == 0.0
+
+
+def test_a_text_reads_as_cjk_from_a_tenth_of_its_letters() -> None:
+    """Latin words count several letters each: a Japanese question naming identifiers and a
+    Japanese section that is mostly code are mostly Latin letters, and still Japanese; an English
+    sentence quoting one Japanese word is not."""
+    question = rules.cjk_share("v-model と defineProps の違い")
+    assert question < 0.3 and rules.reads_as_cjk(question)
+    code = rules.cjk_share("## 条件付きの適用\n\n```js\nexport default defineConfig({\n"
+                           "  plugins: [{ ...typescript(), apply: 'build' }],\n})\n```")
+    assert rules.reads_as_cjk(code)
+    assert not rules.reads_as_cjk(rules.cjk_share("The Japanese guide calls the build settings 設定 in its reference."))
+    assert not rules.reads_as_cjk(0.0)
 
 
 def test_corpus_facts_count_languages_and_biggest_folders() -> None:
     rows = [("docs/a.md", "active", 0.0), ("docs/b.md", "superseded", 0.01), ("guide/c.md", "active", 0.9),
-            ("README.md", "active", None)]
+            ("guide/code-heavy.md", "active", 0.29), ("README.md", "active", None)]
     facts = rules.corpus_facts(rows)
-    assert (facts.documents, facts.superseded, facts.cjk_documents) == (4, 1, 1)
-    assert facts.folders == (("docs/", 2), ("(top level)", 1), ("guide/", 1))
+    assert (facts.documents, facts.superseded, facts.cjk_documents) == (5, 1, 2)
+    assert facts.folders == (("docs/", 2), ("guide/", 2), ("(top level)", 1))
     assert rules.CorpusFacts.from_json(facts.to_json()) == facts
 
 

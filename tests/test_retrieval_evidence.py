@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 import server
-from corpus_rules import Calibration, CorpusFacts, StoreLayout, load_settings
+from corpus_rules import CJK_DOCUMENT, Calibration, CorpusFacts, StoreLayout, cjk_share, load_settings
 from fake_ollama import FakeOllama
 from helpers import Built, connect, ingest_index, keyword_db, sample_built, tool_payload
 
@@ -106,6 +106,87 @@ def test_identifier_present_only_as_parts_is_missing(parts_corpus: Built) -> Non
     assert payload["missing_identifiers"] == ["OLLAMA_KEEP_ALIVE_SESSIONS"]
     assert payload["results"], "the parts still find passages: the best the corpus has"
     assert payload["confidence"] == "low"
+
+
+# ---------------------------------------------------------------------------
+# Languages: a passage is in its document's language.
+
+SHIPPER_DOC = """---
+rag_chunk: headings
+---
+# ログ送信の設定
+
+## 概要
+
+各ノードで動作するシッパーがコンテナの標準出力からログを収集し、中央のログ基盤へまとめて送信します。
+送信先と保持期間は環境変数で指定します。本番環境では送信先を必ず明示的に設定してください。
+保持期間の既定値は十四日です。監査の対象となるサービスでは四百日に設定する必要があります。
+
+## 設定例
+
+```bash
+export LOG_SHIPPER_ENDPOINT=https://logs.example.internal:6514
+export LOG_RETENTION_DAYS=400
+export LOG_SHIPPER_BATCH_SIZE=500
+nimbus-log-shipper restart --config /etc/nimbus/shipper.yaml --verbose --wait-for-ready
+nimbus-log-shipper status --output json --include-queue-depth --include-last-error
+```
+"""
+
+RELEASE_DOC = """# リリース手順
+
+## 準備
+
+リリースの前に変更履歴を確認し、すべてのテストが成功していることを確かめてください。
+承認者の確認が済んでから、本番環境への反映を始めます。作業中は監視画面を開いておきます。
+
+## 反映
+
+反映は段階的に進めます。最初に一部のノードへ反映し、エラー率が上がらないことを確認してから残りへ広げます。
+問題が見つかった場合は、直前の版へ戻してから原因を調べてください。
+"""
+
+
+@pytest.fixture(scope="module")
+def japanese(fake: FakeOllama, tmp_path_factory: pytest.TempPathFactory) -> Built:
+    """Japanese documents only, one section of which is a code block (Latin letters almost all)."""
+    root = tmp_path_factory.mktemp("japanese")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    (corpus / "shipper.md").write_text(SHIPPER_DOC, encoding="utf-8")
+    (corpus / "release.md").write_text(RELEASE_DOC, encoding="utf-8")
+    store = root / "store"
+    done = ingest_index(corpus, store, fake.host)
+    assert done.returncode == 0, done.stderr
+    return Built(corpus, store, fake.host)
+
+
+def test_a_code_section_of_a_japanese_document_is_japanese(japanese: Built) -> None:
+    """Read on its own the 設定例 passage is English (its letters are code); the Japanese terms
+    it holds are evidence for a Japanese question all the same. (Keyword mode: BM25 decides the
+    top hit; the confidence reads the same term evidence as in hybrid mode.)"""
+    svc = service(japanese)
+    payload = search(svc, query="設定例", mode="keyword", k=2)
+    top = payload["results"][0]
+    assert top["heading"].endswith("設定例"), payload["results"]
+    assert cjk_share(top["text"]) < CJK_DOCUMENT
+    assert "of the query's distinctive terms" in payload["confidence_reason"], payload["confidence_reason"]
+
+
+def test_an_english_question_over_japanese_documents_is_ranked_by_its_meaning(japanese: Built) -> None:
+    """The question's words meet only the code of the Japanese passages (restart, status): the
+    keyword channel has no evidence and adds nothing to any hit's fused score. An identifier
+    named as written is evidence across languages."""
+    svc = service(japanese)
+    question = "How do I restart the log shipper and check the status of its queue?"
+    hybrid = search(svc, query=question, k=4)["results"]
+    vector = search(svc, query=question, k=4, mode="vector")["results"]
+    assert "keyword" in hybrid[0]["matched"], "the keyword channel did match the code"
+    assert [(h["path"], h["start_line"], h["rank_score"]) for h in hybrid] == [
+        (h["path"], h["start_line"], h["rank_score"]) for h in vector]
+    named = search(svc, query="Where is LOG_SHIPPER_BATCH_SIZE set?", k=4)["results"][0]
+    assert named["exact_matches"] == ["LOG_SHIPPER_BATCH_SIZE"]
+    assert named["rank_score"] > 1 / (server.RRF_K + 1), "more than the vector channel alone gives"
 
 
 # ---------------------------------------------------------------------------

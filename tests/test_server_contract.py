@@ -191,7 +191,61 @@ def test_term_weights_and_coverage() -> None:
     assert weights["ollama_keep_alive"] > weights["alive"] > weights["keep"] > 0
     assert server.coverage(weights, {"keep", "alive"}) < 0.5 < server.coverage(weights, {"ollama_keep_alive"})
     assert server.coverage(weights, set()) == 0.0 and server.coverage({}, {"x"}) == 0.0
-    assert server.keyword_weight(0.0) == server.KEYWORD_WEIGHT_FLOOR and server.keyword_weight(3.0) == 1.0
+    everything = {"ollama_keep_alive", "keep", "alive"}
+    assert server.coverage(weights, everything) == pytest.approx(1.0)
+    assert server.coverage(weights, everything, {"ollama_keep_alive"}) == server.coverage(weights, {"ollama_keep_alive"})
+    assert server.coverage(weights, everything, frozenset()) == 0.0
+    assert server.keyword_weight(0.001) == server.KEYWORD_WEIGHT_FLOOR and server.keyword_weight(3.0) == 1.0
+    assert server.keyword_weight(0.0) == 0.0, "a channel with no evidence weighs nothing, not the floor"
+
+
+def test_shared_terms_are_what_a_passage_in_another_language_can_hold_for_a_reason() -> None:
+    assert server.shared_terms("How do I make a Vite plugin apply only during production builds?") == frozenset()
+    assert server.shared_terms("uv でベータ版や RC などのプレリリース版も候補に入れるには？") == {"uv", "rc"}
+    named = server.shared_terms("What should `base` be for GitHub Pages, and is UV_INDEX_URL read?")
+    assert {"base", "github", "uv_index_url"} <= named and "pages" not in named
+    english = "Which example does the Japanese guide call 設定例 for the log shipper configuration?"
+    assert server.shared_terms(english) == {"設定", "定例"}
+
+
+@given(st.lists(st.sampled_from(["make", "apply", "only", "vite", "uv", "rc", "server.fs.allow", "v-model", "本番",
+                                 "ビルド", "設定を", "OLLAMA_KEEP_ALIVE", "--frozen", "E4091"]), max_size=12))
+def test_shared_terms_are_query_terms(words: list[str]) -> None:
+    query = " ".join(words)
+    shared = server.shared_terms(query)
+    assert shared <= set(rules.query_terms(query))
+    identifiers = {rules.identifier_term(i) for i in rules.query_identifiers(query)} - {None}
+    assert identifiers <= shared
+
+
+def test_a_keyword_channel_without_evidence_leaves_the_vector_ranking_alone() -> None:
+    """RRF is flat over ranks: even at the floor weight, passages the keyword channel ranks deep
+    (its incidental matches) and the vector channel ranks 5th outrank the vector channel's first.
+    At the weight of no evidence they do not."""
+    vector = [f"v{i}" for i in range(50)]
+    keyword = [f"k{i}" for i in range(10)] + vector[4:40]
+    at_floor = [i for i, _ in server.fuse_rankings(two_channels(vector, keyword, server.KEYWORD_WEIGHT_FLOOR))]
+    assert at_floor.index("v4") < at_floor.index("v0")
+    unweighed = [i for i, _ in server.fuse_rankings(two_channels(vector, keyword, server.keyword_weight(0.0)))]
+    assert unweighed[:50] == vector
+
+
+def test_a_passage_is_in_its_documents_language() -> None:
+    """A code block of a Japanese document reads as English on its own; it is Japanese."""
+    code = rules.cjk_share("```js\nexport default defineConfig({ plugins: [legacy()] })\n```")
+    japanese, english = "本番ビルドだけでプラグインを使うには？", "How do I use a plugin in production builds only?"
+    assert code == 0.0
+    assert server.same_language(japanese, 0.37, code) and not server.same_language(english, 0.37, code)
+    assert server.same_language(english, 0.0, 0.8), "an English document's Japanese quote stays English"
+    # A store written before ingest measured documents: the passage stands for itself.
+    assert server.same_language(english, None, code) and not server.same_language(japanese, None, code)
+
+
+@given(st.text(max_size=80), st.floats(min_value=0.0, max_value=1.0), st.floats(min_value=0.0, max_value=1.0),
+       st.floats(min_value=0.0, max_value=1.0))
+def test_the_document_decides_a_passages_language(query: str, document: float, passage: float, other: float) -> None:
+    assert server.same_language(query, document, passage) == server.same_language(query, document, other)
+    assert server.same_language(query, None, passage) == server.same_language(query, passage, other)
 
 
 CALIBRATION = rules.Calibration(unrelated=0.01, related=0.03, queries=20, chunks=100)
@@ -236,6 +290,38 @@ def test_the_confidence_score_orders_within_a_level_and_the_levels_follow_it() -
         assert (j.score < server.CONFIDENCE_MEDIUM) == (j.level == "low")
     absent = server.judge(evidence(identifiers=("UV_NO_TELEMETRY",), missing=("UV_NO_TELEMETRY",)))
     assert absent.score < min(j.score for j in ladder if j.level != "low")
+
+
+def test_a_passage_stands_out_by_its_own_similarity_to_each_phrasing() -> None:
+    """Two phrasings at different levels of similarity to the whole corpus: the passage's
+    similarity to the higher one measured against the lower one's crowd stands out by the gap
+    between the levels, whatever the passage."""
+    question = {"hit": 0.862, **{f"q{i}": 0.860 - 0.001 * i for i in range(30)}}
+    terse = {"hit": 0.802, **{f"t{i}": 0.800 - 0.001 * i for i in range(30)}}
+    mixed = rules.margin(list(terse.values()), max(question["hit"], terse["hit"]))
+    assert mixed is not None and mixed > 0.06
+    stands_out = server.best_margin({0: question, 1: terse}, "hit")
+    assert stands_out == pytest.approx(max(rules.margin(list(question.values())), rules.margin(list(terse.values()))))
+    assert stands_out is not None and stands_out < 0.02
+    # A passage only one phrasing found is, for the other, at most as similar as its last candidate.
+    assert server.best_margin({0: question, 1: terse}, "q0") == pytest.approx(
+        rules.margin(list(question.values()), question["q0"]))
+    assert server.best_margin({0: {"a": 0.9, "b": 0.8}}, "a") is None and server.best_margin({}, "a") is None
+
+
+similarity_maps = st.dictionaries(st.sampled_from([f"c{i}" for i in range(25)]),
+                                  st.floats(min_value=-1.0, max_value=1.0), min_size=3)
+
+
+@given(st.lists(similarity_maps, min_size=1, max_size=5), st.sampled_from([f"c{i}" for i in range(25)]))
+def test_no_passage_stands_out_more_than_a_phrasings_own_best(maps: list[dict[str, float]], item: str) -> None:
+    by_phrasing = dict(enumerate(maps))
+    own_best = max(m for found in maps if (m := rules.margin(list(found.values()))) is not None)
+    got = server.best_margin(by_phrasing, item)
+    assert got is not None and got <= own_best + 1e-12
+    for found in maps:
+        if item in found:
+            assert got >= rules.margin(list(found.values()), found[item]) - 1e-12
 
 
 def test_select_top_k_with_one_slot_keeps_the_fused_winner() -> None:
