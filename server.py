@@ -22,6 +22,7 @@ imports) and RAG_STORE_TIMEOUT (seconds a call waits for the vector store, defau
 from __future__ import annotations
 
 import os
+import stat
 
 # Before anything can import chromadb: its telemetry must never start (no network, no stdout).
 os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
@@ -38,7 +39,8 @@ import time
 import traceback
 import typing
 from collections import OrderedDict
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Mapping, Sequence
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass, field
@@ -2253,14 +2255,84 @@ def build_server(service: RetrievalService, instructions: str, warmup: WarmUp, *
                   on_list_tools=list_tools, on_call_tool=call_tool, get_tool_input_schema=schemas.get)
 
 
+# The longest request line the pipe transport reads (a client's JSON-RPC message): the SDK's own
+# transport reads lines of any length, so this bound only stops a line that never ends.
+STDIO_LINE_MAX = 1 << 28
+
+
+def _pollable(fd: int) -> bool:
+    """A pipe or a socket: what the event loop can poll. Not a regular file (it cannot be polled)
+    and not a terminal (the loop makes it non-blocking, and a terminal is shared with the shell)."""
+    mode = os.fstat(fd).st_mode
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
+@contextlib.asynccontextmanager
+async def pipe_stdio() -> AsyncIterator[tuple[Any, Any]]:
+    """MCP's stdio framing (one JSON-RPC message a line, UTF-8) on the event loop's own pipe I/O.
+
+    The SDK's stdio_server reads and writes through worker threads: three hand-offs a call
+    (read a line, write, flush), 0.5-0.7 ms of every search on a 2-core VM, measured paired
+    against it. Like it, this serves from private duplicates of fds 0 and 1, pointing those at
+    /dev/null and stderr while the process serves, so a stray print or a child process never
+    writes into the protocol; undecodable bytes are replaced; a line that is not a JSON-RPC
+    message goes to the server as the exception, as the SDK's does. Only for pipes and sockets
+    (see _pollable); serve_stdio falls back to the SDK's transport otherwise."""
+    import asyncio  # noqa: PLC0415
+
+    import anyio  # noqa: PLC0415
+    from mcp.shared.message import SessionMessage  # noqa: PLC0415
+    from mcp.types import jsonrpc_message_adapter  # noqa: PLC0415
+
+    loop = asyncio.get_running_loop()
+    wire_in, wire_out = os.dup(0), os.dup(1)
+    reader = asyncio.StreamReader(limit=STDIO_LINE_MAX, loop=loop)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop), os.fdopen(wire_in, "rb", 0))
+    transport, protocol = await loop.connect_write_pipe(lambda: asyncio.streams.FlowControlMixin(loop=loop),
+                                                        os.fdopen(wire_out, "wb", 0))
+    writer = asyncio.StreamWriter(transport, protocol, None, loop)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)
+    read_send, read_stream = anyio.create_memory_object_stream[Any](0)
+    write_stream, write_receive = anyio.create_memory_object_stream[Any](0)
+
+    async def read_lines() -> None:
+        async with read_send:
+            while line := await reader.readline():
+                try:
+                    message = jsonrpc_message_adapter.validate_json(line.decode("utf-8", "replace"), by_name=False)
+                except Exception as exc:  # noqa: BLE001 - the server answers or drops it (serve_stdio)
+                    await read_send.send(exc)
+                    continue
+                await read_send.send(SessionMessage(message))
+
+    async def write_lines() -> None:
+        async with write_receive:
+            async for item in write_receive:
+                writer.write(item.message.model_dump_json(by_alias=True, exclude_unset=True).encode() + b"\n")
+                await writer.drain()
+
+    try:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(read_lines)
+            tasks.start_soon(write_lines)
+            yield read_stream, write_stream
+    finally:
+        transport.close()
+
+
 async def serve_stdio(server: Any) -> None:
-    """MCP over stdio, with request lines the SDK could not parse answered (see
-    answer_unreadable_request) instead of dropped."""
+    """MCP over stdio (pipe_stdio, or the SDK's transport when stdin or stdout is not a pipe or a
+    socket), with request lines the SDK could not parse answered (see answer_unreadable_request)
+    instead of dropped."""
     import anyio  # noqa: PLC0415
     from mcp.server.stdio import stdio_server  # noqa: PLC0415
     from mcp.shared.message import SessionMessage  # noqa: PLC0415
 
-    async with stdio_server() as (read_stream, write_stream):
+    transport = pipe_stdio() if _pollable(0) and _pollable(1) else stdio_server()
+    async with transport as (read_stream, write_stream):
         checked_send, checked_read = anyio.create_memory_object_stream[Any](0)
 
         async def screen() -> None:
