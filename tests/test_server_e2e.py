@@ -9,6 +9,7 @@ No timing assertions anywhere.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -356,6 +357,42 @@ def test_stdout_is_pure_jsonrpc_including_error_paths(built: Built, fake: FakeOl
         for line in server.stdout_lines:
             message = json.loads(line)
             assert isinstance(message, dict) and message.get("jsonrpc") == "2.0", line
+
+
+def test_only_pipes_and_sockets_are_served_on_the_event_loop(tmp_path: Path) -> None:
+    """The pipe transport polls stdin and stdout: a pipe or a socket. A regular file cannot be
+    polled, and a terminal is shared with the shell (the loop would make it non-blocking)."""
+    import pty
+    import socket
+
+    import server
+
+    read_end, write_end = os.pipe()
+    left, right = socket.socketpair()
+    main, secondary = pty.openpty()
+    regular = os.open(tmp_path / "requests.jsonl", os.O_CREAT | os.O_RDWR)
+    try:
+        assert server._pollable(read_end) and server._pollable(write_end) and server._pollable(left.fileno())
+        assert not server._pollable(regular) and not server._pollable(secondary)
+    finally:
+        for fd in (read_end, write_end, main, secondary, regular):
+            os.close(fd)
+        left.close()
+        right.close()
+
+
+def test_a_regular_file_as_stdin_is_served_by_the_sdks_transport(built: Built, fake: FakeOllama,
+                                                                  tmp_path: Path) -> None:
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "file", "version": "0"}}}) + "\n",
+        encoding="utf-8")
+    with requests.open("rb") as stdin:
+        done = subprocess.run([sys.executable, str(SERVER)], stdin=stdin, capture_output=True, timeout=120,
+                              env={**os.environ, **built.server_env(fake.host)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    (line,) = done.stdout.splitlines()
+    assert json.loads(line)["result"]["serverInfo"]["name"] == "local-rag"
 
 
 def _imports_of(lines: list[str], package: str) -> list[int]:
