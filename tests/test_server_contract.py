@@ -737,7 +737,7 @@ def test_keyword_channel_filters_in_sql_before_the_limit(base: Built) -> None:
     index = service(base).manager.open()
     query = "kubectl-deploy push --all-at-once"
     def ids(query: str, lifecycles: list[str], prefix: str | None, n: int) -> list[str]:
-        return [row.id for row in index.keyword_rows(query, lifecycles, prefix, n)[0]]
+        return [item for item, _ in index.keyword_ranking(query, lifecycles, prefix, n)[0]]
 
     assert ids(query, ["active", "superseded"], None, 1) == ids(
         query, ["superseded"], None, 1), "the superseded runbook is the best keyword match overall"
@@ -998,8 +998,8 @@ def test_keyword_plan_keeps_rare_terms_when_common_ones_would_blow_the_budget(ba
     assert index.keyword_plan("deploy rollback E4091", budget=chunks).kind == "all"
     plan = index.keyword_plan("deploy rollback E4091", budget=5)
     assert plan.kind == "rare" and "e4091" in plan.terms and "deploy" not in plan.terms
-    rows, plan = index.keyword_rows("deploy rollback E4091", ["active"], None, 10, budget=5)
-    assert rows and "E4091" in rows[0].text
+    ranked, plan = index.keyword_ranking("deploy rollback E4091", ["active"], None, 10, budget=5)
+    assert ranked and "E4091" in index.chunks_by_id([ranked[0][0]])[ranked[0][0]].text
     # Only common words: nothing; the vector channel carries such a query.
     assert index.keyword_plan("deploy rollout canary", budget=5).kind == "too_common"
     assert index.keyword_plan("the of and", budget=5).kind == "no_terms"
