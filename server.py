@@ -1374,9 +1374,9 @@ class Phrasing:
 @dataclass
 class Candidates:
     """What the channels found for the phrasings, as weighted ranked lists of chunk ids, with the
-    rows read so far and the best similarities known so far; per phrasing, its terms' weights; the query's
-    identifiers, those no passage holds, and which candidates hold each whole or in parts.
-    `dropped` are the candidates min_score removed."""
+    rows read so far and the best similarities known so far; per phrasing, its terms' weights;
+    the query's identifiers, those no passage holds, and which candidates hold each whole or in
+    parts. `dropped` are the candidates min_score removed."""
 
     lists: list[RankedList] = field(default_factory=list)
     rows: dict[str, ChunkRow] = field(default_factory=dict)  # read for the candidates a search looks at

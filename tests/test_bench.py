@@ -29,6 +29,7 @@ EXPECTED = (
     "search.keyword.p50_ms@",
     "search.keyword.p95_ms@",
     "search.raw_chroma_p50_ms@",
+    "search.limit_p50_ms@",
     "ingest.build_s@",
     "ingest.throughput@",
     "reingest.noop_s@",

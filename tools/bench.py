@@ -54,7 +54,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 TESTS_DIR = PROJECT_DIR / "tests"
@@ -715,6 +715,39 @@ def echo(text: str) -> str:
 if __name__ == "__main__":
     mcp.run()
 '''
+
+
+class BetweenSearches:
+    """The limit of a search figure, measured between the searches it is compared with: before
+    each search, one raw Chroma query (this process, the same index, distances only) and one
+    round trip of a bare server (the hello-world MCP server over stdio, or a bare Starlette
+    endpoint). Measured back to back instead, each repeats with its caches hot, which a search
+    never has: it embeds its query before it queries Chroma, and its server sits idle between
+    calls while other processes run. On a 2-core VM the back-to-back limit was 1.3-1.6x lower
+    than this one, and wandered from run to run with the machine's neighbours; the ratios
+    against this one moved by 0.03x across three runs. Both are reported."""
+
+    def __init__(self, collection: Any, vectors: Sequence[list[float]], round_trip: Callable[[], float],
+                 n_results: int) -> None:
+        self.collection, self.vectors, self.round_trip, self.n_results = collection, vectors, round_trip, n_results
+        self.raw: list[float] = []
+        self.round_trips: list[float] = []
+
+    def sample(self) -> None:
+        vector = self.vectors[len(self.raw) % len(self.vectors)]
+        started = time.perf_counter()
+        self.collection.query(query_embeddings=[vector], n_results=self.n_results, include=["distances"])
+        self.raw.append(time.perf_counter() - started)
+        self.round_trips.append(self.round_trip())
+
+    def restart(self) -> None:
+        self.raw.clear()
+        self.round_trips.clear()
+
+    def stats(self) -> dict[str, Any]:
+        raw, trips = summarize_ms(self.raw), summarize_ms(self.round_trips)
+        return {"raw_chroma_query": raw, "round_trip": trips, "limit_p50_ms": raw["p50_ms"] + trips["p50_ms"],
+                "limit_p95_ms": raw["p95_ms"] + trips["p50_ms"]}
 
 
 class RpcError(RuntimeError):
@@ -1412,24 +1445,36 @@ class Bench:
                         self.roundtrip_stats["p50_ms"], "ms", "report (part of the search limit)"))
 
     # 3. raw Chroma query -------------------------------------------------------------------------
-    def raw_queries(self, size: int, queries: Sequence[str]) -> dict[str, float]:
+    @contextlib.contextmanager
+    def raw_collection(self, size: int) -> Any:
+        """The active collection of a size's index, opened with Chroma's own client in this process."""
         os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
         import chromadb
 
         current = json.loads((self.stores[size] / "CURRENT.json").read_text())
         client = chromadb.PersistentClient(path=str(self.stores[size] / current["index"] / "chroma"))
-        col = client.get_collection("chunks_active")
-        vectors = [self.query_vector(q) for q in queries]
-        for vector in vectors[:self.reps["warmup"]]:
-            col.query(query_embeddings=[vector], n_results=self.n_results, include=["distances"])
-        samples = []
-        for vector in vectors[self.reps["warmup"]:]:
-            started = time.perf_counter()
-            col.query(query_embeddings=[vector], n_results=self.n_results, include=["distances"])
-            samples.append(time.perf_counter() - started)
-        with contextlib.suppress(Exception):
-            client.close()
+        try:
+            yield client.get_collection("chunks_active")
+        finally:
+            with contextlib.suppress(Exception):
+                client.close()
+
+    def raw_queries(self, size: int, queries: Sequence[str]) -> dict[str, float]:
+        """Raw Chroma queries back to back (reported; the limits are measured between searches,
+        see BetweenSearches)."""
+        with self.raw_collection(size) as col:
+            vectors = [self.query_vector(q) for q in queries]
+            for vector in vectors[:self.reps["warmup"]]:
+                col.query(query_embeddings=[vector], n_results=self.n_results, include=["distances"])
+            samples = []
+            for vector in vectors[self.reps["warmup"]:]:
+                started = time.perf_counter()
+                col.query(query_embeddings=[vector], n_results=self.n_results, include=["distances"])
+                samples.append(time.perf_counter() - started)
         return summarize_ms(samples)
+
+    def between_searches(self, col: Any, queries: Sequence[str], round_trip: Callable[[], float]) -> BetweenSearches:
+        return BetweenSearches(col, [self.query_vector(q) for q in queries], round_trip, self.n_results)
 
     # 2. cold first search ------------------------------------------------------------------------
     def cold_search(self, size: int, queries: Sequence[str]) -> None:
@@ -1464,14 +1509,21 @@ class Bench:
         hwm_after_100: float | None = None
         response_chars: list[int] = []
         hits: dict[str, list[int]] = {"hybrid": [], "vector": [], "keyword": []}
-        with self.spawn_server(size, f"warm-{size_label(size)}") as peer:
+        label = size_label(size)
+        with (self.spawn_server(size, f"warm-{label}") as peer, self.spawn_hello(f"between-{label}") as hello,
+              self.raw_collection(size) as col):
             peer.handshake()
+            hello.handshake()
+            between = self.between_searches(col, queries["raw"],
+                                            lambda: hello.call("echo", {"text": "between two searches"})[1])
             for mode in ("hybrid", "vector", "keyword"):
                 for q in queries[f"warm-{mode}"]:
+                    between.sample()
                     result, _ = peer.call("search_corpus", {"query": q, "mode": mode})
                     count += 1
                     if result.get("isError"):
                         errors.append(tool_payload(result))
+            between.restart()  # the warm-up's samples paid first-call costs on both sides
             plan: list[tuple[str, str]] = []
             for i in range(max(len(queries["hybrid"]), len(queries["vector"]))):
                 plan += [("hybrid", q) for q in queries["hybrid"][i:i + 1]]
@@ -1479,6 +1531,7 @@ class Bench:
                 plan += [("keyword", q) for q in queries["keyword"][i:i + 1]]
             for mode, q in plan:
                 arguments = {"query": q} if mode == "hybrid" else {"query": q, "mode": mode}
+                between.sample()
                 result, seconds = peer.call("search_corpus", arguments)
                 count += 1
                 samples[mode].append(seconds)
@@ -1495,37 +1548,49 @@ class Bench:
         if errors:
             raise RuntimeError(f"{len(errors)} search_corpus calls failed at {size_label(size)}, e.g. {errors[0]}")
         stats = {mode: summarize_ms(s) for mode, s in samples.items()}
+        limits = between.stats()
+        limit = limits["limit_p50_ms"]
         rt = self.roundtrip_stats["p50_ms"]
-        limit = raw["p50_ms"] + rt
+        hot_limit = raw["p50_ms"] + rt
         self.details.setdefault("search", {})[size_label(size)] = {
-            "modes": stats, "raw_chroma_query": raw, "roundtrip_p50_ms": rt, "limit_p50_ms": limit,
+            "modes": stats, "between_searches": limits, "limit_p50_ms": limit, "raw_chroma_query_back_to_back": raw,
+            "roundtrip_p50_ms_back_to_back": rt, "limit_p50_ms_back_to_back": hot_limit,
             "n_results": self.n_results, "searches": count, "server_vm_hwm_mb_after_100": hwm_after_100,
             "server_vm_hwm_mb_end": hwm_end, "non_json_stdout_lines": non_json,
             "hybrid_response_bytes_median": statistics.median(response_chars) if response_chars else None,
             "mean_results": {m: statistics.fmean(v) if v else None for m, v in hits.items()}}
-        label = size_label(size)
-        limit_what = (f"raw unfiltered Chroma query of chunks_active (n_results={self.n_results}) p50 "
-                      f"{raw['p50_ms']:.2f} ms + bare stdio round trip p50 {rt:.2f} ms")
+        limit_what = (f"measured between the searches (BetweenSearches): raw unfiltered Chroma query of chunks_active "
+                      f"(n_results={self.n_results}) p50 {limits['raw_chroma_query']['p50_ms']:.2f} ms + bare stdio "
+                      f"round trip p50 {limits['round_trip']['p50_ms']:.2f} ms")
         h = stats["hybrid"]
         mean_hits = {m: statistics.fmean(v) if v else 0.0 for m, v in hits.items()}
+
+        def hot(p50: float) -> str:
+            return f"; {p50 / hot_limit:.2f}x the limit measured back to back ({hot_limit:.2f} ms)"
+
         self.add(Figure(f"search.hybrid.p50_ms@{label}", f"search_corpus hybrid p50, {label} chunks", h["p50_ms"], "ms",
                         "<= 2.5x", limit=limit, limit_what=limit_what, ratio=h["p50_ms"] / limit,
                         passed=h["p50_ms"] / limit <= 2.5, size=size,
-                        note=f"{mean_hits['hybrid']:.1f} results per search on average (k=5)"))
+                        note=f"{mean_hits['hybrid']:.1f} results per search on average (k=5){hot(h['p50_ms'])}"))
         self.add(Figure(f"search.hybrid.p95_ms@{label}", f"search_corpus hybrid p95, {label} chunks", h["p95_ms"], "ms",
-                        "report", limit=raw["p95_ms"] + rt, limit_what="raw query p95 + round trip p50",
-                        ratio=h["p95_ms"] / (raw["p95_ms"] + rt), size=size))
+                        "report", limit=limits["limit_p95_ms"], limit_what="raw query p95 + round trip p50, between "
+                        "the searches", ratio=h["p95_ms"] / limits["limit_p95_ms"], size=size))
         for mode, goal in (("vector", 2.0), ("keyword", None)):
             m = stats[mode]
             self.add(Figure(f"search.{mode}.p50_ms@{label}", f"search_corpus {mode}-only p50, {label} chunks",
                             m["p50_ms"], "ms", f"<= {goal:g}x" if goal else "report", limit=limit,
                             limit_what=limit_what, ratio=m["p50_ms"] / limit, size=size,
                             passed=None if goal is None else m["p50_ms"] / limit <= goal,
-                            note=f"{mean_hits[mode]:.1f} results per search on average (k=5)"))
+                            note=f"{mean_hits[mode]:.1f} results per search on average (k=5){hot(m['p50_ms'])}"))
             self.add(Figure(f"search.{mode}.p95_ms@{label}", f"search_corpus {mode}-only p95, {label} chunks",
                             m["p95_ms"], "ms", "report", size=size))
+        self.add(Figure(f"search.limit_p50_ms@{label}", f"Search limit p50, {label} chunks: raw Chroma query + bare "
+                        "stdio round trip, measured between the searches", limit, "ms", "report (limit)", size=size,
+                        note=f"raw query {limits['raw_chroma_query']['p50_ms']:.2f} ms + round trip "
+                             f"{limits['round_trip']['p50_ms']:.2f} ms"))
         self.add(Figure(f"search.raw_chroma_p50_ms@{label}", f"Raw Chroma query p50, {label} chunks "
-                        f"(n_results={self.n_results}, in process)", raw["p50_ms"], "ms", "report (limit)", size=size))
+                        f"(n_results={self.n_results}, in process, back to back)", raw["p50_ms"], "ms", "report",
+                        size=size))
         if size == max(self.sizes):
             value = hwm_after_100 if hwm_after_100 is not None else hwm_end
             self.add(Figure(f"memory.server_peak_rss_mb@{label}", f"Server peak RSS after 100 searches, {label} chunks "
@@ -1545,36 +1610,51 @@ class Bench:
         """Search p50 through the bridge (POST /mcp/call, httpx), through MCP streamable HTTP as a
         JSON-RPC POST to /mcp (httpx, like the limit) and through the SDK's Client (one session,
         its own cost included) on one `server.py --http`, against a bare Starlette endpoint on the
-        same uvicorn setup plus this run's raw Chroma query; then /health p50 on the same server.
-        Returns the server's exit status after SIGTERM."""
+        same uvicorn setup plus a raw Chroma query, both measured between the searches of the first
+        two (BetweenSearches); then /health p50 on the same server. Returns the server's exit
+        status after SIGTERM."""
         import anyio
         import httpx
 
         label = size_label(size)
         n_w, n = self.reps["warmup"], self.reps["hybrid"]
-        queries = synthetic_queries(3 * (n_w + n), f"http-{label}")
-        bridge_queries, mcp_queries, raw_queries = (queries[:n_w + n], queries[n_w + n:2 * (n_w + n)],
-                                                    queries[2 * (n_w + n):])
+        queries = synthetic_queries(4 * (n_w + n), f"http-{label}")
+        bridge_queries, mcp_queries, jsonrpc_queries, limit_queries = (
+            queries[:n_w + n], queries[n_w + n:2 * (n_w + n)], queries[2 * (n_w + n):3 * (n_w + n)],
+            queries[3 * (n_w + n):])
         log(f"searching the {label} index over HTTP ...")
-        with self.spawn_bare_http() as bare, httpx.Client(timeout=RPC_TIMEOUT_S) as http:
+        with (self.spawn_bare_http() as bare, self.spawn_http(size, f"http-{label}") as server,
+              httpx.Client(timeout=RPC_TIMEOUT_S) as http, self.raw_collection(size) as col):
             body = [bridge_call(queries[0])]
             timed_requests(http, "POST", f"{bare.url}/bare", body * n_w)
             bare_s = timed_requests(http, "POST", f"{bare.url}/bare", body * self.reps["roundtrip"])
-        with self.spawn_http(size, f"http-{label}") as server, httpx.Client(timeout=RPC_TIMEOUT_S) as http:
-            bridge_s = timed_requests(http, "POST", f"{server.url}/mcp/call", [bridge_call(q) for q in bridge_queries])
-            mcp_raw_s = jsonrpc_search_samples(http, f"{server.url}/mcp", raw_queries)
+            between = self.between_searches(col, limit_queries,
+                                            lambda: timed_requests(http, "POST", f"{bare.url}/bare", body)[0])
+            bridge_s: list[float] = []
+            mcp_raw_s: list[float] = []
+            for i, (bridge_query, jsonrpc_query) in enumerate(zip(bridge_queries, jsonrpc_queries, strict=True)):
+                if i == n_w:
+                    between.restart()  # the warm-up's samples paid first-call costs on both sides
+                between.sample()
+                bridge_s += timed_requests(http, "POST", f"{server.url}/mcp/call", [bridge_call(bridge_query)])
+                between.sample()
+                mcp_raw_s += jsonrpc_search_samples(http, f"{server.url}/mcp", [jsonrpc_query])
             mcp_s = anyio.run(mcp_search_samples, f"{server.url}/mcp", mcp_queries)
             health_s = timed_requests(http, "GET", f"{server.url}/health", [None] * self.reps["roundtrip"])
         # The first searches of each door pay the warm-up (imports, the store opened, a session).
         stats = {"bridge": summarize_ms(bridge_s[n_w:]), "mcp_jsonrpc": summarize_ms(mcp_raw_s[n_w:]),
                  "mcp": summarize_ms(mcp_s[n_w:]),
                  "bare": summarize_ms(bare_s), "health": summarize_ms(health_s)}
-        limit = stats["bare"]["p50_ms"] + raw["p50_ms"]
-        self.details["http"] = {"size": size, **stats, "raw_chroma_query": raw, "limit_p50_ms": limit}
-        self.add(Figure("http.bare_roundtrip_p50_ms", "Bare Starlette JSON endpoint on uvicorn: POST round trip (p50)",
-                        stats["bare"]["p50_ms"], "ms", "report (part of the HTTP search limit)"))
-        limit_what = (f"bare Starlette endpoint round trip p50 {stats['bare']['p50_ms']:.2f} ms + raw unfiltered "
-                      f"Chroma query (n_results={self.n_results}) p50 {raw['p50_ms']:.2f} ms")
+        limits = between.stats()
+        limit = limits["limit_p50_ms"]
+        hot_limit = stats["bare"]["p50_ms"] + raw["p50_ms"]
+        self.details["http"] = {"size": size, **stats, "between_searches": limits, "limit_p50_ms": limit,
+                                "raw_chroma_query_back_to_back": raw, "limit_p50_ms_back_to_back": hot_limit}
+        self.add(Figure("http.bare_roundtrip_p50_ms", "Bare Starlette JSON endpoint on uvicorn: POST round trip (p50, "
+                        "back to back)", stats["bare"]["p50_ms"], "ms", "report"))
+        limit_what = (f"measured between the searches (BetweenSearches): bare Starlette endpoint round trip p50 "
+                      f"{limits['round_trip']['p50_ms']:.2f} ms + raw unfiltered Chroma query "
+                      f"(n_results={self.n_results}) p50 {limits['raw_chroma_query']['p50_ms']:.2f} ms")
         # The SDK's Client adds its own work (a session, result models) that the limit's plain
         # httpx POST does not have: reported; the server's doors are compared like for like.
         for door, what, goal in (("bridge", "POST /mcp/call", 3.0),
@@ -1584,7 +1664,8 @@ class Bench:
             self.add(Figure(f"http.{door}.p50_ms@{label}", f"search_corpus hybrid p50 over {what}, {label} chunks",
                             p50, "ms", f"<= {goal:g}x" if goal else "report", limit=limit, limit_what=limit_what,
                             ratio=p50 / limit, passed=None if goal is None else p50 / limit <= goal, size=size,
-                            note=f"p95 {stats[door]['p95_ms']:.2f} ms"))
+                            note=f"p95 {stats[door]['p95_ms']:.2f} ms; {p50 / hot_limit:.2f}x the limit measured "
+                                 f"back to back ({hot_limit:.2f} ms)"))
         health = stats["health"]["p50_ms"]
         self.add(Figure("http.health_p50_ms", "GET /health p50", health, "ms", "<= 5 ms (absolute)",
                         passed=health <= 5.0, note=f"p95 {stats['health']['p95_ms']:.2f} ms"))
