@@ -55,6 +55,7 @@ EXPECTED = (
     "http.bare_roundtrip_p50_ms",
     "http.bridge.p50_ms@",
     "http.mcp_jsonrpc.p50_ms@",
+    "http.mcp_jsonrpc_2026.p50_ms@",
     "http.mcp.p50_ms@",
     "http.health_p50_ms",
     "http.throughput@",
@@ -65,12 +66,13 @@ EXPECTED = (
 # Figures compared with a limit measured in the same run carry the limit and the ratio too.
 WITH_LIMIT = ("handshake.median_s", "search.hybrid.p50_ms@", "ingest.throughput@", "watch.latency_p50_s@",
               "reingest.noop_rules_s@", "reuse.full_embedded@", "http.bridge.p50_ms@", "http.mcp_jsonrpc.p50_ms@",
-              "http.throughput@")
+              "http.mcp_jsonrpc_2026.p50_ms@", "http.throughput@")
 # Goals about counts and outcomes, not speed: they hold on any machine.
 MUST_PASS = ("slow.failures@", "watch.sigint_exit@", "reuse.full_embedded@", "reuse.edit_embedded@",
              "reuse.rename_embedded@", "http.sigterm_exit")
 # Durations and rates: a zero would mean nothing was timed.
-POSITIVE = ("http.bare_roundtrip_p50_ms", "http.bridge.p50_ms@", "http.mcp_jsonrpc.p50_ms@", "http.mcp.p50_ms@",
+POSITIVE = ("http.bare_roundtrip_p50_ms", "http.bridge.p50_ms@", "http.mcp_jsonrpc.p50_ms@",
+            "http.mcp_jsonrpc_2026.p50_ms@", "http.mcp.p50_ms@",
             "http.health_p50_ms",
             "http.throughput@", "cli.search_cold_s@")
 
@@ -113,7 +115,8 @@ def test_quick_bench_runs_and_reports_every_figure(tmp_path: Path) -> None:
     assert details["slow_embedder"]["largest_call"] > 0, details["slow_embedder"]
     http = details["http"]
     assert http["sigterm_exits"] == [0, 0, 0], http
-    assert http["bridge"]["n"] == http["mcp_jsonrpc"]["n"] == http["mcp"]["n"] > 0 and http["health"]["n"] > 0, http
+    assert (http["bridge"]["n"] == http["mcp_jsonrpc"]["n"] == http["mcp_jsonrpc_2026"]["n"] == http["mcp"]["n"] > 0
+            and http["health"]["n"] > 0), http
     for rate in (http["throughput"], http["throughput_serial_embedder"]):
         assert rate["single_per_s"] > 0 and rate["concurrent_per_s"] > 0, rate
         assert rate["texts_embedded"] >= rate["searches"], rate  # every search waited for the embedder

@@ -985,15 +985,30 @@ def timed_requests(http: Any, method: str, url: str, bodies: Sequence[dict[str, 
     return samples
 
 
-def jsonrpc_search_samples(http: Any, url: str, queries: Sequence[str]) -> list[float]:
-    """Seconds of each search_corpus call posted to /mcp as one JSON-RPC request (a stateless
-    server needs no initialize), with the same httpx client as the limit's bare endpoint, the answer
-    parsed; RuntimeError unless each is a tool result without isError."""
-    headers = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2025-06-18"}
+# The request envelope of each protocol era a stateless server serves: 2025-era requests carry the
+# version in a header (no initialize is needed); 2026-07-28 requests name the method in headers
+# too and carry the client's envelope in params._meta.
+ERA_2026 = "2026-07-28"
+ERA_HEADERS = {"2025-06-18": {"MCP-Protocol-Version": "2025-06-18"},
+               ERA_2026: {"MCP-Protocol-Version": ERA_2026, "Mcp-Method": "tools/call", "Mcp-Name": "search_corpus"}}
+ERA_META = {"2025-06-18": None,
+            ERA_2026: {"io.modelcontextprotocol/protocolVersion": ERA_2026,
+                       "io.modelcontextprotocol/clientInfo": {"name": "bench", "version": "0"},
+                       "io.modelcontextprotocol/clientCapabilities": {}}}
+
+
+def jsonrpc_search_samples(http: Any, url: str, queries: Sequence[str], era: str = "2025-06-18") -> list[float]:
+    """Seconds of each search_corpus call posted to /mcp as one JSON-RPC request of a protocol era
+    (a stateless server needs no initialize), with the same httpx client as the limit's bare
+    endpoint, the answer parsed; RuntimeError unless each is a tool result without isError."""
+    headers = {"Accept": "application/json, text/event-stream", **ERA_HEADERS[era]}
+    meta = ERA_META[era]
     samples = []
     for i, query in enumerate(queries):
-        body = {"jsonrpc": "2.0", "id": i, "method": "tools/call",
-                "params": {"name": "search_corpus", "arguments": {"query": query}}}
+        params: dict[str, Any] = {"name": "search_corpus", "arguments": {"query": query}}
+        if meta is not None:
+            params["_meta"] = meta
+        body = {"jsonrpc": "2.0", "id": i, "method": "tools/call", "params": params}
         started = time.perf_counter()
         response = http.post(url, json=body, headers=headers)
         payload = response.json() if response.status_code == 200 else None
@@ -1618,10 +1633,9 @@ class Bench:
 
         label = size_label(size)
         n_w, n = self.reps["warmup"], self.reps["hybrid"]
-        queries = synthetic_queries(4 * (n_w + n), f"http-{label}")
-        bridge_queries, mcp_queries, jsonrpc_queries, limit_queries = (
-            queries[:n_w + n], queries[n_w + n:2 * (n_w + n)], queries[2 * (n_w + n):3 * (n_w + n)],
-            queries[3 * (n_w + n):])
+        queries = synthetic_queries(5 * (n_w + n), f"http-{label}")
+        bridge_queries, mcp_queries, jsonrpc_queries, modern_queries, limit_queries = (
+            queries[i * (n_w + n):(i + 1) * (n_w + n)] for i in range(5))
         log(f"searching the {label} index over HTTP ...")
         with (self.spawn_bare_http() as bare, self.spawn_http(size, f"http-{label}") as server,
               httpx.Client(timeout=RPC_TIMEOUT_S) as http, self.raw_collection(size) as col):
@@ -1632,18 +1646,22 @@ class Bench:
                                             lambda: timed_requests(http, "POST", f"{bare.url}/bare", body)[0])
             bridge_s: list[float] = []
             mcp_raw_s: list[float] = []
-            for i, (bridge_query, jsonrpc_query) in enumerate(zip(bridge_queries, jsonrpc_queries, strict=True)):
+            modern_s: list[float] = []
+            for i, (bridge_query, jsonrpc_query, modern_query) in enumerate(
+                    zip(bridge_queries, jsonrpc_queries, modern_queries, strict=True)):
                 if i == n_w:
                     between.restart()  # the warm-up's samples paid first-call costs on both sides
                 between.sample()
                 bridge_s += timed_requests(http, "POST", f"{server.url}/mcp/call", [bridge_call(bridge_query)])
                 between.sample()
                 mcp_raw_s += jsonrpc_search_samples(http, f"{server.url}/mcp", [jsonrpc_query])
+                between.sample()
+                modern_s += jsonrpc_search_samples(http, f"{server.url}/mcp", [modern_query], era=ERA_2026)
             mcp_s = anyio.run(mcp_search_samples, f"{server.url}/mcp", mcp_queries)
             health_s = timed_requests(http, "GET", f"{server.url}/health", [None] * self.reps["roundtrip"])
         # The first searches of each door pay the warm-up (imports, the store opened, a session).
         stats = {"bridge": summarize_ms(bridge_s[n_w:]), "mcp_jsonrpc": summarize_ms(mcp_raw_s[n_w:]),
-                 "mcp": summarize_ms(mcp_s[n_w:]),
+                 "mcp_jsonrpc_2026": summarize_ms(modern_s[n_w:]), "mcp": summarize_ms(mcp_s[n_w:]),
                  "bare": summarize_ms(bare_s), "health": summarize_ms(health_s)}
         limits = between.stats()
         limit = limits["limit_p50_ms"]
@@ -1658,7 +1676,9 @@ class Bench:
         # The SDK's Client adds its own work (a session, result models) that the limit's plain
         # httpx POST does not have: reported; the server's doors are compared like for like.
         for door, what, goal in (("bridge", "POST /mcp/call", 3.0),
-                                 ("mcp_jsonrpc", "MCP streamable HTTP /mcp (JSON-RPC POST)", 3.0),
+                                 ("mcp_jsonrpc", "MCP streamable HTTP /mcp (JSON-RPC POST, protocol 2025-06-18)", 3.0),
+                                 ("mcp_jsonrpc_2026", f"MCP streamable HTTP /mcp (JSON-RPC POST, protocol {ERA_2026})",
+                                  3.0),
                                  ("mcp", "MCP streamable HTTP /mcp (the SDK's Client)", None)):
             p50 = stats[door]["p50_ms"]
             self.add(Figure(f"http.{door}.p50_ms@{label}", f"search_corpus hybrid p50 over {what}, {label} chunks",
