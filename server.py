@@ -2292,14 +2292,17 @@ async def pipe_stdio() -> AsyncIterator[tuple[Any, Any]]:
     loop = asyncio.get_running_loop()
     wire_in, wire_out = os.dup(0), os.dup(1)
     reader = asyncio.StreamReader(limit=STDIO_LINE_MAX, loop=loop)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop), os.fdopen(wire_in, "rb", 0))
+    reading, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
+                                              os.fdopen(wire_in, "rb", 0))
     transport, protocol = await loop.connect_write_pipe(lambda: asyncio.streams.FlowControlMixin(loop=loop),
                                                         os.fdopen(wire_out, "wb", 0))
     writer = asyncio.StreamWriter(transport, protocol, None, loop)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    os.dup2(2, 1)
+    for fd, flags in ((0, os.O_RDONLY), (1, os.O_WRONLY)):
+        null = os.open(os.devnull, flags)
+        os.dup2(null, fd)
+        os.close(null)
+    with contextlib.suppress(OSError):  # stray output goes to stderr when there is one
+        os.dup2(2, 1)
     read_send, read_stream = anyio.create_memory_object_stream[Any](0)
     write_stream, write_receive = anyio.create_memory_object_stream[Any](0)
 
@@ -2325,6 +2328,7 @@ async def pipe_stdio() -> AsyncIterator[tuple[Any, Any]]:
             tasks.start_soon(write_lines)
             yield read_stream, write_stream
     finally:
+        reading.close()
         transport.close()
 
 
