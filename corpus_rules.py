@@ -1375,6 +1375,11 @@ def chunk_id(path: str, content_hash: str, index: int) -> str:
     return f"{hashlib.sha256(path.encode()).hexdigest()[:16]}-{content_hash[:16]}-{index:05d}"
 
 
+def chunk_document_key(chunk: str) -> str:
+    """What a chunk id says of its document (see chunk_id): equal for the chunks of one path."""
+    return chunk.split("-", 1)[0]
+
+
 def content_hash(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()
 
@@ -1617,6 +1622,24 @@ INGEST_HINT = "run `python ingest.py` (with the same RAG_STORE_DIR and RAG_CORPU
 VECTOR_PAGE = 5000
 
 
+# Chroma's HNSW graph is rebuilt by each process that opens a collection from the part of its log
+# not yet folded into the graph on disk, and not the same way twice: at Chroma's default ef_search
+# (100) the 50 nearest passages of one query differed between processes (three sets in six runs on
+# the dev set's Vite docs), so one question got different answers. At 400 every run returned the
+# exact 50 nearest. The space is named here too: a configuration overrides the `hnsw:space` metadata.
+VECTOR_SEARCH_EF = 400
+VECTOR_CONFIGURATION = {"hnsw": {"space": "cosine", "ef_search": VECTOR_SEARCH_EF}}
+
+
+def searched_thoroughly(collection: Any) -> Any:
+    """The collection, with ef_search raised to VECTOR_SEARCH_EF where it was created lower
+    (an index written before this setting); the writer's call, the server never modifies."""
+    hnsw = (getattr(collection, "configuration_json", None) or {}).get("hnsw") or {}
+    if hnsw.get("ef_search", VECTOR_SEARCH_EF) < VECTOR_SEARCH_EF:
+        collection.modify(configuration={"hnsw": {"ef_search": VECTOR_SEARCH_EF}})
+    return collection
+
+
 class VectorStore:
     """One index's vectors. `open(create=True)` (ingest) makes what is missing; `open(create=False)`
     (the server) never creates anything and answers index_missing instead. Every failure of the
@@ -1654,7 +1677,8 @@ class VectorStore:
             for lifecycle in LIFECYCLES:
                 name = self.collection_name(lifecycle)
                 if create:
-                    collections[lifecycle] = client.get_or_create_collection(name, metadata=dict(metadata or {}))
+                    collections[lifecycle] = searched_thoroughly(client.get_or_create_collection(
+                        name, metadata=dict(metadata or {}), configuration=VECTOR_CONFIGURATION))
                 else:
                     try:
                         collections[lifecycle] = client.get_collection(name)

@@ -796,7 +796,7 @@ class Store:
                  vectors: VectorProcess) -> None:
         self.name = manifest.index_name()
         self.manifest = manifest
-        meta = {"hnsw:space": "cosine", **{f"manifest_{k}": v for k, v in manifest.to_dict().items()}}
+        meta = {f"manifest_{k}": v for k, v in manifest.to_dict().items()}  # the space: VECTOR_CONFIGURATION
         layout.index_dir(self.name).mkdir(parents=True, exist_ok=True)
         self.vectors = vectors.open(settings, layout, self.name, meta)
         self.db = open_keyword_db(layout.keyword_db(self.name))

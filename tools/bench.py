@@ -1361,6 +1361,8 @@ class Bench:
         os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
         import chromadb
 
+        import corpus_rules
+
         current = json.loads((store / "CURRENT.json").read_text())
         client = chromadb.PersistentClient(path=str(store / current["index"] / "chroma"))
         records = []
@@ -1384,7 +1386,8 @@ class Bench:
             groups.append(group)
         shutil.rmtree(dest, ignore_errors=True)
         fresh = chromadb.PersistentClient(path=str(dest))
-        cols = {lc: fresh.get_or_create_collection(name, metadata={"hnsw:space": "cosine", **metadata[name]})
+        cols = {lc: fresh.get_or_create_collection(name, metadata=metadata[name] or None,
+                                                   configuration=corpus_rules.VECTOR_CONFIGURATION)
                 for lc, name in (("active", "chunks_active"), ("superseded", "chunks_superseded"))}
         upserts = 0
         cpu_started = time.process_time()
