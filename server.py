@@ -77,8 +77,8 @@ from corpus_rules import (
     StoreLayout,
     VectorStore,
     batched,
+    chunk_document_key,
     content_hash,
-    fts_all,
     fts_any,
     cjk_share,
     has_lone_surrogates,
@@ -121,8 +121,13 @@ EXTRA_PHRASING_WEIGHT = 0.7
 KEYWORD_WEIGHT_FLOOR = 0.2
 KEYWORD_EVIDENCE_FULL = 0.3
 QUERIES_MAX = 4
-# A channel's best hit is kept in the top k only when its list weighs at least this much.
-KEEP_BEST_MIN_WEIGHT = 0.5
+# Ranking (see rank): in hybrid mode a passage holding every query identifier whole gains what a
+# first place in one more list gives, for identifiers no more common than IDENTIFIER_COMMON_SHARE
+# of the passages (see distinctive_identifiers); at most FILE_LEAD passages of a document precede
+# the other documents' next.
+IDENTIFIER_BONUS = 1.0 / (RRF_K + 1)
+IDENTIFIER_COMMON_SHARE = 0.1
+FILE_LEAD = 3
 # The keyword channel's evidence for a phrasing is read from this many of its best passages.
 KEYWORD_EVIDENCE_ROWS = 3
 # Confidence (see judge): the value is high from CONFIDENCE_HIGH, medium from CONFIDENCE_MEDIUM;
@@ -342,7 +347,9 @@ class SearchHit(BaseModel):
     end_line: int
     score: float | None = Field(description="Cosine similarity of the passage to the query, or to the closest "
                                             "of the phrasings (higher is better); null in keyword mode.")
-    rank_score: float = Field(description="Reciprocal-rank-fusion value that ordered the results.")
+    rank_score: float = Field(description="Reciprocal-rank-fusion value of the passage (with its bonus for "
+                                          "holding the query's identifiers whole); results are in rank order, "
+                                          "which also spreads them over documents, so it can rise down the list.")
     lifecycle: Literal["active", "superseded"]
     matched: list[Literal["vector", "keyword"]]
     phrasings: list[int] = Field(description="Which phrasings found this passage: 0 is query, 1.. the entries "
@@ -497,28 +504,47 @@ def keyword_weight(best_coverage: float) -> float:
     return max(KEYWORD_WEIGHT_FLOOR, min(1.0, best_coverage / KEYWORD_EVIDENCE_FULL))
 
 
-def demote_partial_identifier_matches(fused: Sequence[tuple[str, float]], whole: Mapping[str, set[str]],
-                                      parts: Mapping[str, set[str]]) -> list[tuple[str, float]]:
-    """Fused entries re-ordered so that, for each query identifier, a passage holding all of its
-    parts but not the identifier itself (`keep` and `alive` but no OLLAMA_KEEP_ALIVE) ranks below
-    every passage holding it whole. `whole` and `parts` map each identifier to the candidate ids
-    of each kind. A passage holding any query identifier whole is never demoted (a question may
-    name two things and a passage answer about one), an identifier no candidate holds whole
-    demotes nothing, and everything else keeps its fused order."""
-    order = [item for item, _ in fused]
-    value = dict(fused)
-    holds_one = set().union(*whole.values()) if whole else set()
-    for identifier, holders in whole.items():
-        present = [i for i in order if i in holders]
-        if not present:
-            continue
-        last_whole = max(order.index(i) for i in present)
-        demoted = [i for i in order[:last_whole] if i in parts.get(identifier, set()) and i not in holds_one]
-        if demoted:
-            kept = [i for i in order if i not in demoted]
-            cut = kept.index(order[last_whole]) + 1
-            order = kept[:cut] + demoted + kept[cut:]
-    return [(item, value[item]) for item in order]
+def distinctive_identifiers(identifiers: Mapping[str, str], passages_with: Mapping[str, int],
+                            passages: int) -> list[tuple[str, str]]:
+    """The query's identifiers (keyword term -> as typed) that single out passages here, as (as
+    typed, term): all but those held by more than IDENTIFIER_COMMON_SHARE of the passages and by
+    more than a channel's CHANNEL_CANDIDATES. `/api` is indexed as the word `api`, held by a third
+    of the Vite docs' passages; `GitHub` by a sixth of uv's: as common as ordinary words, holding
+    them whole says nothing exact (nor that a passage answers). In a small corpus every passage is
+    a good share of it: there the share alone would make any name common."""
+    common = max(IDENTIFIER_COMMON_SHARE * max(passages, 1), CHANNEL_CANDIDATES)
+    return [(identifier, term) for term, identifier in identifiers.items() if passages_with.get(term, 0) <= common]
+
+
+def with_identifier_bonus(fused: Sequence[tuple[str, float]], whole: Mapping[str, set[str]],
+                          bonus: float) -> list[tuple[str, float]]:
+    """Fused entries with a bonus for the query identifiers each passage holds whole, re-sorted
+    (ties keep the fused order): `bonus` times the share of the identifiers some candidate holds
+    whole that this passage holds. A bonus, not a demotion of the rest: a passage that writes the
+    identifier another way (`@submit.prevent` for `v-on:submit.prevent`) keeps its own ranks and
+    only loses the bonus. `whole` maps each identifier to the candidate ids that hold it whole."""
+    held = [holders for holders in whole.values() if holders]
+    if not held or bonus <= 0:
+        return list(fused)
+    share = {item: sum(item in holders for holders in held) / len(held) for item, _ in fused}
+    boosted = [(item, value + bonus * share[item]) for item, value in fused]
+    position = {item: i for i, (item, _) in enumerate(fused)}
+    return sorted(boosted, key=lambda entry: (-entry[1], position[entry[0]]))
+
+
+def spread_documents(order: Sequence[tuple[str, float]], document_of: Callable[[str], str],
+                     lead: int) -> list[tuple[str, float]]:
+    """The entries with at most `lead` passages of one document ahead of the other documents'
+    next best: a passage is placed by (how many of its document's passages rank above it) //
+    lead, then by its position. Four passages of one file would otherwise hide the other files
+    that answer; the rest of that file follows, and get_file reads it whole."""
+    seen: dict[str, int] = {}
+    tiers = []
+    for position, (item, _) in enumerate(order):
+        document = document_of(item)
+        tiers.append((seen.get(document, 0) // lead, position))
+        seen[document] = seen.get(document, 0) + 1
+    return [order[position] for _, position in sorted(tiers)]
 
 
 @dataclass(frozen=True)
@@ -594,34 +620,6 @@ def best_margin(similarities: Mapping[int, Mapping[str, float]], item: str) -> f
     margins = [m for found in similarities.values() if found
                and (m := margin(list(found.values()), found.get(item, min(found.values())))) is not None]
     return max(margins, default=None)
-
-
-def select_top_k(fused: Sequence[tuple[str, float]], channel_bests: Sequence[str | None], k: int) -> list[tuple[str, float]]:
-    """The first k fused entries, except that every channel's best hit is kept in them.
-
-    A keyword-only hit (an identifier the vector channel ranks nowhere) would otherwise lose to
-    items both channels ranked mediocrely. A displaced best replaces the lowest entry that is not
-    itself a channel best. When k is smaller than the number of distinct bests (k=1 with two
-    channels that disagree) the fused order alone decides.
-    """
-    if k <= 0:
-        return []
-    bests = [b for b in dict.fromkeys(channel_bests) if b is not None]
-    top = list(fused[:k])
-    if len(bests) > k:
-        return top
-    position = {item: i for i, (item, _) in enumerate(fused)}
-    chosen = {item for item, _ in top}
-    for best in bests:
-        if best in chosen or best not in position:
-            continue
-        for i in range(len(top) - 1, -1, -1):
-            if top[i][0] not in bests:
-                chosen.discard(top[i][0])
-                top[i] = fused[position[best]]
-                chosen.add(best)
-                break
-    return sorted(top, key=lambda entry: position[entry[0]])
 
 
 def truncate_text(text: str, limit: int) -> tuple[str, bool]:
@@ -1375,8 +1373,8 @@ class Phrasing:
 class Candidates:
     """What the channels found for the phrasings, as weighted ranked lists of chunk ids, with the
     rows read so far and the best similarities known so far; per phrasing, its terms' weights;
-    the query's identifiers, those no passage holds, and which candidates hold each whole or in
-    parts. `dropped` are the candidates min_score removed."""
+    the query's identifiers, those no passage holds, and which candidates hold each whole.
+    `dropped` are the candidates min_score removed."""
 
     lists: list[RankedList] = field(default_factory=list)
     rows: dict[str, ChunkRow] = field(default_factory=dict)  # read for the candidates a search looks at
@@ -1389,7 +1387,6 @@ class Candidates:
     identifiers: list[tuple[str, str]] = field(default_factory=list)  # (as typed, keyword term)
     missing: list[str] = field(default_factory=list)
     whole: dict[str, set[str]] = field(default_factory=dict)
-    parts: dict[str, set[str]] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)
     passages: PassageTerms = field(default_factory=lambda: PassageTerms(PASSAGE_TERMS_CACHE_SIZE))
     index_name: str = ""  # the index the rows come from (an id names one text within one index)
@@ -1465,17 +1462,27 @@ class PassageTerms:
         return known
 
 
-def rank(found: Candidates, k: int) -> list[tuple[str, float]]:
-    """The k candidates to return, best first, with the value that ordered them: weighted
-    reciprocal rank fusion of every list, passages holding only parts of a query identifier
-    below those holding it whole, and the query's own strong channels' best hits kept. A
-    reranker would go here."""
+def rank(found: Candidates, mode: str) -> list[tuple[str, float]]:
+    """Every candidate in the order a search returns them, with the value that ordered them. A
+    search returns the first k, so its first results are the same whatever k it asks for.
+
+    1. fuse: weighted reciprocal rank fusion of every list of every phrasing;
+    2. identifiers (hybrid): a bonus for the passages holding the query's identifiers whole. The
+       vector channel cannot see an exact string; keyword mode's BM25 already ranks by terms;
+    3. spread: at most FILE_LEAD passages of one document ahead of the other documents' next.
+    A reranker would go between 2 and 3. (Keeping each channel's best hit in the first results
+    was measured on the dev set and dropped: it cost a paraphrase its file and gained nothing
+    the identifier bonus does not.)
+    """
     # One order whichever channel answered first: per phrasing, vector then keyword.
     lists = sorted(found.lists, key=lambda ranked: (ranked.phrasing, ranked.channel != "vector"))
-    fused = demote_partial_identifier_matches(fuse_rankings(lists, RRF_K), found.whole, found.parts)
-    bests = [ranked.ids[0] for ranked in lists
-             if ranked.phrasing == 0 and ranked.ids and ranked.weight >= KEEP_BEST_MIN_WEIGHT]
-    return select_top_k(fused, bests, k)
+    # 1. fuse
+    fused = fuse_rankings(lists, RRF_K)
+    # 2. identifiers
+    if mode == "hybrid":
+        fused = with_identifier_bonus(fused, found.whole, IDENTIFIER_BONUS)
+    # 3. spread
+    return spread_documents(fused, chunk_document_key, FILE_LEAD)
 
 
 class RetrievalService:
@@ -1624,7 +1631,7 @@ class RetrievalService:
                      else self._keyword_candidates(index, args, scope, phrasings))
             self._vector_candidates(index, args, scope, phrasings, found, early.queries if early is not None else {})
             self._settle_candidates(index, args, phrasings, found)
-        ranked = self._with_rows(index, rank(found, args.k), found)
+        ranked = self._with_rows(index, rank(found, args.mode)[:args.k], found)
         hits = self._hits(index, ranked, found, phrasings)
         confidence = self._confidence(index, found.rows[ranked[0][0]], hits[0], found, phrasings) if hits else None
         return self._search_response(index, args, scope, found, hits, confidence, degraded)
@@ -1697,7 +1704,7 @@ class RetrievalService:
     def _settle_candidates(self, index: OpenIndex, args: SearchCorpusInput, phrasings: list[Phrasing],
                            found: Candidates) -> None:
         """With min_score, candidates below it dropped (before fusion, so a weak candidate never
-        takes a slot); then which candidates hold each query identifier whole or all its parts."""
+        takes a slot); then which candidates hold each query identifier whole."""
         if args.min_score is not None and any(p.vector is not None for p in phrasings):
             unscored = [i for i in found.ids() if i not in found.scores]  # keyword candidates
             found.scores.update(self._stored_scores(index, phrasings, unscored, found.lifecycles))
@@ -1706,19 +1713,18 @@ class RetrievalService:
             if identifier not in found.missing:
                 ids = found.ids()
                 found.whole[identifier] = index.holders(fts_any([term]), ids)
-                found.parts[identifier] = index.holders(fts_all(keyword_terms(identifier)[1:]), ids)
 
     @staticmethod
     def _identifiers(index: OpenIndex, phrasings: list[Phrasing], found: Candidates) -> None:
-        """The phrasings' identifiers, and those no indexed passage holds."""
+        """The phrasings' identifiers that are distinctive here, and those no indexed passage holds."""
         seen: dict[str, str] = {}
         for phrasing in phrasings:
             for identifier in query_identifiers(phrasing.text):
                 term = identifier_term(identifier)
                 if term is not None and term not in seen and len(seen) < IDENTIFIERS_MAX:
                     seen[term] = identifier
-        found.identifiers = [(identifier, term) for term, identifier in seen.items()]
         counts = index.passages_with(list(seen))
+        found.identifiers = distinctive_identifiers(seen, counts, index.current.stamp.chunks)
         found.missing = [identifier for term, identifier in seen.items() if counts.get(term, 0) == 0]
 
     def _vector_channel(self, index: OpenIndex, vector: Sequence[float], scope: SearchScope, k: int,
@@ -1752,7 +1758,8 @@ class RetrievalService:
                 best.setdefault(item, distance)
             committed = index.committed(list(best))
             valid = [(i, d) for i, d in best.items() if i in committed]
-            if len(valid) >= k or exhausted or n >= MAX_VECTOR_FETCH:
+            # As many committed candidates whatever k is: the ranking must not depend on k.
+            if len(valid) >= CHANNEL_CANDIDATES or exhausted or n >= MAX_VECTOR_FETCH:
                 break
             n = min(n * 4, MAX_VECTOR_FETCH)
             started = {}

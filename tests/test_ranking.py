@@ -1,0 +1,147 @@
+"""The ranking stage (server.rank and its steps), tested directly: pure functions, no store.
+
+The invariant an agent relies on: a search returns the first k of one order of its candidates,
+so the first result never depends on k and the results for k are the first k for k + 1. rank()
+returns that whole order; these properties hold it to it over arbitrary channel rankings,
+weights, ties, duplicate ids and documents. tests/test_server_contract.py checks the same end to
+end over a real index for every k.
+"""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import server
+from corpus_rules import chunk_document_key, chunk_id
+
+DOCUMENTS = [f"docs/{name}.md" for name in ("a", "b", "c", "d", "e")]
+CHUNKS = [chunk_id(path, f"{n:016x}", i) for n, path in enumerate(DOCUMENTS) for i in range(6)]
+chunk_lists = st.lists(st.sampled_from(CHUNKS), max_size=40)  # repeats allowed: a list may name an id twice
+ranked_lists = st.lists(
+    st.builds(server.RankedList, channel=st.sampled_from(["vector", "keyword"]),
+              phrasing=st.integers(min_value=0, max_value=3), ids=chunk_lists.map(tuple),
+              weight=st.sampled_from([0.0, 0.2, 0.5, 0.7, 1.0])),  # few values: ties are common
+    max_size=8)
+holders = st.dictionaries(st.sampled_from(["OLLAMA_KEEP_ALIVE", "E4091", "v-model"]),
+                          st.sets(st.sampled_from(CHUNKS)), max_size=3)
+
+
+def candidates(lists: list[server.RankedList], whole: dict[str, set[str]]) -> server.Candidates:
+    found = server.Candidates()
+    for ranked in lists:
+        found.add(ranked)
+    found.whole = whole
+    return found
+
+
+def order_of(entries: list[tuple[str, float]]) -> list[str]:
+    return [item for item, _ in entries]
+
+
+modes = st.sampled_from(["hybrid", "vector", "keyword"])
+
+
+@settings(max_examples=300)
+@given(ranked_lists, holders, modes, st.randoms(use_true_random=False))
+def test_rank_orders_every_candidate_once_whichever_channel_answered_first(
+        lists: list[server.RankedList], whole: dict[str, set[str]], mode: str, shuffler: random.Random) -> None:
+    ranked = order_of(server.rank(candidates(lists, whole), mode))
+    assert sorted(ranked) == sorted({item for r in lists for item in r.ids})
+    shuffled = list(lists)
+    shuffler.shuffle(shuffled)
+    assert order_of(server.rank(candidates(shuffled, whole), mode)) == ranked
+
+
+@settings(max_examples=300)
+@given(ranked_lists, holders, modes, st.integers(min_value=1, max_value=20))
+def test_the_results_for_k_are_the_first_k_for_k_plus_one(
+        lists: list[server.RankedList], whole: dict[str, set[str]], mode: str, k: int) -> None:
+    """What a search returns for k, as _search_index takes it: rank(...)[:k] of one deterministic
+    order, from candidates that do not depend on k (each channel takes CHANNEL_CANDIDATES)."""
+    assert server.CHANNEL_CANDIDATES >= server.K_MAX
+    assert server.rank(candidates(lists, whole), mode)[:k] == server.rank(candidates(lists, whole), mode)[:k + 1][:k]
+
+
+@given(st.permutations(CHUNKS[:12]), st.sets(st.sampled_from(CHUNKS[:12])))
+def test_a_passage_holding_the_identifier_whole_gains_and_no_other_moves_down(
+        order: list[str], whole: set[str]) -> None:
+    fused = [(item, 1.0 / (60 + rank)) for rank, item in enumerate(order, start=1)]
+    out = server.with_identifier_bonus(fused, {"OLLAMA_KEEP_ALIVE": whole}, server.IDENTIFIER_BONUS)
+    ranked = order_of(out)
+    assert sorted(ranked) == sorted(order)
+    for item, value in out:
+        assert value == dict(fused)[item] + (server.IDENTIFIER_BONUS if item in whole else 0.0)
+    assert [i for i in ranked if i in whole] == [i for i in order if i in whole]
+    assert [i for i in ranked if i not in whole] == [i for i in order if i not in whole]
+    for holder in whole:
+        assert ranked.index(holder) <= order.index(holder)
+
+
+def test_a_passage_writing_the_identifier_another_way_keeps_its_own_rank() -> None:
+    """The held-out regression: a Japanese question naming `v-on:submit.prevent`; its answer
+    writes `@submit.prevent`, four passages of another file hold the identifier whole. Before, it
+    was demoted below all four; now it only misses their bonus, and passages that no channel
+    ranks above it stay below it."""
+    fused = [("answer", 2 / 61), ("other-1", 1 / 62 + 1 / 70), ("other-2", 1 / 63 + 1 / 75),
+             ("unrelated", 1 / 64), ("other-3", 1 / 90), ("other-4", 1 / 95)]
+    whole = {"v-on:submit.prevent": {"other-1", "other-2", "other-3", "other-4"}}
+    ranked = order_of(server.with_identifier_bonus(fused, whole, server.IDENTIFIER_BONUS))
+    assert ranked.index("answer") < ranked.index("unrelated")
+    assert ranked.index("answer") < ranked.index("other-3")
+
+
+def test_two_identifiers_a_passage_holding_both_leads_one_holding_one() -> None:
+    fused = [("one", 1 / 61 + 1 / 65), ("both", 1 / 62 + 1 / 66), ("none", 1 / 63)]
+    whole = {"--fork-strategy": {"one", "both"}, "uv.lock": {"both"}}
+    assert order_of(server.with_identifier_bonus(fused, whole, server.IDENTIFIER_BONUS)) == ["both", "one", "none"]
+
+
+def test_a_keyword_only_identifier_comes_first() -> None:
+    """The identifier chunk is ranked nowhere by the vector channel and first by keywords;
+    chunks both channels rank mediocrely push it out of plain RRF's top 5, not out of hybrid's."""
+    vector = [chunk_id(f"doc-{i}.md", "0" * 16, 0) for i in range(50)]
+    ident = chunk_id("b.md", "1" * 16, 0)
+    keyword = [ident, *vector[:10]]
+    lists = [server.RankedList("vector", 0, tuple(vector)), server.RankedList("keyword", 0, tuple(keyword))]
+    assert ident not in order_of(server.fuse_rankings(lists)[:5])
+    found = candidates(lists, {"OLLAMA_KEEP_ALIVE": {ident}})
+    assert order_of(server.rank(found, "hybrid"))[0] == ident
+    assert ident not in order_of(server.rank(found, "keyword")[:5]), "keyword mode: BM25's own order"
+
+
+@given(st.dictionaries(st.text("abcdef_", min_size=1, max_size=6), st.text("ABC_", min_size=1, max_size=6), max_size=6),
+       st.dictionaries(st.text("abcdef_", min_size=1, max_size=6), st.integers(min_value=0, max_value=2000)),
+       st.integers(min_value=0, max_value=10_000))
+def test_an_identifier_held_by_a_tenth_of_a_large_corpus_is_a_word(
+        identifiers: dict[str, str], held: dict[str, int], passages: int) -> None:
+    kept = server.distinctive_identifiers(identifiers, held, passages)
+    common = max(0.1 * max(passages, 1), server.CHANNEL_CANDIDATES)
+    assert [term for _, term in kept] == [t for t in identifiers if held.get(t, 0) <= common]
+    assert all(identifiers[term] == typed for typed, term in kept)
+
+
+@given(st.lists(st.sampled_from(CHUNKS), unique=True, max_size=30), st.integers(min_value=1, max_value=4))
+def test_at_most_lead_passages_of_a_document_precede_another_documents_next(chunks: list[str], lead: int) -> None:
+    fused = [(item, 1.0 / (60 + rank)) for rank, item in enumerate(chunks, start=1)]
+    ranked = order_of(server.spread_documents(fused, chunk_document_key, lead))
+    assert sorted(ranked) == sorted(chunks)
+    for document in {chunk_document_key(c) for c in chunks}:
+        mine = [c for c in chunks if chunk_document_key(c) == document]
+        assert [c for c in ranked if c in mine] == mine, "a document's passages keep their order"
+    tier = {}
+    for document in {chunk_document_key(c) for c in chunks}:
+        for n, c in enumerate(c for c in chunks if chunk_document_key(c) == document):
+            tier[c] = n // lead  # how many groups of `lead` passages of its document rank above it
+    for position, item in enumerate(ranked):
+        assert all(tier[c] >= tier[item] for c in ranked[position:]), "no passage of a lower tier follows"
+
+
+def test_four_passages_of_one_file_no_longer_hide_the_others() -> None:
+    a = [chunk_id("guide/a.md", "0" * 16, i) for i in range(4)]
+    b = chunk_id("guide/b.md", "1" * 16, 0)
+    fused = [(item, 1.0 / (60 + rank)) for rank, item in enumerate([*a, b], start=1)]
+    ranked = order_of(server.spread_documents(fused, chunk_document_key, 2))
+    assert ranked == [a[0], a[1], b, a[2], a[3]]
