@@ -42,7 +42,9 @@ def _squash(text: str) -> str:
 # The chunker's invariants, for any document.
 
 
-def assert_chunk_invariants(doc: SourceDocument, chunks: list[Chunk], max_tokens: int) -> None:
+def assert_chunk_invariants(doc: SourceDocument, chunks: list[Chunk], max_tokens: int, min_tokens: int = 0,
+                            context_tokens: int | None = None) -> None:
+    context = max(max_tokens, context_tokens or max_tokens)
     body = doc.lines[doc.body_start - 1:]
     if not any(line.strip() for line in body):
         assert chunks == []
@@ -53,16 +55,25 @@ def assert_chunk_invariants(doc: SourceDocument, chunks: list[Chunk], max_tokens
     for chunk in chunks:
         assert doc.body_start <= chunk.start_line <= chunk.end_line <= doc.line_count
         assert chunk.text and chunk.text == chunk.text.strip()
-        assert rules.estimate_tokens(chunk.text) <= max_tokens, chunk
+        assert rules.searchable_tokens(chunk.text) <= context, chunk
         source = "\n".join(doc.lines[chunk.start_line - 1:chunk.end_line])
         assert chunk.text in source
     for prev, nxt in zip(chunks, chunks[1:]):
         if nxt.start_line == prev.end_line + 1:
             continue
-        # The documented exception: one line over the budget, shared by consecutive pieces.
+        # The documented exception: one line too long for the context, shared by its pieces.
         assert nxt.start_line == prev.end_line, (prev, nxt)
         shared = doc.lines[nxt.start_line - 1]
-        assert rules.estimate_tokens(shared) > max_tokens
+        assert rules.searchable_tokens(shared) + rules.searchable_tokens(nxt.heading) + 3 > context
+        assert rules.searchable_tokens(prev.text) <= max_tokens and rules.searchable_tokens(nxt.text) <= max_tokens
+    for at, chunk in enumerate(chunks):
+        if len(chunks) > 1 and rules.searchable_tokens(chunk.text) < min_tokens:
+            # Under the minimum only where joining either neighbour would not fit the context.
+            for other in chunks[max(0, at - 1):at] + chunks[at + 1:at + 2]:
+                first, last = sorted((chunk, other), key=lambda c: c.start_line)
+                lines = sum(rules.searchable_tokens(line) + 1 for line in doc.lines[first.start_line - 1:last.end_line])
+                headings = rules.searchable_tokens(first.heading) + rules.searchable_tokens(last.heading)
+                assert lines + headings + 3 > context, (chunk, other)
     shared = {nxt.start_line for prev, nxt in zip(chunks, chunks[1:]) if nxt.start_line == prev.end_line}
     for chunk in chunks:
         if chunk.start_line not in shared and chunk.end_line not in shared:
@@ -159,7 +170,7 @@ def test_chunker_invariants_on_generated_markdown(generated: Generated, mode: st
                                                   min_tokens: int) -> None:
     doc = dataclasses.replace(_doc(generated.text), chunk_mode=mode)
     chunks = rules.chunk_document(doc, max_tokens, min(min_tokens, max_tokens))
-    assert_chunk_invariants(doc, chunks, max_tokens)
+    assert_chunk_invariants(doc, chunks, max_tokens, min(min_tokens, max_tokens))
     body = list(doc.lines[doc.body_start - 1:])
     found = [(h.level, h.text) for h in rules.body_structure(body).headings]
     # Fence contents (`# ...`, setext-looking lines) and quoted headings are never section headings.
@@ -168,8 +179,9 @@ def test_chunker_invariants_on_generated_markdown(generated: Generated, mode: st
         assert "fencecomment" not in chunk.heading and "Fenced" not in chunk.heading
         assert "quoted" not in chunk.heading
         if chunk.heading:
-            parts = chunk.heading.split(rules.HEADING_SEPARATOR)
-            assert all(part in {text for _, text in generated.headings} for part in parts)
+            # Text before the first heading is headed by the title; a merged chunk names them all.
+            parts = re.split(f"{rules.HEADING_SEPARATOR}|{rules.MERGED_HEADING_SEPARATOR}", chunk.heading)
+            assert all(part in {text for _, text in generated.headings} | {doc.title} for part in parts)
 
 
 @HYPOTHESIS
@@ -220,7 +232,7 @@ def test_over_long_line_is_split_within_budget(line: str) -> None:
     for max_tokens in (8, 16, 32):
         chunks = rules.chunk_document(dataclasses.replace(doc, chunk_mode="headings"), max_tokens, 0)
         assert_chunk_invariants(doc, chunks, max_tokens)
-        if rules.estimate_tokens(line) > max_tokens:
+        if rules.searchable_tokens(line) > max_tokens:
             pieces = [c for c in chunks if c.start_line == 3]
             assert len(pieces) >= 2
             assert _squash("".join(c.text for c in pieces)) == _squash(line)
@@ -280,7 +292,7 @@ def test_small_sections_merge_with_a_neighbour() -> None:
     assert len(merged) < len(separate)
     first = merged[0]
     assert "short intro" in first.text and "## A" in first.text and "## B" in first.text
-    assert first.heading == "Guide"
+    assert first.heading == "Guide; A; B; C"  # a merged chunk names every heading it covers
     assert_chunk_invariants(doc, merged, 512)
 
 
