@@ -165,12 +165,14 @@ def markdown_documents(draw: st.DrawFn) -> Generated:
 
 @HYPOTHESIS
 @given(generated=markdown_documents(), mode=st.sampled_from(["whole", "headings"]),
-       max_tokens=st.sampled_from([16, 40, 128, 512, 2048]), min_tokens=st.sampled_from([0, 8, 64]))
+       max_tokens=st.sampled_from([16, 40, 128, 512, 2048]), min_tokens=st.sampled_from([0, 8, 64]),
+       context_factor=st.sampled_from([1, 2, 4]))
 def test_chunker_invariants_on_generated_markdown(generated: Generated, mode: str, max_tokens: int,
-                                                  min_tokens: int) -> None:
+                                                  min_tokens: int, context_factor: int) -> None:
     doc = dataclasses.replace(_doc(generated.text), chunk_mode=mode)
-    chunks = rules.chunk_document(doc, max_tokens, min(min_tokens, max_tokens))
-    assert_chunk_invariants(doc, chunks, max_tokens, min(min_tokens, max_tokens))
+    context = max_tokens * context_factor
+    chunks = rules.chunk_document(doc, max_tokens, min(min_tokens, max_tokens), context)
+    assert_chunk_invariants(doc, chunks, max_tokens, min(min_tokens, max_tokens), context)
     body = list(doc.lines[doc.body_start - 1:])
     found = [(h.level, h.text) for h in rules.body_structure(body).headings]
     # Fence contents (`# ...`, setext-looking lines) and quoted headings are never section headings.
@@ -294,6 +296,36 @@ def test_small_sections_merge_with_a_neighbour() -> None:
     assert "short intro" in first.text and "## A" in first.text and "## B" in first.text
     assert first.heading == "Guide; A; B; C"  # a merged chunk names every heading it covers
     assert_chunk_invariants(doc, merged, 512)
+
+
+def test_merged_heading_names_the_first_path_then_each_covered_heading() -> None:
+    assert rules.merged_heading([]) == ""
+    assert rules.merged_heading(["Guide > Testing"]) == "Guide > Testing"
+    assert rules.merged_heading(["Guide > Testing", "Guide > Testing > Unit", "Guide > Setup"]) == \
+        "Guide > Testing; Unit; Setup"
+
+
+def test_text_before_the_first_heading_carries_the_title() -> None:
+    doc = _doc("---\ntitle: 用語集\n---\nintro " + "words " * 80 + "\n\n## A\n\n" + "more words " * 60 + "\n")
+    chunks = rules.chunk_document(dataclasses.replace(doc, chunk_mode="headings"), 512, 8)
+    assert [c.heading for c in chunks] == ["用語集", "A"]
+    blank_intro = rules.chunk_document(_doc("\n\n# Title\n\ntext\n"), 512, 0)
+    assert blank_intro[0].heading == "Title"  # blank lines before the first heading name nothing
+
+
+def test_a_line_within_the_context_stays_whole_and_small_spans_join_over_the_budget() -> None:
+    line = "word " * 150  # ~300 estimated tokens: over the budget, within the context
+    doc = dataclasses.replace(_doc(f"# T\n\n{line}\n\n## Small\n\ntiny\n"), chunk_mode="headings")
+    [whole] = rules.chunk_document(doc, 128, 64, 512)
+    assert whole.heading == "T; Small" and line.strip() in whole.text
+    pieces = rules.chunk_document(doc, 128, 64)  # the context is the budget: the line is cut
+    assert len([c for c in pieces if c.start_line == 3]) >= 3
+
+
+def test_a_cut_line_leaves_no_small_last_piece() -> None:
+    line = "word " * 140  # 280 tokens: two full pieces of 128 and a 24-token tail, shared out instead
+    chunks = rules.chunk_document(dataclasses.replace(_doc(f"{line}\n"), chunk_mode="headings"), 128, 64)
+    assert len(chunks) == 3 and all(rules.searchable_tokens(c.text) >= 64 for c in chunks)
 
 
 def test_whole_mode_is_one_chunk_when_it_fits_else_split_like_headings() -> None:
@@ -953,3 +985,43 @@ def test_margin_and_calibration() -> None:
     assert rules.calibrate(missed, chunks=50) is None
     with pytest.raises(ValueError):
         rules.Calibration.from_json('{"unrelated": NaN, "related": 0.9, "queries": 5, "chunks": 1}')
+
+
+# ---------------------------------------------------------------------------
+# A VitePress page: playground links, <script setup>, a wide table, minified JSON, ::: tip.
+
+VITEPRESS = Path(__file__).resolve().parent / "data" / "vitepress-list.md"
+
+
+def _fragments(chunks: list[Chunk], min_tokens: int) -> list[Chunk]:
+    """Chunks under the minimum in a document of several chunks, and chunks sharing a line."""
+    return [c for c in chunks if (len(chunks) > 1 and rules.searchable_tokens(c.text) < min_tokens)
+            or any(o is not c and o.start_line <= c.end_line and c.start_line <= o.end_line for o in chunks)]
+
+
+def test_vitepress_page_has_no_fragments_within_the_models_context() -> None:
+    doc = rules.parse_document(VITEPRESS.read_bytes(), "guide/list.md")
+    chunks = rules.chunk_document(doc, 436, 64, 2036)  # embeddinggemma: 2048 tokens of context
+    assert_chunk_invariants(doc, chunks, 436, 64, 2036)
+    assert _fragments(chunks, 64) == []
+    for chunk in chunks:
+        assert chunk.text == "\n".join(doc.lines[chunk.start_line - 1:chunk.end_line]).strip()
+    assert chunks[0].heading.startswith("リストレンダリング")  # the intro carries the title
+    playground = [c for c in chunks if "[Playground で試す](https://play.vuejs.org/#" in c.text]
+    assert len(playground) == 3 and all("## " in c.text or "```" in c.text for c in playground)
+
+
+def test_vitepress_line_over_the_context_is_cut_outside_urls_into_real_pieces() -> None:
+    doc = rules.parse_document(VITEPRESS.read_bytes(), "guide/list.md")
+    chunks = rules.chunk_document(doc, 436, 64, 497)  # a 512-token model
+    assert_chunk_invariants(doc, chunks, 436, 64, 497)
+    json_line = next(i for i, line in enumerate(doc.lines, 1) if line.startswith('{"name"'))
+    pieces = [c for c in chunks if c.start_line == c.end_line == json_line]
+    assert len(pieces) >= 2
+    assert all(64 <= rules.searchable_tokens(p.text) <= 436 for p in pieces)
+    assert {c.start_line for c in _fragments(chunks, 64) if c.start_line == c.end_line} == {json_line}
+    assert sum("https://vuejs.org/guide/essentials/list.html#maintaining-state-with-key" in p.text for p in pieces) == 1
+    # The playground lines (1.5 KB of base64 each) cost a few tokens and stay whole.
+    for number, line in enumerate(doc.lines, 1):
+        if line.startswith("[Playground"):
+            assert any(c.start_line <= number <= c.end_line and line in c.text for c in chunks)
