@@ -801,10 +801,14 @@ def searchable_tokens(text: str) -> int:
 
 def merged_heading(paths: Sequence[str]) -> str:
     """The heading of a chunk covering these sections' heading paths: the first path, then the
-    last heading of every other path, after "; ".
+    last heading of every other path, after "; ". A first path the second extends is named by
+    it (an intro merged with its first subsection reads "Guide > Testing", not "Guide; Testing").
 
-    ["Guide > Testing", "Guide > Testing > Unit", "Guide > Setup"] -> "Guide > Testing; Unit; Setup"
+    ["Guide", "Guide > Testing", "Guide > Testing > Unit", "Guide > Setup"] -> "Guide > Testing > Unit; Setup"
     """
+    paths = list(paths)
+    while len(paths) > 1 and paths[1].startswith(paths[0] + HEADING_SEPARATOR):
+        paths.pop(0)
     if not paths:
         return ""
     return MERGED_HEADING_SEPARATOR.join([paths[0], *(p.rsplit(HEADING_SEPARATOR, 1)[-1] for p in paths[1:])])

@@ -294,15 +294,17 @@ def test_small_sections_merge_with_a_neighbour() -> None:
     assert len(merged) < len(separate)
     first = merged[0]
     assert "short intro" in first.text and "## A" in first.text and "## B" in first.text
-    assert first.heading == "Guide; A; B; C"  # a merged chunk names every heading it covers
+    assert first.heading == "Guide > A; B; C"  # a merged chunk names every heading it covers
     assert_chunk_invariants(doc, merged, 512)
 
 
 def test_merged_heading_names_the_first_path_then_each_covered_heading() -> None:
     assert rules.merged_heading([]) == ""
     assert rules.merged_heading(["Guide > Testing"]) == "Guide > Testing"
-    assert rules.merged_heading(["Guide > Testing", "Guide > Testing > Unit", "Guide > Setup"]) == \
-        "Guide > Testing; Unit; Setup"
+    assert rules.merged_heading(["Guide > Testing", "Guide > Setup", "Guide > Setup > Linux"]) == \
+        "Guide > Testing; Setup; Linux"
+    assert rules.merged_heading(["Guide", "Guide > Testing", "Guide > Testing > Unit", "Guide > Setup"]) == \
+        "Guide > Testing > Unit; Setup"
 
 
 def test_text_before_the_first_heading_carries_the_title() -> None:
@@ -317,7 +319,7 @@ def test_a_line_within_the_context_stays_whole_and_small_spans_join_over_the_bud
     line = "word " * 150  # ~300 estimated tokens: over the budget, within the context
     doc = dataclasses.replace(_doc(f"# T\n\n{line}\n\n## Small\n\ntiny\n"), chunk_mode="headings")
     [whole] = rules.chunk_document(doc, 128, 64, 512)
-    assert whole.heading == "T; Small" and line.strip() in whole.text
+    assert whole.heading == "T > Small" and line.strip() in whole.text
     pieces = rules.chunk_document(doc, 128, 64)  # the context is the budget: the line is cut
     assert len([c for c in pieces if c.start_line == 3]) >= 3
 
