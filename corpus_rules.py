@@ -15,6 +15,7 @@ import errno
 import functools
 import hashlib
 import importlib
+import itertools
 import json
 import math
 import os
@@ -660,11 +661,49 @@ def estimate_tokens(text: str) -> int:
 
 
 # ---------------------------------------------------------------------------
+# Searchable text: what is embedded and keyword-indexed (the stored text stays as written).
+
+PAYLOAD_MARK = "\u2026"  # "…": what stands in for a payload; not a keyword character, one token
+_URL_PATH_CHARS = r"A-Za-z0-9_\-.~:/@!$&*+,;=%"  # ASCII only: Japanese prose often follows a URL unspaced
+_DATA_URI = re.compile(rf"(\bdata:[A-Za-z0-9.+-]*(?:/[A-Za-z0-9.+-]+)?(?:;[A-Za-z0-9.+-]+(?:=[A-Za-z0-9.+-]+)?)*,)"
+                       rf"[{_URL_PATH_CHARS}?#]+")
+_URL_PAYLOAD = re.compile(rf"(\b[A-Za-z][A-Za-z0-9+.-]*://[{_URL_PATH_CHARS}]*[?#])[{_URL_PATH_CHARS}?#]+")
+_LINK_PAYLOAD = re.compile(rf"(\]\([^\s()?#]*[?#])[{_URL_PATH_CHARS}?#]+")  # a Markdown link's relative destination
+# Longer than a sha256 in hex (64), the longest hash people paste into a search (a git sha is 40).
+LONG_RUN_CHARS = 65
+_RUN_CANDIDATE = re.compile(rf"[A-Za-z0-9+/_-]{{{LONG_RUN_CHARS},}}={{0,2}}")
+_RUN_SEPARATORS = re.compile(r"[+/_-]")
+_DIGIT = re.compile(r"[0-9]")
+_ASCII_LETTER = re.compile(r"[A-Za-z]")
+
+
+def searchable_text(text: str) -> str:
+    """The text as it is embedded and keyword-indexed: URL payloads shortened to a mark.
+
+    A URL's query string and fragment, a Markdown link destination's, a `data:` URI's data and
+    long base64/hex runs carry no meaning for search (a VitePress playground link holds ~1.5 KB
+    of base64 in its fragment); scheme, host, path and link text stay. Line by line (nothing
+    crosses a newline), never longer than the text, and applying it twice changes nothing.
+    """
+    for payload in (_DATA_URI, _URL_PAYLOAD, _LINK_PAYLOAD):
+        text = payload.sub(rf"\g<1>{PAYLOAD_MARK}", text)
+    return _RUN_CANDIDATE.sub(lambda m: PAYLOAD_MARK if _is_payload_run(m.group(0)) else m.group(0), text)
+
+
+def _is_payload_run(run: str) -> bool:
+    """A long run of base64/hex characters is payload when it mixes letters and digits with few
+    separators: paths and snake_case identifiers have a separator every few characters."""
+    return (bool(_DIGIT.search(run)) and bool(_ASCII_LETTER.search(run))
+            and len(_RUN_SEPARATORS.findall(run)) * 16 <= len(run))
+
+
+# ---------------------------------------------------------------------------
 # Headings and chunking.
 
 # Bump when chunking or keyword terms change: it is part of the manifest, so stores rebuild.
-CHUNKER_VERSION = "2"
+CHUNKER_VERSION = "3"
 HEADING_SEPARATOR = " > "
+MERGED_HEADING_SEPARATOR = "; "  # between the headings a merged chunk covers (merged_heading)
 _ANCHOR_SUFFIX = re.compile(r"\s*\{#[^}]*\}\s*$")
 
 
@@ -721,173 +760,226 @@ def _headings_from_tokens(tokens: Sequence[Any]) -> list[Heading]:
     return headings
 
 
-@dataclass
+@dataclass(frozen=True)
+class _Body:
+    """What chunking measures of a body: each line's searchable tokens, its blocks and sections."""
+
+    meanings: tuple[int, ...]  # estimate_tokens of each line's searchable text
+    block_starts: tuple[int, ...]  # first line of every top-level block, sorted
+    section_starts: tuple[int, ...]  # first line of every section (0 first), sorted
+    section_paths: tuple[str, ...]  # each section's heading path ("" for none)
+    running: tuple[int, ...] = ()  # running sums of meanings, from 0, so a range costs two lookups
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "running", (0, *itertools.accumulate(self.meanings)))
+
+    def meaning(self, start: int, end: int) -> int:
+        return self.running[end] - self.running[start]
+
+    def tokens(self, start: int, end: int) -> int:
+        """The budget's measure of lines: searchable tokens plus one a line break."""
+        return self.meaning(start, end) + end - start
+
+    def headings(self, start: int, end: int) -> list[str]:
+        """Heading paths of the sections lines [start, end) hold text of, in order."""
+        filled = next((i for i in range(start, end) if self.meanings[i]), start)
+        first = bisect.bisect_right(self.section_starts, filled) - 1
+        last = bisect.bisect_left(self.section_starts, end)
+        return [path for path in self.section_paths[first:last] if path]
+
+
+@dataclass(frozen=True)
 class _Span:
     start: int  # 0-based index into the body lines, inclusive
     end: int  # exclusive
-    heading: str
-    tokens: int
 
 
-def _line_tokens(lines: Sequence[str]) -> list[int]:
-    return [estimate_tokens(line) + 1 for line in lines]
+def searchable_tokens(text: str) -> int:
+    """The chunker's measure of text: its estimate once URL payloads are shortened, as embedded."""
+    return estimate_tokens(searchable_text(text))
 
 
-def _span_tokens(costs: Sequence[int], start: int, end: int) -> int:
-    return sum(costs[start:end])
+def merged_heading(paths: Sequence[str]) -> str:
+    """The heading of a chunk covering these sections' heading paths: the first path, then the
+    last heading of every other path, after "; ". A first path the second extends is named by
+    it (an intro merged with its first subsection reads "Guide > Testing", not "Guide; Testing").
+
+    ["Guide", "Guide > Testing", "Guide > Testing > Unit", "Guide > Setup"] -> "Guide > Testing > Unit; Setup"
+    """
+    paths = list(paths)
+    while len(paths) > 1 and paths[1].startswith(paths[0] + HEADING_SEPARATOR):
+        paths.pop(0)
+    if not paths:
+        return ""
+    return MERGED_HEADING_SEPARATOR.join([paths[0], *(p.rsplit(HEADING_SEPARATOR, 1)[-1] for p in paths[1:])])
 
 
-def _split_oversized(span: _Span, block_starts: Sequence[int], costs: Sequence[int], max_tokens: int) -> list[_Span]:
-    """Split a span at top-level block boundaries (never inside a fence), then at lines."""
-    if span.tokens <= max_tokens:
+def _embedded_tokens(body: _Body, span: _Span) -> int:
+    """A span's tokens as embedded: its lines led by its heading and a blank line."""
+    return body.tokens(span.start, span.end) + searchable_tokens(merged_heading(body.headings(span.start, span.end))) + 2
+
+
+def _split_oversized(body: _Body, span: _Span, max_tokens: int) -> list[_Span]:
+    """Split a section at top-level block boundaries (never inside a fence), then at lines; a
+    line over the budget on its own is a piece of its own."""
+    if body.tokens(span.start, span.end) <= max_tokens:
         return [span]
-    # block_starts is sorted: the cuts inside the span are one slice of it.
-    cuts = sorted(set(block_starts[bisect.bisect_right(block_starts, span.start):
-                                   bisect.bisect_left(block_starts, span.end)]))
-    units = list(zip([span.start, *cuts], [*cuts, span.end]))
+    starts = body.block_starts
+    cuts = starts[bisect.bisect_right(starts, span.start):bisect.bisect_left(starts, span.end)]
     # A single block above the budget (a huge fence or list) falls back to line boundaries.
     fine: list[tuple[int, int]] = []
-    for start, end in units:
-        if _span_tokens(costs, start, end) > max_tokens:
-            fine.extend((i, i + 1) for i in range(start, end))
-        else:
-            fine.append((start, end))
+    for start, end in zip([span.start, *cuts], [*cuts, span.end], strict=True):
+        fine.extend([(start, end)] if body.tokens(start, end) <= max_tokens else [(i, i + 1) for i in range(start, end)])
     pieces: list[_Span] = []
     for start, end in fine:
-        tokens = _span_tokens(costs, start, end)
-        if pieces and pieces[-1].tokens + tokens <= max_tokens:
-            pieces[-1].end = end
-            pieces[-1].tokens += tokens
+        if pieces and body.tokens(pieces[-1].start, end) <= max_tokens:
+            pieces[-1] = _Span(pieces[-1].start, end)
         else:
-            pieces.append(_Span(start, end, span.heading, tokens))
+            pieces.append(_Span(start, end))
     return pieces
 
 
-def _merge_small(spans: list[_Span], min_tokens: int, max_tokens: int) -> list[_Span]:
+def _merge_small(body: _Body, spans: list[_Span], min_tokens: int, max_tokens: int,
+                 context_tokens: int) -> list[_Span]:
+    """Join every span under min_tokens of meaning with a neighbour: one where the pair stays
+    within max_tokens first, else up to context_tokens (a little over the budget beats a
+    fragment); then the next span (a heading-only section belongs with what follows). Where
+    neither pair fits the context, the small span takes lines from a neighbour (_reshare)."""
     merged: list[_Span] = []
+
+    def resolve(at: int) -> bool:
+        """Join merged[at] with a neighbour if it is small and one fits; whether anything changed."""
+        span = merged[at]
+        if body.meaning(span.start, span.end) >= min_tokens:
+            return False
+        options = []
+        for low in (at, at - 1):  # with the next span, then with the previous one
+            if 0 <= low < len(merged) - 1:
+                pair = _Span(merged[low].start, merged[low + 1].end)
+                if _embedded_tokens(body, pair) <= context_tokens:
+                    options.append(((body.tokens(pair.start, pair.end) > max_tokens, low != at), low, [pair]))
+                elif shared := _reshare(body, merged[low], merged[low + 1], min_tokens, context_tokens):
+                    options.append(((True, low != at), low, shared))
+        if not options:
+            return False
+        _, low, replacement = min(options, key=lambda option: option[0])
+        merged[low:low + 2] = replacement
+        return len(replacement) == 1  # a reshare leaves no small span behind: nothing more to do here
+
     for span in spans:
-        last = merged[-1] if merged else None
-        if last and last.tokens < min_tokens and last.tokens + span.tokens <= max_tokens:
-            last.end = span.end
-            last.tokens += span.tokens
-            last.heading = last.heading or span.heading
-        else:
-            merged.append(_Span(span.start, span.end, span.heading, span.tokens))
-    if len(merged) > 1 and merged[-1].tokens < min_tokens and merged[-2].tokens + merged[-1].tokens <= max_tokens:
-        tail = merged.pop()
-        merged[-1].end = tail.end
-        merged[-1].tokens += tail.tokens
+        merged.append(span)
+        # merged[-2] now has both neighbours; a join may leave a small span again, so repeat.
+        while len(merged) >= 2 and resolve(len(merged) - 2):
+            pass
+    while len(merged) >= 2 and resolve(len(merged) - 1):
+        pass
     return merged
 
 
-def _split_long_line(line: str, max_tokens: int) -> list[str]:
-    """Pieces of one line whose estimate exceeds the budget (minified text, data), each within it.
+def _reshare(body: _Body, left: _Span, right: _Span, min_tokens: int, context_tokens: int) -> list[_Span] | None:
+    """Two neighbours too big to join, one of them under min_tokens: cut them again where both
+    have min_tokens and fit the context, at a block boundary if one will do, nearest the old cut."""
+    inside = [k for k in range(left.start + 1, right.end) if k != right.start]
+    blocks = set(body.block_starts)
+    for candidates in ([k for k in inside if k in blocks], inside):
+        fitting = [k for k in candidates
+                   if body.meaning(left.start, k) >= min_tokens and body.meaning(k, right.end) >= min_tokens
+                   and _embedded_tokens(body, _Span(left.start, k)) <= context_tokens
+                   and _embedded_tokens(body, _Span(k, right.end)) <= context_tokens]
+        if fitting:
+            cut = min(fitting, key=lambda k: abs(k - right.start))
+            return [_Span(left.start, cut), _Span(cut, right.end)]
+    return None
 
-    Cuts at spaces; a "word" too big on its own is cut between estimate atoms (a CJK character,
-    digit or symbol, or three Latin letters), so every piece's estimate is at most the budget.
-    The estimate of the growing piece is kept incrementally (_Running): re-estimating it for every
-    word made a 20 MB one-line file take minutes."""
-    pieces: list[str] = []
-    current: list[str] = []
-    running = _Running()
 
-    def cut() -> None:
-        pieces.append("".join(current))
-        current.clear()
-        running.reset()
+def _cut_long_line(line: str, max_tokens: int, min_tokens: int) -> list[str]:
+    """Pieces of one line too long for the model's context (minified JSON, data), each within
+    max_tokens of searchable text: cut at whitespace, else between words and symbols, never
+    inside a URL. A last piece under min_tokens shares the cut with the one before it evenly."""
+    units = list(_cut_units(line, max_tokens))
+    costs = [searchable_tokens(unit) for unit in units]
+    bounds = [0]
+    used = 0
+    for i, cost in enumerate(costs):
+        if used + cost > max_tokens and i > bounds[-1]:
+            bounds.append(i)
+            used = 0
+        used += cost
+    if len(bounds) > 1 and sum(costs[bounds[-1]:]) < min_tokens:
+        start = bounds[-2]
+        half = sum(costs[start:]) / 2
+        bounds[-1] = min(range(start + 1, len(costs)), key=lambda k: abs(sum(costs[start:k]) - half))
+    return ["".join(units[a:b]) for a, b in zip(bounds, [*bounds[1:], len(units)], strict=True)]
 
-    for word in re.findall(r"\S+\s*|\s+", line):
-        if running.fits(word, max_tokens):
-            current.append(word)
+
+def _cut_units(line: str, max_tokens: int) -> Iterable[str]:
+    """A line's pieces that are never cut: words with their trailing space; a word over the
+    budget by itself falls back to URLs (whole), runs of letters and digits, and single symbols."""
+    for word in _WORD_WITH_SPACE.findall(line):
+        if searchable_tokens(word) <= max_tokens:
+            yield word
             continue
-        cut()
-        if running.fits(word, max_tokens):
-            current.append(word)
-            continue
-        for atom in _ESTIMATE_ATOMS.findall(word):
-            if not running.fits(atom, max_tokens) and current:
-                cut()
-                running.fits(atom, max_tokens)
-            running.accept()  # an atom alone over the budget is taken anyway
-            current.append(atom)
-    cut()
-    return [p for p in pieces if p.strip()]
+        for part in _WORD_PIECES.finditer(word):
+            # Only a run of letters larger than the whole budget is cut inside (three letters a token).
+            piece = part.group(0)
+            yield from [piece] if searchable_tokens(piece) <= max_tokens else _ESTIMATE_ATOMS.findall(piece)
 
 
-class _Running:
-    """estimate_tokens of a string built by appending, without re-reading it: appending is additive
-    except that a run of Latin letters at the end joins one at the start of the addition."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.tokens = 0
-        self.tail = 0  # length of the trailing [A-Za-z] run
-        self._next = (0, 0)
-
-    def fits(self, text: str, max_tokens: int) -> bool:
-        """Whether the string plus `text` stays within max_tokens; a True answer is also accepted."""
-        added = estimate_tokens(text)
-        head = len(_LATIN_HEAD.match(text).group())  # type: ignore[union-attr]
-        tokens = self.tokens + added
-        if head and self.tail:
-            tokens += math.ceil((self.tail + head) / 3) - math.ceil(self.tail / 3) - math.ceil(head / 3)
-        tail = self.tail + head if head == len(text) else len(_LATIN_TAIL.search(text).group())  # type: ignore[union-attr]
-        self._next = (tokens, tail)
-        if tokens <= max_tokens:
-            self.accept()
-            return True
-        return False
-
-    def accept(self) -> None:
-        self.tokens, self.tail = self._next
+_WORD_WITH_SPACE = re.compile(r"\S+\s*|\s+")
+_URL = re.compile(rf"\b[A-Za-z][A-Za-z0-9+.-]*://[{_URL_PATH_CHARS}?#]+")
+_WORD_PIECES = re.compile(rf"{_DATA_URI.pattern}|{_URL.pattern}|[A-Za-z0-9_]+|.", re.DOTALL)
+_ESTIMATE_ATOMS = re.compile(r"[A-Za-z]{1,3}|.", re.DOTALL)
 
 
-_LATIN_HEAD = re.compile(r"[A-Za-z]*")
-_LATIN_TAIL = re.compile(r"[A-Za-z]*\Z")
-_ESTIMATE_ATOMS = re.compile(r"[A-Za-z]{1,3}|\s+|.", re.DOTALL)
+def chunk_document(doc: SourceDocument, max_tokens: int, min_tokens: int,
+                   context_tokens: int | None = None) -> list[Chunk]:
+    """Split a document's body into chunks of about `max_tokens`, estimated on searchable_text
+    (a 1.5 KB playground link costs a few tokens); chunk texts are the document's lines as written.
 
-
-def chunk_document(doc: SourceDocument, max_tokens: int, min_tokens: int) -> list[Chunk]:
-    """Split a document's body into chunks within `max_tokens` (estimated).
-
-    Chunk line ranges are contiguous and cover the body exactly once; a line longer than the
-    budget on its own is the only case where several chunks share one line.
+    `context_tokens` is what the model takes of a chunk with its heading (max_tokens when not given):
+    - line ranges are contiguous and cover the body exactly once;
+    - a line is cut only when it cannot fit the context on its own: its pieces (each within
+      max_tokens, none under min_tokens) are the only chunks that share a line;
+    - no chunk has under min_tokens of searchable text unless the document is one chunk: a small
+      span joins a neighbour, over max_tokens if need be, up to context_tokens;
+    - a chunk's heading is the heading path of its first section, then the last heading of every
+      other section it covers (merged_heading); text before the first heading has the title.
     """
-    body = doc.lines[doc.body_start - 1:]
-    if not any(line.strip() for line in body):
+    lines = doc.lines[doc.body_start - 1:]
+    if not any(line.strip() for line in lines):
         return []
-    structure = doc.structure if doc.structure is not None else body_structure(body)
-    headings, block_starts = structure.headings, structure.block_starts
-    costs = _line_tokens(body)
-    section_starts = [0] + [h.line for h in headings if h.line > 0]
-    section_ends = section_starts[1:] + [len(body)]
-    path_at: dict[int, str] = {}
+    context_tokens = max(max_tokens, context_tokens or max_tokens)
+    structure = doc.structure if doc.structure is not None else body_structure(lines)
+    path_at: dict[int, str] = {0: doc.title}
     stack: list[Heading] = []
-    for heading in headings:
+    for heading in structure.headings:
         stack = [h for h in stack if h.level < heading.level] + [heading]
         path_at[heading.line] = HEADING_SEPARATOR.join(h.text for h in stack if h.text)
-    sections = [_Span(s, e, path_at.get(s, ""), _span_tokens(costs, s, e)) for s, e in zip(section_starts, section_ends)]
-    whole_tokens = sum(costs)
-    if doc.chunk_mode == "whole" and whole_tokens <= max_tokens:
-        first_heading = next((span.heading for span in sections if span.heading), "")
-        spans = [_Span(0, len(body), first_heading, whole_tokens)]
+    starts = sorted(path_at)
+    body = _Body(tuple(searchable_tokens(line) for line in lines), structure.block_starts, tuple(starts),
+                 tuple(path_at[s] for s in starts))
+    if doc.chunk_mode == "whole" and body.tokens(0, len(lines)) <= max_tokens:
+        spans = [_Span(0, len(lines))]
     else:
-        pieces = [piece for span in sections for piece in _split_oversized(span, block_starts, costs, max_tokens)]
-        spans = _merge_small(pieces, min_tokens, max_tokens)
+        sections = [_Span(s, e) for s, e in zip(starts, [*starts[1:], len(lines)], strict=True)]
+        pieces = [piece for section in sections for piece in _split_oversized(body, section, max_tokens)]
+        spans = _merge_small(body, pieces, min_tokens, max_tokens, context_tokens)
     chunks: list[Chunk] = []
     offset = doc.body_start
     for span in spans:
-        text = "\n".join(body[span.start:span.end]).strip()
+        text = "\n".join(lines[span.start:span.end]).strip()
         if not text:
             # Whitespace-only spans (trailing blank lines) join the previous chunk's range.
             if chunks:
                 chunks[-1] = _extend(chunks[-1], span.end + offset - 1)
             continue
-        texts = [text] if span.tokens <= max_tokens or span.end - span.start > 1 else _split_long_line(text, max_tokens)
-        for part in texts:
-            chunks.append(Chunk(len(chunks), span.start + offset, span.end + offset - 1, span.heading, part.strip()))
+        paths = body.headings(span.start, span.end)
+        # A whole document is named by its first heading (or title), not by all of them.
+        heading = merged_heading(paths[:1] if doc.chunk_mode == "whole" and len(spans) == 1 else paths)
+        # A single line over the context is the one cut (the embedder halves anything else it refuses).
+        cut = "\n" not in text and _embedded_tokens(body, span) > context_tokens
+        for part in _cut_long_line(text, max_tokens, min_tokens) if cut else [text]:
+            chunks.append(Chunk(len(chunks), span.start + offset, span.end + offset - 1, heading, part.strip()))
     if chunks and chunks[0].start_line > doc.body_start:
         first = chunks[0]
         chunks[0] = Chunk(0, doc.body_start, first.end_line, first.heading, first.text)
@@ -971,9 +1063,10 @@ def prefix_scheme_for(model: str) -> PrefixScheme | None:
 
 
 def embedded_document_text(scheme: PrefixScheme, title: str, heading: str, text: str) -> str:
-    """What ingest sends to the embedder for a chunk: the heading path leads the text."""
+    """What ingest sends to the embedder for a chunk: the heading path leads the searchable text."""
+    text = searchable_text(text)
     if heading and heading != title:
-        text = f"{heading}\n\n{text}"
+        text = f"{searchable_text(heading)}\n\n{text}"
     return scheme.document_text(title, text)
 
 

@@ -342,8 +342,13 @@ class PreparedFile:
 def chunk_budget(context_length: int, target: int, scheme: rules.PrefixScheme, title: str) -> int:
     """Tokens left for chunk text: the target, capped by the context minus the prefix and title,
     with room kept for the heading path that leads the embedded text."""
-    overhead = rules.estimate_tokens(scheme.document_text(title, "")) + 64
+    overhead = prefix_tokens(scheme, title) + 64
     return max(16, min(target, context_length - overhead))
+
+
+def prefix_tokens(scheme: rules.PrefixScheme, title: str) -> int:
+    """What the prefix scheme and the title take of the model's context in every chunk."""
+    return rules.estimate_tokens(scheme.document_text(title, ""))
 
 
 def split_chunk(doc: rules.SourceDocument, chunk: rules.Chunk) -> list[rules.Chunk]:
@@ -1037,7 +1042,7 @@ class Store:
 
     def _insert_rows(self, pf: PreparedFile) -> None:
         doc, path = pf.doc, pf.file.path
-        title_terms = " ".join(rules.keyword_terms(doc.title))
+        title_terms = " ".join(rules.keyword_terms(rules.searchable_text(doc.title)))
         for chunk, key in zip(pf.chunks, pf.keys, strict=True):
             cur = self.db.execute(
                 "INSERT INTO chunks(id, path, chunk_index, start_line, end_line, heading, lifecycle, text, embed_key) "
@@ -1045,14 +1050,14 @@ class Store:
                 (rules.chunk_id(path, pf.content_hash, chunk.index), path, chunk.index, chunk.start_line,
                  chunk.end_line, chunk.heading, doc.lifecycle, chunk.text, key))
             self.db.execute("INSERT INTO chunks_fts(rowid, title, heading, body) VALUES (?, ?, ?, ?)",
-                            (cur.lastrowid, title_terms, " ".join(rules.keyword_terms(chunk.heading)),
-                             " ".join(rules.keyword_terms(chunk.text))))
+                            (cur.lastrowid, title_terms, " ".join(rules.keyword_terms(rules.searchable_text(chunk.heading))),
+                             " ".join(rules.keyword_terms(rules.searchable_text(chunk.text)))))
         self.db.execute(
             "INSERT INTO documents(path, title, lifecycle, chunk_mode, content_hash, size, mtime_ns, disk_path, "
             "real_path, line_count, chunk_count, cjk_share) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (path, doc.title, doc.lifecycle, doc.chunk_mode, pf.content_hash, pf.file.size, pf.file.mtime_ns,
              pf.file.disk_path, pf.file.real_path, doc.line_count, len(pf.chunks),
-             round(rules.cjk_share("\n".join(doc.lines[doc.body_start - 1:])), 4)))
+             round(rules.cjk_share(rules.searchable_text("\n".join(doc.lines[doc.body_start - 1:]))), 4)))
 
     def _delete_vectors(self, ids: dict[str, str]) -> None:
         for lifecycle in rules.LIFECYCLES:
@@ -1348,7 +1353,7 @@ def _compare_files(plan: Plan, seen: set[str], walk: Walk, registry: dict[str, D
 
 def chunk_files(files: Sequence[PreparedFile], budget: Budget) -> None:
     for pf in files:
-        pf.chunks = rules.chunk_document(pf.doc, budget(pf.doc.title), budget.min_tokens)
+        pf.chunks = rules.chunk_document(pf.doc, budget(pf.doc.title), budget.min_tokens, budget.context(pf.doc.title))
 
 
 @dataclass
@@ -1360,6 +1365,11 @@ class Budget:
 
     def __call__(self, title: str) -> int:
         return chunk_budget(self.context_length, self.target, self.scheme, title)
+
+    def context(self, title: str) -> int:
+        """What the model takes of a chunk's heading and text beside the prefix and title: up to
+        this a long line stays whole and a small span joins a neighbour."""
+        return max(16, self.context_length - prefix_tokens(self.scheme, title))
 
 
 @dataclass(frozen=True)

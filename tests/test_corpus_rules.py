@@ -42,7 +42,9 @@ def _squash(text: str) -> str:
 # The chunker's invariants, for any document.
 
 
-def assert_chunk_invariants(doc: SourceDocument, chunks: list[Chunk], max_tokens: int) -> None:
+def assert_chunk_invariants(doc: SourceDocument, chunks: list[Chunk], max_tokens: int, min_tokens: int = 0,
+                            context_tokens: int | None = None) -> None:
+    context = max(max_tokens, context_tokens or max_tokens)
     body = doc.lines[doc.body_start - 1:]
     if not any(line.strip() for line in body):
         assert chunks == []
@@ -53,16 +55,25 @@ def assert_chunk_invariants(doc: SourceDocument, chunks: list[Chunk], max_tokens
     for chunk in chunks:
         assert doc.body_start <= chunk.start_line <= chunk.end_line <= doc.line_count
         assert chunk.text and chunk.text == chunk.text.strip()
-        assert rules.estimate_tokens(chunk.text) <= max_tokens, chunk
+        assert rules.searchable_tokens(chunk.text) <= context, chunk
         source = "\n".join(doc.lines[chunk.start_line - 1:chunk.end_line])
         assert chunk.text in source
     for prev, nxt in zip(chunks, chunks[1:]):
         if nxt.start_line == prev.end_line + 1:
             continue
-        # The documented exception: one line over the budget, shared by consecutive pieces.
+        # The documented exception: one line too long for the context, shared by its pieces.
         assert nxt.start_line == prev.end_line, (prev, nxt)
         shared = doc.lines[nxt.start_line - 1]
-        assert rules.estimate_tokens(shared) > max_tokens
+        assert rules.searchable_tokens(shared) + rules.searchable_tokens(nxt.heading) + 3 > context
+        assert rules.searchable_tokens(prev.text) <= max_tokens and rules.searchable_tokens(nxt.text) <= max_tokens
+    for at, chunk in enumerate(chunks):
+        if len(chunks) > 1 and rules.searchable_tokens(chunk.text) < min_tokens:
+            # Under the minimum only where joining either neighbour would not fit the context.
+            for other in chunks[max(0, at - 1):at] + chunks[at + 1:at + 2]:
+                first, last = sorted((chunk, other), key=lambda c: c.start_line)
+                lines = sum(rules.searchable_tokens(line) + 1 for line in doc.lines[first.start_line - 1:last.end_line])
+                headings = rules.searchable_tokens(first.heading) + rules.searchable_tokens(last.heading)
+                assert lines + headings + 3 > context, (chunk, other)
     shared = {nxt.start_line for prev, nxt in zip(chunks, chunks[1:]) if nxt.start_line == prev.end_line}
     for chunk in chunks:
         if chunk.start_line not in shared and chunk.end_line not in shared:
@@ -154,12 +165,14 @@ def markdown_documents(draw: st.DrawFn) -> Generated:
 
 @HYPOTHESIS
 @given(generated=markdown_documents(), mode=st.sampled_from(["whole", "headings"]),
-       max_tokens=st.sampled_from([16, 40, 128, 512, 2048]), min_tokens=st.sampled_from([0, 8, 64]))
+       max_tokens=st.sampled_from([16, 40, 128, 512, 2048]), min_tokens=st.sampled_from([0, 8, 64]),
+       context_factor=st.sampled_from([1, 2, 4]))
 def test_chunker_invariants_on_generated_markdown(generated: Generated, mode: str, max_tokens: int,
-                                                  min_tokens: int) -> None:
+                                                  min_tokens: int, context_factor: int) -> None:
     doc = dataclasses.replace(_doc(generated.text), chunk_mode=mode)
-    chunks = rules.chunk_document(doc, max_tokens, min(min_tokens, max_tokens))
-    assert_chunk_invariants(doc, chunks, max_tokens)
+    context = max_tokens * context_factor
+    chunks = rules.chunk_document(doc, max_tokens, min(min_tokens, max_tokens), context)
+    assert_chunk_invariants(doc, chunks, max_tokens, min(min_tokens, max_tokens), context)
     body = list(doc.lines[doc.body_start - 1:])
     found = [(h.level, h.text) for h in rules.body_structure(body).headings]
     # Fence contents (`# ...`, setext-looking lines) and quoted headings are never section headings.
@@ -168,8 +181,9 @@ def test_chunker_invariants_on_generated_markdown(generated: Generated, mode: st
         assert "fencecomment" not in chunk.heading and "Fenced" not in chunk.heading
         assert "quoted" not in chunk.heading
         if chunk.heading:
-            parts = chunk.heading.split(rules.HEADING_SEPARATOR)
-            assert all(part in {text for _, text in generated.headings} for part in parts)
+            # Text before the first heading is headed by the title; a merged chunk names them all.
+            parts = re.split(f"{rules.HEADING_SEPARATOR}|{rules.MERGED_HEADING_SEPARATOR}", chunk.heading)
+            assert all(part in {text for _, text in generated.headings} | {doc.title} for part in parts)
 
 
 @HYPOTHESIS
@@ -220,7 +234,7 @@ def test_over_long_line_is_split_within_budget(line: str) -> None:
     for max_tokens in (8, 16, 32):
         chunks = rules.chunk_document(dataclasses.replace(doc, chunk_mode="headings"), max_tokens, 0)
         assert_chunk_invariants(doc, chunks, max_tokens)
-        if rules.estimate_tokens(line) > max_tokens:
+        if rules.searchable_tokens(line) > max_tokens:
             pieces = [c for c in chunks if c.start_line == 3]
             assert len(pieces) >= 2
             assert _squash("".join(c.text for c in pieces)) == _squash(line)
@@ -280,8 +294,40 @@ def test_small_sections_merge_with_a_neighbour() -> None:
     assert len(merged) < len(separate)
     first = merged[0]
     assert "short intro" in first.text and "## A" in first.text and "## B" in first.text
-    assert first.heading == "Guide"
+    assert first.heading == "Guide > A; B; C"  # a merged chunk names every heading it covers
     assert_chunk_invariants(doc, merged, 512)
+
+
+def test_merged_heading_names_the_first_path_then_each_covered_heading() -> None:
+    assert rules.merged_heading([]) == ""
+    assert rules.merged_heading(["Guide > Testing"]) == "Guide > Testing"
+    assert rules.merged_heading(["Guide > Testing", "Guide > Setup", "Guide > Setup > Linux"]) == \
+        "Guide > Testing; Setup; Linux"
+    assert rules.merged_heading(["Guide", "Guide > Testing", "Guide > Testing > Unit", "Guide > Setup"]) == \
+        "Guide > Testing > Unit; Setup"
+
+
+def test_text_before_the_first_heading_carries_the_title() -> None:
+    doc = _doc("---\ntitle: 用語集\n---\nintro " + "words " * 80 + "\n\n## A\n\n" + "more words " * 60 + "\n")
+    chunks = rules.chunk_document(dataclasses.replace(doc, chunk_mode="headings"), 512, 8)
+    assert [c.heading for c in chunks] == ["用語集", "A"]
+    blank_intro = rules.chunk_document(_doc("\n\n# Title\n\ntext\n"), 512, 0)
+    assert blank_intro[0].heading == "Title"  # blank lines before the first heading name nothing
+
+
+def test_a_line_within_the_context_stays_whole_and_small_spans_join_over_the_budget() -> None:
+    line = "word " * 150  # ~300 estimated tokens: over the budget, within the context
+    doc = dataclasses.replace(_doc(f"# T\n\n{line}\n\n## Small\n\ntiny\n"), chunk_mode="headings")
+    [whole] = rules.chunk_document(doc, 128, 64, 512)
+    assert whole.heading == "T > Small" and line.strip() in whole.text
+    pieces = rules.chunk_document(doc, 128, 64)  # the context is the budget: the line is cut
+    assert len([c for c in pieces if c.start_line == 3]) >= 3
+
+
+def test_a_cut_line_leaves_no_small_last_piece() -> None:
+    line = "word " * 140  # 280 tokens: two full pieces of 128 and a 24-token tail, shared out instead
+    chunks = rules.chunk_document(dataclasses.replace(_doc(f"{line}\n"), chunk_mode="headings"), 128, 64)
+    assert len(chunks) == 3 and all(rules.searchable_tokens(c.text) >= 64 for c in chunks)
 
 
 def test_whole_mode_is_one_chunk_when_it_fits_else_split_like_headings() -> None:
@@ -471,6 +517,63 @@ def test_estimate_on_the_sample_corpus() -> None:
         assert rules.estimate_tokens(text) >= len(CJK_RE.findall(text))
         if not CJK_RE.search(text):
             assert rules.estimate_tokens(text) >= len(text) / 4
+
+
+# ---------------------------------------------------------------------------
+# Searchable text: URL payloads shortened for embedding and keywords.
+
+PLAYGROUND = "https://play.vuejs.org/#eNp9kMFqwzAMhl9F+NSypjj0lqWFMXaaNjZ3tHYcAqxZhhSrmjGE2cEyvtZwUj1dSgRvOqRdIo56ZIJFWvmgMLbIXYW1K7cHtt0m"
+SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (f"[Playground で試す]({PLAYGROUND})", "[Playground で試す](https://play.vuejs.org/#\u2026)"),
+    ("see https://vite.dev/guide/api-plugin?raw=1&x=2#hooks.", "see https://vite.dev/guide/api-plugin?\u2026"),
+    # ASCII only: Japanese prose that follows a URL unspaced is not part of it.
+    ("https://vite.dev/config/#server-host を参照", "https://vite.dev/config/#\u2026 を参照"),
+    ("https://vite.dev/config/#hostを参照", "https://vite.dev/config/#\u2026を参照"),
+    ("![x](data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAAB==)", "![x](data:image/png;base64,\u2026)"),
+    ("url(data:,Hello%2C%20World)", "url(data:,\u2026)"),
+    ("[features](./features#npm-dependency-resolving)", "[features](./features#\u2026)"),
+    ("[api](/guide/api?tab=1)", "[api](/guide/api?\u2026)"),
+    ("blob " + "aGVsbG8gd29ybGQgdGhpcyBpcyBhIGxvbmcgYmFzZTY0IHN0cmluZyB3aXRoIGRpZ2l0cw==" + " end", "blob \u2026 end"),
+    ("digest " + "0123456789abcdef" * 5, "digest \u2026"),
+])
+def test_searchable_text_shortens_payloads(text: str, expected: str) -> None:
+    assert rules.searchable_text(text) == expected
+
+
+@pytest.mark.parametrize("text", [
+    f"sha256 {SHA256} and git sha 1f6a3c9e0b7d2a4c5e8f9a0b1c2d3e4f5a6b7c8d",
+    "https://vite.dev/guide/features.html and https://github.com/vitejs/vite/tree/main/packages/vite",
+    "packages/vite/src/node/plugins/importAnalysisBuild/some_long_file_name_with_parts_2.ts",
+    "VITE_" + "_".join(["SOME_LONG_ENVIRONMENT_VARIABLE"] * 3),
+    "a" * 100, "1" * 100, "import svg from './icon.svg?raw'", "{ data: value }", "color: #fff;",
+])
+def test_searchable_text_keeps_what_people_search_for(text: str) -> None:
+    assert rules.searchable_text(text) == text
+
+
+def test_searchable_text_keeps_link_text_host_and_path_as_terms() -> None:
+    terms = set(rules.keyword_terms(rules.searchable_text(f"[Playground で試す]({PLAYGROUND})")))
+    assert {"playground", "https://play.vuejs.org", "vuejs", "で試", "試す"} <= terms
+    assert not any(len(term) > 30 for term in terms)
+
+
+_URLISH = st.text(alphabet="ab9Z=_-+/.:?#&%()[]!data ,;\n\u3042" + rules.PAYLOAD_MARK, max_size=80)
+
+
+@HYPOTHESIS
+@given(text=st.one_of(_URLISH, st.text(max_size=80),
+                      st.builds("".join, st.lists(st.sampled_from([
+                          "https://", "data:", "image/png;base64,", "](", ")", "?", "#", "/", " ", "\n", "x",
+                          "aB3" * 25, "f0" * 40, "あ", "=", rules.PAYLOAD_MARK]), max_size=12))))
+def test_searchable_text_is_idempotent_shorter_and_line_local(text: str) -> None:
+    once = rules.searchable_text(text)
+    assert rules.searchable_text(once) == once
+    assert len(once) <= len(text)
+    assert once.count("\n") == text.count("\n")
+    assert "\n".join(rules.searchable_text(line) for line in text.split("\n")) == once
 
 
 # ---------------------------------------------------------------------------
@@ -884,3 +987,43 @@ def test_margin_and_calibration() -> None:
     assert rules.calibrate(missed, chunks=50) is None
     with pytest.raises(ValueError):
         rules.Calibration.from_json('{"unrelated": NaN, "related": 0.9, "queries": 5, "chunks": 1}')
+
+
+# ---------------------------------------------------------------------------
+# A VitePress page: playground links, <script setup>, a wide table, minified JSON, ::: tip.
+
+VITEPRESS = Path(__file__).resolve().parent / "data" / "vitepress-list.md"
+
+
+def _fragments(chunks: list[Chunk], min_tokens: int) -> list[Chunk]:
+    """Chunks under the minimum in a document of several chunks, and chunks sharing a line."""
+    return [c for c in chunks if (len(chunks) > 1 and rules.searchable_tokens(c.text) < min_tokens)
+            or any(o is not c and o.start_line <= c.end_line and c.start_line <= o.end_line for o in chunks)]
+
+
+def test_vitepress_page_has_no_fragments_within_the_models_context() -> None:
+    doc = rules.parse_document(VITEPRESS.read_bytes(), "guide/list.md")
+    chunks = rules.chunk_document(doc, 436, 64, 2036)  # embeddinggemma: 2048 tokens of context
+    assert_chunk_invariants(doc, chunks, 436, 64, 2036)
+    assert _fragments(chunks, 64) == []
+    for chunk in chunks:
+        assert chunk.text == "\n".join(doc.lines[chunk.start_line - 1:chunk.end_line]).strip()
+    assert chunks[0].heading.startswith("リストレンダリング")  # the intro carries the title
+    playground = [c for c in chunks if "[Playground で試す](https://play.vuejs.org/#" in c.text]
+    assert len(playground) == 3 and all("## " in c.text or "```" in c.text for c in playground)
+
+
+def test_vitepress_line_over_the_context_is_cut_outside_urls_into_real_pieces() -> None:
+    doc = rules.parse_document(VITEPRESS.read_bytes(), "guide/list.md")
+    chunks = rules.chunk_document(doc, 436, 64, 497)  # a 512-token model
+    assert_chunk_invariants(doc, chunks, 436, 64, 497)
+    json_line = next(i for i, line in enumerate(doc.lines, 1) if line.startswith('{"name"'))
+    pieces = [c for c in chunks if c.start_line == c.end_line == json_line]
+    assert len(pieces) >= 2
+    assert all(64 <= rules.searchable_tokens(p.text) <= 436 for p in pieces)
+    assert {c.start_line for c in _fragments(chunks, 64) if c.start_line == c.end_line} == {json_line}
+    assert sum("https://vuejs.org/guide/essentials/list.html#maintaining-state-with-key" in p.text for p in pieces) == 1
+    # The playground lines (1.5 KB of base64 each) cost a few tokens and stay whole.
+    for number, line in enumerate(doc.lines, 1):
+        if line.startswith("[Playground"):
+            assert any(c.start_line <= number <= c.end_line and line in c.text for c in chunks)
