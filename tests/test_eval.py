@@ -37,6 +37,78 @@ def test_metrics_on_hand_made_outcomes() -> None:
     assert rag_eval.auroc([0.1], []) is None
 
 
+def outcome(query_id: str, kind: str, gold: list[tuple[str, int, int]], paths: list[str],
+            confidence: str = "high", confidence_score: float = 0.6) -> object:
+    """An outcome whose results are one ten-line passage at the top of each of `paths`, in order."""
+    results = [{"path": path, "start_line": 1, "end_line": 10, "heading": "H", "score": 0.5, "rank_score": 0.1,
+                "text": "not saved"} for path in paths]
+    return rag_eval.Outcome(rag_eval.Query(query_id, f"question {query_id}", kind, gold), results, 0.01,
+                            confidence=confidence, confidence_score=confidence_score)
+
+
+def saved(corpus: str, phrasings: bool, outcomes: list, commit: str = "abc1234") -> dict:
+    settings = {"corpus": corpus, "phrasings": phrasings, "commit": commit, "dirty": False, "k": 10,
+                "embedder_model": "embeddinggemma"}
+    return json.loads(json.dumps(rag_eval.saved_run(settings, {"hybrid": outcomes})))  # as read back from a file
+
+
+A = [("a.md", 1, 20)]
+
+
+def test_saved_record_keeps_what_compare_and_loco_need() -> None:
+    run = saved("P1", False, [outcome("q1", "paraphrase", A, ["b.md", "a.md"]), outcome("n1", "negative", [], ["b.md"])])
+    first, negative = run["outcomes"]["hybrid"]
+    assert first["results"][1] == {"path": "a.md", "start_line": 1, "end_line": 10, "heading": "H", "score": 0.5,
+                                   "rank_score": 0.1}
+    assert (first["file_hit5"], first["section_hit5"], first["rr10"]) == (True, True, 0.5)
+    assert first["gold"] == [{"path": "a.md", "start_line": 1, "end_line": 20}]
+    assert negative["rr10"] is None
+    back = rag_eval.outcome_from_record(first)
+    assert back.reciprocal_rank() == 0.5 and back.score_value() == 0.6 and back.confidence_value() == 2.0
+
+
+def test_compare_lists_each_query_that_moved_by_kind() -> None:
+    old = saved("P1", False, [outcome("q1", "paraphrase", A, ["b.md", "a.md"]),
+                              outcome("q2", "paraphrase", A, ["a.md"]),
+                              outcome("q3", "identifier", A, ["a.md"]),
+                              outcome("n1", "negative", [], ["b.md"])], commit="old1234")
+    new = saved("P1", False, [outcome("q1", "paraphrase", A, ["a.md"]),
+                              outcome("q2", "paraphrase", A, ["b.md", "c.md", "a.md"]),
+                              outcome("q3", "identifier", A, ["a.md"]),
+                              outcome("n1", "negative", [], ["c.md"])], commit="new5678")
+    text = rag_eval.compare_runs(old, new)
+    assert text.splitlines()[0] == "P1 single @ old1234 -> P1 single @ new5678"
+    assert "| paraphrase | 2 | 1.000 | 1.000 | 0.750 -> 0.667 |" in text
+    assert "| identifier | 1 | 1.000 | 1.000 | 1.000 |" in text
+    assert "| all | 3 | 1.000 | 1.000 | 0.833 -> 0.778 |" in text
+    assert "- better: q1 (paraphrase): RR@10 0.500 -> 1.000" in text
+    assert "- worse: q2 (paraphrase): RR@10 1.000 -> 0.333" in text
+    assert "1 better, 1 worse, 0 mixed (queries)" in text
+    assert "q3" not in text and "n1" not in text  # unchanged, and unanswerable (no hit metrics)
+
+
+def test_compare_calls_a_trade_of_metrics_mixed_and_says_how_runs_differ() -> None:
+    old = saved("P1", False, [outcome("q1", "paraphrase", [("a.md", 15, 30)], ["a.md", "b.md"])])
+    new = saved("P1", True, [outcome("q1", "paraphrase", [("a.md", 15, 30)], ["b.md", "a.md"])])
+    new["outcomes"]["hybrid"][0]["section_hit5"] = True  # a section hit won while the first right file dropped
+    text = rag_eval.compare_runs(old, new)
+    assert "(the runs differ in phrasings: False -> True)" in text
+    assert "- mixed: q1 (paraphrase): section miss -> hit, RR@10 1.000 -> 0.500" in text
+
+
+def test_readme_tables_put_single_and_phrasings_side_by_side() -> None:
+    single = saved("P1", False, [outcome("q1", "paraphrase", A, ["b.md", "a.md"]), outcome("n1", "negative", [], ["b.md"])])
+    phrasings = saved("P1", True, [outcome("q1", "paraphrase", A, ["a.md"]), outcome("n1", "negative", [], ["b.md"])])
+    other = saved("P2", False, [outcome("r1", "ja-identifier", A, ["c.md"])])
+    text = rag_eval.readme_tables([phrasings, other, single])
+    assert "| P1 | paraphrase | 1 | 1.000 / 1.000 / 0.500 | 1.000 / 1.000 / 1.000 |" in text
+    assert "|  | **all (1)** | | **1.000 / 1.000 / 0.500** | **1.000 / 1.000 / 1.000** |" in text
+    assert "| P2 | ja-identifier | 1 | 0.000 / 0.000 / 0.000 |  |" in text
+    assert "negative" not in text
+    assert "| P1 | phrasings | 1.000 / 1.000 / 1.000 |" in text  # the by-mode table
+    assert "| P1 | single | 0.500 | 0.500 | 0.500 | 0% | 0% | 0% |" in text  # confidence: a tie everywhere
+
+
 def test_eval_runs_end_to_end_on_sample_corpus(tmp_path: Path) -> None:
     queries = [
         {"id": "s1", "query": "who gets paged for a sev-1?", "kind": "paraphrase",
@@ -54,8 +126,8 @@ def test_eval_runs_end_to_end_on_sample_corpus(tmp_path: Path) -> None:
         env.pop("RAG_EMBED_MODEL", None)
         done = subprocess.run(
             [sys.executable, str(ROOT / "tools" / "eval.py"), str(qfile), "--corpus", str(ROOT / "sample-corpus"),
-             "--json", str(tmp_path / "report.json"), "--runs", str(tmp_path / "runs")],
-            capture_output=True, text=True, env=env, timeout=300)
+             "--json", str(tmp_path / "report.json"), "--runs", str(tmp_path / "runs"), "--save", str(tmp_path / "run.json")],
+            check=False, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     for mode in ("hybrid", "vector", "keyword"):
         assert f"mode: {mode}" in done.stdout
@@ -71,3 +143,10 @@ def test_eval_runs_end_to_end_on_sample_corpus(tmp_path: Path) -> None:
     run = [json.loads(line) for line in (tmp_path / "runs" / "run-sample-corpus-hybrid.jsonl").read_text().splitlines()]
     assert [r["id"] for r in run] == ["s1", "s2", "s3", "s4"]
     assert run[0]["results"][0]["path"] == "oncall/escalation.md"
+    saved_run = json.loads((tmp_path / "run.json").read_text())
+    assert saved_run["settings"]["corpus"] == "sample-corpus" and saved_run["settings"]["phrasings"] is False
+    assert saved_run["settings"]["commit"] and saved_run["settings"]["embedder_model"]
+    assert [r["id"] for r in saved_run["outcomes"]["hybrid"]] == ["s1", "s2", "s3", "s4"]
+    same = subprocess.run([sys.executable, str(ROOT / "tools" / "eval.py"), "--compare", str(tmp_path / "run.json"),
+                           str(tmp_path / "run.json")], check=False, capture_output=True, text=True, timeout=60)
+    assert same.returncode == 0 and "0 better, 0 worse, 0 mixed (queries)" in same.stdout, same.stderr

@@ -2,6 +2,9 @@
 
     python tools/eval.py QUERIES.jsonl [MORE.jsonl ...] --corpus DIR [--store DIR]
                          [--modes hybrid,vector,keyword] [--phrasings FILE]
+                         [--json FILE] [--runs DIR] [--save RUN.json] [--compare OLD.json]
+    python tools/eval.py --compare OLD.json NEW.json
+    python tools/eval.py --table RUN.json [RUN.json ...]
 
 Builds an index of DIR with ingest.py (in a temporary store unless --store is given) against
 whatever OLLAMA_HOST points to, runs every query through `python server.py` with an MCP
@@ -18,6 +21,15 @@ A query line: {"id", "query", "kind", "gold": [{"path", "heading"}], "corpus"?, 
 When lines carry "corpus", only those equal to --query-corpus (default: the corpus folder's
 name) are run. A gold section runs from its ATX heading line to the line before the next
 heading of any level, fences and front matter excluded (the dev set's definition).
+
+--save RUN.json writes the tables and everything a later comparison needs: the settings (corpus,
+modes, phrasings or not, k, embedder host and the index's model, the checkout's commit and
+whether it was dirty) and, per mode and query, its gold, ranked results, confidence and metrics.
+--compare OLD.json compares this run with a saved one, --compare OLD.json NEW.json two saved
+runs without running anything: per mode and kind the metrics before -> after, and every query
+whose file hit, section hit or reciprocal rank moved (better, worse, or mixed), in Markdown for
+a commit message, so a change that trades one query for another shows. --table prints the
+README's dev-set tables from saved runs (one single-query and one phrasings run per corpus).
 """
 
 from __future__ import annotations
@@ -33,11 +45,16 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the checkout's own modules, whichever folder the script runs from
+
+from corpus_rules import StoreLayout
+
 MODES = ("hybrid", "vector", "keyword")
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 _ATX = re.compile(r"^ {0,3}(#{1,6})(?:[ \t]+|$)(.*?)(?:[ \t]+#+)?[ \t]*$")
@@ -164,13 +181,21 @@ def auroc(positives: Sequence[float], negatives: Sequence[float]) -> float | Non
     return wins / (len(positives) * len(negatives))
 
 
+def score_cut(answerable: Sequence[float], share: float = 0.10) -> float:
+    """The highest cut that flags (scores below) at most `share` of the answerable queries."""
+    return sorted(answerable)[int(share * len(answerable))]  # fewer than share*n answerable lie below it
+
+
+def share_below(values: Sequence[float], cut: float) -> float | None:
+    return sum(value < cut for value in values) / len(values) if values else None
+
+
 def flagged_at(answerable: Sequence[float], unanswerable: Sequence[float], share: float = 0.10) -> float | None:
     """The share of unanswerable queries scored below the highest cut that flags at most `share`
     of the answerable ones (the issue's "low at <= 10% of answerable" point, on the score)."""
     if not answerable or not unanswerable:
         return None
-    cut = sorted(answerable)[int(share * len(answerable))]  # fewer than share*n answerable lie below it
-    return sum(value < cut for value in unanswerable) / len(unanswerable)
+    return share_below(unanswerable, score_cut(answerable, share))
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -182,6 +207,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 class Row:
     kind: str
     n: int
+    answerable: int
     file_hit5: float | None
     section_hit5: float | None
     mrr10: float | None
@@ -211,7 +237,7 @@ def summarise(outcomes: Sequence[Outcome]) -> list[Row]:
         unanswerable = [o for o in group if not o.query.gold]
         share_low = (lambda xs: sum(o.confidence_value() <= 0 for o in xs) / len(xs) if xs else None)
         rows.append(Row(
-            kind=kind, n=len(group),
+            kind=kind, n=len(group), answerable=len(answerable),
             file_hit5=mean([o.file_hit() for o in answerable]),
             section_hit5=mean([o.section_hit() for o in answerable]),
             mrr10=mean([o.reciprocal_rank() for o in answerable]),
@@ -227,13 +253,14 @@ def summarise(outcomes: Sequence[Outcome]) -> list[Row]:
     return rows
 
 
-def markdown_table(mode: str, rows: Sequence[Row]) -> str:
-    def fmt(value: float | None) -> str:
-        return "" if value is None else f"{value:.3f}"
+def fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
 
+
+def markdown_table(mode: str, rows: Sequence[Row]) -> str:
     out = [f"mode: {mode}", "",
-           "| kind | n | file_hit@5 | section_hit@5 | MRR@10 | AUROC top-1 | AUROC confidence | low: answerable "
-           "| low: unanswerable | AUROC confidence_score | unanswerable below the 10% cut | p50 ms | p95 ms | errors |",
+           ("| kind | n | file_hit@5 | section_hit@5 | MRR@10 | AUROC top-1 | AUROC confidence | low: answerable "
+            "| low: unanswerable | AUROC confidence_score | unanswerable below the 10% cut | p50 ms | p95 ms | errors |"),
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         out.append(f"| {r.kind} | {r.n} | {fmt(r.file_hit5)} | {fmt(r.section_hit5)} | {fmt(r.mrr10)} | "
@@ -243,9 +270,203 @@ def markdown_table(mode: str, rows: Sequence[Row]) -> str:
     return "\n".join(out)
 
 
+# ---------------------------------------------------------------------------
+# Saved runs (--save): what --compare, --table and --loco read later without running anything.
+
+RESULT_KEYS = ("path", "start_line", "end_line", "heading", "score", "rank_score")
+
+
+def outcome_record(outcome: Outcome) -> dict[str, Any]:
+    """One query of one mode as --save writes it: the query, its gold, the ranked results, the
+    confidence, and its metrics (null for an unanswerable query, which has none)."""
+    answerable = bool(outcome.query.gold)
+    return {"id": outcome.query.id, "kind": outcome.query.kind, "query": outcome.query.text,
+            "phrasings": outcome.query.phrasings,
+            "gold": [{"path": path, "start_line": start, "end_line": end} for path, start, end in outcome.query.gold],
+            "results": [{key: hit.get(key) for key in RESULT_KEYS} for hit in outcome.results],
+            "confidence": outcome.confidence, "confidence_score": outcome.confidence_score,
+            "error": outcome.error, "ms": round(outcome.seconds * 1000, 1),
+            "file_hit5": outcome.file_hit() if answerable else None,
+            "section_hit5": outcome.section_hit() if answerable else None,
+            "rr10": outcome.reciprocal_rank() if answerable else None}
+
+
+def outcome_from_record(record: Mapping[str, Any]) -> Outcome:
+    gold = [(g["path"], g["start_line"], g["end_line"]) for g in record["gold"]]
+    query = Query(record["id"], record["query"], record["kind"], gold, list(record["phrasings"]))
+    return Outcome(query, list(record["results"]), record["ms"] / 1000, record["error"],
+                   record["confidence"], record["confidence_score"])
+
+
+def saved_run(settings: Mapping[str, Any], outcomes: Mapping[str, Sequence[Outcome]]) -> dict[str, Any]:
+    """What --save writes, and --compare, --table and --loco read: the settings, each mode's
+    summary rows (the --json tables) and every query's record."""
+    return {"settings": dict(settings), "modes": {mode: [vars(r) for r in summarise(group)] for mode, group in outcomes.items()},
+            "outcomes": {mode: [outcome_record(o) for o in group] for mode, group in outcomes.items()}}
+
+
+def checkout_state(root: Path) -> tuple[str | None, bool | None]:
+    """The checkout's short commit, and whether tracked files differ from it (None outside git)."""
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", "-C", str(root), *args], check=False, capture_output=True, text=True)
+
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode != 0:
+        return None, None
+    return head.stdout.strip(), bool(git("status", "--porcelain", "--untracked-files=no").stdout.strip())
+
+
+def run_setting(report: Mapping[str, Any]) -> tuple[str, bool]:
+    """(corpus name, with phrasings?) of a saved run; --json reports from before `settings` say it too."""
+    settings = report.get("settings")
+    if settings:
+        return settings["corpus"], settings["phrasings"]
+    return Path(report["corpus"]).name, report["phrasings"] > 0
+
+
+def run_label(report: Mapping[str, Any]) -> str:
+    corpus, phrasings = run_setting(report)
+    settings = report.get("settings", {})
+    commit = (settings.get("commit") or "?") + ("+dirty" if settings.get("dirty") else "")
+    return f"{corpus} {'phrasings' if phrasings else 'single'} @ {commit}"
+
+
+def shown_value(value: bool | float | None) -> str:
+    return "hit" if value is True else "miss" if value is False else fmt(value)
+
+
+def change(before: float | None, after: float | None) -> str:
+    return fmt(after) if before == after else f"{fmt(before)} -> {fmt(after)}"
+
+
+@dataclass(frozen=True)
+class QueryChange:
+    id: str
+    kind: str
+    moves: tuple[tuple[str, Any, Any], ...]  # (metric, before, after) of each metric that changed
+
+    @property
+    def verdict(self) -> str:
+        if all(after > before for _metric, before, after in self.moves):
+            return "better"
+        return "worse" if all(after < before for _metric, before, after in self.moves) else "mixed"
+
+
+QUERY_METRICS = (("file_hit5", "file"), ("section_hit5", "section"), ("rr10", "RR@10"))
+
+
+def query_changes(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> list[QueryChange]:
+    """Every query of both runs whose file hit, section hit or reciprocal rank changed, in the new run's order."""
+    before = {record["id"]: record for record in old}
+    changes = []
+    for record in new:
+        prior = before.get(record["id"])
+        if prior is None or not record["gold"]:
+            continue
+        moves = tuple((label, prior[key], record[key]) for key, label in QUERY_METRICS if prior[key] != record[key])
+        if moves:
+            changes.append(QueryChange(record["id"], record["kind"], moves))
+    return changes
+
+
+def compare_runs(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
+    """Markdown for a commit message: per mode and kind the metrics before -> after, then every
+    query that got better, worse, or both (one metric up, another down)."""
+    if "outcomes" not in old or "outcomes" not in new:
+        raise SystemExit("--compare needs runs written by --save (per-query results)")
+    out = [f"{run_label(old)} -> {run_label(new)}"]
+    for key in ("corpus", "phrasings", "embedder_model", "k"):
+        if old["settings"].get(key) != new["settings"].get(key):
+            out.append(f"(the runs differ in {key}: {old['settings'].get(key)} -> {new['settings'].get(key)})")
+    for mode in [m for m in new["outcomes"] if m in old["outcomes"]]:
+        out += ["", f"{mode}:", "", "| kind | n | file_hit@5 | section_hit@5 | MRR@10 |", "| --- | --- | --- | --- | --- |"]
+        before = {row["kind"]: row for row in old["modes"][mode]}
+        for row in new["modes"][mode]:
+            prior = before.get(row["kind"])
+            if prior is not None and row["file_hit5"] is not None:
+                out.append(f"| {row['kind']} | {answerable_n(row)} | " + " | ".join(
+                    change(prior[key], row[key]) for key in ("file_hit5", "section_hit5", "mrr10")) + " |")
+        changes = query_changes(old["outcomes"][mode], new["outcomes"][mode])
+        verdicts = [c.verdict for c in changes]
+        out += ["", ", ".join(f"{verdicts.count(v)} {v}" for v in ("better", "worse", "mixed")) + " (queries)"]
+        out += [f"- {c.verdict}: {c.id} ({c.kind}): " + ", ".join(
+                f"{metric} {shown_value(before_)} -> {shown_value(after)}" for metric, before_, after in c.moves)
+                for verdict in ("better", "worse", "mixed") for c in changes if c.verdict == verdict]
+        only = sorted({r["id"] for r in old["outcomes"][mode]} ^ {r["id"] for r in new["outcomes"][mode]})
+        out += [f"in one run only: {', '.join(only)}"] if only else []
+    return "\n".join(out)
+
+
+def answerable_n(row: Mapping[str, Any]) -> int:
+    """Answerable queries of a summary row (reports from before that count was saved: a kind with
+    metrics is taken as answerable throughout, as every dev-set kind is)."""
+    return row.get("answerable", row["n"] if row["file_hit5"] is not None else 0)
+
+
+def triple(row: Mapping[str, Any]) -> str:
+    return " / ".join(fmt(row[key]) for key in ("file_hit5", "section_hit5", "mrr10"))
+
+
+def readme_tables(reports: Sequence[Mapping[str, Any]], mode: str = "hybrid") -> str:
+    """The README's dev-set tables from saved runs, one single-query and one phrasings run per
+    corpus: file_hit@5 / section_hit@5 / MRR@10 per corpus and kind (in `mode`), every mode's
+    totals, and how well confidence tells answerable from unanswerable queries (in `mode`)."""
+    runs: dict[str, dict[str, Mapping[str, Any]]] = {}
+    for report in reports:
+        corpus, phrasings = run_setting(report)
+        runs.setdefault(corpus, {})["phrasings" if phrasings else "single"] = report
+    columns = ("single", "phrasings")
+
+    def rows(corpus: str, column: str, mode_: str = mode) -> dict[str, Mapping[str, Any]]:
+        report = runs[corpus].get(column)
+        return {row["kind"]: row for row in report["modes"].get(mode_, [])} if report else {}
+
+    out = [f"file_hit@5 / section_hit@5 / MRR@10, {mode} mode:", "", "| corpus | kind | n | single | phrasings |",
+           "| --- | --- | --- | --- | --- |"]
+    for corpus in sorted(runs):
+        by_column = {column: rows(corpus, column) for column in columns}
+        kinds = list(dict.fromkeys(kind for column in columns for kind in by_column[column] if kind != "all"))
+        label = corpus
+        for kind in [*kinds, "all"]:
+            reference = next((by_column[c] for c in columns if kind in by_column[c]), None)
+            if reference is None or reference[kind]["file_hit5"] is None:
+                continue  # unanswerable queries have no hit metrics
+            cells = [triple(by_column[c][kind]) if kind in by_column[c] else "" for c in columns]
+            if kind == "all":
+                n = sum(answerable_n(row) for k, row in reference.items() if k != "all")
+                out.append(f"| {label} | **all ({n})** | | " + " | ".join(f"**{c}**" if c else "" for c in cells) + " |")
+            else:
+                out.append(f"| {label} | {kind} | {answerable_n(reference[kind])} | " + " | ".join(cells) + " |")
+            label = ""
+    modes = [m for m in MODES if any(m in r["modes"] for r in reports)]
+    out += ["", "By mode, over each corpus's answerable queries:", "",
+            "| corpus | | " + " | ".join(modes) + " |", "| --- | --- | " + " | ".join("---" for _ in modes) + " |"]
+    for corpus in sorted(runs):
+        for column in columns:
+            if column in runs[corpus]:
+                cells = [triple(rows(corpus, column, m)["all"]) if "all" in rows(corpus, column, m) else ""
+                         for m in modes]
+                out.append(f"| {corpus} | {column} | " + " | ".join(cells) + " |")
+
+    def share(value: float | None) -> str:
+        return "" if value is None else f"{value:.0%}"
+
+    out += ["", f"Telling answerable from unanswerable ({mode}):", "",
+            ("| corpus | | AUROC top-1 score | AUROC confidence | AUROC `confidence_score` | `low`: answerable "
+             "| `low`: unanswerable | unanswerable below the 10% cut |"), "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for corpus in sorted(runs):
+        for column in columns:
+            total = rows(corpus, column).get("all")
+            if total:
+                out.append(f"| {corpus} | {column} | {fmt(total['auroc'])} | {fmt(total['confidence_auroc'])} | "
+                           f"{fmt(total['score_auroc'])} | {share(total['answerable_low'])} | "
+                           f"{share(total['unanswerable_low'])} | {share(total['unanswerable_flagged'])} |")
+    return "\n".join(out)
+
+
 def build_index(corpus: Path, store: Path) -> dict[str, Any]:
     done = subprocess.run([sys.executable, str(ROOT / "ingest.py"), "--corpus", str(corpus), "--store", str(store), "--json"],
-                          capture_output=True, text=True)
+                          check=False, capture_output=True, text=True)
     if done.returncode == 2:
         raise SystemExit(f"ingest failed (exit 2):\n{done.stderr}")
     sys.stderr.write(done.stderr.splitlines()[-1] + "\n" if done.stderr else "")
@@ -286,18 +507,37 @@ async def run_queries(queries: Sequence[Query], modes: Sequence[str], env: dict[
     return outcomes
 
 
+def read_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    return [json.loads(path.read_text(encoding="utf-8")) for path in paths]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("queries", type=Path, nargs="+", help="query files (JSON lines), read in order")
-    parser.add_argument("--corpus", type=Path, required=True)
+    parser.add_argument("queries", type=Path, nargs="*", help="query files (JSON lines), read in order")
+    parser.add_argument("--corpus", type=Path, help="the folder to index and search (needed to run queries)")
     parser.add_argument("--query-corpus", help="run only query lines whose 'corpus' equals this (default: folder name)")
     parser.add_argument("--store", type=Path, help="index folder to (re)use; default: a temporary one")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--runs", type=Path, help="write one run file per mode here (dev-set score.py format)")
     parser.add_argument("--json", type=Path, help="write the tables as JSON here")
+    parser.add_argument("--save", type=Path, help="write the tables, settings and every query's results here")
+    parser.add_argument("--compare", type=Path, nargs="+", metavar="RUN.json",
+                        help="OLD: compare this run with OLD; OLD NEW: compare two saved runs, running nothing")
+    parser.add_argument("--table", type=Path, nargs="+", metavar="RUN.json",
+                        help="print the README's dev-set tables from saved runs (single and phrasings per corpus)")
     parser.add_argument("--phrasings", type=Path, help="extra phrasings per query id (JSON lines {id, queries})")
     args = parser.parse_args(argv)
+    if args.table:
+        print(readme_tables(read_runs(args.table)))
+        return 0
+    if args.compare and len(args.compare) > 2:
+        parser.error("--compare takes OLD.json, or OLD.json NEW.json")
+    if args.compare and len(args.compare) == 2:
+        print(compare_runs(*read_runs(args.compare)))
+        return 0
+    if not args.queries or not args.corpus:
+        parser.error("running queries needs query files and --corpus")
     corpus = args.corpus.resolve()
     modes = [m for m in args.modes.split(",") if m]
     queries = load_queries(args.queries, corpus, args.query_corpus or corpus.name,
@@ -307,21 +547,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rag-eval-") as tmp:
         store = (args.store or Path(tmp) / "store").resolve()
         summary = build_index(corpus, store)
+        current = StoreLayout(store).read_current()
         env = {"RAG_STORE_DIR": str(store), "RAG_CORPUS_DIR": str(corpus),
                "OLLAMA_HOST": os.environ.get("OLLAMA_HOST", "http://127.0.0.1:11434")}
         outcomes = asyncio.run(run_queries(queries, modes, env, args.k))
+    commit, dirty = checkout_state(ROOT)
+    settings = {"corpus": args.query_corpus or corpus.name, "corpus_dir": str(corpus), "modes": modes,
+                "phrasings": any(q.phrasings for q in queries), "k": args.k, "embedder_host": env["OLLAMA_HOST"],
+                "embedder_model": current.manifest.model if current else None, "commit": commit, "dirty": dirty}
+    saved = saved_run(settings, {mode: outcomes[mode] for mode in modes})
     report: dict[str, Any] = {"corpus": str(corpus), "queries": len(queries), "chunks": summary.get("chunks_written"),
                               "embedder": env["OLLAMA_HOST"], "phrasings": sum(1 for q in queries if q.phrasings),
-                              "modes": {}}
+                              "settings": settings, "modes": saved["modes"]}
     first_ms = [o.seconds * 1000 for o in outcomes["first-call"]]
     report["first_call_ms"] = {"p50": statistics.median(first_ms), "p95": percentile(first_ms, 0.95)}
     print(f"corpus {corpus} - {len(queries)} queries - embedder at {env['OLLAMA_HOST']}")
     print(f"first call per query (includes the query embedding): p50 {report['first_call_ms']['p50']:.0f} ms, "
           f"p95 {report['first_call_ms']['p95']:.0f} ms; the tables below reuse cached query embeddings\n")
     for mode in modes:
-        rows = summarise(outcomes[mode])
-        report["modes"][mode] = [vars(r) for r in rows]
-        print(markdown_table(mode, rows) + "\n")
+        print(markdown_table(mode, summarise(outcomes[mode])) + "\n")
         for o in outcomes[mode]:
             if o.error:
                 print(f"  {o.query.id}: error {o.error}", file=sys.stderr)
@@ -332,6 +576,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     fh.write(json.dumps({"id": o.query.id, "results": o.results}, ensure_ascii=False) + "\n")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2), encoding="utf-8")
+    if args.save:
+        args.save.write_text(json.dumps({**report, **saved}, indent=1, ensure_ascii=False), encoding="utf-8")
+    if args.compare:
+        print(compare_runs(read_runs(args.compare)[0], saved))
     return 1 if any(o.error for mode in modes for o in outcomes[mode]) else 0
 
 
