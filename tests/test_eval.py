@@ -109,6 +109,34 @@ def test_readme_tables_put_single_and_phrasings_side_by_side() -> None:
     assert "| P1 | single | 0.500 | 0.500 | 0.500 | 0% | 0% | 0% |" in text  # confidence: a tie everywhere
 
 
+def scored_run(corpus: str, answerable: list[float], unanswerable: list[float], phrasings: bool = False) -> dict:
+    """A run whose queries carry these confidence scores, the level read as the server does."""
+    def level(score: float) -> str:
+        return "high" if score >= 0.5 else "medium" if score >= 0.1 else "low"
+
+    outcomes = [outcome(f"{corpus}-{i}", "paraphrase", A, ["a.md"], level(s), s) for i, s in enumerate(answerable)]
+    outcomes += [outcome(f"{corpus}-N{i}", "negative", [], ["b.md"], level(s), s) for i, s in enumerate(unanswerable)]
+    return saved(corpus, phrasings, outcomes)
+
+
+def test_leave_one_corpus_out_applies_each_corpus_cut_to_the_other() -> None:
+    p1 = scored_run("P1", [0.2, 0.6, 0.7], [0.05])
+    p2 = scored_run("P2", [0.08, 0.4, 0.8], [0.15, 0.3])
+    lonely = scored_run("P1", [0.9], [0.1], phrasings=True)  # no P2 run with phrasings to pair it with
+    rows = {h.corpus: h for h in rag_eval.leave_one_corpus_out([p1, p2, lonely])}
+    assert len(rows) == 2
+    on_p2 = rows["P2"]
+    assert (on_p2.fitted_on, on_p2.mode, on_p2.cut) == ("P1", "hybrid", 0.2)  # the lowest of three: none flagged on P1
+    assert on_p2.answerable_below_cut == 1 / 3 and on_p2.unanswerable_below_cut == 0.5
+    assert on_p2.score_auroc == 4 / 6 and on_p2.answerable_low == 1 / 3 and on_p2.unanswerable_low == 0.0
+    assert on_p2.missed() == ["AUROC", "cut", "low"]
+    on_p1 = rows["P1"]
+    assert on_p1.cut == 0.08 and on_p1.answerable_below_cut == 0.0 and on_p1.unanswerable_below_cut == 1.0
+    assert on_p1.score_auroc == 1.0 and on_p1.missed() == []
+    table = rag_eval.loco_table(list(rows.values()))
+    assert "| P1 | P2 | single | hybrid | 0.080 | 1.000 | 1.000 | 0% | 0% | 100% | 100% | met |" in table
+
+
 def test_eval_runs_end_to_end_on_sample_corpus(tmp_path: Path) -> None:
     queries = [
         {"id": "s1", "query": "who gets paged for a sev-1?", "kind": "paraphrase",

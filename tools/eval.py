@@ -5,6 +5,7 @@
                          [--json FILE] [--runs DIR] [--save RUN.json] [--compare OLD.json]
     python tools/eval.py --compare OLD.json NEW.json
     python tools/eval.py --table RUN.json [RUN.json ...]
+    python tools/eval.py --loco RUN.json RUN.json [...]
 
 Builds an index of DIR with ingest.py (in a temporary store unless --store is given) against
 whatever OLLAMA_HOST points to, runs every query through `python server.py` with an MCP
@@ -30,6 +31,10 @@ runs without running anything: per mode and kind the metrics before -> after, an
 whose file hit, section hit or reciprocal rank moved (better, worse, or mixed), in Markdown for
 a commit message, so a change that trades one query for another shows. --table prints the
 README's dev-set tables from saved runs (one single-query and one phrasings run per corpus).
+--loco reports confidence leave one corpus out from saved runs of two corpora: the
+confidence_score cut that flags at most 10% of one corpus's answerable queries, applied to the
+other's, with each held-out corpus's AUROC of confidence_score and of the level, and the shares
+flagged by the cut and marked low; single-query and phrasings runs are paired among themselves.
 """
 
 from __future__ import annotations
@@ -198,6 +203,11 @@ def flagged_at(answerable: Sequence[float], unanswerable: Sequence[float], share
     return share_below(unanswerable, score_cut(answerable, share))
 
 
+def low_share(outcomes: Sequence[Outcome]) -> float | None:
+    """The share marked `low` (no results count as low too)."""
+    return sum(o.confidence_value() <= 0 for o in outcomes) / len(outcomes) if outcomes else None
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
@@ -235,7 +245,6 @@ def summarise(outcomes: Sequence[Outcome]) -> list[Row]:
         mean = (lambda xs: sum(xs) / len(xs)) if answerable else (lambda xs: None)
         latencies = [o.seconds * 1000 for o in group]
         unanswerable = [o for o in group if not o.query.gold]
-        share_low = (lambda xs: sum(o.confidence_value() <= 0 for o in xs) / len(xs) if xs else None)
         rows.append(Row(
             kind=kind, n=len(group), answerable=len(answerable),
             file_hit5=mean([o.file_hit() for o in answerable]),
@@ -246,7 +255,7 @@ def summarise(outcomes: Sequence[Outcome]) -> list[Row]:
             errors=sum(1 for o in group if o.error),
             confidence_auroc=auroc([o.confidence_value() for o in answerable], negative_confidence)
             if kind == "all" else None,
-            answerable_low=share_low(answerable), unanswerable_low=share_low(unanswerable),
+            answerable_low=low_share(answerable), unanswerable_low=low_share(unanswerable),
             score_auroc=auroc([o.score_value() for o in answerable], negative_scores) if kind == "all" else None,
             unanswerable_flagged=flagged_at([o.score_value() for o in answerable], negative_scores)
             if kind == "all" else None))
@@ -255,6 +264,10 @@ def summarise(outcomes: Sequence[Outcome]) -> list[Row]:
 
 def fmt(value: float | None) -> str:
     return "" if value is None else f"{value:.3f}"
+
+
+def share(value: float | None) -> str:
+    return "" if value is None else f"{value:.0%}"
 
 
 def markdown_table(mode: str, rows: Sequence[Row]) -> str:
@@ -448,9 +461,6 @@ def readme_tables(reports: Sequence[Mapping[str, Any]], mode: str = "hybrid") ->
                          for m in modes]
                 out.append(f"| {corpus} | {column} | " + " | ".join(cells) + " |")
 
-    def share(value: float | None) -> str:
-        return "" if value is None else f"{value:.0%}"
-
     out += ["", f"Telling answerable from unanswerable ({mode}):", "",
             ("| corpus | | AUROC top-1 score | AUROC confidence | AUROC `confidence_score` | `low`: answerable "
              "| `low`: unanswerable | unanswerable below the 10% cut |"), "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -507,6 +517,82 @@ async def run_queries(queries: Sequence[Query], modes: Sequence[str], env: dict[
     return outcomes
 
 
+# ---------------------------------------------------------------------------
+# Leave one corpus out (--loco): a confidence rule fitted on one corpus's answerable queries,
+# measured on another's, so nothing is tuned to a single corpus's negatives.
+
+AUROC_GOAL = {False: 0.75, True: 0.80}  # on each held-out corpus, single query / with phrasings (issue 25 §4)
+FLAG_GOAL = 0.10  # at most this share of the answerable queries flagged
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """One direction: the confidence_score cut that flags at most FLAG_GOAL of `fitted_on`'s
+    answerable queries, applied to `corpus`."""
+
+    corpus: str
+    fitted_on: str
+    phrasings: bool
+    mode: str
+    cut: float
+    score_auroc: float | None
+    confidence_auroc: float | None
+    answerable_below_cut: float | None
+    answerable_low: float | None
+    unanswerable_below_cut: float | None
+    unanswerable_low: float | None
+
+    def missed(self) -> list[str]:
+        """The goals this held-out corpus misses."""
+        checks = (("AUROC", self.score_auroc, AUROC_GOAL[self.phrasings], 1),
+                  ("cut", self.answerable_below_cut, FLAG_GOAL, -1), ("low", self.answerable_low, FLAG_GOAL, -1))
+        return [name for name, value, goal, sign in checks if value is None or sign * (value - goal) < 0]
+
+
+def split_answerable(report: Mapping[str, Any], mode: str) -> tuple[list[Outcome], list[Outcome]]:
+    if "outcomes" not in report:
+        raise SystemExit("--loco needs runs written by --save (per-query confidence)")
+    outcomes = [outcome_from_record(record) for record in report["outcomes"][mode]]
+    return [o for o in outcomes if o.query.gold], [o for o in outcomes if not o.query.gold]
+
+
+def held_out(fitted: Mapping[str, Any], tested: Mapping[str, Any], mode: str) -> HeldOut:
+    cut = score_cut([o.score_value() for o in split_answerable(fitted, mode)[0]], FLAG_GOAL)
+    answerable, unanswerable = split_answerable(tested, mode)
+    (corpus, phrasings), (fitted_on, _) = run_setting(tested), run_setting(fitted)
+    scores, negative_scores = [o.score_value() for o in answerable], [o.score_value() for o in unanswerable]
+    return HeldOut(corpus=corpus, fitted_on=fitted_on, phrasings=phrasings, mode=mode, cut=cut,
+                   score_auroc=auroc(scores, negative_scores),
+                   confidence_auroc=auroc([o.confidence_value() for o in answerable],
+                                          [o.confidence_value() for o in unanswerable]),
+                   answerable_below_cut=share_below(scores, cut), answerable_low=low_share(answerable),
+                   unanswerable_below_cut=share_below(negative_scores, cut), unanswerable_low=low_share(unanswerable))
+
+
+def leave_one_corpus_out(reports: Sequence[Mapping[str, Any]]) -> list[HeldOut]:
+    """Every ordered pair of runs of different corpora with the same phrasing setting, per mode both ran."""
+    found = [held_out(fitted, tested, mode) for fitted in reports for tested in reports
+             if run_setting(fitted)[0] != run_setting(tested)[0] and run_setting(fitted)[1] == run_setting(tested)[1]
+             for mode in fitted["outcomes"] if mode in tested["outcomes"]]
+    return sorted(found, key=lambda h: (h.phrasings, MODES.index(h.mode) if h.mode in MODES else len(MODES), h.corpus))
+
+
+def loco_table(rows: Sequence[HeldOut]) -> str:
+    out = [(f"Confidence, leave one corpus out: the confidence_score cut that flags at most {FLAG_GOAL:.0%} of one "
+            f"corpus's answerable queries, applied to the other. Goals: AUROC >= {AUROC_GOAL[False]} single, "
+            f">= {AUROC_GOAL[True]} with phrasings; at most {FLAG_GOAL:.0%} of answerable flagged."), "",
+           ("| held out | cut from | queries | mode | cut | AUROC `confidence_score` | AUROC confidence "
+            "| answerable below cut | answerable `low` | unanswerable below cut | unanswerable `low` | goals |"),
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for h in rows:
+        missed = h.missed()
+        out.append(f"| {h.corpus} | {h.fitted_on} | {'phrasings' if h.phrasings else 'single'} | {h.mode} | "
+                   f"{fmt(h.cut)} | {fmt(h.score_auroc)} | {fmt(h.confidence_auroc)} | {share(h.answerable_below_cut)} | "
+                   f"{share(h.answerable_low)} | {share(h.unanswerable_below_cut)} | {share(h.unanswerable_low)} | "
+                   f"{'met' if not missed else 'missed: ' + ', '.join(missed)} |")
+    return "\n".join(out)
+
+
 def read_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
     return [json.loads(path.read_text(encoding="utf-8")) for path in paths]
 
@@ -526,10 +612,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="OLD: compare this run with OLD; OLD NEW: compare two saved runs, running nothing")
     parser.add_argument("--table", type=Path, nargs="+", metavar="RUN.json",
                         help="print the README's dev-set tables from saved runs (single and phrasings per corpus)")
+    parser.add_argument("--loco", type=Path, nargs="+", metavar="RUN.json",
+                        help="confidence leave one corpus out, from saved runs of two or more corpora")
     parser.add_argument("--phrasings", type=Path, help="extra phrasings per query id (JSON lines {id, queries})")
     args = parser.parse_args(argv)
     if args.table:
         print(readme_tables(read_runs(args.table)))
+        return 0
+    if args.loco:
+        print(loco_table(leave_one_corpus_out(read_runs(args.loco))))
         return 0
     if args.compare and len(args.compare) > 2:
         parser.error("--compare takes OLD.json, or OLD.json NEW.json")
