@@ -137,6 +137,33 @@ def test_leave_one_corpus_out_applies_each_corpus_cut_to_the_other() -> None:
     assert "| P1 | P2 | single | hybrid | 0.080 | 1.000 | 1.000 | 0% | 0% | 100% | 100% | met |" in table
 
 
+def hits(*spans: tuple[str, int]) -> list[dict]:
+    return [{"path": path, "start_line": start, "end_line": start + 9, "score": 0.5} for path, start in spans]
+
+
+def test_k_violations_are_the_k_whose_results_are_not_a_prefix_of_the_longest() -> None:
+    longest = hits(("a.md", 1), ("b.md", 1), ("c.md", 1))
+    assert rag_eval.k_violations({1: longest[:1], 2: longest[:2], 3: longest}) == []
+    assert rag_eval.k_violations({1: longest[:1], 2: longest[:2], 3: longest[:2]}) == []  # fewer than k: no more to give
+    swapped = [longest[1], longest[0]]
+    assert rag_eval.k_violations({1: hits(("b.md", 1)), 2: swapped, 3: longest}) == [1, 2]
+    other_lines = hits(("a.md", 5))
+    assert rag_eval.k_violations({1: other_lines, 2: longest[:2], 3: longest}) == [1]
+    assert rag_eval.k_ranges([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10"
+
+
+def test_k_variants_filter_by_the_gold_folder_and_the_median_score() -> None:
+    longest = [{**hit, "score": score} for hit, score in zip(hits(("x/y/a.md", 1), ("top.md", 1), ("x/b.md", 1)),
+                                                             [0.9, 0.5, 0.2], strict=True)]
+    gold = rag_eval.Query("q", "x", "paraphrase", [("guide/api/c.md", 1, 9)])
+    assert rag_eval.k_variants(gold, "hybrid", longest) == [
+        ("path_prefix=guide/api", {"path_prefix": "guide/api"}), ("min_score=0.5000", {"min_score": 0.5})]
+    negative = rag_eval.Query("n", "x", "negative", [])
+    assert rag_eval.k_variants(negative, "keyword", longest) == [("path_prefix=x/y", {"path_prefix": "x/y"})]
+    assert rag_eval.folder_of("top.md") == "top.md"
+    assert rag_eval.k_variants(negative, "vector", []) == []
+
+
 def test_eval_runs_end_to_end_on_sample_corpus(tmp_path: Path) -> None:
     queries = [
         {"id": "s1", "query": "who gets paged for a sev-1?", "kind": "paraphrase",
@@ -154,11 +181,13 @@ def test_eval_runs_end_to_end_on_sample_corpus(tmp_path: Path) -> None:
         env.pop("RAG_EMBED_MODEL", None)
         done = subprocess.run(
             [sys.executable, str(ROOT / "tools" / "eval.py"), str(qfile), "--corpus", str(ROOT / "sample-corpus"),
-             "--json", str(tmp_path / "report.json"), "--runs", str(tmp_path / "runs"), "--save", str(tmp_path / "run.json")],
+             "--json", str(tmp_path / "report.json"), "--runs", str(tmp_path / "runs"), "--save", str(tmp_path / "run.json"),
+             "--check-k"],
             check=False, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     for mode in ("hybrid", "vector", "keyword"):
         assert f"mode: {mode}" in done.stdout
+        assert f"  {mode}: 0 of " in done.stdout  # the k check found nothing
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["queries"] == 4
     for mode in ("hybrid", "keyword"):

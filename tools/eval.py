@@ -2,7 +2,7 @@
 
     python tools/eval.py QUERIES.jsonl [MORE.jsonl ...] --corpus DIR [--store DIR]
                          [--modes hybrid,vector,keyword] [--phrasings FILE]
-                         [--json FILE] [--runs DIR] [--save RUN.json] [--compare OLD.json]
+                         [--json FILE] [--runs DIR] [--save RUN.json] [--compare OLD.json] [--check-k]
     python tools/eval.py --compare OLD.json NEW.json
     python tools/eval.py --table RUN.json [RUN.json ...]
     python tools/eval.py --loco RUN.json RUN.json [...]
@@ -35,6 +35,12 @@ README's dev-set tables from saved runs (one single-query and one phrasings run 
 confidence_score cut that flags at most 10% of one corpus's answerable queries, applied to the
 other's, with each held-out corpus's AUROC of confidence_score and of the level, and the shares
 flagged by the cut and marked low; single-query and phrasings runs are paired among themselves.
+--check-k also asks every query in every mode (with its phrasings under --phrasings) for each k
+from 1 to 20 on the same session, unfiltered, under the folder of its first gold file (of its
+first result when unanswerable) and, in hybrid and vector mode, with min_score at the median
+score of its k=20 results, and checks that the results for k are exactly the first k of those
+for k=20 by (path, start_line, end_line); it prints the searches that depend on k, and exits 1
+if any does.
 """
 
 from __future__ import annotations
@@ -487,34 +493,141 @@ def arguments(query: Query) -> dict[str, Any]:
     return {"query": query.text, **({"queries": query.phrasings} if query.phrasings else {})}
 
 
-async def run_queries(queries: Sequence[Query], modes: Sequence[str], env: dict[str, str], k: int) -> dict[str, list[Outcome]]:
-    from mcp import Client, StdioServerParameters
+def error_text(result: Any) -> str:
+    return (result.content[0].text if result.content else "")[:300]
 
-    params = StdioServerParameters(command=sys.executable, args=[str(ROOT / "server.py")], env=env, cwd=str(ROOT))
+
+async def run_queries(client: Any, queries: Sequence[Query], modes: Sequence[str], k: int) -> dict[str, list[Outcome]]:
     outcomes: dict[str, list[Outcome]] = {mode: [] for mode in modes}
-    async with Client(params, read_timeout_seconds=120) as client:
-        # One untimed pass embeds every query, so each mode is timed on the same footing (the
-        # server caches query embeddings); the pass's own latency is reported separately.
-        first: list[float] = []
+    # One untimed pass embeds every query, so each mode is timed on the same footing (the
+    # server caches query embeddings); the pass's own latency is reported separately.
+    first: list[float] = []
+    for query in queries:
+        started = time.perf_counter()
+        await client.call_tool("search_corpus", {**arguments(query), "k": 1, "mode": "vector"})
+        first.append(time.perf_counter() - started)
+    outcomes["first-call"] = [Outcome(q, [], s) for q, s in zip(queries, first, strict=True)]
+    for mode in modes:
         for query in queries:
             started = time.perf_counter()
-            await client.call_tool("search_corpus", {**arguments(query), "k": 1, "mode": "vector"})
-            first.append(time.perf_counter() - started)
-        outcomes["first-call"] = [Outcome(q, [], s) for q, s in zip(queries, first)]
-        for mode in modes:
-            for query in queries:
-                started = time.perf_counter()
-                result = await client.call_tool("search_corpus", {**arguments(query), "k": k, "mode": mode})
-                seconds = time.perf_counter() - started
-                if result.is_error:
-                    text = result.content[0].text if result.content else ""  # type: ignore[union-attr]
-                    outcomes[mode].append(Outcome(query, [], seconds, text[:300]))
-                else:
-                    content = result.structured_content or {}
-                    outcomes[mode].append(Outcome(query, list(content.get("results", [])), seconds,
-                                                  confidence=content.get("confidence"),
-                                                  confidence_score=content.get("confidence_score")))
+            result = await client.call_tool("search_corpus", {**arguments(query), "k": k, "mode": mode})
+            seconds = time.perf_counter() - started
+            if result.is_error:
+                outcomes[mode].append(Outcome(query, [], seconds, error_text(result)))
+            else:
+                content = result.structured_content or {}
+                outcomes[mode].append(Outcome(query, list(content.get("results", [])), seconds,
+                                              confidence=content.get("confidence"),
+                                              confidence_score=content.get("confidence_score")))
     return outcomes
+
+
+# ---------------------------------------------------------------------------
+# The k check (--check-k, issue 25 §1): the first result never depends on k, and the results for
+# k are exactly the first k results for k+1, in every mode, with path_prefix, queries, min_score.
+
+K_SWEEP = 20  # the server's K_MAX: every k from 1 to it is asked
+K_SHOWN = 5  # violations listed per mode
+
+
+def k_violations(by_k: Mapping[int, Sequence[Mapping[str, Any]]]) -> list[int]:
+    """The k whose results are not, by (path, start_line, end_line), the first k of the largest k's."""
+    def spans(hits: Sequence[Mapping[str, Any]]) -> list[tuple[str, int, int]]:
+        return [(hit["path"], hit["start_line"], hit["end_line"]) for hit in hits]
+
+    longest = spans(by_k[max(by_k)])
+    return [k for k in sorted(by_k) if spans(by_k[k]) != longest[:k]]
+
+
+def folder_of(path: str) -> str:
+    """A path's folder; a top-level file stands for itself (path_prefix matches files too)."""
+    return path.rsplit("/", 1)[0] if "/" in path else path
+
+
+def k_variants(query: Query, mode: str, longest: Sequence[Mapping[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """The filtered searches the k check repeats, from the unfiltered k=K_SWEEP results: under the
+    folder of the first gold file (of the first result for an unanswerable query; the folder, not
+    the top one, which on P1 is docs/ for every file and would filter nothing), and, where there
+    are similarity scores, with min_score at their median."""
+    variants: list[tuple[str, dict[str, Any]]] = []
+    anchor = query.gold[0][0] if query.gold else (longest[0]["path"] if longest else None)
+    if anchor:
+        variants.append((f"path_prefix={folder_of(anchor)}", {"path_prefix": folder_of(anchor)}))
+    scores = [hit["score"] for hit in longest if hit.get("score") is not None]
+    if mode != "keyword" and scores:
+        median = statistics.median(scores)
+        variants.append((f"min_score={median:.4f}", {"min_score": median}))
+    return variants
+
+
+@dataclass(frozen=True)
+class KViolation:
+    mode: str
+    query: str
+    variant: str  # "" for the unfiltered search, else the filter added
+    ks: tuple[int, ...]
+    error: str | None = None
+
+
+async def sweep_k(client: Any, search: Mapping[str, Any]) -> tuple[dict[int, list[dict[str, Any]]], str | None]:
+    """The results of one search for every k from 1 to K_SWEEP (up to the first error, and it)."""
+    found: dict[int, list[dict[str, Any]]] = {}
+    for k in range(1, K_SWEEP + 1):
+        result = await client.call_tool("search_corpus", {**search, "k": k})
+        if result.is_error:
+            return found, error_text(result)
+        found[k] = list((result.structured_content or {}).get("results", []))
+    return found, None
+
+
+async def check_k(client: Any, queries: Sequence[Query], modes: Sequence[str]) -> tuple[dict[str, int], list[KViolation]]:
+    """Searches swept per mode, and every sweep whose results depend on k (or that failed)."""
+    sweeps = dict.fromkeys(modes, 0)
+    violations = []
+    for mode in modes:
+        for query in queries:
+            search = {**arguments(query), "mode": mode}
+            plain = await sweep_k(client, search)
+            for variant, extra in [("", {}), *k_variants(query, mode, plain[0].get(K_SWEEP, []))]:
+                found, error = await sweep_k(client, {**search, **extra}) if extra else plain
+                sweeps[mode] += 1
+                ks = k_violations(found) if found else []
+                if ks or error:
+                    violations.append(KViolation(mode, query.id, variant, tuple(ks), error))
+    return sweeps, violations
+
+
+def k_ranges(ks: Sequence[int]) -> str:
+    """1, 2, 3, 7 -> '1-3, 7'."""
+    runs: list[list[int]] = []
+    for k in ks:
+        if runs and k == runs[-1][-1] + 1:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+
+
+def k_report(sweeps: Mapping[str, int], violations: Sequence[KViolation]) -> str:
+    out = [f"k check: results for k = the first k of k={K_SWEEP}, k = 1..{K_SWEEP}, by (path, start_line, end_line)"]
+    for mode, swept in sweeps.items():
+        found = [v for v in violations if v.mode == mode]
+        first = sum(1 in v.ks for v in found)
+        out.append(f"  {mode}: {len(found)} of {swept} searches depend on k ({first} in their first result)")
+        out += [f"    {v.query}{' ' + v.variant if v.variant else ''}: "
+                + (f"error {v.error}" if v.error else f"k {k_ranges(v.ks)}") for v in found[:K_SHOWN]]
+    return "\n".join(out)
+
+
+async def in_session(env: Mapping[str, str], queries: Sequence[Query], modes: Sequence[str], k: int,
+                     k_check: bool) -> tuple[dict[str, list[Outcome]], tuple[dict[str, int], list[KViolation]] | None]:
+    """The evaluation run, then the k check if asked for, on one MCP client session of `python server.py`."""
+    from mcp import Client, StdioServerParameters
+
+    params = StdioServerParameters(command=sys.executable, args=[str(ROOT / "server.py")], env=dict(env), cwd=str(ROOT))
+    async with Client(params, read_timeout_seconds=120) as client:
+        outcomes = await run_queries(client, queries, modes, k)
+        return outcomes, (await check_k(client, queries, modes) if k_check else None)
 
 
 # ---------------------------------------------------------------------------
@@ -614,6 +727,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="print the README's dev-set tables from saved runs (single and phrasings per corpus)")
     parser.add_argument("--loco", type=Path, nargs="+", metavar="RUN.json",
                         help="confidence leave one corpus out, from saved runs of two or more corpora")
+    parser.add_argument("--check-k", action="store_true",
+                        help=f"also check that the results for every k in 1..{K_SWEEP} are the first k of k={K_SWEEP}")
     parser.add_argument("--phrasings", type=Path, help="extra phrasings per query id (JSON lines {id, queries})")
     args = parser.parse_args(argv)
     if args.table:
@@ -641,7 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         current = StoreLayout(store).read_current()
         env = {"RAG_STORE_DIR": str(store), "RAG_CORPUS_DIR": str(corpus),
                "OLLAMA_HOST": os.environ.get("OLLAMA_HOST", "http://127.0.0.1:11434")}
-        outcomes = asyncio.run(run_queries(queries, modes, env, args.k))
+        outcomes, k_checked = asyncio.run(in_session(env, queries, modes, args.k, args.check_k))
     commit, dirty = checkout_state(ROOT)
     settings = {"corpus": args.query_corpus or corpus.name, "corpus_dir": str(corpus), "modes": modes,
                 "phrasings": any(q.phrasings for q in queries), "k": args.k, "embedder_host": env["OLLAMA_HOST"],
@@ -665,13 +780,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             with open(args.runs / f"run-{corpus.name}-{mode}.jsonl", "w", encoding="utf-8") as fh:
                 for o in outcomes[mode]:
                     fh.write(json.dumps({"id": o.query.id, "results": o.results}, ensure_ascii=False) + "\n")
+    if k_checked:
+        print(k_report(*k_checked))
+        report["k_check"] = {"sweeps": k_checked[0], "violations": [vars(v) for v in k_checked[1]]}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2), encoding="utf-8")
     if args.save:
         args.save.write_text(json.dumps({**report, **saved}, indent=1, ensure_ascii=False), encoding="utf-8")
     if args.compare:
         print(compare_runs(read_runs(args.compare)[0], saved))
-    return 1 if any(o.error for mode in modes for o in outcomes[mode]) else 0
+    return 1 if any(o.error for mode in modes for o in outcomes[mode]) or (k_checked and k_checked[1]) else 0
 
 
 if __name__ == "__main__":
