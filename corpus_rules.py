@@ -660,6 +660,43 @@ def estimate_tokens(text: str) -> int:
 
 
 # ---------------------------------------------------------------------------
+# Searchable text: what is embedded and keyword-indexed (the stored text stays as written).
+
+PAYLOAD_MARK = "\u2026"  # "…": what stands in for a payload; not a keyword character, one token
+_URL_PATH_CHARS = r"A-Za-z0-9_\-.~:/@!$&*+,;=%"  # ASCII only: Japanese prose often follows a URL unspaced
+_DATA_URI = re.compile(rf"(\bdata:[A-Za-z0-9.+-]*(?:/[A-Za-z0-9.+-]+)?(?:;[A-Za-z0-9.+-]+(?:=[A-Za-z0-9.+-]+)?)*,)"
+                       rf"[{_URL_PATH_CHARS}?#]+")
+_URL_PAYLOAD = re.compile(rf"(\b[A-Za-z][A-Za-z0-9+.-]*://[{_URL_PATH_CHARS}]*[?#])[{_URL_PATH_CHARS}?#]+")
+_LINK_PAYLOAD = re.compile(rf"(\]\([^\s()?#]*[?#])[{_URL_PATH_CHARS}?#]+")  # a Markdown link's relative destination
+# Longer than a sha256 in hex (64), the longest hash people paste into a search (a git sha is 40).
+LONG_RUN_CHARS = 65
+_RUN_CANDIDATE = re.compile(rf"[A-Za-z0-9+/_-]{{{LONG_RUN_CHARS},}}={{0,2}}")
+_RUN_SEPARATORS = re.compile(r"[+/_-]")
+_DIGIT = re.compile(r"[0-9]")
+_ASCII_LETTER = re.compile(r"[A-Za-z]")
+
+
+def searchable_text(text: str) -> str:
+    """The text as it is embedded and keyword-indexed: URL payloads shortened to a mark.
+
+    A URL's query string and fragment, a Markdown link destination's, a `data:` URI's data and
+    long base64/hex runs carry no meaning for search (a VitePress playground link holds ~1.5 KB
+    of base64 in its fragment); scheme, host, path and link text stay. Line by line (nothing
+    crosses a newline), never longer than the text, and applying it twice changes nothing.
+    """
+    for payload in (_DATA_URI, _URL_PAYLOAD, _LINK_PAYLOAD):
+        text = payload.sub(rf"\g<1>{PAYLOAD_MARK}", text)
+    return _RUN_CANDIDATE.sub(lambda m: PAYLOAD_MARK if _is_payload_run(m.group(0)) else m.group(0), text)
+
+
+def _is_payload_run(run: str) -> bool:
+    """A long run of base64/hex characters is payload when it mixes letters and digits with few
+    separators: paths and snake_case identifiers have a separator every few characters."""
+    return (bool(_DIGIT.search(run)) and bool(_ASCII_LETTER.search(run))
+            and len(_RUN_SEPARATORS.findall(run)) * 16 <= len(run))
+
+
+# ---------------------------------------------------------------------------
 # Headings and chunking.
 
 # Bump when chunking or keyword terms change: it is part of the manifest, so stores rebuild.

@@ -474,6 +474,63 @@ def test_estimate_on_the_sample_corpus() -> None:
 
 
 # ---------------------------------------------------------------------------
+# Searchable text: URL payloads shortened for embedding and keywords.
+
+PLAYGROUND = "https://play.vuejs.org/#eNp9kMFqwzAMhl9F+NSypjj0lqWFMXaaNjZ3tHYcAqxZhhSrmjGE2cEyvtZwUj1dSgRvOqRdIo56ZIJFWvmgMLbIXYW1K7cHtt0m"
+SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (f"[Playground で試す]({PLAYGROUND})", "[Playground で試す](https://play.vuejs.org/#\u2026)"),
+    ("see https://vite.dev/guide/api-plugin?raw=1&x=2#hooks.", "see https://vite.dev/guide/api-plugin?\u2026"),
+    # ASCII only: Japanese prose that follows a URL unspaced is not part of it.
+    ("https://vite.dev/config/#server-host を参照", "https://vite.dev/config/#\u2026 を参照"),
+    ("https://vite.dev/config/#hostを参照", "https://vite.dev/config/#\u2026を参照"),
+    ("![x](data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAAB==)", "![x](data:image/png;base64,\u2026)"),
+    ("url(data:,Hello%2C%20World)", "url(data:,\u2026)"),
+    ("[features](./features#npm-dependency-resolving)", "[features](./features#\u2026)"),
+    ("[api](/guide/api?tab=1)", "[api](/guide/api?\u2026)"),
+    ("blob " + "aGVsbG8gd29ybGQgdGhpcyBpcyBhIGxvbmcgYmFzZTY0IHN0cmluZyB3aXRoIGRpZ2l0cw==" + " end", "blob \u2026 end"),
+    ("digest " + "0123456789abcdef" * 5, "digest \u2026"),
+])
+def test_searchable_text_shortens_payloads(text: str, expected: str) -> None:
+    assert rules.searchable_text(text) == expected
+
+
+@pytest.mark.parametrize("text", [
+    f"sha256 {SHA256} and git sha 1f6a3c9e0b7d2a4c5e8f9a0b1c2d3e4f5a6b7c8d",
+    "https://vite.dev/guide/features.html and https://github.com/vitejs/vite/tree/main/packages/vite",
+    "packages/vite/src/node/plugins/importAnalysisBuild/some_long_file_name_with_parts_2.ts",
+    "VITE_" + "_".join(["SOME_LONG_ENVIRONMENT_VARIABLE"] * 3),
+    "a" * 100, "1" * 100, "import svg from './icon.svg?raw'", "{ data: value }", "color: #fff;",
+])
+def test_searchable_text_keeps_what_people_search_for(text: str) -> None:
+    assert rules.searchable_text(text) == text
+
+
+def test_searchable_text_keeps_link_text_host_and_path_as_terms() -> None:
+    terms = set(rules.keyword_terms(rules.searchable_text(f"[Playground で試す]({PLAYGROUND})")))
+    assert {"playground", "https://play.vuejs.org", "vuejs", "で試", "試す"} <= terms
+    assert not any(len(term) > 30 for term in terms)
+
+
+_URLISH = st.text(alphabet="ab9Z=_-+/.:?#&%()[]!data ,;\n\u3042" + rules.PAYLOAD_MARK, max_size=80)
+
+
+@HYPOTHESIS
+@given(text=st.one_of(_URLISH, st.text(max_size=80),
+                      st.builds("".join, st.lists(st.sampled_from([
+                          "https://", "data:", "image/png;base64,", "](", ")", "?", "#", "/", " ", "\n", "x",
+                          "aB3" * 25, "f0" * 40, "あ", "=", rules.PAYLOAD_MARK]), max_size=12))))
+def test_searchable_text_is_idempotent_shorter_and_line_local(text: str) -> None:
+    once = rules.searchable_text(text)
+    assert rules.searchable_text(once) == once
+    assert len(once) <= len(text)
+    assert once.count("\n") == text.count("\n")
+    assert "\n".join(rules.searchable_text(line) for line in text.split("\n")) == once
+
+
+# ---------------------------------------------------------------------------
 # Keyword terms and FTS5 expressions.
 
 
