@@ -164,6 +164,17 @@ def test_k_variants_filter_by_the_gold_folder_and_the_median_score() -> None:
     assert rag_eval.k_variants(negative, "vector", []) == []
 
 
+def test_fragments_are_small_chunks_of_split_documents_and_pieces_of_cut_lines() -> None:
+    long_text = "word " * 200
+    chunks = [("one.md", 1, 3, "tiny"),  # alone in its document: not a fragment however small
+              ("two.md", 1, 40, long_text), ("two.md", 41, 42, "tiny tail"),
+              ("three.md", 1, 10, long_text), ("three.md", 10, 10, long_text), ("three.md", 10, 20, "x"),
+              ("link.md", 1, 5, "[a](https://x.test/p#" + "A1b2C3d4" * 40 + ")"),  # small once its payload is cut
+              ("link.md", 6, 30, long_text)]
+    found = rag_eval.count_fragments(chunks, min_tokens=64)
+    assert (found.chunks, found.under_min, found.shared_line, found.fragments) == (8, 3, 3, 5)  # "x" is both
+
+
 def test_eval_runs_end_to_end_on_sample_corpus(tmp_path: Path) -> None:
     queries = [
         {"id": "s1", "query": "who gets paged for a sev-1?", "kind": "paraphrase",
@@ -190,6 +201,8 @@ def test_eval_runs_end_to_end_on_sample_corpus(tmp_path: Path) -> None:
         assert f"  {mode}: 0 of " in done.stdout  # the k check found nothing
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["queries"] == 4
+    assert report["fragments"]["chunks"] == report["chunks"] and report["fragments"]["min_tokens"] == 64
+    assert "fragment chunks: " in done.stdout
     for mode in ("hybrid", "keyword"):
         rows = {row["kind"]: row for row in report["modes"][mode]}
         assert rows["identifier"]["file_hit5"] == 1.0

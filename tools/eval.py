@@ -8,8 +8,9 @@
     python tools/eval.py --loco RUN.json RUN.json [...]
 
 Builds an index of DIR with ingest.py (in a temporary store unless --store is given) against
-whatever OLLAMA_HOST points to, runs every query through `python server.py` with an MCP
-client, and prints per query kind: file_hit@5, section_hit@5, MRR@10, and latency p50/p95,
+whatever OLLAMA_HOST points to, counts its fragment chunks (under the index's chunk minimum in a
+document of several chunks, or sharing a line with another chunk: a piece of a cut line), runs
+every query through `python server.py` with an MCP client, and prints per query kind: file_hit@5, section_hit@5, MRR@10, and latency p50/p95,
 for each mode; over all queries, how well the top-1 score, the response's `confidence`
 (low < medium < high) and its `confidence_score` tell answerable from unanswerable queries
 (AUROC), the share of each marked low, and the share of unanswerable ones scored below the
@@ -47,16 +48,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
+import sqlite3
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +67,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout's own modules, whichever folder the script runs from
 
-from corpus_rules import StoreLayout
+from corpus_rules import CurrentIndex, StoreLayout, estimate_tokens, searchable_text
 
 MODES = ("hybrid", "vector", "keyword")
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
@@ -480,6 +483,48 @@ def readme_tables(reports: Sequence[Mapping[str, Any]], mode: str = "hybrid") ->
     return "\n".join(out)
 
 
+@dataclass(frozen=True)
+class Fragments:
+    """Chunks that are fragments (issue 25 §2): under the index's chunk minimum in a document of
+    more than one chunk, or a piece of a cut line (sharing a line with another chunk of its
+    document). `fragments` counts a chunk that is both once."""
+
+    chunks: int
+    fragments: int
+    under_min: int
+    shared_line: int
+    min_tokens: int
+
+
+def count_fragments(chunks: Iterable[tuple[str, int, int, str]], min_tokens: int) -> Fragments:
+    """From (path, start_line, end_line, text) of every chunk; tokens are counted on the text as
+    it is embedded and keyword-indexed (searchable_text), as the chunker counts them."""
+    by_path: dict[str, list[tuple[str, int, int, str]]] = defaultdict(list)
+    for chunk in chunks:
+        by_path[chunk[0]].append(chunk)
+    total = under = shared = either = 0
+    for group in by_path.values():
+        group.sort(key=lambda chunk: (chunk[1], chunk[2]))
+        reached = 0  # the last line any earlier chunk of the document covers
+        for i, (_path, start, end, text) in enumerate(group):
+            small = len(group) > 1 and estimate_tokens(searchable_text(text)) < min_tokens
+            cut = reached >= start or (i + 1 < len(group) and group[i + 1][1] <= end)
+            reached = max(reached, end)
+            total += 1
+            under += small
+            shared += cut
+            either += small or cut
+    return Fragments(total, either, under, shared, min_tokens)
+
+
+def store_fragments(layout: StoreLayout, current: CurrentIndex) -> Fragments:
+    """Fragments among the live index's chunks, read from its keyword database (read-only)."""
+    database = layout.keyword_db(current.index)
+    with contextlib.closing(sqlite3.connect(f"{database.as_uri()}?mode=ro", uri=True)) as connection:
+        rows = connection.execute("SELECT path, start_line, end_line, text FROM chunks").fetchall()
+    return count_fragments(rows, current.manifest.chunk_min_tokens)
+
+
 def build_index(corpus: Path, store: Path) -> dict[str, Any]:
     done = subprocess.run([sys.executable, str(ROOT / "ingest.py"), "--corpus", str(corpus), "--store", str(store), "--json"],
                           check=False, capture_output=True, text=True)
@@ -753,7 +798,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rag-eval-") as tmp:
         store = (args.store or Path(tmp) / "store").resolve()
         summary = build_index(corpus, store)
-        current = StoreLayout(store).read_current()
+        layout = StoreLayout(store)
+        current = layout.read_current()
+        fragments = store_fragments(layout, current) if current else None
         env = {"RAG_STORE_DIR": str(store), "RAG_CORPUS_DIR": str(corpus),
                "OLLAMA_HOST": os.environ.get("OLLAMA_HOST", "http://127.0.0.1:11434")}
         outcomes, k_checked = asyncio.run(in_session(env, queries, modes, args.k, args.check_k))
@@ -764,10 +811,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     saved = saved_run(settings, {mode: outcomes[mode] for mode in modes})
     report: dict[str, Any] = {"corpus": str(corpus), "queries": len(queries), "chunks": summary.get("chunks_written"),
                               "embedder": env["OLLAMA_HOST"], "phrasings": sum(1 for q in queries if q.phrasings),
-                              "settings": settings, "modes": saved["modes"]}
+                              "settings": settings, "fragments": vars(fragments) if fragments else None,
+                              "modes": saved["modes"]}
     first_ms = [o.seconds * 1000 for o in outcomes["first-call"]]
     report["first_call_ms"] = {"p50": statistics.median(first_ms), "p95": percentile(first_ms, 0.95)}
     print(f"corpus {corpus} - {len(queries)} queries - embedder at {env['OLLAMA_HOST']}")
+    if fragments:
+        print(f"fragment chunks: {fragments.fragments} of {fragments.chunks} ({fragments.under_min} under the "
+              f"{fragments.min_tokens}-token minimum in a document of several chunks, {fragments.shared_line} "
+              "sharing a line with another chunk)")
     print(f"first call per query (includes the query embedding): p50 {report['first_call_ms']['p50']:.0f} ms, "
           f"p95 {report['first_call_ms']['p95']:.0f} ms; the tables below reuse cached query embeddings\n")
     for mode in modes:
