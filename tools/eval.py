@@ -795,6 +795,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            load_phrasings(args.phrasings) if args.phrasings else None)
     if not queries:
         raise SystemExit("no queries matched; check --query-corpus")
+    commit, dirty = checkout_state(ROOT)  # before the run: the code it ran, whatever changes meanwhile
     with tempfile.TemporaryDirectory(prefix="rag-eval-") as tmp:
         store = (args.store or Path(tmp) / "store").resolve()
         summary = build_index(corpus, store)
@@ -804,7 +805,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = {"RAG_STORE_DIR": str(store), "RAG_CORPUS_DIR": str(corpus),
                "OLLAMA_HOST": os.environ.get("OLLAMA_HOST", "http://127.0.0.1:11434")}
         outcomes, k_checked = asyncio.run(in_session(env, queries, modes, args.k, args.check_k))
-    commit, dirty = checkout_state(ROOT)
     settings = {"corpus": args.query_corpus or corpus.name, "corpus_dir": str(corpus), "modes": modes,
                 "phrasings": any(q.phrasings for q in queries), "k": args.k, "embedder_host": env["OLLAMA_HOST"],
                 "embedder_model": current.manifest.model if current else None, "commit": commit, "dirty": dirty}
