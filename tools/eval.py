@@ -10,8 +10,8 @@
 Builds an index of DIR with ingest.py (in a temporary store unless --store is given) against
 whatever OLLAMA_HOST points to, counts its fragment chunks (under the index's chunk minimum in a
 document of several chunks, or sharing a line with another chunk: a piece of a cut line), runs
-every query through `python server.py` with an MCP client, and prints per query kind: file_hit@5, section_hit@5, MRR@10, and latency p50/p95,
-for each mode; over all queries, how well the top-1 score, the response's `confidence`
+every query through `python server.py` with an MCP client, and prints per query kind:
+file_hit@5, section_hit@5, MRR@10, and latency p50/p95, for each mode; over all queries, how well the top-1 score, the response's `confidence`
 (low < medium < high) and its `confidence_score` tell answerable from unanswerable queries
 (AUROC), the share of each marked low, and the share of unanswerable ones scored below the
 cut that flags at most 10% of the answerable ones.
