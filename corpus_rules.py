@@ -1159,6 +1159,9 @@ _IDENTIFIER_SHAPES = (
     re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)+"),  # kebab-case, kept below only when unmistakable
 )
 _KEBAB = _IDENTIFIER_SHAPES[-1]
+_CALL = re.compile(r"([A-Za-z_$][\w$.]*)\((?!e?s\))")  # `ref()`, `emit('update')`, not file(s): a call is code
+_IDENT_START = re.compile(r"[A-Za-z_$]")
+_NON_CJK = re.compile(rf"[^{_CJK_CHARS}]+")
 IDENTIFIERS_MAX = 8
 
 
@@ -1175,27 +1178,33 @@ def _looks_like_identifier(token: str) -> bool:
 
 
 def query_identifiers(query: str) -> list[str]:
-    """The identifier-like tokens of a query, as typed, in order, at most IDENTIFIERS_MAX: a
-    single token in backticks, and tokens shaped like UPPER_SNAKE, snake_case, camelCase, PascalCase,
-    dotted.names, /api/paths, --flags, error codes (E1234, ENOSPC) or kebab-case with a digit or
-    a one-letter part (v-model, sev-1)."""
+    """The identifier-like tokens of a query, as typed, at most IDENTIFIERS_MAX: a single token in
+    backticks, calls (`ref()`), and tokens shaped like UPPER_SNAKE, snake_case, camelCase,
+    PascalCase, dotted.names, /api/paths, --flags, error codes (E1234, ENOSPC) or kebab-case with a
+    digit or a one-letter part (v-model, sev-1). A token ends where Japanese text begins."""
     text = nfc(query)
     found: list[str] = []
     for span in _BACKTICKED.findall(text):
         tokens = span.split()
         # `pyproject.toml` is an identifier whatever its shape; in `uv run --frozen` only --frozen is.
         found.extend(tokens if len(tokens) == 1 and len(span) > 1 else
-                     [t for t in tokens if _looks_like_identifier(t)])
-    for token in _QUERY_TOKEN.findall(_BACKTICKED.sub(" ", text)):
-        token = token.rstrip(".:")
-        if _looks_like_identifier(token):
-            found.append(token)
+                     [t for t in map(_query_token, tokens) if _looks_like_identifier(t)])
+    rest = _BACKTICKED.sub(" ", text)
+    found.extend(f"{name}()" for name in _CALL.findall(rest) if _IDENT_START.match(name))
+    for token in _QUERY_TOKEN.findall(rest):
+        # Japanese runs straight into code (`v-modelを使う`): the script change ends the token.
+        found.extend(run for run in map(_query_token, _NON_CJK.findall(token)) if _looks_like_identifier(run))
     unique: dict[str, str] = {}
     for token in found:
         term = identifier_term(token)
         if term and term not in unique:
             unique[term] = token
     return list(unique.values())[:IDENTIFIERS_MAX]
+
+
+def _query_token(token: str) -> str:
+    """A token as an identifier is written, without the sentence's punctuation (`ENOSPC:`, `base,`)."""
+    return token.rstrip(".:,")
 
 
 def identifier_term(identifier: str) -> str | None:

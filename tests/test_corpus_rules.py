@@ -912,6 +912,13 @@ def test_embedder_errors(fake_ollama: FakeOllama) -> None:
     ("how do I declare a sev-1?", ["sev-1"]),
     ("use `uv run --frozen` and `pyproject.toml`", ["--frozen", "pyproject.toml"]),
     ("the ReplicaSet of the deploy", ["ReplicaSet"]),
+    # Japanese written straight against the code: the script change ends the identifier.
+    ("v-modelを使うとき", ["v-model"]),
+    ("item.idをキーにする", ["item.id"]),
+    # Calls are code whatever the name; a sentence's punctuation is not part of a name.
+    ("ref()とreactive()の違いは？", ["ref()", "reactive()"]),
+    ("Linux で `Error: ENOSPC: System limit` が出る", ["ENOSPC"]),
+    ("update the file(s) and the item(s)", []),
     # Ordinary English: hyphenated words, abbreviations, sentence ends, plain capitals.
     ("who is on-call for read-only replicas, e.g. at night? The API and HTTP are fine.", []),
     ("", []),
