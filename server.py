@@ -97,6 +97,7 @@ from corpus_rules import (
     read_beneath,
     reads_as_cjk,
     same_model,
+    searchable_text,
     shown,
     split_lines,
     store_failure,
@@ -1454,7 +1455,8 @@ class PassageTerms:
             if known is not None:
                 self._known.move_to_end(key)
                 return known
-        known = (frozenset(keyword_terms(f"{row.title}\n{row.heading}\n{row.text}")), cjk_share(row.text))
+        text = searchable_text(row.text)  # what the index holds (a link's payload is no term, nor Latin letters)
+        known = (frozenset(keyword_terms(searchable_text(f"{row.title}\n{row.heading}\n") + text)), cjk_share(text))
         with self._lock:
             self._known[key] = known
             while len(self._known) > self.size:
