@@ -132,9 +132,8 @@ FILE_LEAD = 3
 # The keyword channel's evidence for a phrasing is read from this many of its best passages.
 KEYWORD_EVIDENCE_ROWS = 3
 # Confidence (see judge): the value is high from CONFIDENCE_HIGH, medium from CONFIDENCE_MEDIUM;
-# all phrasings finding the passage adds the bonus, an identifier missing from the index takes the
-# penalty. Round numbers, not fitted to the dev set (README: what they give there).
-CONFIDENCE_AGREEMENT_BONUS = 0.1
+# an identifier missing from the index takes the penalty. Round numbers, not fitted to the dev set
+# (README: what they give there).
 CONFIDENCE_MISSING_PENALTY = 0.3
 CONFIDENCE_UNKNOWN = 0.3
 CONFIDENCE_HIGH = 0.5
@@ -556,8 +555,6 @@ class Evidence:
     margin: float | None  # how far it stands out from a phrasing's other vector candidates (see best_margin)
     calibration: Calibration | None  # this corpus's margin scale, measured at ingest
     coverage: float | None  # the largest share of a same-language phrasing's term weight it contains
-    phrasings_found: int  # how many phrasings found it
-    phrasings: int
     identifiers: tuple[str, ...] = ()  # the query's identifiers
     exact: tuple[str, ...] = ()  # those it contains whole
     missing: tuple[str, ...] = ()  # those no indexed passage contains
@@ -573,12 +570,15 @@ class Judgement:
 def judge(evidence: Evidence) -> Judgement:
     """The confidence that the best hit answers the query, its value, and why, in one line.
 
-    Without a generator, three signals exist: how far the passage stands out from the near
+    Without a generator, two signals are averaged: how far the passage stands out from the near
     misses, on this corpus's own scale (between what its headings' best passages in other
-    documents and in their own do, see Calibration), how much of the query's distinctive
-    vocabulary the passage holds, and how many of the phrasings found it. Identifiers weigh on
-    their own: all of them in the passage is high, one missing from the index lowers it, all
-    missing is low. (Agreement of the two channels was measured and said nothing.)
+    documents and in their own do, see Calibration), and how much of the query's distinctive
+    vocabulary it holds. An identifier no indexed passage holds is a fact about the corpus: one
+    lowers the value, all of them make it low. Measured and left out, since they told answered
+    from unanswered questions no better than chance or worse on another corpus than the one they
+    were tried on: agreement of the two channels, how many phrasings found the passage (AUROC
+    0.50-0.59), and "every identifier held whole is high", which made every unanswerable
+    question that names a real identifier (`uv.lock`, `vite.config.ts`) high.
     """
     notes: list[str] = []
     parts: list[float] = []
@@ -593,17 +593,13 @@ def judge(evidence: Evidence) -> Judgement:
         parts.append(evidence.coverage)
         notes.append(f"holds {evidence.coverage:.0%} of the query's distinctive terms")
     value = sum(parts) / len(parts) if parts else CONFIDENCE_UNKNOWN
-    if evidence.phrasings > 1:
-        value += CONFIDENCE_AGREEMENT_BONUS * (evidence.phrasings_found - 1) / (evidence.phrasings - 1)
-        notes.append(f"found by {evidence.phrasings_found} of {evidence.phrasings} phrasings")
     if evidence.identifiers and len(evidence.missing) == len(evidence.identifiers):
         return Judgement("low", round(min(value, CONFIDENCE_MEDIUM) - CONFIDENCE_MISSING_PENALTY, 4),
                          f"no indexed passage contains {', '.join(evidence.missing)}: the documents do not mention it")
     if evidence.missing:
         value -= CONFIDENCE_MISSING_PENALTY
         notes.insert(0, f"no indexed passage contains {', '.join(evidence.missing)}")
-    elif evidence.identifiers and len(evidence.exact) == len(evidence.identifiers):
-        value = max(value, CONFIDENCE_HIGH)
+    elif evidence.exact:
         notes.insert(0, f"contains {', '.join(evidence.exact)}")
     level: Literal["high", "medium", "low"] = (
         "high" if value >= CONFIDENCE_HIGH else "medium" if value >= CONFIDENCE_MEDIUM else "low")
@@ -1806,7 +1802,6 @@ class RetrievalService:
         return judge(Evidence(
             similarity=top.score, margin=best_margin(found.similarities, row.id), calibration=index.calibration,
             coverage=max(shares, default=None),
-            phrasings_found=len(top.phrasings), phrasings=len(phrasings),
             identifiers=tuple(i for i, _ in found.identifiers), exact=tuple(top.exact_matches),
             missing=tuple(found.missing)))
 

@@ -53,7 +53,8 @@ def test_identifier_present_is_found_whole_and_said_so(built: Built) -> None:
     top = payload["results"][0]
     assert top["path"] == "reference/api.md" and "E4091" in top["exact_matches"]
     assert payload["missing_identifiers"] == []
-    assert payload["confidence"] == "high" and "E4091" in payload["confidence_reason"]
+    # Holding the identifier is said; the level comes from how the passage stands out and its terms.
+    assert payload["confidence"] != "low" and "contains E4091" in payload["confidence_reason"]
     for hit in payload["results"]:
         assert ("E4091" in hit["exact_matches"]) == ("E4091" in hit["text"])
 
