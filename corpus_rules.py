@@ -685,6 +685,8 @@ def searchable_text(text: str) -> str:
     of base64 in its fragment); scheme, host, path and link text stay. Line by line (nothing
     crosses a newline), never longer than the text, and applying it twice changes nothing.
     """
+    if len(text) < LONG_RUN_CHARS and ":" not in text and "](" not in text:
+        return text  # no URL, data: URI, link destination or long run: the chunker asks this per word
     for payload in (_DATA_URI, _URL_PAYLOAD, _LINK_PAYLOAD):
         text = payload.sub(rf"\g<1>{PAYLOAD_MARK}", text)
     return _RUN_CANDIDATE.sub(lambda m: PAYLOAD_MARK if _is_payload_run(m.group(0)) else m.group(0), text)
@@ -816,7 +818,14 @@ def merged_heading(paths: Sequence[str]) -> str:
 
 def _embedded_tokens(body: _Body, span: _Span) -> int:
     """A span's tokens as embedded: its lines led by its heading and a blank line."""
-    return body.tokens(span.start, span.end) + searchable_tokens(merged_heading(body.headings(span.start, span.end))) + 2
+    return body.tokens(span.start, span.end) + _heading_tokens(merged_heading(body.headings(span.start, span.end))) + 2
+
+
+@functools.lru_cache(maxsize=1024)
+def _heading_tokens(heading: str) -> int:
+    """searchable_tokens of a heading, kept: merging asks again for the same headings, and one
+    absurd heading (200 KB) re-estimated at every check made chunking its file 30 times slower."""
+    return searchable_tokens(heading)
 
 
 def _split_oversized(body: _Body, span: _Span, max_tokens: int) -> list[_Span]:
