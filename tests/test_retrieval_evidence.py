@@ -69,6 +69,17 @@ def test_identifier_absent_is_reported_and_confidence_is_low(built: Built) -> No
     assert keyword["missing_identifiers"] == ["OLLAMA_KEEP_ALIVE"]
 
 
+def test_a_phrasings_missing_guess_is_listed_but_does_not_make_an_answer_low(built: Built) -> None:
+    """The agent's phrasing guesses a setting the documents do not name; the question is answered."""
+    svc = service(built)
+    alone = search(svc, query="How do I roll back a deploy?")
+    guessed = search(svc, query="How do I roll back a deploy?", queries=["DEPLOYCTL_ROLLBACK_TARGET"])
+    assert guessed["missing_identifiers"] == ["DEPLOYCTL_ROLLBACK_TARGET"]
+    assert alone["confidence"] != "low" and guessed["confidence"] != "low", guessed["confidence_reason"]
+    asked = search(svc, query="What does DEPLOYCTL_ROLLBACK_TARGET do when I roll back a deploy?")
+    assert asked["confidence"] == "low" and "DEPLOYCTL_ROLLBACK_TARGET" in asked["confidence_reason"]
+
+
 @pytest.fixture(scope="module")
 def parts_corpus(fake: FakeOllama, tmp_path_factory: pytest.TempPathFactory) -> Built:
     """Passages that say "keep ... alive" again and again (strong on the identifier's parts), and

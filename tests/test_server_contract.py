@@ -222,6 +222,10 @@ def test_confidence_levels_follow_the_evidence() -> None:
     whole = server.judge(evidence(margin=0.0, coverage=0.1, identifiers=("E4091",), exact=("E4091",)))
     assert whole.level == "low" and "contains E4091" in whole.reason
     assert whole.score == server.judge(evidence(margin=0.0, coverage=0.1)).score
+    # An extra phrasing's missing guess lowers the value by the penalty and no more.
+    guess = server.judge(evidence(identifiers=(), missing=("UV_NATIVE_TLS",)))
+    assert guess.score == round(server.judge(evidence()).score - server.CONFIDENCE_MISSING_PENALTY, 4)
+    assert "UV_NATIVE_TLS" in guess.reason and guess.level != "low"
     partly = server.judge(evidence(identifiers=("E4091", "E9999"), exact=("E4091",), missing=("E9999",),
                                    margin=0.015, coverage=0.3))
     assert partly.level == "low" and "E9999" in partly.reason
