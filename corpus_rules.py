@@ -816,6 +816,18 @@ def merged_heading(paths: Sequence[str]) -> str:
     return MERGED_HEADING_SEPARATOR.join([paths[0], *(p.rsplit(HEADING_SEPARATOR, 1)[-1] for p in paths[1:])])
 
 
+def _embedded_tokens(body: _Body, span: _Span) -> int:
+    """A span's tokens as embedded: its lines led by its heading and a blank line."""
+    return body.tokens(span.start, span.end) + _heading_tokens(merged_heading(body.headings(span.start, span.end))) + 2
+
+
+@functools.lru_cache(maxsize=1024)
+def _heading_tokens(heading: str) -> int:
+    """searchable_tokens of a heading, kept: merging asks again for the same headings, and one
+    absurd heading (200 KB) re-estimated at every check made chunking its file 30 times slower."""
+    return searchable_tokens(heading)
+
+
 def _split_oversized(body: _Body, span: _Span, max_tokens: int) -> list[_Span]:
     """Split a section at top-level block boundaries (never inside a fence), then at lines; a
     line over the budget on its own is a piece of its own."""
@@ -853,7 +865,7 @@ def _merge_small(body: _Body, spans: list[_Span], min_tokens: int, max_tokens: i
         for low in (at, at - 1):  # with the next span, then with the previous one
             if 0 <= low < len(merged) - 1:
                 pair = _Span(merged[low].start, merged[low + 1].end)
-                if body.tokens(pair.start, pair.end) <= context_tokens:
+                if _embedded_tokens(body, pair) <= context_tokens:
                     options.append(((body.tokens(pair.start, pair.end) > max_tokens, low != at), low, [pair]))
                 elif shared := _reshare(body, merged[low], merged[low + 1], min_tokens, context_tokens):
                     options.append(((True, low != at), low, shared))
@@ -881,7 +893,8 @@ def _reshare(body: _Body, left: _Span, right: _Span, min_tokens: int, context_to
     for candidates in ([k for k in inside if k in blocks], inside):
         fitting = [k for k in candidates
                    if body.meaning(left.start, k) >= min_tokens and body.meaning(k, right.end) >= min_tokens
-                   and body.tokens(left.start, k) <= context_tokens and body.tokens(k, right.end) <= context_tokens]
+                   and _embedded_tokens(body, _Span(left.start, k)) <= context_tokens
+                   and _embedded_tokens(body, _Span(k, right.end)) <= context_tokens]
         if fitting:
             cut = min(fitting, key=lambda k: abs(k - right.start))
             return [_Span(left.start, cut), _Span(cut, right.end)]
@@ -932,9 +945,7 @@ def chunk_document(doc: SourceDocument, max_tokens: int, min_tokens: int,
     """Split a document's body into chunks of about `max_tokens`, estimated on searchable_text
     (a 1.5 KB playground link costs a few tokens); chunk texts are the document's lines as written.
 
-    `context_tokens` is what the model takes of a chunk beside its prefix and title (max_tokens when
-    not given); a chunk's text stays within it (its heading leads it in what is embedded: the
-    estimate is high on purpose, and ingest splits whatever the model still refuses):
+    `context_tokens` is what the model takes of a chunk with its heading (max_tokens when not given):
     - line ranges are contiguous and cover the body exactly once;
     - a line is cut only when it cannot fit the context on its own: its pieces (each within
       max_tokens, none under min_tokens) are the only chunks that share a line;
@@ -974,8 +985,8 @@ def chunk_document(doc: SourceDocument, max_tokens: int, min_tokens: int,
         paths = body.headings(span.start, span.end)
         # A whole document is named by its first heading (or title), not by all of them.
         heading = merged_heading(paths[:1] if doc.chunk_mode == "whole" and len(spans) == 1 else paths)
-        # A single line over the context on its own is the one cut.
-        cut = "\n" not in text and body.tokens(span.start, span.end) > context_tokens
+        # A single line over the context is the one cut (the embedder halves anything else it refuses).
+        cut = "\n" not in text and _embedded_tokens(body, span) > context_tokens
         for part in _cut_long_line(text, max_tokens, min_tokens) if cut else [text]:
             chunks.append(Chunk(len(chunks), span.start + offset, span.end + offset - 1, heading, part.strip()))
     if chunks and chunks[0].start_line > doc.body_start:

@@ -1367,8 +1367,8 @@ class Budget:
         return chunk_budget(self.context_length, self.target, self.scheme, title)
 
     def context(self, title: str) -> int:
-        """What the model takes of a chunk beside the prefix and title: up to this a long line
-        stays whole and a small span joins a neighbour."""
+        """What the model takes of a chunk's heading and text beside the prefix and title: up to
+        this a long line stays whole and a small span joins a neighbour."""
         return max(16, self.context_length - prefix_tokens(self.scheme, title))
 
 
