@@ -1165,9 +1165,11 @@ _IDENTIFIER_SHAPES = (
     re.compile(r"[A-Za-z_$][\w$-]*(?:\.[A-Za-z_$][\w$-]*)+"),  # dotted.names, file.ext
     re.compile(r"[A-Z]{1,5}\d{2,}"),  # error codes: E1234, HTTP404
     re.compile(r"E[A-Z]{3,}"),  # errno names: ENOSPC, EACCES
+    re.compile(r"[A-Z][A-Z0-9]*(?:-[A-Z0-9]+)+"),  # codes and keys: QZX-7781, PROJ-1234 (with a digit, below)
     re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)+"),  # kebab-case, kept below only when unmistakable
 )
 _KEBAB = _IDENTIFIER_SHAPES[-1]
+_UPPER_CODE = _IDENTIFIER_SHAPES[-2]
 _CALL = re.compile(r"([A-Za-z_$][\w$.]*)\((?!e?s\))")  # `ref()`, `emit('update')`, not file(s): a call is code
 _IDENT_START = re.compile(r"[A-Za-z_$]")
 _NON_CJK = re.compile(rf"[^{_CJK_CHARS}]+")
@@ -1177,6 +1179,8 @@ IDENTIFIERS_MAX = 8
 def _looks_like_identifier(token: str) -> bool:
     if not any(shape.fullmatch(token) for shape in _IDENTIFIER_SHAPES):
         return False
+    if _UPPER_CODE.fullmatch(token):
+        return any(ch.isdigit() for ch in token)  # READ-ONLY is shouting, QZX-7781 a code
     if _KEBAB.fullmatch(token):
         # Hyphenated English (on-call, read-only) is not an identifier; v-model and sev-1 are.
         return any(len(part) == 1 or any(ch.isdigit() for ch in part) for part in token.split("-"))
