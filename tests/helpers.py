@@ -149,6 +149,18 @@ def tool_payload(tool: str, result: Any) -> tuple[bool, dict[str, Any]]:
 # Corpus copies and edits.
 
 
+def without_echoed_identifier(payload: dict[str, Any], token: str) -> dict[str, Any]:
+    """A search payload without the caller's own identifier said back as missing from the index
+    (missing_identifiers, and "no indexed passage contains it" in the reason and message): that
+    is the proof it is not indexed. Anywhere else it would be a leak."""
+    missing = payload.pop("missing_identifiers")
+    assert missing in ([], [token]), missing
+    if missing:
+        for said in ("confidence_reason", "message"):
+            payload[said] = (payload.get(said) or "").replace(f"contains {token}", "contains it")
+    return payload
+
+
 def copy_sample(tmp_path: Path, name: str = "corpus") -> Path:
     dest = tmp_path / name
     shutil.copytree(SAMPLE, dest)  # copy2 keeps mtimes

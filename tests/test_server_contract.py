@@ -33,7 +33,7 @@ from corpus_rules import (
     path_matches_prefix,
 )
 from fake_ollama import FakeOllama, fake_embedding
-from helpers import SAMPLE, Built, build, ingest_index, sample_built, tool_payload
+from helpers import SAMPLE, Built, build, ingest_index, sample_built, tool_payload, without_echoed_identifier
 
 
 # ---------------------------------------------------------------------------
@@ -931,7 +931,7 @@ def test_the_rag_false_token_is_never_served(base: Built) -> None:
         for query in (token, "offsite backup restore escrow reference", "SECRET OFFSITE TOKEN"):
             answer = call(svc, "search_corpus", query=query, mode=mode, k=20, include_superseded=True)[1]
             assert answer.pop("query") == query  # the echo of the caller's own query is not a leak
-            outputs.append(answer)
+            outputs.append(without_echoed_identifier(answer, token))
     for path in [d["path"] for d in outputs[0]["documents"]]:
         outputs.append(call(svc, "get_file", path=path)[1])
     assert token not in json.dumps(outputs, ensure_ascii=False)
