@@ -1170,8 +1170,8 @@ _IDENTIFIER_SHAPES = (
 )
 _KEBAB = _IDENTIFIER_SHAPES[-1]
 _UPPER_CODE = _IDENTIFIER_SHAPES[-2]
-_CALL = re.compile(r"([A-Za-z_$][\w$.]*)\((?!e?s\))")  # `ref()`, `emit('update')`, not file(s): a call is code
-_IDENT_START = re.compile(r"[A-Za-z_$]")
+# A call's name starts a keyword token: not after a letter, digit or joiner (Japanese may precede).
+_CALL = re.compile(rf"(?<![^\W{_CJK_CHARS}])(?<![.\-/:$@])([A-Za-z_$][A-Za-z0-9_$.]*)\((?!e?s\))")  # ref(), not file(s)
 _NON_CJK = re.compile(rf"[^{_CJK_CHARS}]+")
 IDENTIFIERS_MAX = 8
 
@@ -1203,7 +1203,7 @@ def query_identifiers(query: str) -> list[str]:
         found.extend(tokens if len(tokens) == 1 and len(span) > 1 else
                      [t for t in map(_query_token, tokens) if _looks_like_identifier(t)])
     rest = _BACKTICKED.sub(" ", text)
-    found.extend(f"{name}()" for name in _CALL.findall(rest) if _IDENT_START.match(name))
+    found.extend(f"{name}()" for name in _CALL.findall(unicodedata.normalize("NFKC", rest)))
     for token in _QUERY_TOKEN.findall(rest):
         # Japanese runs straight into code (`v-modelを使う`): the script change ends the token.
         found.extend(run for run in map(_query_token, _NON_CJK.findall(token)) if _looks_like_identifier(run))

@@ -919,6 +919,7 @@ def test_embedder_errors(fake_ollama: FakeOllama) -> None:
     ("ref()とreactive()の違いは？", ["ref()", "reactive()"]),
     ("Linux で `Error: ENOSPC: System limit` が出る", ["ENOSPC"]),
     ("update the file(s) and the item(s)", []),
+    ("0B( is no call", []),
     ("what does error QZX-7781 mean? see PROJ-1234", ["QZX-7781", "PROJ-1234"]),
     ("READ-ONLY and ON-CALL are shouted words", []),
     # Ordinary English: hyphenated words, abbreviations, sentence ends, plain capitals.
