@@ -111,7 +111,8 @@ log = logging.getLogger("local-rag.server")
 
 QUERY_MAX_CHARS = 2000
 K_MAX = 20
-# Candidates taken from each channel before fusion: enough for RRF to matter, cheap at 100k chunks.
+# Candidates taken from each channel before fusion, whatever k is (K_MAX is below it, so the
+# results for k are the first k of one order): enough for RRF to matter, cheap at 100k chunks.
 CHANNEL_CANDIDATES = 50
 # Cap on re-fetching when orphaned vectors (uncommitted generations) crowd out real hits.
 MAX_VECTOR_FETCH = 4000
@@ -1387,6 +1388,7 @@ class Candidates:
     identifiers: list[tuple[str, str]] = field(default_factory=list)  # (as typed, keyword term)
     missing: list[str] = field(default_factory=list)
     whole: dict[str, set[str]] = field(default_factory=dict)
+    own: set[str] = field(default_factory=set)  # the terms of the query's own identifiers (phrasing 0)
     dropped: set[str] = field(default_factory=set)
     passages: PassageTerms = field(default_factory=lambda: PassageTerms(PASSAGE_TERMS_CACHE_SIZE))
     index_name: str = ""  # the index the rows come from (an id names one text within one index)
@@ -1606,8 +1608,7 @@ class RetrievalService:
                 current = index.current
                 # The pre-filter first: the vector queries the embedding's thread starts need it.
                 early = Overlapped(index.key, self._prefilter(index, args))
-                embedding = self._query_vectors(texts, current, early.vector_queries(
-                    index, manager, max(CHANNEL_CANDIDATES, args.k)))
+                embedding = self._query_vectors(texts, current, early.vector_queries(index, manager, CHANNEL_CANDIDATES))
                 if args.mode == "hybrid" and not early.scope.empty:
                     early.found = self._keyword_candidates(index, args, early.scope,
                                                            [Phrasing(text, None) for text in texts])
@@ -1672,8 +1673,7 @@ class RetrievalService:
         for p, phrasing in enumerate(phrasings):
             terms = query_terms(phrasing.text)
             found.weights[p] = term_weights(terms, index.passages_with(terms), total)
-            ranked, plan = index.keyword_ranking(phrasing.text, scope.lifecycles, scope.prefix,
-                                                 max(CHANNEL_CANDIDATES, args.k))
+            ranked, plan = index.keyword_ranking(phrasing.text, scope.lifecycles, scope.prefix, CHANNEL_CANDIDATES)
             if p == 0:
                 found.keyword_plan = plan
             found.lifecycles.update(ranked)
@@ -1695,7 +1695,7 @@ class RetrievalService:
         for p, phrasing in enumerate(phrasings):
             if phrasing.vector is None:
                 continue
-            ids, scores = self._vector_channel(index, phrasing.vector, scope, args.k,
+            ids, scores = self._vector_channel(index, phrasing.vector, scope,
                                                {lc: job for (q, lc), job in started.items() if q == p})
             found.add(RankedList("vector", p, tuple(ids), 1.0 if p == 0 else EXTRA_PHRASING_WEIGHT))
             found.similarities[p] = {item: score for item, score in scores.items() if score is not None}
@@ -1719,27 +1719,29 @@ class RetrievalService:
     def _identifiers(index: OpenIndex, phrasings: list[Phrasing], found: Candidates) -> None:
         """The phrasings' identifiers that are distinctive here, and those no indexed passage holds."""
         seen: dict[str, str] = {}
-        for phrasing in phrasings:
+        for p, phrasing in enumerate(phrasings):
             for identifier in query_identifiers(phrasing.text):
                 term = identifier_term(identifier)
                 if term is not None and term not in seen and len(seen) < IDENTIFIERS_MAX:
                     seen[term] = identifier
+                    if p == 0:
+                        found.own.add(term)
         counts = index.passages_with(list(seen))
         found.identifiers = distinctive_identifiers(seen, counts, index.current.stamp.chunks)
         found.missing = [identifier for term, identifier in seen.items() if counts.get(term, 0) == 0]
 
-    def _vector_channel(self, index: OpenIndex, vector: Sequence[float], scope: SearchScope, k: int,
+    def _vector_channel(self, index: OpenIndex, vector: Sequence[float], scope: SearchScope,
                         started: Mapping[str, _Job]) -> tuple[list[str], dict[str, float | None]]:
         """Vector candidates whose chunk rows are committed, best first: (ids, similarities).
 
-        Over-fetches until at least k committed candidates are found or the store is exhausted:
-        vectors without a committed row (an ingest in flight or interrupted) never take a slot.
+        Over-fetches until CHANNEL_CANDIDATES committed candidates are found or the store is
+        exhausted, whatever k is (the ranking must not depend on it): vectors without a committed row (an ingest in flight or interrupted) never take a slot.
         The first round reads the queries already `started` (by lifecycle) where there are any.
         A committed id needs no further check: ids are content-addressed (path, content hash,
         position), so its path and lifecycle are those of the vector's collection and filter; the
         rows themselves are read for the hits only (see _with_rows).
         """
-        n = max(CHANNEL_CANDIDATES, k)
+        n = CHANNEL_CANDIDATES
         while True:
             raw: list[tuple[str, float]] = []
             exhausted = True
@@ -1759,12 +1761,11 @@ class RetrievalService:
                 best.setdefault(item, distance)
             committed = index.committed(list(best))
             valid = [(i, d) for i, d in best.items() if i in committed]
-            # As many committed candidates whatever k is: the ranking must not depend on k.
             if len(valid) >= CHANNEL_CANDIDATES or exhausted or n >= MAX_VECTOR_FETCH:
                 break
             n = min(n * 4, MAX_VECTOR_FETCH)
             started = {}
-        kept = valid[:max(CHANNEL_CANDIDATES, k)]
+        kept = valid[:CHANNEL_CANDIDATES]
         return [i for i, _ in kept], {i: 1.0 - d for i, d in kept}
 
     @staticmethod
@@ -1802,11 +1803,10 @@ class RetrievalService:
         """How likely the first hit (its row and its hit) answers the query (see judge)."""
         shares = [share for p, phrasing in enumerate(phrasings)
                   if (share := found.term_evidence(p, phrasing, row)) is not None]
-        own = {identifier_term(identifier) for identifier in query_identifiers(phrasings[0].text)}
         return judge(Evidence(
             similarity=top.score, margin=best_margin(found.similarities, row.id), calibration=index.calibration,
             coverage=max(shares, default=None),
-            identifiers=tuple(i for i, term in found.identifiers if term in own), exact=tuple(top.exact_matches),
+            identifiers=tuple(i for i, term in found.identifiers if term in found.own), exact=tuple(top.exact_matches),
             missing=tuple(found.missing)))
 
     def _search_response(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope, found: Candidates,
