@@ -667,7 +667,8 @@ PAYLOAD_MARK = "\u2026"  # "…": what stands in for a payload; not a keyword ch
 _URL_PATH_CHARS = r"A-Za-z0-9_\-.~:/@!$&*+,;=%"  # ASCII only: Japanese prose often follows a URL unspaced
 _DATA_URI = re.compile(rf"(\bdata:[A-Za-z0-9.+-]*(?:/[A-Za-z0-9.+-]+)?(?:;[A-Za-z0-9.+-]+(?:=[A-Za-z0-9.+-]+)?)*,)"
                        rf"[{_URL_PATH_CHARS}?#]+")
-_URL_PAYLOAD = re.compile(rf"(\b[A-Za-z][A-Za-z0-9+.-]*://[{_URL_PATH_CHARS}]*[?#])[{_URL_PATH_CHARS}?#]+")
+_URL_START = r"\b[A-Za-z][A-Za-z0-9+.-]*://"  # a scheme and ://
+_URL_PAYLOAD = re.compile(rf"({_URL_START}[{_URL_PATH_CHARS}]*[?#])[{_URL_PATH_CHARS}?#]+")
 _LINK_PAYLOAD = re.compile(rf"(\]\([^\s()?#]*[?#])[{_URL_PATH_CHARS}?#]+")  # a Markdown link's relative destination
 # Longer than a sha256 in hex (64), the longest hash people paste into a search (a git sha is 40).
 LONG_RUN_CHARS = 65
@@ -935,7 +936,7 @@ def _cut_units(line: str, max_tokens: int) -> Iterable[str]:
 
 
 _WORD_WITH_SPACE = re.compile(r"\S+\s*|\s+")
-_URL = re.compile(rf"\b[A-Za-z][A-Za-z0-9+.-]*://[{_URL_PATH_CHARS}?#]+")
+_URL = re.compile(rf"{_URL_START}[{_URL_PATH_CHARS}?#]+")
 _WORD_PIECES = re.compile(rf"{_DATA_URI.pattern}|{_URL.pattern}|[A-Za-z0-9_]+|.", re.DOTALL)
 _ESTIMATE_ATOMS = re.compile(r"[A-Za-z]{1,3}|.", re.DOTALL)
 
@@ -947,7 +948,7 @@ def chunk_document(doc: SourceDocument, max_tokens: int, min_tokens: int,
 
     `context_tokens` is what the model takes of a chunk with its heading (max_tokens when not given):
     - line ranges are contiguous and cover the body exactly once;
-    - a line is cut only when it cannot fit the context on its own: its pieces (each within
+    - a line is cut only when it cannot fit the context with its heading: its pieces (each within
       max_tokens, none under min_tokens) are the only chunks that share a line;
     - no chunk has under min_tokens of searchable text unless the document is one chunk: a small
       span joins a neighbour, over max_tokens if need be, up to context_tokens;
@@ -1138,11 +1139,6 @@ QUERY_TERMS_MAX = 64
 def query_terms(query: str) -> list[str]:
     """A query's keyword terms as the keyword channel searches them: unique, in order, at most 64."""
     return list(dict.fromkeys(keyword_terms(query)))[:QUERY_TERMS_MAX]
-
-
-def fts_all(terms: Sequence[str]) -> str | None:
-    """An FTS5 MATCH expression for "every one of these terms", quoted like fts_any."""
-    return " AND ".join('"' + term.replace('"', '""') + '"' for term in terms) or None
 
 
 def fts_any(terms: Sequence[str]) -> str | None:
