@@ -67,7 +67,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout's own modules, whichever folder the script runs from
 
-from corpus_rules import CurrentIndex, StoreLayout, estimate_tokens, searchable_text
+from corpus_rules import CurrentIndex, StoreLayout, searchable_tokens
 
 MODES = ("hybrid", "vector", "keyword")
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
@@ -497,8 +497,8 @@ class Fragments:
 
 
 def count_fragments(chunks: Iterable[tuple[str, int, int, str]], min_tokens: int) -> Fragments:
-    """From (path, start_line, end_line, text) of every chunk; tokens are counted on the text as
-    it is embedded and keyword-indexed (searchable_text), as the chunker counts them."""
+    """From (path, start_line, end_line, text) of every chunk; tokens are counted as the chunker
+    counts them (searchable_tokens)."""
     by_path: dict[str, list[tuple[str, int, int, str]]] = defaultdict(list)
     for chunk in chunks:
         by_path[chunk[0]].append(chunk)
@@ -507,7 +507,7 @@ def count_fragments(chunks: Iterable[tuple[str, int, int, str]], min_tokens: int
         group.sort(key=lambda chunk: (chunk[1], chunk[2]))
         reached = 0  # the last line any earlier chunk of the document covers
         for i, (_path, start, end, text) in enumerate(group):
-            small = len(group) > 1 and estimate_tokens(searchable_text(text)) < min_tokens
+            small = len(group) > 1 and searchable_tokens(text) < min_tokens
             cut = reached >= start or (i + 1 < len(group) and group[i + 1][1] <= end)
             reached = max(reached, end)
             total += 1
