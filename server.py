@@ -114,6 +114,11 @@ K_MAX = 20
 # Candidates taken from each channel before fusion, whatever k is (K_MAX is below it, so the
 # results for k are the first k of one order): enough for RRF to matter, cheap at 100k chunks.
 CHANNEL_CANDIDATES = 50
+# What the vector channel asks Chroma for: more than it keeps, so passages tied at its last place
+# (identical texts share one vector) are chosen by id, not by the order this process's HNSW graph
+# meets them in. P1-015 had two passages at one distance at places 50 and 51: one or the other came
+# back, and the 10th hit changed between server processes.
+VECTOR_FETCH = 2 * CHANNEL_CANDIDATES
 # Cap on re-fetching when orphaned vectors (uncommitted generations) crowd out real hits.
 MAX_VECTOR_FETCH = 4000
 RRF_K = 60
@@ -1608,7 +1613,7 @@ class RetrievalService:
                 current = index.current
                 # The pre-filter first: the vector queries the embedding's thread starts need it.
                 early = Overlapped(index.key, self._prefilter(index, args))
-                embedding = self._query_vectors(texts, current, early.vector_queries(index, manager, CHANNEL_CANDIDATES))
+                embedding = self._query_vectors(texts, current, early.vector_queries(index, manager, VECTOR_FETCH))
                 if args.mode == "hybrid" and not early.scope.empty:
                     early.found = self._keyword_candidates(index, args, early.scope,
                                                            [Phrasing(text, None) for text in texts])
@@ -1734,14 +1739,15 @@ class RetrievalService:
                         started: Mapping[str, _Job]) -> tuple[list[str], dict[str, float | None]]:
         """Vector candidates whose chunk rows are committed, best first: (ids, similarities).
 
-        Over-fetches until CHANNEL_CANDIDATES committed candidates are found or the store is
-        exhausted, whatever k is (the ranking must not depend on it): vectors without a committed row (an ingest in flight or interrupted) never take a slot.
-        The first round reads the queries already `started` (by lifecycle) where there are any.
+        Asks Chroma for VECTOR_FETCH and over-fetches until CHANNEL_CANDIDATES committed
+        candidates are found or the store is exhausted, whatever k is (the ranking must not depend
+        on it): vectors without a committed row (an ingest in flight or interrupted) never take a
+        slot. The first round reads the queries already `started` (by lifecycle) where there are any.
         A committed id needs no further check: ids are content-addressed (path, content hash,
         position), so its path and lifecycle are those of the vector's collection and filter; the
         rows themselves are read for the hits only (see _with_rows).
         """
-        n = CHANNEL_CANDIDATES
+        n = VECTOR_FETCH
         while True:
             raw: list[tuple[str, float]] = []
             exhausted = True
