@@ -1115,6 +1115,12 @@ def keyword_terms(text: str) -> list[str]:
     return terms
 
 
+def indexed_terms(text: str) -> list[str]:
+    """The keyword terms of indexed text (a title, heading path or chunk): those of its
+    searchable_text, as ingest writes them and the server reads a passage's."""
+    return keyword_terms(searchable_text(text))
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _run_terms(run: str) -> tuple[str, ...]:
     """The terms of one whitespace-delimited, non-CJK run. Cached: prose repeats its words, and

@@ -1042,7 +1042,7 @@ class Store:
 
     def _insert_rows(self, pf: PreparedFile) -> None:
         doc, path = pf.doc, pf.file.path
-        title_terms = " ".join(rules.keyword_terms(rules.searchable_text(doc.title)))
+        title_terms = " ".join(rules.indexed_terms(doc.title))
         for chunk, key in zip(pf.chunks, pf.keys, strict=True):
             cur = self.db.execute(
                 "INSERT INTO chunks(id, path, chunk_index, start_line, end_line, heading, lifecycle, text, embed_key) "
@@ -1050,8 +1050,8 @@ class Store:
                 (rules.chunk_id(path, pf.content_hash, chunk.index), path, chunk.index, chunk.start_line,
                  chunk.end_line, chunk.heading, doc.lifecycle, chunk.text, key))
             self.db.execute("INSERT INTO chunks_fts(rowid, title, heading, body) VALUES (?, ?, ?, ?)",
-                            (cur.lastrowid, title_terms, " ".join(rules.keyword_terms(rules.searchable_text(chunk.heading))),
-                             " ".join(rules.keyword_terms(rules.searchable_text(chunk.text)))))
+                            (cur.lastrowid, title_terms, " ".join(rules.indexed_terms(chunk.heading)),
+                             " ".join(rules.indexed_terms(chunk.text))))
         self.db.execute(
             "INSERT INTO documents(path, title, lifecycle, chunk_mode, content_hash, size, mtime_ns, disk_path, "
             "real_path, line_count, chunk_count, cjk_share) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",

@@ -83,8 +83,8 @@ from corpus_rules import (
     cjk_share,
     has_lone_surrogates,
     identifier_term,
+    indexed_terms,
     import_heavy,
-    keyword_terms,
     query_identifiers,
     is_within,
     load_settings,
@@ -1461,8 +1461,8 @@ class PassageTerms:
             if known is not None:
                 self._known.move_to_end(key)
                 return known
-        text = searchable_text(row.text)  # what the index holds (a link's payload is no term, nor Latin letters)
-        known = (frozenset(keyword_terms(searchable_text(f"{row.title}\n{row.heading}\n") + text)), cjk_share(text))
+        known = (frozenset(indexed_terms(f"{row.title}\n{row.heading}\n{row.text}")),
+                 cjk_share(searchable_text(row.text)))  # a link's payload holds no Japanese
         with self._lock:
             self._known[key] = known
             while len(self._known) > self.size:
