@@ -605,6 +605,21 @@ def shown(value: Any, limit: int = 200) -> str:
     return repr(text[:limit]) + ("..." if len(text) > limit else "")
 
 
+# Characters that are not text where corpus text is shown as a field (a title, a heading, a folder
+# name): C0/C1 controls (terminal escapes), line and paragraph separators, bidi overrides and
+# isolates, zero-width and invisible formatting characters. Each is shown as one space.
+_NOT_METADATA = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u2069"
+                           "\u206a-\u206f\ufeff\ufff9-\ufffb]")
+METADATA_MAX_CHARS = 300  # a title or a heading, as stored and shown
+
+
+def metadata_text(text: str, limit: int = METADATA_MAX_CHARS) -> str:
+    """Corpus text as a one-line field: invisible and control characters neutralised, whitespace
+    collapsed, and cut at `limit` characters with "…" (the whole text stays in the file)."""
+    flat = " ".join(_NOT_METADATA.sub(" ", text).split())
+    return flat if len(flat) <= limit else flat[:limit - 1].rstrip() + "\u2026"
+
+
 def parse_document(raw: bytes, path: str) -> SourceDocument:
     """Apply the frontmatter conventions to one file's bytes. Raises RagError(document_invalid)."""
     text = decode_markdown(raw, path)
