@@ -201,7 +201,8 @@ class Settings:
     respect_gitignore: bool = True
     # `server.py --http`: where it listens, the bearer token every route but /health requires, host
     # names and origins allowed besides loopback's (DNS-rebinding protection), how many calls may
-    # be in flight at once, and how long one tool call may take.
+    # be in flight at once (per budget), how long one tool call may take, how long a client may
+    # take to send a request (headers, then body), and how many connections may be open at once.
     http_host: str = "127.0.0.1"
     http_port: int = 8765
     http_token: str | None = field(default=None, repr=False)
@@ -209,6 +210,8 @@ class Settings:
     http_allowed_origins: tuple[str, ...] = ()
     http_max_in_flight: int = 16
     tool_timeout_s: float = 30.0
+    http_read_timeout_s: float = 10.0
+    http_max_connections: int = 1000
 
     def describe(self) -> str:
         return (f"corpus={self.corpus_dir} store={self.store_dir} ollama={self.ollama_host} "
@@ -253,6 +256,8 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
         http_allowed_origins=_list_env(env, "RAG_HTTP_ALLOWED_ORIGINS"),
         http_max_in_flight=_int_env(env, "RAG_HTTP_MAX_IN_FLIGHT", 16, 1, 10_000),
         tool_timeout_s=_seconds_env(env, "RAG_TOOL_TIMEOUT", 30.0),
+        http_read_timeout_s=_seconds_env(env, "RAG_HTTP_READ_TIMEOUT", 10.0),
+        http_max_connections=_int_env(env, "RAG_HTTP_MAX_CONNECTIONS", 1000, 8, 1_000_000),
     )
 
 
