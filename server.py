@@ -39,8 +39,9 @@ import time
 import traceback
 import typing
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Container, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Iterator, Mapping, Sequence
 import contextlib
+import contextvars
 import dataclasses
 import functools
 from dataclasses import dataclass, field
@@ -71,6 +72,7 @@ from corpus_rules import (
     EmbedderTimeout,
     ErrorCode,
     OllamaEmbedder,
+    ServerVectors,
     PathChanged,
     RagError,
     Settings,
@@ -2139,8 +2141,24 @@ async def dispatch_within(service: RetrievalService, name: str, arguments: Mappi
     (each of its parts has its own bound), so the next call is served."""
     import anyio  # noqa: PLC0415
 
-    with anyio.move_on_after(timeout_s):
-        return await anyio.to_thread.run_sync(dispatch, service, name, arguments, abandon_on_cancel=True)
+    # Over HTTP the work holds its call's slot (see Slot) until it ends, past a timed-out answer too.
+    slot = CURRENT_SLOT.get()
+    let_go = slot.hold() if slot is not None else (lambda: None)
+    began = threading.Event()
+
+    def work() -> Outcome:
+        began.set()
+        try:
+            return dispatch(service, name, arguments)
+        finally:
+            let_go()
+
+    try:
+        with anyio.move_on_after(timeout_s):
+            return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
+    finally:
+        if not began.is_set():
+            let_go()  # cancelled before a worker thread took it up: it never will
     log.warning("%s did not finish within %g s; answered as timed out", name, timeout_s)
     return Outcome(name, error=RagError(ErrorCode.INTERNAL, f"{name} did not finish within {timeout_s:g} s",
                                         "retry; if it repeats, a dependency (the embedder, the vector store) is "
@@ -2448,10 +2466,15 @@ BRIDGE_BODY_MAX = 1 << 20  # the whole request
 BRIDGE_INPUT_MAX = 100 * 1024  # `input`, serialized
 BRIDGE_INPUT_DEPTH = 10
 BRIDGE_NAME = re.compile(r"[a-zA-Z0-9_-]+")
-HEALTH_PROBE_EVERY_S = 10.0  # the embedder is probed in the background, never on a /health request
+HEALTH_PROBE_EVERY_S = 10.0  # the embedder (and a Chroma server) are probed in the background, never on a request
 HEALTH_PROBE_TIMEOUT_S = 2.0
-LOOPBACK_HOSTS = ("127.0.0.1:*", "localhost:*", "[::1]:*")
-LOOPBACK_ORIGINS = ("http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*")
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+HTTP_ROUTES = "POST /mcp, POST /mcp/call, GET /mcp/tools, GET /health"
+HTTP_GRACE_S = 5.0  # uvicorn's graceful shutdown: calls still running are answered before it ends
+HTTP_FD_RESERVE = 100  # descriptors kept for the store, the embedder's connections and the logs
+# A Host header or allowed-hosts entry: a name or bracketed IPv6 literal, then maybe a port ("*" in entries).
+_HOST = re.compile(r"(\[[0-9a-f:.]+\]|[a-z0-9.-]+)(?::(\d{1,5}|\*))?")
+_ORIGIN = re.compile(r"(https?)://(\[[0-9a-f:.]+\]|[a-z0-9.-]+)(?::(\d{1,5}|\*))?")
 # A tool's own error as the bridge's HTTP status: the caller's mistake, or a dependency that is not there.
 _BRIDGE_STATUS = {ErrorCode.INVALID_ARGUMENT: 400, ErrorCode.PATH_REJECTED: 400, ErrorCode.NOT_INDEXED: 400,
                   ErrorCode.INDEX_MISSING: 503, ErrorCode.EMBEDDER_UNAVAILABLE: 503, ErrorCode.MODEL_NOT_FOUND: 503}
@@ -2468,7 +2491,26 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def bridge_error(status: int, bridge_code: str, message: str, **details: Any) -> Any:
+def _address_matches(found: re.Match[str] | None, entries: Sequence[re.Match[str] | None]) -> bool:
+    """Exact matching of parsed addresses (every group but the port equal; the port equal, or
+    "*" in the entry: any port or none, as a proxy on the default port sends none)."""
+    if found is None or found.groups()[-1] == "*":
+        return False
+    *name, port = found.groups()
+    return any(entry is not None and list(entry.groups()[:-1]) == name and entry.groups()[-1] in (port, "*")
+               for entry in entries)
+
+
+def host_allowed(host: str, allowed: Sequence[str]) -> bool:
+    return _address_matches(_HOST.fullmatch(host.lower()), [_HOST.fullmatch(entry.lower()) for entry in allowed])
+
+
+def origin_allowed(origin: str, allowed: Sequence[str]) -> bool:
+    return _address_matches(_ORIGIN.fullmatch(origin.lower()),
+                            [_ORIGIN.fullmatch(entry.lower().rstrip("/")) for entry in allowed])
+
+
+def bridge_error(status: int, bridge_code: str, message: str, /, **details: Any) -> Any:
     from starlette.responses import JSONResponse  # noqa: PLC0415
 
     headers = {"Retry-After": "1"} if status == 503 else None
@@ -2476,26 +2518,40 @@ def bridge_error(status: int, bridge_code: str, message: str, **details: Any) ->
                         status_code=status, headers=headers)
 
 
-def json_depth(value: Any) -> int:
-    """How deeply objects and arrays nest (a scalar is 0), without recursion."""
-    deepest, pending = 0, [(value, 0)]
+def json_nodes(value: Any) -> Iterator[tuple[Any, int]]:
+    """Every value, key and container in a JSON document with its depth (objects and arrays
+    count a level), without recursion."""
+    pending = [(value, 0)]
     while pending:
         item, depth = pending.pop()
+        yield item, depth
+        if isinstance(item, dict):
+            pending.extend((key, depth + 1) for key in item)
         if isinstance(item, (dict, list)):
-            deepest = max(deepest, depth + 1)
             pending.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return deepest
+
+
+def json_depth(value: Any) -> int:
+    """How deeply objects and arrays nest (a scalar is 0)."""
+    return max((depth + 1 for item, depth in json_nodes(value) if isinstance(item, (dict, list))), default=0)
+
+
+def has_lone_surrogate_text(value: Any) -> bool:
+    """Whether any key or string in a JSON document holds an unpaired UTF-16 half ("\\ud800"),
+    which Python's parser lets through and no encoder can write."""
+    return any(isinstance(item, str) and has_lone_surrogates(item) for item, _ in json_nodes(value))
 
 
 class HealthProbe:
     """What /health reports, without waiting on anything: the index is checked on each request (a
-    few stats and CURRENT.json), the embedder in the background every HEALTH_PROBE_EVERY_S (a
-    slow or stalled Ollama never delays /health)."""
+    few stats and CURRENT.json), the embedder and a Chroma server (RAG_CHROMA_URL) in the
+    background every HEALTH_PROBE_EVERY_S (a slow or stalled dependency never delays /health)."""
 
     def __init__(self, service: RetrievalService) -> None:
         self.service = service
         self.started = time.monotonic()
         self.embedder: RagError | None | bool = True  # True: not probed yet
+        self.vector_store: RagError | None | bool = True
         self._stop = threading.Event()
 
     def start(self) -> None:
@@ -2507,6 +2563,7 @@ class HealthProbe:
     def _run(self) -> None:
         while True:
             self.embedder = self._probe_embedder()
+            self.vector_store = self._probe_vector_store()
             if self._stop.wait(HEALTH_PROBE_EVERY_S):
                 return
 
@@ -2522,7 +2579,20 @@ class HealthProbe:
             return exc
         return None
 
-    def answer(self) -> dict[str, Any]:
+    def _probe_vector_store(self) -> RagError | None:
+        """The Chroma server's heartbeat, when there is one (the embedded store is files: the
+        index check covers it)."""
+        try:
+            settings = self.service.settings
+            if settings.chroma_url is not None:
+                ServerVectors(settings.chroma_url, settings.chroma_headers, "", "", HEALTH_PROBE_TIMEOUT_S)._heartbeat()
+        except RagError as exc:
+            return exc
+        return None
+
+    def answer(self) -> tuple[int, dict[str, Any]]:
+        """The status (503 when no call can be served, so a load balancer reads it from the code;
+        200 when serving, degraded or not) and the body."""
         problems = []
         index_ok = True
         try:
@@ -2533,14 +2603,23 @@ class HealthProbe:
         except RagError as exc:
             index_ok = False
             problems.append({"part": "index", **redacted(exc).payload()["error"]})
-        embedder = self.embedder
+        embedder, vector_store = self.embedder, self.vector_store
         if isinstance(embedder, RagError):
             problems.append({"part": "embedder", **redacted(embedder).payload()["error"],
                              "note": "keyword search works meanwhile; hybrid search answers from it"})
-        return {"status": "ok" if not problems else "degraded", "uptime": round(time.monotonic() - self.started, 3),
+        if isinstance(vector_store, RagError):
+            problems.append({"part": "vector_store", **redacted(vector_store).payload()["error"],
+                             "note": "keyword search works meanwhile; vector search fails until it is back"})
+        body = {"status": "ok" if not problems else "degraded", "uptime": round(time.monotonic() - self.started, 3),
                 "servers": {SERVER_NAME: "available" if index_ok else "unavailable"},
-                "embedder": "not probed yet" if embedder is True else ("unavailable" if embedder else "available"),
-                "problems": problems}
+                "embedder": _probed(embedder), "problems": problems}
+        if self.service.settings.chroma_url is not None:
+            body["vector_store"] = _probed(vector_store)
+        return (200 if index_ok else 503), body
+
+
+def _probed(state: RagError | None | bool) -> str:
+    return "not probed yet" if state is True else ("unavailable" if state else "available")
 
 
 class Bridge:
@@ -2561,7 +2640,8 @@ class Bridge:
     async def health_check(self, request: Any) -> Any:
         from starlette.responses import JSONResponse  # noqa: PLC0415
 
-        return JSONResponse(self.health.answer())
+        status, body = self.health.answer()
+        return JSONResponse(body, status_code=status)
 
     async def call(self, request: Any) -> Any:
         from starlette.responses import JSONResponse  # noqa: PLC0415
@@ -2607,6 +2687,11 @@ class Bridge:
     def _validated(body: Any) -> tuple[str, str, dict[str, Any]]:
         if not isinstance(body, dict):
             raise _Refused(bridge_error(400, "VALIDATION_ERROR", "request body must be a JSON object", field="body"))
+        unreadable = next((name for name in ("server", "toolName", "input") if has_lone_surrogate_text(body.get(name))),
+                          "body" if has_lone_surrogate_text(body) else None)
+        if unreadable is not None:
+            raise _Refused(bridge_error(400, "VALIDATION_ERROR", f"{unreadable} is not valid Unicode: a \\uD800-\\uDFFF "
+                                        "escape must be half of a surrogate pair", field=unreadable))
         for field_name, limit in (("server", 50), ("toolName", 100)):
             value = body.get(field_name)
             if not isinstance(value, str) or not value:
@@ -2619,8 +2704,11 @@ class Bridge:
                 raise _Refused(bridge_error(400, "VALIDATION_ERROR", f"{field_name} contains invalid characters",
                                             field=field_name, value=value, pattern="/^[a-zA-Z0-9-_]+$/"))
         arguments = body.get("input")
-        if not isinstance(arguments, dict):
+        if "input" not in body:
             raise _Refused(bridge_error(400, "VALIDATION_ERROR", "input is required (a JSON object)", field="input"))
+        if not isinstance(arguments, dict):
+            raise _Refused(bridge_error(400, "VALIDATION_ERROR", f"input must be a JSON object, not "
+                                        f"{_json_kind(arguments)}", field="input"))
         size = len(json.dumps(arguments, ensure_ascii=False).encode())
         if size > BRIDGE_INPUT_MAX:
             raise _Refused(bridge_error(400, "VALIDATION_ERROR", "input exceeds maximum size (100KB)", field="input",
@@ -2637,111 +2725,394 @@ class Bridge:
         return body["server"], body["toolName"], arguments
 
 
+def _json_kind(value: Any) -> str:
+    kinds = {str: "a string", list: "an array", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else kinds.get(type(value), "another type")
+
+
 class _Refused(Exception):
     def __init__(self, response: Any) -> None:
         self.response = response
 
 
+class Budget:
+    """At most `size` calls at work at once, counted across threads (a call's work may run on
+    past its answer: see Slot)."""
+
+    def __init__(self, kind: str, size: int) -> None:
+        self.kind, self.size, self.used, self.lock = kind, size, 0, threading.Lock()
+
+    def take(self) -> Slot | None:
+        with self.lock:
+            if self.used >= self.size:
+                return None
+            self.used += 1
+        return Slot(self)
+
+
+class Slot:
+    """One place in a Budget, free again once every holder let go: the request (its answer
+    sent) and its work (a worker thread, which runs on past a timed-out answer until its own
+    bounds end it), so calls that time out cannot pile up threads."""
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget, self.holders = budget, 0
+
+    def hold(self) -> Callable[[], None]:
+        """Another holder; the function returned lets go, once however often it is called."""
+        with self.budget.lock:
+            self.holders += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self.budget.lock:
+                if not released:
+                    released, self.holders = True, self.holders - 1
+                    self.budget.used -= self.holders == 0
+        return release
+
+
+# The slot of the call being served (set by the Gate), for dispatch_within to hold for the work.
+CURRENT_SLOT: contextvars.ContextVar[Slot | None] = contextvars.ContextVar("rag_slot", default=None)
+
+
+@dataclass(frozen=True)
+class HttpDoor:
+    """What the HTTP door's parts share: two call budgets (calls that may wait on the embedder,
+    and all others, so slow searches never block keyword searches, get_file or list_documents)
+    and the signal that shutdown has begun."""
+
+    searches: Budget
+    others: Budget
+    shutting_down: Any  # an asyncio.Event, set by the server when its shutdown begins
+
+    @classmethod
+    def create(cls, settings: Settings) -> HttpDoor:
+        import asyncio
+
+        size = settings.http_max_in_flight
+        return cls(Budget("searches that use the embedder", size), Budget("other calls", size), asyncio.Event())
+
+    def work_running(self) -> int:
+        return self.searches.used + self.others.used
+
+
+SEARCH_MODE_DEFAULT = SearchCorpusInput.model_fields["mode"].default
+
+
+def may_wait_on_embedder(path: str, body: bytes) -> bool:
+    """Whether a call's body asks for a search that embeds its query (hybrid or vector): on
+    /mcp a tools/call (a batch counts as one, to be safe), on the bridge its toolName. A body
+    that is not JSON is refused at once by the route: not one."""
+    try:
+        message = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    if not isinstance(message, dict):
+        return path == "/mcp"
+    if path == "/mcp":
+        params = message.get("params") if message.get("method") == "tools/call" else None
+        tool, arguments = (params.get("name"), params.get("arguments")) if isinstance(params, dict) else (None, None)
+    else:
+        tool, arguments = message.get("toolName"), message.get("input")
+    mode = arguments.get("mode", SEARCH_MODE_DEFAULT) if isinstance(arguments, dict) else SEARCH_MODE_DEFAULT
+    return tool == "search_corpus" and mode != "keyword"
+
+
+def replayed(messages: list[Any], receive: Any) -> Any:
+    """A receive() that hands out the body messages already read, then reads on."""
+    pending = list(reversed(messages))
+
+    async def receive_again() -> Any:
+        return pending.pop() if pending else await receive()
+    return receive_again
+
+
+class _Tracked:
+    """A send() that notes whether the answer has begun."""
+
+    def __init__(self, send: Any) -> None:
+        self.send, self.started = send, False
+
+    async def __call__(self, message: Any) -> None:
+        self.started = self.started or message["type"] == "http.response.start"
+        await self.send(message)
+
+
+def shutting_down_answer(path: str, body: bytes) -> Any:
+    """The answer to a call cut short by shutdown: SERVER_NOT_RUNNING on the bridge, a JSON-RPC
+    error for the request's id on /mcp. The connection closes after it."""
+    from starlette.responses import JSONResponse
+
+    message = "the server is shutting down; retry once it is back"
+    if path != "/mcp":
+        response = bridge_error(503, "SERVER_NOT_RUNNING", f"MCP Server '{SERVER_NAME}' is shutting down; retry once "
+                                "it is back", server=SERVER_NAME, status="stopping")
+    else:
+        try:
+            request_id = json.loads(body).get("id")
+        except (ValueError, RecursionError, AttributeError):
+            request_id = None
+        response = JSONResponse({"jsonrpc": "2.0", "id": request_id, "error": {"code": -32000, "message": message}},
+                                status_code=503, headers={"Retry-After": "1"})
+    response.headers["Connection"] = "close"
+    return response
+
+
 class Gate:
-    """In front of every route (plain ASGI middleware): the bearer token (every route but /health,
-    compared in constant time), the Host/Origin check against DNS rebinding (the SDK applies it to
-    /mcp; here it covers the bridge too), GET on /mcp (a stateless server has no event stream to
-    offer), and a bound on calls in flight (503 with Retry-After past it) so a flood cannot
-    exhaust memory or threads."""
+    """In front of every route (plain ASGI middleware): the bearer token (every route but
+    /health, compared in constant time), the Host/Origin check against DNS rebinding (exact
+    host[:port] and origin matching, for /mcp and the bridge alike), GET on /mcp refused (a
+    stateless server has no event stream to offer). A call's body must then arrive whole within
+    RAG_HTTP_READ_TIMEOUT (408 and the connection closed otherwise) before it takes a slot in
+    its budget (503 TOO_BUSY with Retry-After past it), so slow senders hold no slot; and a call
+    still running when shutdown nears the end of its grace is answered (503, or a JSON-RPC error
+    on /mcp) instead of being cancelled by uvicorn into a bare 500 and tracebacks."""
 
-    def __init__(self, app: Any, settings: Settings, security: Any) -> None:
-        from mcp.server.transport_security import TransportSecurityMiddleware  # noqa: PLC0415
-
-        self.app = app
+    def __init__(self, app: Any, settings: Settings, door: HttpDoor) -> None:
+        self.app, self.door = app, door
         self.token = settings.http_token
-        self.max_in_flight = settings.http_max_in_flight
-        self.in_flight = 0
-        self.security = TransportSecurityMiddleware(security)
+        self.read_timeout_s = settings.http_read_timeout_s
+        self.hosts = [f"{name}:*" for name in LOOPBACK_NAMES] + list(settings.http_allowed_hosts)
+        # Browsers send an Origin: by default only pages served from this server's own address
+        # (its loopback names, its port) may call it; others must be listed.
+        self.origins = [f"http://{name}:{settings.http_port}" for name in LOOPBACK_NAMES] + list(
+            settings.http_allowed_origins)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        from starlette.requests import Request  # noqa: PLC0415
-
-        path, method = scope["path"], scope["method"]
-        refusal = None
-        if path != "/health":
-            request = Request(scope)
-            if self.token and not self._authorized(request):
-                refusal = bridge_error(401, "UNAUTHORIZED", "a bearer token is required: Authorization: Bearer <token>")
-                refusal.headers["WWW-Authenticate"] = "Bearer"
-            elif (checked := await self.security.validate_request(request, is_post=False)) is not None:
-                refusal = bridge_error(checked.status_code, "FORBIDDEN", checked.body.decode(errors="replace"))
-            elif path == "/mcp" and method == "GET":
-                refusal = bridge_error(405, "METHOD_NOT_ALLOWED", "this server is stateless: POST JSON-RPC to /mcp")
-        calls = path in ("/mcp", "/mcp/call") and method == "POST"
-        if refusal is None and calls and self.in_flight >= self.max_in_flight:
-            refusal = bridge_error(503, "TOO_BUSY", f"{self.in_flight} calls are in flight; retry in a moment",
-                                   max=self.max_in_flight)
+        refusal = self._refusal(scope)
+        if refusal is None and not (scope["method"] == "POST" and scope["path"] in ("/mcp", "/mcp/call")):
+            await self._answered(scope, receive, _Tracked(send))
+            return
+        messages = [] if refusal is not None else await self._body_messages(receive)
+        if messages is None:
+            refusal = bridge_error(408, "REQUEST_TIMEOUT", f"the request body did not arrive within "
+                                   f"{self.read_timeout_s:g} s", max=self.read_timeout_s)
+            refusal.headers["Connection"] = "close"
         if refusal is not None:
             await refusal(scope, receive, send)
             return
-        if calls:
-            self.in_flight += 1
+        if not messages:
+            return  # the client left before its body was in: nobody to answer
+        body = b"".join(message.get("body", b"") for message in messages)
+        budget = self.door.searches if may_wait_on_embedder(scope["path"], body) else self.door.others
+        slot = budget.take()
+        if slot is None:
+            busy = bridge_error(503, "TOO_BUSY", f"{budget.size} {budget.kind} are in flight; retry in a moment",
+                                max=budget.size)
+            await busy(scope, receive, send)
+            return
+        let_go, token = slot.hold(), CURRENT_SLOT.set(slot)
         try:
-            await self._answered(scope, receive, send)
+            await self._answered_before_shutdown(scope, replayed(messages, receive), send, body)
         finally:
-            if calls:
-                self.in_flight -= 1
+            CURRENT_SLOT.reset(token)
+            let_go()
 
-    async def _answered(self, scope: Any, receive: Any, send: Any) -> None:
+    def _refusal(self, scope: Any) -> Any | None:
+        from starlette.datastructures import Headers
+
+        if scope["path"] == "/health":
+            return None
+        headers = Headers(scope=scope)
+        if self.token and (problem := self._token_problem(headers.get("authorization"))):
+            refusal = bridge_error(401, "UNAUTHORIZED", problem)
+            refusal.headers["WWW-Authenticate"] = "Bearer"
+            return refusal
+        if not host_allowed(headers.get("host", ""), self.hosts):
+            return bridge_error(421, "FORBIDDEN", "Invalid Host header: the server answers to loopback names and "
+                                "the hosts listed in RAG_HTTP_ALLOWED_HOSTS")
+        origin = headers.get("origin")
+        if origin is not None and not origin_allowed(origin, self.origins):
+            return bridge_error(403, "FORBIDDEN", "Invalid Origin header: only pages from this server's own address "
+                                "and the origins listed in RAG_HTTP_ALLOWED_ORIGINS may call it")
+        if scope["path"] == "/mcp" and scope["method"] == "GET":
+            return bridge_error(405, "METHOD_NOT_ALLOWED", "this server is stateless: POST JSON-RPC to /mcp")
+        return None
+
+    def _token_problem(self, given: str | None) -> str | None:
+        import hmac  # noqa: PLC0415
+
+        if not given:
+            return "a bearer token is required: send Authorization: Bearer <token>"
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer":
+            return "the Authorization header must use the Bearer scheme: Authorization: Bearer <token>"
+        if not hmac.compare_digest(token.strip().encode(), (self.token or "").encode()):
+            return "the bearer token is not the one this server accepts: check the token you were given"
+        return None
+
+    async def _body_messages(self, receive: Any) -> list[Any] | None:
+        """The request's body messages, read within the read timeout (None past it; [] when the
+        client left). Reading stops past BRIDGE_BODY_MAX: the route refuses the size itself."""
+        import anyio
+
+        messages: list[Any] = []
+        size = 0
+        with anyio.move_on_after(self.read_timeout_s):
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return []
+                messages.append(message)
+                size += len(message.get("body", b""))
+                if not message.get("more_body", False) or size > BRIDGE_BODY_MAX:
+                    return messages
+        return None
+
+    async def _answered_before_shutdown(self, scope: Any, receive: Any, send: Any, body: bytes) -> None:
+        """The call's answer; once shutdown begins the call has until shortly before the grace
+        ends, then it is cut short and answered as shutting down."""
+        import anyio
+
+        tracked, cut_short = _Tracked(send), False
+        async with anyio.create_task_group() as group:
+            async def cut_short_at_shutdown() -> None:
+                nonlocal cut_short
+                await self.door.shutting_down.wait()
+                await anyio.sleep(HTTP_GRACE_S * 0.6)
+                cut_short = True
+                group.cancel_scope.cancel()
+
+            group.start_soon(cut_short_at_shutdown)
+            await self._answered(scope, receive, tracked)
+            group.cancel_scope.cancel()
+        if cut_short and not tracked.started:
+            log.warning("%s %s was still running at shutdown; answered as shutting down", scope["method"],
+                        scope["path"])
+            await shutting_down_answer(scope["path"], body)(scope, receive, send)
+
+    async def _answered(self, scope: Any, receive: Any, send: _Tracked) -> None:
         """The app's answer; a crash before any byte was sent becomes INTERNAL_ERROR 500 in the
         bridge's shape (details in the log, none in the answer) instead of a bare text page."""
-        started = False
-
-        async def tracked(message: Any) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
         try:
-            await self.app(scope, receive, tracked)
+            await self.app(scope, receive, send)
         except Exception:
             log.error("%s %s crashed:\n%s", scope["method"], scope["path"], traceback.format_exc())
-            if started:
+            if send.started:
                 raise
             crashed = bridge_error(500, "INTERNAL_ERROR", "the server failed unexpectedly; it logged the details")
             await crashed(scope, receive, send)
 
-    def _authorized(self, request: Any) -> bool:
-        import hmac  # noqa: PLC0415
 
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), (self.token or "").encode())
+async def not_a_route(request: Any, exc: Any) -> Any:
+    """Starlette's 404 and 405 in the bridge's envelope, naming the routes there are."""
+    path = shown(request.url.path[:100])
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        response = bridge_error(405, "METHOD_NOT_ALLOWED", f"{request.method} is not allowed on {path}: use "
+                                f"{allowed}", allowed=allowed)
+        response.headers["Allow"] = allowed
+        return response
+    if exc.status_code == 404:
+        return bridge_error(404, "NOT_FOUND", f"no route {path}: the routes are {HTTP_ROUTES}")
+    return bridge_error(exc.status_code, "VALIDATION_ERROR", str(exc.detail))
+
+
+def guarded_protocol(read_timeout_s: float, max_connections: int) -> type:
+    """uvicorn's h11 protocol with the two guards it lacks: a request's headers must arrive
+    within `read_timeout_s` (idle new connections and slowloris senders are closed; uvicorn's
+    keep-alive timeout covers idle time after an answer, the Gate a body's time), and at most
+    `max_connections` are open (past it a new one gets a canned 503 and is closed, before
+    anything of it is read)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    refusal = json.dumps({"success": False, "error": {
+        "code": "TOO_BUSY", "message": f"{max_connections} connections are open; retry in a moment",
+        "details": {"max": max_connections}}}).encode()
+    too_many = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(refusal), refusal))
+
+    class GuardedH11Protocol(H11Protocol):
+        headers_due: Any = None  # the timer that closes a connection whose request headers are late
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                transport.write(too_many)
+                transport.close()
+                return
+            self._watch_headers()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._watch_headers()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.headers_due is not None:
+                self.headers_due.cancel()
+            super().connection_lost(exc)
+
+        def _awaiting_headers(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _watch_headers(self) -> None:
+            if self._awaiting_headers() and self.headers_due is None:
+                self.headers_due = self.loop.call_later(read_timeout_s, self._headers_late)
+            elif not self._awaiting_headers() and self.headers_due is not None:
+                self.headers_due.cancel()
+                self.headers_due = None
+
+        def _headers_late(self) -> None:
+            self.headers_due = None
+            if self._awaiting_headers() and not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedH11Protocol
+
+
+def connection_bound(wanted: int) -> int:
+    """RAG_HTTP_MAX_CONNECTIONS within what the process may open: the descriptor soft limit is
+    first raised toward the hard one where allowed (systemd's default soft limit is 1,024), and
+    HTTP_FD_RESERVE descriptors stay for the store, the embedder and the logs."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = wanted + HTTP_FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return wanted
+    bound = max(soft // 2, soft - HTTP_FD_RESERVE)
+    log.warning("at most %d connections at once (RAG_HTTP_MAX_CONNECTIONS is %d, but the process may open only %d "
+                "files: raise its limit, e.g. LimitNOFILE= in a systemd unit)", bound, wanted, soft)
+    return bound
 
 
 def http_app(service: RetrievalService, settings: Settings, instructions: str, warmup: WarmUp,
-             health: HealthProbe) -> Any:
+             health: HealthProbe, door: HttpDoor | None = None) -> Any:
     """The ASGI app: the SDK's own streamable-HTTP transport at /mcp (stateless, JSON responses:
-    clients of both protocol eras), the bridge routes beside it, and the Gate in front."""
+    clients of both protocol eras), the bridge routes beside it, and the Gate in front (which
+    checks Host and Origin for every route, so the SDK's own, prefix-matching, check is off)."""
     from mcp.server.transport_security import TransportSecuritySettings  # noqa: PLC0415
+    from starlette.exceptions import HTTPException
     from starlette.routing import Route  # noqa: PLC0415
 
     server = build_server(service, instructions, warmup, timeout_s=settings.tool_timeout_s, hide_paths=True)
-    security = TransportSecuritySettings(
-        enable_dns_rebinding_protection=True, allowed_hosts=[*LOOPBACK_HOSTS, *settings.http_allowed_hosts],
-        allowed_origins=[*LOOPBACK_ORIGINS, *settings.http_allowed_origins])
     bridge = Bridge(service, settings, health)
     app = server.streamable_http_app(
-        streamable_http_path="/mcp", json_response=True, stateless_http=True, transport_security=security,
+        streamable_http_path="/mcp", json_response=True, stateless_http=True,
+        transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
         max_request_body_size=BRIDGE_BODY_MAX, host=settings.http_host,
         custom_starlette_routes=[Route("/mcp/call", bridge.call, methods=["POST"]),
                                  Route("/mcp/tools", bridge.tools, methods=["GET"]),
                                  Route("/health", bridge.health_check, methods=["GET"])])
-    app.add_middleware(Gate, settings=settings, security=security)
+    app.add_exception_handler(HTTPException, not_a_route)
+    app.add_middleware(Gate, settings=settings, door=door or HttpDoor.create(settings))
     return app
 
 
-def serve_http(service: RetrievalService, settings: Settings, instructions: str, warmup: WarmUp) -> None:
+def serve_http(service: RetrievalService, settings: Settings, instructions: str, warmup: WarmUp) -> bool:
     """Run the HTTP server with uvicorn until Ctrl-C or SIGTERM. Refuses a non-loopback address
-    without RAG_HTTP_TOKEN."""
+    without RAG_HTTP_TOKEN. Returns whether calls were still at work at the end (answered
+    already; their threads must not hold the exit)."""
     import signal  # noqa: PLC0415
     import socket  # noqa: PLC0415
 
@@ -2760,22 +3131,41 @@ def serve_http(service: RetrievalService, settings: Settings, instructions: str,
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)  # connections queue from here on: "listening" below is already true
-    bound = sock.getsockname()[1]
+    settings = dataclasses.replace(settings, http_port=sock.getsockname()[1])  # the port 0 picked
     health = HealthProbe(service)
-    app = http_app(service, settings, instructions, warmup, health)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5)
-    # uvicorn re-raises the signal it stopped on after shutting down: as KeyboardInterrupt, so the
-    # caller's clean-up (the store let go) runs for SIGTERM too.
+    door = HttpDoor.create(settings)
+    app = http_app(service, settings, instructions, warmup, health, door)
+    protocol = guarded_protocol(settings.http_read_timeout_s, connection_bound(settings.http_max_connections))
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http=protocol,
+                            timeout_graceful_shutdown=HTTP_GRACE_S)
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, telling the Gate when its shutdown begins."""
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            door.shutting_down.set()
+            await super().shutdown(sockets)
+
+    # uvicorn re-raises the signal it stopped on after shutting down: as KeyboardInterrupt, caught
+    # below, so SIGTERM ends in the caller's clean-up (the store let go) as Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     shown_host = f"[{host}]" if ":" in host else host
     log.warning("local-rag-mcp %s listening on http://%s:%d/mcp (bridge: /mcp/call, /mcp/tools, /health)",
-                TOOL_VERSION, shown_host, bound)
+                TOOL_VERSION, shown_host, settings.http_port)
     health.start()
     warmup.start()
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        DrainingServer(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
     finally:
         health.stop()
+        if running := door.work_running():
+            log.warning("%d calls were still at work at shutdown (each answered); exiting without waiting for them",
+                        running)
+    return door.work_running() > 0
+
+
 
 
 # ---------------------------------------------------------------------------
@@ -2889,17 +3279,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             service.close(timeout=settings.store_timeout_s if settings else DEFAULT_STORE_TIMEOUT_S)
     problems = startup_problems()
-    for problem in problems:
-        log.warning("%s", problem)
+    if not (args.http and settings is None):  # an HTTP daemon refuses to start: said once, below
+        for problem in problems:
+            log.warning("%s", problem)
     warmup = WarmUp(service)
+    abandoned = False
     try:
         if args.http:
             if settings is None:
-                load_settings()  # raises the configuration error: an HTTP daemon refuses to start
+                load_settings()  # raises the configuration error
             assert settings is not None
             settings = dataclasses.replace(settings, http_host=args.host or settings.http_host,
                                            http_port=settings.http_port if args.port is None else args.port)
-            serve_http(service, settings, instructions_with(problems, index_facts()), warmup)
+            abandoned = serve_http(service, settings, instructions_with(problems, index_facts()), warmup)
         else:
             log.info("local-rag-mcp %s starting (stdio)", TOOL_VERSION)
             import anyio  # noqa: PLC0415
@@ -2914,9 +3306,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     store_timeout = settings.store_timeout_s if settings else DEFAULT_STORE_TIMEOUT_S
     warmup.join(store_timeout)
-    if not service.close(timeout=store_timeout):
+    closed = service.close(timeout=store_timeout)
+    if not closed:
         # A Chroma call is stuck on a lock another process holds: exit without finalizing.
         log.warning("the vector store did not let go; exiting without waiting for it")
+    if not closed or abandoned:  # nor for worker threads of calls answered at shutdown
         logging.shutdown()
         os._exit(0)
     return 0

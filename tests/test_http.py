@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,12 +44,12 @@ class HttpServer:
     """`python server.py --http --port 0 ...` until stop(); its URL read from the line it logs
     once the socket listens. stdout must stay empty (nothing but logs, on stderr)."""
 
-    def __init__(self, env: dict[str, str], *args: str) -> None:
+    def __init__(self, env: dict[str, str], *args: str, preexec_fn: Callable[[], None] | None = None) -> None:
         full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
         full_env.pop("RAG_EMBED_MODEL", None)
         self.proc = subprocess.Popen([sys.executable, str(SERVER), "--http", "--port", "0", *args], env=full_env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, cwd=str(ROOT.parent))
+                                     text=True, cwd=str(ROOT.parent), preexec_fn=preexec_fn)
         self.stderr_lines: list[str] = []
         self.stdout = ""
         self._listening = threading.Event()
@@ -97,9 +97,10 @@ class HttpServer:
 
 
 @contextmanager
-def http_server(env: dict[str, str], *args: str) -> Iterator[HttpServer]:
+def http_server(env: dict[str, str], *args: str,
+                preexec_fn: Callable[[], None] | None = None) -> Iterator[HttpServer]:
     """A listening server; on exit SIGTERM must stop it with exit 0 and nothing on stdout."""
-    server = HttpServer(env, *args)
+    server = HttpServer(env, *args, preexec_fn=preexec_fn)
     try:
         yield server.wait_listening()
     finally:
@@ -519,7 +520,9 @@ def test_embedder_down_degrades_health_and_hybrid_but_keyword_works(built: Built
 def test_missing_index_is_unavailable_in_health_and_503_on_calls(tmp_path: Path, fake: FakeOllama) -> None:
     with http_server({"RAG_STORE_DIR": str(tmp_path / "never-built"), "OLLAMA_HOST": fake.host,
                       "RAG_CORPUS_DIR": str(tmp_path)}) as running:
-        body = httpx.get(f"{running.base}/health").json()
+        health = httpx.get(f"{running.base}/health")
+        body = health.json()
+        assert health.status_code == 503, health.status_code
         assert body["status"] == "degraded" and body["servers"] == {"local-rag": "unavailable"}, body
         assert "index" in [p["part"] for p in body["problems"]]
         response = bridge(running, "search_corpus", {"query": "anything"})
@@ -538,7 +541,7 @@ def test_calls_in_flight_are_bounded_with_retry_after(built: Built, slow_fake: F
             while slow_fake.calls()["embed_calls"] < 2:  # both calls are in flight, waiting on the embedder
                 assert time.monotonic() < deadline and not any(f.done() for f in slow), [f.done() for f in slow]
                 time.sleep(0.02)
-            refused = bridge(running, "list_documents", {})
+            refused = bridge(running, "search_corpus", {"query": "one slow query too many", "mode": "vector"})
             assert bridge_failure(refused, 503, "TOO_BUSY")["max"] == 2
             assert refused.headers["retry-after"] == "1"
             assert httpx.get(f"{running.base}/health").status_code == 200  # never counted, never refused
@@ -557,7 +560,7 @@ def test_a_client_that_disconnects_mid_call_does_not_wedge_the_server(built: Bui
                          + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
             time.sleep(0.5)  # the call is in flight; now hang up
         deadline = time.monotonic() + 60
-        while (after := bridge(running, "list_documents", {})).status_code == 503:
+        while (after := bridge(running, "search_corpus", {"query": "sev-1", "mode": "vector"})).status_code == 503:
             assert time.monotonic() < deadline, "the abandoned call's slot was never freed"
             time.sleep(0.1)
         assert after.status_code == 200
