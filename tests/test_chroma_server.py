@@ -226,3 +226,32 @@ def test_a_chroma_server_down_frozen_or_restarted_is_a_structured_error(fake: Fa
         down = on_server(fake, corpus, store, chroma.url)
         assert down.code == 2 and "does not answer" in down.summary["error"]["message"], down.err
         assert "RAG_CHROMA_URL" in down.summary["error"]["hint"]
+
+
+def test_health_says_degraded_while_the_chroma_server_is_down(fake: FakeOllama, tmp_path: Path) -> None:
+    """/health over HTTP probes the Chroma server in the background: down is degraded (200: the
+    keyword index still serves), and the answer names no host."""
+    import httpx
+    from helpers import server_env
+    from test_http import http_server
+
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+
+    def health_once_probed(base: str, wanted: str) -> httpx.Response:
+        deadline = time.monotonic() + 40  # the probe runs every 10 s
+        while (answer := httpx.get(f"{base}/health")).json().get("vector_store") != wanted:
+            assert time.monotonic() < deadline, answer.text
+            time.sleep(0.1)
+        return answer
+
+    with ChromaServer(tmp_path / "data") as chroma:
+        assert on_server(fake, corpus, store, chroma.url).code == 0
+        with http_server(server_env(store, corpus, fake.host, RAG_CHROMA_URL=chroma.url)) as running:
+            healthy = health_once_probed(running.base, "available")
+            assert healthy.status_code == 200 and healthy.json()["status"] == "ok", healthy.text
+            chroma.stop()
+            down = health_once_probed(running.base, "unavailable")
+            body = down.json()
+            assert down.status_code == 200 and body["status"] == "degraded", down.text
+            assert [p["part"] for p in body["problems"]] == ["vector_store"], body
+            assert str(chroma.port) not in down.text and str(tmp_path) not in down.text
