@@ -2767,9 +2767,11 @@ class Slot:
         def release() -> None:
             nonlocal released
             with self.budget.lock:
-                if not released:
-                    released, self.holders = True, self.holders - 1
-                    self.budget.used -= self.holders == 0
+                if released:
+                    return
+                released, self.holders = True, self.holders - 1
+                if self.holders == 0:
+                    self.budget.used -= 1
         return release
 
 
@@ -3008,9 +3010,7 @@ async def not_a_route(request: Any, exc: Any) -> Any:
                                 f"{allowed}", allowed=allowed)
         response.headers["Allow"] = allowed
         return response
-    if exc.status_code == 404:
-        return bridge_error(404, "NOT_FOUND", f"no route {path}: the routes are {HTTP_ROUTES}")
-    return bridge_error(exc.status_code, "VALIDATION_ERROR", str(exc.detail))
+    return bridge_error(404, "NOT_FOUND", f"no route {path}: the routes are {HTTP_ROUTES}")
 
 
 def guarded_protocol(read_timeout_s: float, max_connections: int) -> type:
@@ -3092,7 +3092,6 @@ def http_app(service: RetrievalService, settings: Settings, instructions: str, w
     clients of both protocol eras), the bridge routes beside it, and the Gate in front (which
     checks Host and Origin for every route, so the SDK's own, prefix-matching, check is off)."""
     from mcp.server.transport_security import TransportSecuritySettings  # noqa: PLC0415
-    from starlette.exceptions import HTTPException
     from starlette.routing import Route  # noqa: PLC0415
 
     server = build_server(service, instructions, warmup, timeout_s=settings.tool_timeout_s, hide_paths=True)
@@ -3104,7 +3103,8 @@ def http_app(service: RetrievalService, settings: Settings, instructions: str, w
         custom_starlette_routes=[Route("/mcp/call", bridge.call, methods=["POST"]),
                                  Route("/mcp/tools", bridge.tools, methods=["GET"]),
                                  Route("/health", bridge.health_check, methods=["GET"])])
-    app.add_exception_handler(HTTPException, not_a_route)
+    for status in (404, 405):
+        app.add_exception_handler(status, not_a_route)
     app.add_middleware(Gate, settings=settings, door=door or HttpDoor.create(settings))
     return app
 

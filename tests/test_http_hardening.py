@@ -212,6 +212,7 @@ def test_sigterm_answers_calls_in_flight_and_exits_cleanly(built: Built, slow_fa
     finally:
         if running.proc.poll() is None:
             running.proc.kill()
+    print(f"SIGTERM with 4 calls in flight: exit {code} after {exited_after:.1f} s")
     assert code == 0 and exited_after < 5 + 5, (code, exited_after)  # uvicorn's grace, and a margin
     running._stdout_reader.join(timeout=10)
     assert "Traceback" not in running.stderr and "Internal Server Error" not in running.stderr, running.stderr
@@ -271,6 +272,10 @@ def test_timed_out_calls_do_not_pile_up_threads(built: Built, slow_fake: FakeOll
         peak, statuses = before, []
 
         def client(n: int) -> list[int]:
+            if n % 2:  # over /mcp: a timed-out call is a tool error there, and the same slot rule holds
+                return [httpx.post(running.mcp_url, headers=MCP_HEADERS, timeout=60, json=tool_call(
+                    "search_corpus", {"query": f"mcp timed out {n} {i}", "mode": "vector"})).status_code
+                        for i in range(5)]
             return [bridge(running, "search_corpus", {"query": f"timed out {n} {i}", "mode": "vector"}).status_code
                     for i in range(5)]
 
@@ -280,9 +285,9 @@ def test_timed_out_calls_do_not_pile_up_threads(built: Built, slow_fake: FakeOll
                 peak = max(peak, server_threads(running))
                 time.sleep(0.05)
             statuses = [status for f in futures for status in f.result()]
-        assert set(statuses) <= {503, 504} and 504 in statuses, statuses
+        assert set(statuses) <= {200, 503, 504} and 504 in statuses, statuses
         print(f"threads: {before} before, at most {peak} during {len(statuses)} calls "
-              f"({statuses.count(504)} timed out, {statuses.count(503)} refused)")
+              f"({statuses.count(504) + statuses.count(200)} timed out, {statuses.count(503)} refused)")
         # The work of timed-out calls holds their slots: at most 4 searches' threads (plus the
         # cheap budget's, unused here), whatever the number of calls.
         assert peak <= before + 4 + 2, (before, peak)
