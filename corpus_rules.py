@@ -170,6 +170,10 @@ def _choice_env(env: Mapping[str, str], name: str, default: str, choices: Sequen
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# RAG_HTTP_ALLOWED_HOSTS entries (and the Host headers matched against them): a name or bracketed
+# IPv6 literal, then maybe a port ("*": any port, or none); RAG_HTTP_ALLOWED_ORIGINS entries alike.
+HTTP_HOST_PATTERN = re.compile(r"(\[[0-9a-f:.]+\]|[a-z0-9.-]+)(?::(\d{1,5}|\*))?")
+HTTP_ORIGIN_PATTERN = re.compile(r"(https?)://(\[[0-9a-f:.]+\]|[a-z0-9.-]+)(?::(\d{1,5}|\*))?")
 DEFAULT_STORE_TIMEOUT_S = 20.0
 
 
@@ -252,8 +256,9 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
         http_host=env.get("RAG_HTTP_HOST", "").strip() or "127.0.0.1",
         http_port=_int_env(env, "RAG_HTTP_PORT", 8765, 0, 65535),
         http_token=_token_env(env, "RAG_HTTP_TOKEN"),
-        http_allowed_hosts=_list_env(env, "RAG_HTTP_ALLOWED_HOSTS"),
-        http_allowed_origins=_list_env(env, "RAG_HTTP_ALLOWED_ORIGINS"),
+        http_allowed_hosts=_addresses_env(env, "RAG_HTTP_ALLOWED_HOSTS", HTTP_HOST_PATTERN, "rag.internal:*"),
+        http_allowed_origins=_addresses_env(env, "RAG_HTTP_ALLOWED_ORIGINS", HTTP_ORIGIN_PATTERN,
+                                            "https://portal.internal"),
         http_max_in_flight=_int_env(env, "RAG_HTTP_MAX_IN_FLIGHT", 16, 1, 10_000),
         tool_timeout_s=_seconds_env(env, "RAG_TOOL_TIMEOUT", 30.0),
         http_read_timeout_s=_seconds_env(env, "RAG_HTTP_READ_TIMEOUT", 10.0),
@@ -272,6 +277,16 @@ def _token_env(env: Mapping[str, str], name: str) -> str | None:
 
 def _list_env(env: Mapping[str, str], name: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in env.get(name, "").split(",") if item.strip())
+
+
+def _addresses_env(env: Mapping[str, str], name: str, pattern: re.Pattern[str], example: str) -> tuple[str, ...]:
+    """A comma list of hosts or origins, each as the HTTP door matches it exactly (lower case): an
+    entry it could never match is a configuration error, not a silent refusal of every client."""
+    entries = tuple(item.lower().rstrip("/") for item in _list_env(env, name))
+    for entry in entries:
+        if not pattern.fullmatch(entry):
+            raise _setting_error(name, entry, f"a comma list such as {example}")
+    return entries
 
 
 def _url_env(env: Mapping[str, str], name: str) -> str | None:

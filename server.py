@@ -71,6 +71,8 @@ from corpus_rules import (
     DocumentRow,
     EmbedderTimeout,
     ErrorCode,
+    HTTP_HOST_PATTERN,
+    HTTP_ORIGIN_PATTERN,
     OllamaEmbedder,
     ServerVectors,
     PathChanged,
@@ -2472,9 +2474,6 @@ LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 HTTP_ROUTES = "POST /mcp, POST /mcp/call, GET /mcp/tools, GET /health"
 HTTP_GRACE_S = 5.0  # uvicorn's graceful shutdown: calls still running are answered before it ends
 HTTP_FD_RESERVE = 100  # descriptors kept for the store, the embedder's connections and the logs
-# A Host header or allowed-hosts entry: a name or bracketed IPv6 literal, then maybe a port ("*" in entries).
-_HOST = re.compile(r"(\[[0-9a-f:.]+\]|[a-z0-9.-]+)(?::(\d{1,5}|\*))?")
-_ORIGIN = re.compile(r"(https?)://(\[[0-9a-f:.]+\]|[a-z0-9.-]+)(?::(\d{1,5}|\*))?")
 # A tool's own error as the bridge's HTTP status: the caller's mistake, or a dependency that is not there.
 _BRIDGE_STATUS = {ErrorCode.INVALID_ARGUMENT: 400, ErrorCode.PATH_REJECTED: 400, ErrorCode.NOT_INDEXED: 400,
                   ErrorCode.INDEX_MISSING: 503, ErrorCode.EMBEDDER_UNAVAILABLE: 503, ErrorCode.MODEL_NOT_FOUND: 503}
@@ -2502,12 +2501,13 @@ def _address_matches(found: re.Match[str] | None, entries: Sequence[re.Match[str
 
 
 def host_allowed(host: str, allowed: Sequence[str]) -> bool:
-    return _address_matches(_HOST.fullmatch(host.lower()), [_HOST.fullmatch(entry.lower()) for entry in allowed])
+    return _address_matches(HTTP_HOST_PATTERN.fullmatch(host.lower()),
+                            [HTTP_HOST_PATTERN.fullmatch(entry) for entry in allowed])
 
 
 def origin_allowed(origin: str, allowed: Sequence[str]) -> bool:
-    return _address_matches(_ORIGIN.fullmatch(origin.lower()),
-                            [_ORIGIN.fullmatch(entry.lower().rstrip("/")) for entry in allowed])
+    return _address_matches(HTTP_ORIGIN_PATTERN.fullmatch(origin.lower()),
+                            [HTTP_ORIGIN_PATTERN.fullmatch(entry) for entry in allowed])
 
 
 def bridge_error(status: int, bridge_code: str, message: str, /, **details: Any) -> Any:

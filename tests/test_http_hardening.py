@@ -359,3 +359,11 @@ def test_input_that_is_not_an_object_is_named_as_such(server: HttpServer) -> Non
                                                            "input": "query"})
     assert bridge_failure(response, 400, "VALIDATION_ERROR")["field"] == "input"
     assert response.json()["error"]["message"] == "input must be a JSON object, not a string"
+
+
+def test_an_allowed_host_that_could_never_match_is_a_configuration_error(built: Built, fake: FakeOllama) -> None:
+    env = {**built.server_env(fake.host), "RAG_HTTP_ALLOWED_HOSTS": "https://rag.internal"}
+    done = subprocess.run([sys.executable, str(SERVER), "--http", "--port", "0"], env=env, capture_output=True,
+                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == 2 and "RAG_HTTP_ALLOWED_HOSTS" in done.stderr, done.stderr
+    assert "listening on" not in done.stderr
