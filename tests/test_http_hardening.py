@@ -367,3 +367,14 @@ def test_an_allowed_host_that_could_never_match_is_a_configuration_error(built: 
                           text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert done.returncode == 2 and "RAG_HTTP_ALLOWED_HOSTS" in done.stderr, done.stderr
     assert "listening on" not in done.stderr
+
+
+def test_the_descriptor_soft_limit_is_raised_toward_the_hard_one(built: Built, fake: FakeOllama) -> None:
+    def soft_limit_low() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (DESCRIPTORS, 4096))
+
+    with http_server(built.server_env(fake.host), preexec_fn=soft_limit_low) as running:
+        limits = Path(f"/proc/{running.proc.pid}/limits").read_text()
+        soft, hard = next(line.split()[3:5] for line in limits.splitlines() if line.startswith("Max open files"))
+        assert (int(soft), int(hard)) == (1000 + 100, 4096), limits  # RAG_HTTP_MAX_CONNECTIONS and the reserve
+        assert "connections at once" not in running.stderr
