@@ -1948,8 +1948,8 @@ class RetrievalService:
         text = raw.decode("utf-8-sig", errors="replace")
         lines = split_lines(text)
         part = slice_lines(lines, args.start_line, args.end_line)
-        return FileResponse(path=doc.path, title=doc.title, lifecycle=_lifecycle(doc.lifecycle), text=part.text,
-                            start_line=part.start_line, end_line=part.end_line, total_lines=len(lines),
+        return FileResponse(path=doc.path, title=metadata_text(doc.title), lifecycle=_lifecycle(doc.lifecycle),
+                            text=part.text, start_line=part.start_line, end_line=part.end_line, total_lines=len(lines),
                             source="disk", truncated=part.truncated, next_start_line=part.next_start_line,
                             changed_since_ingest=content_hash(raw) != doc.content_hash,
                             message=("text cut at the size limit; continue with start_line="
@@ -1965,8 +1965,8 @@ class RetrievalService:
             docs = index.documents(args.path_prefix, args.offset, args.limit)
             info = self._index_info(index.current)
             staleness = self._staleness(index)
-        entries = [DocumentEntry(path=d.path, title=d.title, lifecycle=_lifecycle(d.lifecycle), chunks=d.chunk_count,
-                                 lines=d.line_count, mtime=iso_from_ns(d.mtime_ns)) for d in docs]
+        entries = [DocumentEntry(path=d.path, title=metadata_text(d.title), lifecycle=_lifecycle(d.lifecycle),
+                                 chunks=d.chunk_count, lines=d.line_count, mtime=iso_from_ns(d.mtime_ns)) for d in docs]
         end = args.offset + len(entries)
         message = None
         if total == 0:
@@ -2064,7 +2064,7 @@ def file_from_chunks(doc: DocumentRow, chunks: Sequence[ChunkRow], start_line: i
         used += len(block) + 2
         last_end = chunk.end_line
     return FileResponse(
-        path=doc.path, title=doc.title, lifecycle=_lifecycle(doc.lifecycle), text="\n\n".join(pieces),
+        path=doc.path, title=metadata_text(doc.title), lifecycle=_lifecycle(doc.lifecycle), text="\n\n".join(pieces),
         start_line=picked[0].start_line if picked else lo, end_line=last_end if picked else lo - 1,
         total_lines=doc.line_count, source="index", truncated=truncated, next_start_line=next_start,
         changed_since_ingest=None,

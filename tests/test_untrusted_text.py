@@ -126,3 +126,7 @@ def test_one_oversized_title_never_empties_other_hits(fake: FakeOllama, tmp_path
         assert len(after["results"]) == len(before["results"]) == 10, (query, len(after["results"]))
         assert all(hit["text"] for hit in after["results"]), "no hit loses its text to another's title"
         assert all(len(hit["title"]) <= 300 for hit in after["results"])
+    with raw_server(huge / "store", huge / "corpus", fake.host) as server:
+        is_error, listing = call(server, "list_documents", {})
+    assert not is_error and "oncall/huge-title.md" in [doc["path"] for doc in listing["documents"]], listing
+    assert all(len(doc["title"]) <= 300 for doc in listing["documents"])
