@@ -168,6 +168,9 @@ PASSAGE_TERMS_CACHE_SIZE = 4096  # passages
 # The staleness hint stats every indexed file; once every few seconds keeps searches cheap.
 STALENESS_TTL_S = 5.0
 SQLITE_BUSY_TIMEOUT_S = 5.0
+# How long a vector-store call queued behind one already older than the store timeout waits: a
+# lock just released lets it through, a frozen store does not cost every search a full timeout.
+STORE_STUCK_GRACE_S = 1.0
 WARMUP_DELAY_S = 0.2
 # SQLite integers are signed 64-bit; a larger offset would crash the query instead of failing validation.
 SQLITE_MAX_INT = 2**63 - 1
@@ -828,6 +831,7 @@ class ChromaWorker:
         self._queue: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._running_since: float | None = None
 
     def submit(self, fn: Callable[[], Any]) -> _Job:
         with self._start_lock:
@@ -848,12 +852,18 @@ class ChromaWorker:
         return self.wait(self.submit(fn), what, timeout)
 
     def wait(self, job: _Job, what: str, timeout: float) -> Any:
-        """A submitted job's result, waited for at most `timeout` seconds (then dropped if unstarted)."""
+        """A submitted job's result, waited for at most `timeout` seconds (then dropped if unstarted).
+        While the worker is stuck on a call older than `timeout`, a queued job waits only
+        STORE_STUCK_GRACE_S (hybrid search then degrades without a second full wait)."""
+        started, stuck = self._running_since, False
+        if started is not None and time.monotonic() - started > timeout and job.state == "queued":
+            timeout, stuck = min(timeout, STORE_STUCK_GRACE_S), True
         if not job.done.wait(timeout):
             with job.lock:
                 if job.state == "queued":
                     job.state = "abandoned"
-            raise RagError(ErrorCode.INTERNAL, f"the {what} did not answer within {timeout:g} s",
+            raise RagError(ErrorCode.INTERNAL, f"the {what} is still busy with a call older than the store timeout" if stuck else
+                           f"the {what} did not answer within {timeout:g} s",
                            "another process may hold it locked (an ingest, a backup or a database browser); "
                            "retry in a moment. mode='keyword' does not need it")
         if job.error is not None:
@@ -867,11 +877,13 @@ class ChromaWorker:
                 if job.state == "abandoned":
                     continue
                 job.state = "running"
+            self._running_since = time.monotonic()
             try:
                 job.result = job.fn()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 job.error = exc
             finally:
+                self._running_since = None
                 job.done.set()
 
 

@@ -224,6 +224,9 @@ def test_a_chroma_server_down_frozen_or_restarted_degrades_hybrid_search(fake: F
                 is_error, payload = call(server, "search_corpus", {"query": "a question never asked before"})
                 assert time.monotonic() - started < 15, "a frozen server must not hang the search"
                 assert not is_error and payload["degraded"] == "vector_store_unavailable", payload
+                # Still frozen: the next search does not wait for the store again.
+                is_error, payload = call(server, "search_corpus", {"query": "another question never asked"})
+                assert not is_error and "still busy" in payload["hint"], payload
             finally:
                 chroma.thaw()
         # Ingest against a server that is gone: exit 2, nothing lost.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import sqlite3
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,7 +224,12 @@ def test_chroma_database_locked_is_a_bounded_error(built: Built, fake: FakeOllam
             assert search_paths(server, QUERY, mode="keyword")[0] == ESCALATION
             assert not call(server, "list_documents", {})[0]
             assert not call(server, "get_file", {"path": ESCALATION, "end_line": 2})[0]
-        assert search_paths(server, QUERY)[0] == ESCALATION
+        # Once the lock is gone, hybrid search reads the vectors again (the call stuck on the
+        # lock finishes first; a search meanwhile may still be degraded).
+        deadline = time.monotonic() + 30
+        while (payload := call(server, "search_corpus", {"query": QUERY})[1])["degraded"] is not None:
+            assert time.monotonic() < deadline, payload
+        assert payload["results"][0]["path"] == ESCALATION, payload
         # Locked while Chroma is open.
         with write_lock(chroma, "EXCLUSIVE"):
             assert_locked_search_fails_fast(server, "vector")
