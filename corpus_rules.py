@@ -640,6 +640,11 @@ def metadata_text(text: str, limit: int = METADATA_MAX_CHARS) -> str:
     return flat if len(flat) <= limit else flat[:limit - 1].rstrip() + "\u2026"
 
 
+def printable_text(text: str) -> str:
+    """Corpus text for a terminal: the same characters neutralised, its lines and tabs kept."""
+    return _NOT_METADATA.sub(lambda found: found.group() if found.group() in "\n\t" else " ", text)
+
+
 def parse_document(raw: bytes, path: str) -> SourceDocument:
     """Apply the frontmatter conventions to one file's bytes. Raises RagError(document_invalid)."""
     text = decode_markdown(raw, path)

@@ -194,7 +194,7 @@ def test_kill_9_of_ingest_against_a_chroma_server_converges(fake: FakeOllama, ch
     assert committed(store) == committed(reference)
 
 
-def test_a_chroma_server_down_frozen_or_restarted_is_a_structured_error(fake: FakeOllama, tmp_path: Path) -> None:
+def test_a_chroma_server_down_frozen_or_restarted_degrades_hybrid_search(fake: FakeOllama, tmp_path: Path) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
     with ChromaServer(tmp_path / "data") as chroma:
         assert on_server(fake, corpus, store, chroma.url).code == 0
@@ -202,8 +202,14 @@ def test_a_chroma_server_down_frozen_or_restarted_is_a_structured_error(fake: Fa
             assert not call(server, "search_corpus", {"query": "rollback"})[0]
             chroma.stop()
             started = time.monotonic()
+            # Hybrid degrades to its keyword channel, as when Ollama is down; vector mode has
+            # nothing to fall back on and says what to check.
             is_error, payload = call(server, "search_corpus", {"query": "rollback"})
             assert time.monotonic() - started < 10
+            assert not is_error and payload["degraded"] == "vector_store_unavailable", payload
+            assert payload["results"] and all(hit["score"] is None for hit in payload["results"])
+            assert "keyword results only" in payload["hint"] and "RAG_CHROMA_URL" in payload["hint"]
+            is_error, payload = call(server, "search_corpus", {"query": "rollback", "mode": "vector"})
             assert is_error and payload["error"]["code"] == "internal", payload
             assert "RAG_CHROMA_URL" in payload["error"]["hint"] and chroma.url in json.dumps(payload)
             # What needs only the keyword index keeps working.
@@ -217,7 +223,10 @@ def test_a_chroma_server_down_frozen_or_restarted_is_a_structured_error(fake: Fa
                 started = time.monotonic()
                 is_error, payload = call(server, "search_corpus", {"query": "a question never asked before"})
                 assert time.monotonic() - started < 15, "a frozen server must not hang the search"
-                assert is_error and payload["error"]["code"] == "internal", payload
+                assert not is_error and payload["degraded"] == "vector_store_unavailable", payload
+                # Still frozen: the next search does not wait for the store again.
+                is_error, payload = call(server, "search_corpus", {"query": "another question never asked"})
+                assert not is_error and "still busy" in payload["hint"], payload
             finally:
                 chroma.thaw()
         # Ingest against a server that is gone: exit 2, nothing lost.

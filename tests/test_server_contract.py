@@ -306,6 +306,31 @@ def test_fit_hits_shrinks_the_longest_texts_first() -> None:
     assert fitted["results"][1]["truncated"] is True
 
 
+# The most one character costs in compact JSON (\\uXXXX): shares can differ by this much.
+JSON_CHAR_MAX = 6
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(hit_texts, st.integers(min_value=0, max_value=40_000)), min_size=1, max_size=20),
+       st.integers(min_value=15_000, max_value=30_000))
+def test_fit_hits_spends_the_budget_per_hit(hits: list[tuple[str, int]], budget: int) -> None:
+    """One hit's oversized title never costs the others their place or their text: titles are
+    capped, every hit keeps its place, and the texts cut are cut to equal shares."""
+    payload = {"query": "q", "results": [{"path": f"p{i}.md", "title": "T" * title, "heading": "H", "text": text,
+                                          "truncated": False} for i, (text, title) in enumerate(hits)]}
+    fitted = server.fit_hits(payload, budget=budget, per_hit=2000)
+    assert server.json_len(fitted) <= budget
+    assert len(fitted["results"]) == len(hits), "the capped fields of 20 hits fit"
+    costs = [server.json_len(hit["text"]) - 2 for hit in fitted["results"]]
+    cut = [cost for cost, hit in zip(costs, fitted["results"]) if hit["truncated"]]
+    for cost, hit in zip(costs, fitted["results"]):
+        assert len(hit["title"]) <= rules.METADATA_MAX_CHARS
+        if cut and not hit["truncated"]:
+            assert cost <= max(cut) + JSON_CHAR_MAX, "a whole text is never longer than a cut one's share"
+    if cut:
+        assert max(cut) - min(cut) <= JSON_CHAR_MAX or min(cut) == min(2000, min(costs)), "equal shares"
+
+
 lines_strategy = st.lists(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",),
                                                          exclude_characters="\n\r"), max_size=300), max_size=60)
 

@@ -463,7 +463,7 @@ def test_a_missing_store_is_said_at_start_on_stderr_and_in_the_instructions(buil
                                            "clientInfo": {"name": "e2e", "version": "0"}})
         instructions = init["result"]["instructions"]
         assert "Not ready" in instructions and str(store) in instructions and "python ingest.py" in instructions
-        raw.wait_for_stderr(f"there is no index at {store}")
+        raw.wait_for_stderr(f"there is no index in RAG_STORE_DIR ({store})")
     finally:
         assert raw.close() == 0
     warnings = [line for line in raw.stderr_lines if "WARNING" in line]
@@ -486,10 +486,10 @@ def test_a_corpus_variable_that_disagrees_with_the_index_is_warned_about(built: 
     raw = RawServer(server_env(built.store, elsewhere, fake.host))
     try:
         raw.handshake()
-        raw.wait_for_stderr("but the index at")
+        raw.wait_for_stderr("but the index in")
     finally:
         assert raw.close() == 0
-    line = next(line for line in raw.stderr_lines if "but the index at" in line)
+    line = next(line for line in raw.stderr_lines if "but the index in" in line)
     assert str(elsewhere) in line and str(built.corpus) in line
 
 
