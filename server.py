@@ -2562,6 +2562,8 @@ BRIDGE_INPUT_DEPTH = 10
 BRIDGE_NAME = re.compile(r"[a-zA-Z0-9_-]+")
 HEALTH_PROBE_EVERY_S = 10.0  # the embedder (and a Chroma server) are probed in the background, never on a request
 HEALTH_PROBE_TIMEOUT_S = 2.0
+# What /health says of a missing embedder or vector store: the keyword index serves meanwhile.
+KEYWORDS_SERVE_MEANWHILE = "keyword search works meanwhile; hybrid search answers from it"
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 HTTP_ROUTES = "POST /mcp, POST /mcp/call, GET /mcp/tools, GET /health"
 HTTP_GRACE_S = 5.0  # uvicorn's graceful shutdown: calls still running are answered before it ends
@@ -2698,10 +2700,10 @@ class HealthProbe:
         embedder, vector_store = self.embedder, self.vector_store
         if isinstance(embedder, RagError):
             problems.append({"part": "embedder", **redacted(embedder).payload()["error"],
-                             "note": "keyword search works meanwhile; hybrid search answers from it"})
+                             "note": KEYWORDS_SERVE_MEANWHILE})
         if isinstance(vector_store, RagError):
             problems.append({"part": "vector_store", **redacted(vector_store).payload()["error"],
-                             "note": "keyword search works meanwhile; vector search fails until it is back"})
+                             "note": KEYWORDS_SERVE_MEANWHILE})
         body = {"status": "ok" if not problems else "degraded", "uptime": round(time.monotonic() - self.started, 3),
                 "servers": {SERVER_NAME: "available" if index_ok else "unavailable"},
                 "embedder": _probed(embedder), "problems": problems}
@@ -2978,17 +2980,18 @@ class Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        refusal = self._refusal(scope)
-        if refusal is None and not (scope["method"] == "POST" and scope["path"] in ("/mcp", "/mcp/call")):
+        if (refusal := self._refusal(scope)) is not None:
+            await refusal(scope, receive, send)
+            return
+        if not (scope["method"] == "POST" and scope["path"] in ("/mcp", "/mcp/call")):
             await self._answered(scope, receive, _Tracked(send))
             return
-        messages = [] if refusal is not None else await self._body_messages(receive)
+        messages = await self._body_messages(receive)
         if messages is None:
-            refusal = bridge_error(408, "REQUEST_TIMEOUT", f"the request body did not arrive within "
-                                   f"{self.read_timeout_s:g} s", max=self.read_timeout_s)
-            refusal.headers["Connection"] = "close"
-        if refusal is not None:
-            await refusal(scope, receive, send)
+            late = bridge_error(408, "REQUEST_TIMEOUT", f"the request body did not arrive within "
+                                f"{self.read_timeout_s:g} s", max=self.read_timeout_s)
+            late.headers["Connection"] = "close"
+            await late(scope, receive, send)
             return
         if not messages:
             return  # the client left before its body was in: nobody to answer
