@@ -2490,7 +2490,7 @@ def startup_problems(settings_loader: Callable[[], Settings] = load_settings, *,
         settings = settings_loader()
     except RagError as exc:
         return ["configuration error (the server's log says which setting)" if remote
-                else f"configuration error: {exc.message} ({exc.hint})"]
+                else f"{exc.message} ({exc.hint})"]  # the message starts "configuration error:"
     layout = StoreLayout(settings.store_dir)
     store = place("RAG_STORE_DIR", settings.store_dir)
     try:
