@@ -667,7 +667,7 @@ def parse_document(raw: bytes, path: str) -> SourceDocument:
     if not (isinstance(title, str) and title.strip()):
         structure = body_structure(lines[body_start - 1:])
         title = _first_h1(structure) or PurePosixPath(path).stem
-    return SourceDocument(path=path, title=nfc(" ".join(str(title).split())), rag=rag, chunk_mode=chunk_mode,
+    return SourceDocument(path=path, title=metadata_text(nfc(str(title))), rag=rag, chunk_mode=chunk_mode,
                           lifecycle=lifecycle, lines=tuple(lines), body_start=body_start, structure=structure)
 
 
@@ -744,7 +744,7 @@ def _is_payload_run(run: str) -> bool:
 # Headings and chunking.
 
 # Bump when chunking or keyword terms change: it is part of the manifest, so stores rebuild.
-CHUNKER_VERSION = "3"
+CHUNKER_VERSION = "4"
 HEADING_SEPARATOR = " > "
 MERGED_HEADING_SEPARATOR = "; "  # between the headings a merged chunk covers (merged_heading)
 _ANCHOR_SUFFIX = re.compile(r"\s*\{#[^}]*\}\s*$")
@@ -799,7 +799,10 @@ def _headings_from_tokens(tokens: Sequence[Any]) -> list[Heading]:
     for i, tok in enumerate(tokens):
         if tok.type == "heading_open" and tok.level == 0 and tok.map:
             text = _ANCHOR_SUFFIX.sub("", tokens[i + 1].content).strip()
-            headings.append(Heading(line=tok.map[0], end=tok.map[1], level=int(tok.tag[1]), text=nfc(text)))
+            # Capped here: every chunk of a section carries its heading path, so a heading of a
+            # megabyte would cost memory with the square of its length.
+            headings.append(Heading(line=tok.map[0], end=tok.map[1], level=int(tok.tag[1]),
+                                    text=metadata_text(nfc(text))))
     return headings
 
 
@@ -854,7 +857,8 @@ def merged_heading(paths: Sequence[str]) -> str:
         paths.pop(0)
     if not paths:
         return ""
-    return MERGED_HEADING_SEPARATOR.join([paths[0], *(p.rsplit(HEADING_SEPARATOR, 1)[-1] for p in paths[1:])])
+    return metadata_text(MERGED_HEADING_SEPARATOR.join([paths[0], *(p.rsplit(HEADING_SEPARATOR, 1)[-1]
+                                                                   for p in paths[1:])]))
 
 
 def _embedded_tokens(body: _Body, span: _Span) -> int:
@@ -1004,7 +1008,7 @@ def chunk_document(doc: SourceDocument, max_tokens: int, min_tokens: int,
     stack: list[Heading] = []
     for heading in structure.headings:
         stack = [h for h in stack if h.level < heading.level] + [heading]
-        path_at[heading.line] = HEADING_SEPARATOR.join(h.text for h in stack if h.text)
+        path_at[heading.line] = metadata_text(HEADING_SEPARATOR.join(h.text for h in stack if h.text))
     starts = sorted(path_at)
     body = _Body(tuple(searchable_tokens(line) for line in lines), structure.block_starts, tuple(starts),
                  tuple(path_at[s] for s in starts))

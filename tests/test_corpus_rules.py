@@ -1037,3 +1037,19 @@ def test_vitepress_line_over_the_context_is_cut_outside_urls_into_real_pieces() 
     for number, line in enumerate(doc.lines, 1):
         if line.startswith("[Playground"):
             assert any(c.start_line <= number <= c.end_line and line in c.text for c in chunks)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(min_value=0, max_value=200_000), st.integers(min_value=1, max_value=4),
+       st.text(alphabet=st.sampled_from("ab \u202e\u2028\x1b"), max_size=50))
+def test_titles_and_headings_are_capped_whatever_their_length(length: int, depth: int, noise: str) -> None:
+    """Every chunk carries its heading path: a heading's length must not multiply by the chunk count."""
+    heading = ("word " * (length // 5)) + noise
+    body = "".join(f"{'#' * level} {heading}\n\ntext of section {level}.\n\n" for level in range(1, depth + 1))
+    doc = rules.parse_document(f"---\ntitle: {heading!r}\n---\n{body}".encode(), "deep.md")
+    chunks = rules.chunk_document(doc, 512, 64, 2048)
+    assert len(doc.title) <= rules.METADATA_MAX_CHARS
+    for chunk in chunks:
+        assert len(chunk.heading) <= rules.METADATA_MAX_CHARS
+        assert not set(chunk.heading + doc.title) & set("\u202e\u2028\x1b")
+    assert len(chunks) <= 2 + depth * (length * 3 // 512 + 2), "chunks bounded by the text's size"

@@ -130,3 +130,19 @@ def test_one_oversized_title_never_empties_other_hits(fake: FakeOllama, tmp_path
         is_error, listing = call(server, "list_documents", {})
     assert not is_error and "oncall/huge-title.md" in [doc["path"] for doc in listing["documents"]], listing
     assert all(len(doc["title"]) <= 300 for doc in listing["documents"])
+
+
+def test_a_heading_of_hundreds_of_kilobytes_is_capped_and_its_file_indexed(fake: FakeOllama, tmp_path: Path) -> None:
+    """Every chunk of a section carries its heading: uncapped, a 1 MB heading line cost ingest memory
+    with the square of its length (80k characters: 2.4 GB, exit 1)."""
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "big.md").write_text("# " + "heading words " * 15_000 + "\n\nThe body under it.\n")
+    (source / "ok.md").write_text("# Fine\n\nA fine document about rollbacks.\n")
+    built = build(tmp_path / "built", fake.host, source)
+    with raw_server(built.store, built.corpus, fake.host) as server:
+        is_error, payload = call(server, "search_corpus", {"query": "heading words body", "k": 20})
+        assert not is_error and "big.md" in [hit["path"] for hit in payload["results"]], payload
+        assert all(len(hit["heading"]) <= 300 and len(hit["title"]) <= 300 for hit in payload["results"])
+        is_error, whole = call(server, "get_file", {"path": "big.md", "end_line": 1})
+    assert not is_error and whole["truncated"] and len(whole["text"]) > 300, "the line itself is read in parts"
