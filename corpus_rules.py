@@ -310,7 +310,7 @@ def _headers_env(env: Mapping[str, str], name: str) -> dict[str, str]:
     if not raw:
         return {}
     try:
-        value = json.loads(raw)
+        value = json_value(raw)
     except ValueError:
         value = None
     if not (isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())):
@@ -610,6 +610,15 @@ def _refuse_yaml_aliases(fm: str) -> None:
         if isinstance(event, yaml.AliasEvent):
             raise RagError(ErrorCode.DOCUMENT_INVALID, "YAML frontmatter uses an alias (*name); aliases are not "
                            "supported", "write the value out instead of referring to an &anchor")
+
+
+def json_value(text: str | bytes) -> Any:
+    """json.loads for text from a file or a variable: nesting too deep for the parser (a CURRENT.json
+    of 100,000 brackets) is a ValueError like any other bad form, not a RecursionError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def shown(value: Any, limit: int = 200) -> str:
@@ -1410,7 +1419,7 @@ class CorpusFacts:
 
     @classmethod
     def from_json(cls, raw: str) -> CorpusFacts:
-        data = json.loads(raw)
+        data = json_value(raw)
         return cls(documents=int(data["documents"]), superseded=int(data["superseded"]),
                    cjk_documents=int(data["cjk_documents"]),
                    folders=tuple((str(name), int(count)) for name, count in data["folders"]))
@@ -1451,7 +1460,7 @@ class Calibration:
 
     @classmethod
     def from_json(cls, raw: str) -> Calibration:
-        data = json.loads(raw)
+        data = json_value(raw)
         values = (float(data["unrelated"]), float(data["related"]))
         if not all(math.isfinite(v) for v in values):
             raise ValueError("calibration values must be finite")
@@ -1617,7 +1626,7 @@ class CurrentIndex:
     def from_json(cls, text: str) -> CurrentIndex:
         """Parse CURRENT.json, trusting nothing in it: the index name must be one ingest creates
         (it becomes a path), numbers must be integers in range. ValueError otherwise."""
-        data = json.loads(text)
+        data = json_value(text)
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
         index = data.get("index")

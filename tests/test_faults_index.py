@@ -18,6 +18,7 @@ import pytest
 from fake_ollama import FakeOllama
 from faultlib import index_dir, write_lock
 from helpers import (
+    RawServer,
     call,
     connect,
     copy_index,
@@ -128,6 +129,25 @@ def test_unreadable_current_json_is_index_incompatible(built: Built, fake: FakeO
             assert set(codes(every_tool(server)).values()) == {expected[name]}, name
         (store / "CURRENT.json").write_text(json.dumps(current), encoding="utf-8")
         assert set(codes(every_tool(server)).values()) == {"ok"}
+
+
+def test_a_current_json_nested_too_deeply_is_index_incompatible_at_start_and_in_ingest(
+        built: Built, fake: FakeOllama, tmp_path: Path) -> None:
+    store = copy_store(built, tmp_path)
+    depth = 100_000  # 200 KB, within CURRENT_MAX_BYTES, far beyond the JSON parser's recursion
+    (store / "CURRENT.json").write_text("[" * depth + "]" * depth, encoding="utf-8")
+    server = RawServer(server_env(store, built.corpus, fake.host))
+    try:
+        init = server.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                                             "clientInfo": {"name": "deep", "version": "0"}})
+        assert "Not ready" in init["result"]["instructions"] and "nested too deeply" in init["result"]["instructions"]
+        server.notify("notifications/initialized")
+        assert set(codes(every_tool(server)).values()) == {"index_incompatible"}
+    finally:
+        assert server.close() == 0
+    done = run_ingest(fake, built.corpus, store)
+    assert done.code == 2 and done.summary["error"]["code"] == "index_incompatible", done.err[-2000:]
+    assert "Traceback" not in done.err
 
 
 def _truncate(path: Path, fraction: float) -> None:
