@@ -16,6 +16,7 @@ import collections
 import contextlib
 import errno
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Literal, Sequence
 
 import corpus_rules as rules
 from corpus_rules import DocumentRow, ErrorCode, RagError
@@ -1868,6 +1869,7 @@ def run_once(args: argparse.Namespace, quiet: bool = False,
 
 WATCH_SETTLE_S = 1.0  # a burst of changes is indexed once it has been quiet this long
 WATCH_GROUP_MAX_S = 10.0  # changes that never stop are indexed at least this often
+WATCH_ROOT_GONE_S = 10.0  # a corpus folder missing this long is gone, not being swapped
 WATCH_RETRY_S = (15.0, 60.0, 300.0)  # after a run that could not finish: retry, backing off
 IGNORE_FILES = {RAGIGNORE, ".gitignore"}
 
@@ -1905,13 +1907,25 @@ def watch(args: argparse.Namespace) -> int:
     # One watcher for the whole watch: what changes while a run is busy is kept for the next
     # batch (a watcher set up anew after each run missed an edit made during that gap).
     batches = _change_batches(watchfiles, corpus, settle_ms)
+    identity = folder_identity(corpus)
     try:
         while True:
             due = WATCH_RETRY_S[min(retries, len(WATCH_RETRY_S) - 1)] if _unfinished(status, summary) else None
-            changes = _next_changes(batches, corpus, due)
-            if changes is None:
-                return 0  # the corpus folder went away
-            what = f"{len(changes)} change(s)" if changes else "retry"
+            changes = _next_changes(batches, corpus, identity, due)
+            if changes == "gone":
+                log.error("the corpus folder %s is gone (for %g s); watch stops with exit 2 so that a service "
+                          "manager restarts it once the folder is back", corpus, WATCH_ROOT_GONE_S)
+                return 2
+            if changes == "replaced":
+                # A deploy or a re-clone (mv docs docs.old && mv docs.new docs): the watcher still
+                # watches the old folder; attach to the new one and index it.
+                log.warning("the corpus folder %s was replaced; watching the new one", corpus)
+                batches.close()
+                batches = _change_batches(watchfiles, corpus, settle_ms)
+                identity = folder_identity(corpus)
+                what = "corpus folder replaced"
+            else:
+                what = f"{len(changes)} change(s)" if changes else "retry"
             if not vectors.usable():  # killed from outside, or a write failed: the next run gets a new one
                 vectors.shut()
                 vectors = VectorProcess()
@@ -1943,19 +1957,44 @@ def _change_batches(watchfiles: Any, corpus: Path, settle_ms: int) -> Generator[
         yield {path for _, path in batch}
 
 
-def _next_changes(batches: Iterator[set[str]], corpus: Path, wait_s: float | None) -> set[str] | None:
-    """The next non-empty batch; an empty set when `wait_s` passed first (a retry is due); None
-    when the corpus folder is gone."""
+def folder_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of a folder; None when there is no folder there."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
+
+
+def _next_changes(batches: Iterator[set[str]], corpus: Path, identity: tuple[int, int] | None,
+                  wait_s: float | None) -> set[str] | Literal["gone", "replaced"]:
+    """The next non-empty batch; an empty set when `wait_s` passed first (a retry is due);
+    "replaced" when another folder now has the corpus's name; "gone" when no folder has had it
+    for WATCH_ROOT_GONE_S (a swap leaves a moment without one)."""
     deadline = None if wait_s is None else time.monotonic() + wait_s
-    for changes in batches:
-        if not corpus.is_dir():
-            log.error("the corpus folder %s is gone; watch stops", corpus)
-            return None
+    missing_since: float | None = None
+    for changes in itertools.chain(batches, _seconds()):
+        now = folder_identity(corpus)
+        if now is None:
+            missing_since = missing_since or time.monotonic()
+            if time.monotonic() - missing_since >= WATCH_ROOT_GONE_S:
+                return "gone"
+            continue
+        if now != identity:
+            return "replaced"
+        missing_since = None
         if changes:
             return changes
         if deadline is not None and time.monotonic() >= deadline:
             return set()
-    return None
+    raise AssertionError("unreachable: _seconds never ends")
+
+
+def _seconds() -> Iterator[set[str]]:
+    """An empty batch every second, for when the watcher itself ended (its folder was removed)."""
+    while True:
+        time.sleep(1.0)
+        yield set()
 
 
 def _watch_line(what: str, status: int, summary: Summary) -> None:

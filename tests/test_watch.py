@@ -216,3 +216,31 @@ def test_a_vector_process_whose_write_failed_is_replaced(tmp_path: Path) -> None
         finally:
             watcher.proc.kill()
             watcher.proc.wait(timeout=10)
+
+
+def test_a_replaced_corpus_folder_is_watched_again_and_a_gone_one_exits_non_zero(tmp_path: Path) -> None:
+    """A deploy swaps the folder (mv docs docs.old && mv docs.new docs): the watch re-attaches and
+    indexes the new one. A folder that stays gone ends the watch with exit 2, so that systemd's
+    Restart=on-failure restarts it."""
+    with FakeOllama() as fake:
+        corpus, store = copy_sample(tmp_path), tmp_path / "store"
+        fresh = copy_sample(tmp_path, "fresh")
+        (fresh / "swapped-in.md").write_text("# Swapped in\n\nThe quokkafish rotation arrived with the deploy.\n")
+        watcher = Watcher(fake, corpus, store)
+        try:
+            runs = watcher.runs()
+            corpus.rename(tmp_path / "corpus.old")
+            fresh.rename(corpus)
+            watcher.wait_for_run_after(runs)
+            with raw_server(store, corpus, fake.host) as server:
+                assert "swapped-in.md" in paths_found(server, "quokkafish")
+            runs = watcher.runs()
+            (corpus / "later.md").write_text("# Later\n\nThe narwhalbadger desk answers pages.\n")
+            watcher.wait_for_run_after(runs)
+            with raw_server(store, corpus, fake.host) as server:
+                assert "later.md" in paths_found(server, "narwhalbadger"), "changes in the new folder are seen"
+            corpus.rename(tmp_path / "corpus.gone")
+            code = watcher.proc.wait(timeout=60)
+        finally:
+            watcher.stop()
+        assert code == 2 and "is gone" in "".join(watcher.lines), "".join(watcher.lines)[-2000:]
