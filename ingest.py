@@ -1440,6 +1440,23 @@ def _registry_of(layout: rules.StoreLayout, current: rules.CurrentIndex | None) 
     raise AssertionError("unreachable")
 
 
+def set_aside_damaged_keywords(layout: rules.StoreLayout, current: rules.CurrentIndex) -> bool:
+    """For --full: a keyword index that cannot be read (not a database, malformed) is moved aside
+    as keywords.sqlite3.damaged, so the run rebuilds it from the corpus. The store's own hint names
+    --full for exactly this; the damaged copy is kept for a post-mortem."""
+    try:
+        _registry_of(layout, current)
+        return False
+    except sqlite3.DatabaseError as exc:
+        path = layout.keyword_db(current.index)
+        log.warning("the keyword index %s is damaged (%s): set aside as %s.damaged; rebuilding it from the corpus",
+                    path, exc, path.name)
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(f"{path}{suffix}", f"{path}.damaged{suffix}")
+        return True
+
+
 def check_same_corpus(current: rules.CurrentIndex | None, corpus: Path, store: Path, replace: bool) -> None:
     """A store holds the index of one corpus folder. Indexing another one into it would delete the
     first one's chunks (files it does not have count as removed), so that takes --replace-corpus."""
@@ -1560,6 +1577,8 @@ def _run_in(args: argparse.Namespace, summary: Summary, settings: rules.Settings
     with ingest_lock(layout):
         current = layout.read_current()
         check_same_corpus(current, corpus, settings.store_dir, args.replace_corpus)
+        if args.full and current is not None:
+            set_aside_damaged_keywords(layout, current)
         _guard_empty(walk, _registry_of(layout, current), args.allow_empty)
         dims = model.dims if model is not None else current.manifest.dims  # type: ignore[union-attr]
         index_name = rules.manifest_for(settings, scheme.name, dims).index_name()

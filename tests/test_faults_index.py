@@ -150,6 +150,22 @@ def test_a_current_json_nested_too_deeply_is_index_incompatible_at_start_and_in_
     assert "Traceback" not in done.err
 
 
+@pytest.mark.parametrize("damage", ["garbage", "truncated to half"])
+def test_the_command_a_damaged_keyword_index_names_repairs_it(built: Built, fake: FakeOllama, tmp_path: Path,
+                                                              damage: str) -> None:
+    store = copy_store(built, tmp_path)
+    db = index_dir(store) / "keywords.sqlite3"
+    db.write_bytes(b"garbage" * 1000) if damage == "garbage" else _truncate(db, 0.5)
+    done = run_ingest(fake, built.corpus, store)
+    assert done.code == 2 and "python ingest.py --full" in done.summary["error"]["hint"], done.err[-2000:]
+    repaired = run_ingest(fake, built.corpus, store, "--full")
+    assert repaired.code == 0, repaired.err[-2000:]
+    assert "set aside" in repaired.err and (db.parent / "keywords.sqlite3.damaged").exists()
+    with raw_server(store, built.corpus, fake.host) as server:
+        assert set(codes(every_tool(server)).values()) == {"ok"}
+        assert search_paths(server, QUERY)[0] == ESCALATION
+
+
 def _truncate(path: Path, fraction: float) -> None:
     with open(path, "r+b") as fh:
         fh.truncate(int(path.stat().st_size * fraction))
