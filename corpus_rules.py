@@ -1948,6 +1948,9 @@ class VectorStore:
             self._do(lifecycle, merged)
 
 
+COMPACTION_ROOM_BYTES = 256 << 20  # a compaction failing with less free space than this: the disk is full
+
+
 class EmbeddedVectors(VectorStore):
     """Chroma's PersistentClient on the index folder's chroma/ (the default)."""
 
@@ -1958,6 +1961,22 @@ class EmbeddedVectors(VectorStore):
 
     def collection_name(self, lifecycle: str) -> str:
         return COLLECTION_BY_LIFECYCLE[lifecycle]
+
+    def _failure(self, exc: BaseException) -> RagError:
+        """Chroma's compaction says only "Error in compaction: Failed to apply logs to the ... segment"
+        when the disk fills while it writes its segments: on a nearly full disk that is the cause."""
+        failure = store_failure(exc, self.where)
+        if failure.code is not ErrorCode.INTERNAL or "compaction" not in failure.message.lower():
+            return failure
+        try:
+            free = shutil.disk_usage(self.chroma_dir if self.chroma_dir.exists() else self.chroma_dir.parent).free
+        except OSError:
+            return failure
+        if free >= COMPACTION_ROOM_BYTES:
+            return failure
+        said = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+        return RagError(ErrorCode.STORE_UNWRITABLE, f"the {self.where} could not be written: {free >> 20} MB are left "
+                        f"on its disk ({said})", "free some space and run ingest again; what was committed is kept")
 
     def _connect(self, create: bool) -> Any:
         os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")

@@ -1053,3 +1053,14 @@ def test_titles_and_headings_are_capped_whatever_their_length(length: int, depth
         assert len(chunk.heading) <= rules.METADATA_MAX_CHARS
         assert not set(chunk.heading + doc.title) & set("\u202e\u2028\x1b")
     assert len(chunks) <= 2 + depth * (length * 3 // 512 + 2), "chunks bounded by the text's size"
+
+
+@pytest.mark.parametrize(("free", "code"), [(1 << 20, "store_unwritable"), (10 << 30, "internal")])
+def test_a_compaction_failure_on_a_full_disk_is_store_unwritable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 free: int, code: str) -> None:
+    """What Chroma 1.5 raises when the disk fills during compaction (reproduced on a 40 MB tmpfs)."""
+    vectors = rules.EmbeddedVectors(tmp_path / "chroma", "idx-000000000000")
+    monkeypatch.setattr(rules.shutil, "disk_usage", lambda _path: type("Usage", (), {"free": free})())
+    failure = vectors._failure(Exception("Error in compaction: Failed to apply logs to the metadata segment"))
+    assert failure.code == code
+    assert (code == "internal") == ("--full" in failure.hint)
