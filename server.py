@@ -859,15 +859,17 @@ class ChromaWorker:
         """A submitted job's result, waited for at most `timeout` seconds (then dropped if unstarted).
         While the worker is stuck on a call older than `timeout`, a queued job waits only
         STORE_STUCK_GRACE_S (hybrid search then degrades without a second full wait)."""
-        started, stuck = self._running_since, False
-        if started is not None and time.monotonic() - started > timeout and job.state == "queued":
-            timeout, stuck = min(timeout, STORE_STUCK_GRACE_S), True
-        if not job.done.wait(timeout):
+        started, wait_s = self._running_since, timeout
+        stuck = started is not None and time.monotonic() - started > timeout and job.state == "queued"
+        if stuck:
+            wait_s = min(timeout, STORE_STUCK_GRACE_S)
+        if not job.done.wait(wait_s):
             with job.lock:
                 if job.state == "queued":
                     job.state = "abandoned"
-            raise RagError(ErrorCode.INTERNAL, f"the {what} is still busy with a call older than the store timeout" if stuck else
-                           f"the {what} did not answer within {timeout:g} s",
+            raise RagError(ErrorCode.INTERNAL,
+                           f"the {what} is still busy with a call that has run past the store timeout ({timeout:g} s)"
+                           if stuck else f"the {what} did not answer within {timeout:g} s",
                            "another process may hold it locked (an ingest, a backup or a database browser); "
                            "retry in a moment. mode='keyword' does not need it")
         if job.error is not None:
