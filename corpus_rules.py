@@ -48,6 +48,9 @@ class ErrorCode(StrEnum):
     MODEL_NOT_FOUND = "model_not_found"
     NOT_INDEXED = "not_indexed"
     PATH_REJECTED = "path_rejected"
+    # A store that is there but cannot answer now (locked by another process, slow, a Chroma
+    # server down): retry later. `internal` is kept for what nobody expected (a bug, damage).
+    STORE_UNAVAILABLE = "store_unavailable"
     INTERNAL = "internal"
     # Ingest-side codes.
     DOCUMENT_INVALID = "document_invalid"
@@ -94,7 +97,7 @@ def store_failure(exc: BaseException, what: str) -> RagError:
         return RagError(ErrorCode.STORE_UNWRITABLE, f"the {what} cannot be written: {text}",
                         "check that RAG_STORE_DIR (or --store) is a folder this user can write")
     if "locked" in lowered or "busy" in lowered:
-        return RagError(ErrorCode.INTERNAL, f"the {what} is locked: {text}",
+        return RagError(ErrorCode.STORE_UNAVAILABLE, f"the {what} is locked: {text}",
                         "another process holds it; retry in a moment (an ingest may be running)")
     return RagError(ErrorCode.INTERNAL, f"the {what} failed: {text}",
                     "if an ingest is running, retry when it finishes; otherwise rebuild the index with "
@@ -2061,7 +2064,7 @@ class ServerVectors(VectorStore):
                 response.read(4096)
         except (OSError, urllib.error.URLError) as exc:
             reason = getattr(exc, "reason", exc)
-            raise RagError(ErrorCode.INTERNAL, f"the Chroma server at {self.url} does not answer ({reason})",
+            raise RagError(ErrorCode.STORE_UNAVAILABLE, f"the Chroma server at {self.url} does not answer ({reason})",
                            f"start it (`chroma run --path DIR --port N`) or correct RAG_CHROMA_URL={self.url}, "
                            "then retry") from None
 
@@ -2085,9 +2088,13 @@ class ServerVectors(VectorStore):
         self._client, self._collections = None, {}  # the shared client stays for the next open
 
     def _failure(self, exc: BaseException) -> RagError:
+        import httpx
+
         failure = store_failure(exc, self.where)
         if failure.code is ErrorCode.INTERNAL:
-            return RagError(ErrorCode.INTERNAL, failure.message,
+            # A connection refused, reset or timed out is the server not being there, not a bug.
+            unreachable = isinstance(exc, (OSError, httpx.TransportError))
+            return RagError(ErrorCode.STORE_UNAVAILABLE if unreachable else ErrorCode.INTERNAL, failure.message,
                             f"check that the Chroma server at RAG_CHROMA_URL={self.url} is running and reachable "
                             f"(`chroma run --path DIR --port N`), then retry")
         return failure

@@ -803,6 +803,11 @@ class VectorStoreUnavailable(RagError):
     damaged): hybrid search answers from the keyword channel, as when the embedder is down."""
 
 
+# A vector read failing with these may be mended by reopening the client, and hybrid search
+# answers from its keyword channel meanwhile.
+STORE_FAILURES = (ErrorCode.STORE_UNAVAILABLE, ErrorCode.INTERNAL)
+
+
 @contextlib.contextmanager
 def vector_store_failures() -> Iterator[None]:
     """A failed vector read as VectorStoreUnavailable; a store that is missing or of another
@@ -810,7 +815,7 @@ def vector_store_failures() -> Iterator[None]:
     try:
         yield
     except RagError as exc:
-        if exc.code is not ErrorCode.INTERNAL or isinstance(exc, VectorStoreUnavailable):
+        if exc.code not in STORE_FAILURES or isinstance(exc, VectorStoreUnavailable):
             raise
         raise VectorStoreUnavailable(exc.code, exc.message, exc.hint) from exc
 
@@ -867,7 +872,7 @@ class ChromaWorker:
             with job.lock:
                 if job.state == "queued":
                     job.state = "abandoned"
-            raise RagError(ErrorCode.INTERNAL,
+            raise RagError(ErrorCode.STORE_UNAVAILABLE,
                            f"the {what} is still busy with a call that has run past the store timeout ({timeout:g} s)"
                            if stuck else f"the {what} did not answer within {timeout:g} s",
                            "another process may hold it locked (an ingest, a backup or a database browser); "
@@ -1010,7 +1015,7 @@ class OpenIndex:
         try:
             return read(self.vectors)
         except RagError as first:
-            if first.code is not ErrorCode.INTERNAL:
+            if first.code not in STORE_FAILURES:
                 raise
             log.info("vector store read failed (%s); reopening the Chroma client", first.message[:200])
         self.vectors.close()
@@ -1689,7 +1694,8 @@ class RetrievalService:
                 log.warning("search degraded to keyword results: %s", exc.message)
                 degraded = exc
             embedded_for = current.manifest
-        raise RagError(ErrorCode.INTERNAL, "the index kept changing during the search", "retry")
+        raise RagError(ErrorCode.STORE_UNAVAILABLE, "the index kept changing during the search",
+                       "an ingest is publishing generations; retry in a moment")
 
     def _search_index(self, index: OpenIndex, args: SearchCorpusInput, phrasings: list[Phrasing],
                       degraded: RagError | None, early: Overlapped | None = None) -> dict[str, Any]:
@@ -2572,7 +2578,8 @@ HTTP_GRACE_S = 5.0  # uvicorn's graceful shutdown: calls still running are answe
 HTTP_FD_RESERVE = 100  # descriptors kept for the store, the embedder's connections and the logs
 # A tool's own error as the bridge's HTTP status: the caller's mistake, or a dependency that is not there.
 _BRIDGE_STATUS = {ErrorCode.INVALID_ARGUMENT: 400, ErrorCode.PATH_REJECTED: 400, ErrorCode.NOT_INDEXED: 400,
-                  ErrorCode.INDEX_MISSING: 503, ErrorCode.EMBEDDER_UNAVAILABLE: 503, ErrorCode.MODEL_NOT_FOUND: 503}
+                  ErrorCode.INDEX_MISSING: 503, ErrorCode.EMBEDDER_UNAVAILABLE: 503, ErrorCode.MODEL_NOT_FOUND: 503,
+                  ErrorCode.STORE_UNAVAILABLE: 503}
 
 
 def is_loopback(host: str) -> bool:

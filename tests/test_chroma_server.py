@@ -210,7 +210,7 @@ def test_a_chroma_server_down_frozen_or_restarted_degrades_hybrid_search(fake: F
             assert payload["results"] and all(hit["score"] is None for hit in payload["results"])
             assert "keyword results only" in payload["hint"] and "RAG_CHROMA_URL" in payload["hint"]
             is_error, payload = call(server, "search_corpus", {"query": "rollback", "mode": "vector"})
-            assert is_error and payload["error"]["code"] == "internal", payload
+            assert is_error and payload["error"]["code"] == "store_unavailable", payload
             assert "RAG_CHROMA_URL" in payload["error"]["hint"] and chroma.url in json.dumps(payload)
             # What needs only the keyword index keeps working.
             assert not call(server, "search_corpus", {"query": "rollback", "mode": "keyword"})[0]

@@ -249,7 +249,7 @@ def assert_locked_search_fails_fast(server: Any, mode: str) -> None:
         assert not is_error and payload["degraded"] == "vector_store_unavailable", payload
         assert payload["results"][0]["path"] == ESCALATION and LOCKED_FOR_2_S.search(payload["hint"]), payload["hint"]
         return
-    assert is_error and payload["error"]["code"] == "internal", payload
+    assert is_error and payload["error"]["code"] == "store_unavailable", payload
     assert LOCKED_FOR_2_S.search(payload["error"]["message"]), payload["error"]["message"]
     assert "keyword" in payload["error"]["hint"]
 

@@ -32,6 +32,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
 from fake_ollama import FakeOllama
+from faultlib import write_lock
 from helpers import ROOT, SERVER, Built, connect, free_port, output_validators, sample_built, tool, wait_for_logged
 
 pytestmark = pytest.mark.heavy  # over a minute of wall time: scheduled first (conftest.py)
@@ -405,6 +406,25 @@ def test_tool_errors_keep_our_code_and_hint_and_hide_paths(server: HttpServer, b
         details = bridge_failure(response, status, "TOOL_EXECUTION_ERROR")
         assert details["code"] == code and details["hint"] and details["toolName"] == tool_name, details
         no_paths_or_hosts(response.text, str(built.corpus), str(built.store), str(ROOT))
+
+
+def test_a_locked_vector_store_is_503_store_unavailable_with_retry_after(built: Built, fake: FakeOllama,
+                                                                        tmp_path: Path) -> None:
+    """A store another process holds locked is not a bug: 503 with Retry-After, code
+    store_unavailable, and hybrid search still answers from its keyword channel."""
+    store = tmp_path / "store"
+    shutil.copytree(built.store, store)
+    locked = dataclasses.replace(built, store=store)
+    with http_server(locked.server_env(fake.host, RAG_STORE_TIMEOUT="2")) as running:
+        wait_for_logged(running.stderr_lines, "warm-up: done")
+        with write_lock(locked.index_dir / "chroma" / "chroma.sqlite3", "EXCLUSIVE"):
+            response = bridge(running, "search_corpus", {"query": "who gets paged for a sev-1", "mode": "vector"})
+            details = bridge_failure(response, 503, "TOOL_EXECUTION_ERROR")
+            assert details["code"] == "store_unavailable" and response.headers["Retry-After"] == "1", details
+            assert "retry" in details["hint"] and "keyword" in details["hint"], details
+            hybrid = bridge(running, "search_corpus", {"query": "who gets paged for a sev-1"})
+            assert hybrid.status_code == 200 and hybrid.json()["result"]["degraded"] == "vector_store_unavailable"
+        no_paths_or_hosts(response.text, str(store), str(ROOT))
 
 
 def test_special_characters_reach_the_tool_intact(server: HttpServer) -> None:
