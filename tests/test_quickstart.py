@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
+import tomllib
 from pathlib import Path
 
 from fake_ollama import FakeOllama
@@ -37,8 +39,12 @@ def test_indexes_and_prints_registration_commands_with_absolute_paths(tmp_path: 
     # -e must follow the server's name (claude's -e takes several values).
     assert f"claude mcp add -s user local-rag -e RAG_STORE_DIR={store} -- {sys.executable} {server}" in out
     assert f"codex mcp add --env RAG_STORE_DIR={store} local-rag -- {sys.executable} {server}" in out
-    assert "[mcp_servers.local-rag]" in out and f'command = "{sys.executable}"' in out
-    assert "startup_timeout_sec" in out and "claude mcp list" in out
+    assert "claude mcp list" in out
+    # The config.toml block, as printed (one indentation), is the table Codex reads.
+    block = out.split("config.toml:\n", 1)[1].split("\n\n", 1)[0]
+    assert len({line[:len(line) - len(line.lstrip())] for line in block.splitlines()}) == 1, block
+    assert tomllib.loads(textwrap.dedent(block))["mcp_servers"]["local-rag"] == {
+        "command": sys.executable, "args": [server], "env": {"RAG_STORE_DIR": str(store)}, "startup_timeout_sec": 30}
     # Again: nothing to do, same answer.
     with FakeOllama() as fake:
         again = quickstart(fake.host, "--store", str(store))

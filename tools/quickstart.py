@@ -92,7 +92,7 @@ def registration(python: Path, env: dict[str, str]) -> str:
     toml_env = ""
     if env:
         pairs = ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.items())
-        toml_env = f"env = {{ {pairs} }}\n"
+        toml_env = f"    env = {{ {pairs} }}\n"
     quoted = " ".join(shlex.quote(part) for part in command)
     return (
         "Register the server (stdio) with your agent:\n\n"
@@ -105,7 +105,7 @@ def registration(python: Path, env: dict[str, str]) -> str:
         "    [mcp_servers.local-rag]\n"
         f"    command = {json.dumps(str(python))}\n"
         f"    args = [{json.dumps(str(server))}]\n"
-        f"    {toml_env}"
+        f"{toml_env}"
         "    startup_timeout_sec = 30\n\n"
         "Then ask your agent something the documents answer; it calls search_corpus.\n"
         f"Re-index after editing the documents: {shlex.quote(str(python))} {shlex.quote(str(PROJECT_DIR / 'ingest.py'))}"
