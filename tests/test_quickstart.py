@@ -4,6 +4,7 @@ that no network install runs; creating .venv is what `.ci/run` itself does on ev
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -27,6 +28,22 @@ def quickstart(host: str, *args: str, path: str | None = None) -> subprocess.Com
                           capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
 
 
+def codex_table(out: str) -> dict[str, object]:
+    """The config.toml block as printed: one indentation throughout, the table Codex reads."""
+    block = out.split("config.toml:\n", 1)[1].split("\n\n", 1)[0]
+    assert len({line[:len(line) - len(line.lstrip())] for line in block.splitlines()}) == 1, block
+    return tomllib.loads(textwrap.dedent(block))["mcp_servers"]["local-rag"]
+
+
+def test_the_codex_block_without_variables_is_valid_toml() -> None:
+    spec = importlib.util.spec_from_file_location("quickstart", QUICKSTART)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert codex_table(module.registration(Path("/venv/bin/python"), {})) == {
+        "command": "/venv/bin/python", "args": [str(ROOT / "server.py")], "startup_timeout_sec": 30}
+
+
 def test_indexes_and_prints_registration_commands_with_absolute_paths(tmp_path: Path) -> None:
     store = tmp_path / "store"
     with FakeOllama() as fake:
@@ -40,11 +57,8 @@ def test_indexes_and_prints_registration_commands_with_absolute_paths(tmp_path: 
     assert f"claude mcp add -s user local-rag -e RAG_STORE_DIR={store} -- {sys.executable} {server}" in out
     assert f"codex mcp add --env RAG_STORE_DIR={store} local-rag -- {sys.executable} {server}" in out
     assert "claude mcp list" in out
-    # The config.toml block, as printed (one indentation), is the table Codex reads.
-    block = out.split("config.toml:\n", 1)[1].split("\n\n", 1)[0]
-    assert len({line[:len(line) - len(line.lstrip())] for line in block.splitlines()}) == 1, block
-    assert tomllib.loads(textwrap.dedent(block))["mcp_servers"]["local-rag"] == {
-        "command": sys.executable, "args": [server], "env": {"RAG_STORE_DIR": str(store)}, "startup_timeout_sec": 30}
+    assert codex_table(out) == {"command": sys.executable, "args": [server], "env": {"RAG_STORE_DIR": str(store)},
+                                "startup_timeout_sec": 30}
     # Again: nothing to do, same answer.
     with FakeOllama() as fake:
         again = quickstart(fake.host, "--store", str(store))
