@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import typing
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Container, Iterator, Mapping, Sequence
@@ -238,10 +239,16 @@ _NUMBER_TEXT = {int: re.compile(r"[+-]?\d{1,30}"),
                 float: re.compile(r"[+-]?(?:\d{1,30}(?:\.\d{0,30})?|\.\d{1,30})(?:[eE][+-]?\d{1,3})?")}
 
 
+def _not_none(annotation: Any) -> Any:
+    """`X` for `X | None`; anything else as it is."""
+    kinds = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    return kinds[0] if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(kinds) == 1 \
+        else annotation
+
+
 def _scalar_kind(annotation: Any) -> type | None:
     """int, float or str for those types and their optional forms; None for anything else."""
-    kinds = {arg for arg in typing.get_args(annotation) if arg is not type(None)} or {annotation}
-    kind = next(iter(kinds)) if len(kinds) == 1 else None
+    kind = _not_none(annotation)
     return kind if kind in (int, float, str) else None
 
 
@@ -3276,12 +3283,37 @@ def serve_http(service: RetrievalService, settings: Settings, instructions: str,
 # The CLI: `python server.py search|get|list ...`, for shells and CI (JSON with --json).
 
 
+# The CLI's sub-commands: each is one tool, its arguments derived from the tool's input model.
+CLI_COMMANDS = {"search": "search_corpus", "get": "get_file", "list": "list_documents"}
+
+
+def cli_arguments(model: type[_ToolInput]) -> Iterator[tuple[list[str], dict[str, Any]]]:
+    """argparse's (names, options) for each field of a tool's input model: a required field is
+    positional, the others `--kebab-case` options (a list repeats its option; a Literal offers its
+    values); unset options stay None, so the model's own defaults apply."""
+    for name, info in model.model_fields.items():
+        options: dict[str, Any] = {"help": (info.description or "").replace("%", "%%")}
+        annotation = _not_none(info.annotation)
+        if typing.get_origin(annotation) is Literal:
+            options["choices"] = list(typing.get_args(annotation))
+        elif typing.get_origin(annotation) is list:
+            options.update(action="append", metavar="TEXT", help=f"{options['help']} Repeat the option for each.")
+        elif annotation is bool:
+            options.update(action="store_true", default=None)
+        else:
+            options["type"] = _scalar_kind(annotation)
+        if info.is_required():
+            yield [name], options
+        else:
+            yield [f"--{name.replace('_', '-')}"], {**options, "dest": name}
+
+
 def cli(service: RetrievalService, args: Any) -> int:
     """One tool call from the command line, through the same dispatcher as every other door.
     Exit 0 on success, 1 when a search found nothing, 2 on an error (message and hint on stderr)."""
-    arguments = {key: value for key, value in vars(args).items()
-                 if key not in ("command", "json", "http", "host", "port") and value is not None and value is not False}
-    tool = {"search": "search_corpus", "get": "get_file", "list": "list_documents"}[args.command]
+    tool = CLI_COMMANDS[args.command]
+    arguments = {name: getattr(args, name) for name in TOOLS[tool].input_model.model_fields
+                 if getattr(args, name) is not None}
     outcome = dispatch(service, tool, arguments)
     if outcome.error is not None:
         if args.json:
@@ -3351,23 +3383,12 @@ def parse_args(argv: Sequence[str] | None) -> Any:
                         "API (/mcp/call, /mcp/tools, /health), instead of stdio")
     parser.add_argument("--host", help="with --http: address to listen on (default $RAG_HTTP_HOST or 127.0.0.1)")
     parser.add_argument("--port", type=int, help="with --http: port (default $RAG_HTTP_PORT or 8765; 0: any free)")
-    commands = parser.add_subparsers(dest="command", metavar="{search,get,list}")
-    search = commands.add_parser("search", help="search the corpus (search_corpus)")
-    search.add_argument("query")
-    search.add_argument("--k", type=int)
-    search.add_argument("--path-prefix", dest="path_prefix")
-    search.add_argument("--mode", choices=["hybrid", "vector", "keyword"])
-    search.add_argument("--include-superseded", dest="include_superseded", action="store_true")
-    search.add_argument("--min-score", dest="min_score", type=float)
-    get = commands.add_parser("get", help="read an indexed file or a line range (get_file)")
-    get.add_argument("path")
-    get.add_argument("--start-line", dest="start_line", type=int)
-    get.add_argument("--end-line", dest="end_line", type=int)
-    listing = commands.add_parser("list", help="list the indexed documents (list_documents)")
-    listing.add_argument("--path-prefix", dest="path_prefix")
-    listing.add_argument("--offset", type=int)
-    listing.add_argument("--limit", type=int)
-    for sub in (search, get, listing):
+    commands = parser.add_subparsers(dest="command", metavar="{" + ",".join(CLI_COMMANDS) + "}")
+    for command, tool in CLI_COMMANDS.items():
+        spec = TOOLS[tool]
+        sub = commands.add_parser(command, help=f"{spec.title.lower()} ({tool})", description=spec.description)
+        for names, options in cli_arguments(spec.input_model):
+            sub.add_argument(*names, **options)
         sub.add_argument("--json", action="store_true", help="print the tool's JSON (or its error) on stdout")
     return parser.parse_args(argv)
 

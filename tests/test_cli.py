@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from fake_ollama import FakeOllama
+import server
 from helpers import ROOT, SERVER, Built, free_port, ingest_index, output_validators, sample_built
 
 
@@ -46,6 +47,23 @@ def test_search_json_is_the_tools_structured_content(built: Built, fake: FakeOll
     payload = json_answer(done, "search_corpus")
     assert payload["query"] == "declaring a sev-1 incident" and payload["mode"] == "hybrid"
     assert payload["results"][0]["path"] == "oncall/escalation.md" and len(payload["results"]) <= 3
+
+
+def test_every_tool_argument_is_a_cli_option() -> None:
+    """The sub-commands are built from the tools' input models: nothing to re-declare, nothing to drift."""
+    for command, tool in server.CLI_COMMANDS.items():
+        usage = subprocess.run([sys.executable, str(SERVER), command, "--help"], capture_output=True, text=True,
+                               timeout=60, check=True).stdout
+        for name, info in server.TOOLS[tool].input_model.model_fields.items():
+            assert (name if info.is_required() else f"--{name.replace('_', '-')}") in usage, (command, name)
+
+
+def test_extra_phrasings_reach_the_search(built: Built, fake: FakeOllama) -> None:
+    done = run_cli(built.server_env(fake.host), "search", "qqqzzzxxy", "--queries", "who gets paged",
+                   "--queries", "declaring an incident", "--k", "10", "--json")
+    assert done.returncode == 0, done.stderr
+    found_by = {index for hit in json_answer(done, "search_corpus")["results"] for index in hit["phrasings"]}
+    assert {1, 2} <= found_by, found_by
 
 
 def test_search_options_reach_the_tool(built: Built, fake: FakeOllama) -> None:
