@@ -33,8 +33,23 @@ from enum import StrEnum
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-TOOL_VERSION = "0.1.0"
 PROJECT_DIR = Path(__file__).resolve().parent
+
+
+def _installed_version() -> str:
+    """The version pyproject.toml declares, as pip installed it (a checkout never installed reads
+    the file itself)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("local-rag-mcp")
+    except importlib.metadata.PackageNotFoundError:
+        import tomllib
+
+        return tomllib.loads((PROJECT_DIR / "pyproject.toml").read_text(encoding="utf-8"))["project"]["version"]
+
+
+TOOL_VERSION = _installed_version()
 
 # ---------------------------------------------------------------------------
 # Errors: one vocabulary for ingest and server.
@@ -77,6 +92,15 @@ class RagError(Exception):
         return f"{self.code}: {self.message}" + (f" ({self.hint})" if self.hint else "")
 
 
+# What every hint tells the operator to run to (re)build an index: the one command that writes.
+INGEST_COMMAND = "python ingest.py"
+
+
+def ingest_command(*flags: str) -> str:
+    """The ingest command with these flags, as hints quote it."""
+    return f"`{' '.join((INGEST_COMMAND, *flags))}`"
+
+
 def store_failure(exc: BaseException, what: str) -> RagError:
     """A failure of the store (keyword database or vector store) in the vocabulary: another Chroma
     version, a lock held elsewhere, a disk that is full or read-only, or something else."""
@@ -87,7 +111,7 @@ def store_failure(exc: BaseException, what: str) -> RagError:
     code = getattr(exc, "errno", None)
     if "unapplied migrations" in lowered:
         return RagError(ErrorCode.INDEX_INCOMPATIBLE, f"the {what} was written by another Chroma version: {text}",
-                        "run `python ingest.py` with this installation; it upgrades the store")
+                        f"run {ingest_command()} with this installation; it upgrades the store")
     if code in (errno.ENOSPC, errno.EFBIG) or any(
             words in lowered for words in ("disk is full", "no space left", "file too large", "disk i/o error")):
         return RagError(ErrorCode.STORE_UNWRITABLE, f"the {what} could not be written (is the disk full?): {text}",
@@ -101,7 +125,7 @@ def store_failure(exc: BaseException, what: str) -> RagError:
                         "another process holds it; retry in a moment (an ingest may be running)")
     return RagError(ErrorCode.INTERNAL, f"the {what} failed: {text}",
                     "if an ingest is running, retry when it finishes; otherwise rebuild the index with "
-                    "`python ingest.py --full`")
+                    + ingest_command("--full"))
 
 
 # ---------------------------------------------------------------------------
@@ -223,6 +247,14 @@ class Settings:
     def describe(self) -> str:
         return (f"corpus={self.corpus_dir} store={self.store_dir} ollama={self.ollama_host} "
                 f"model={self.embed_model}")
+
+
+# Every variable load_settings reads, in the README's order (a test holds the three together).
+ENVIRONMENT = ("RAG_CORPUS_DIR", "RAG_STORE_DIR", "OLLAMA_HOST", "RAG_EMBED_MODEL", "RAG_EMBED_TIMEOUT",
+               "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS", "RAG_STORE_TIMEOUT", "RAG_LOG_LEVEL",
+               "RAG_SERVER_WARMUP", "RAG_CHROMA_URL", "RAG_CHROMA_HEADERS", "RAG_RESPECT_GITIGNORE", "RAG_HTTP_HOST",
+               "RAG_HTTP_PORT", "RAG_HTTP_TOKEN", "RAG_HTTP_ALLOWED_HOSTS", "RAG_HTTP_ALLOWED_ORIGINS",
+               "RAG_HTTP_MAX_IN_FLIGHT", "RAG_HTTP_READ_TIMEOUT", "RAG_HTTP_MAX_CONNECTIONS", "RAG_TOOL_TIMEOUT")
 
 
 def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | None = None,
@@ -1680,7 +1712,7 @@ def _no_link(path: Path, kind_ok: Callable[[int], bool]) -> Path:
     if not kind_ok(mode):
         what = "a symbolic link" if stat.S_ISLNK(mode) else "not what ingest makes there"
         raise RagError(ErrorCode.INDEX_INCOMPATIBLE, f"{path} is {what}: the store was changed by hand",
-                       "remove it and run `python ingest.py --full`")
+                       f"remove it and run {ingest_command('--full')}")
     return path
 
 
@@ -1702,7 +1734,7 @@ class StoreLayout:
         # deletes old index folders) or the server outside the store.
         if not INDEX_NAME.fullmatch(name):
             raise RagError(ErrorCode.INDEX_INCOMPATIBLE, f"{name[:80]!r} is not an index folder name",
-                           "run `python ingest.py --full` to rebuild the index")
+                           f"run {ingest_command('--full')} to rebuild the index")
         return _no_link(self.root / name, stat.S_ISDIR)
 
     def chroma_dir(self, name: str) -> Path:
@@ -1718,8 +1750,7 @@ class StoreLayout:
             return None
         except OSError as exc:
             raise RagError(ErrorCode.INDEX_INCOMPATIBLE, f"{self.current_file} cannot be opened ({exc.strerror}): a "
-                           "link or something else that ingest did not write", "remove it and run `python ingest.py "
-                           "--full`") from None
+                           "link or something else that ingest did not write", f"remove it and run {ingest_command('--full')}") from None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise ValueError("not a regular file")
@@ -1729,7 +1760,7 @@ class StoreLayout:
             return CurrentIndex.from_json(raw.decode("utf-8"))
         except (ValueError, KeyError, TypeError) as exc:
             raise RagError(ErrorCode.INDEX_INCOMPATIBLE, f"{self.current_file} is unreadable: {str(exc)[:300]}",
-                           "run `python ingest.py --full` to rebuild the index") from None
+                           f"run {ingest_command('--full')} to rebuild the index") from None
         finally:
             os.close(fd)
 
@@ -1769,7 +1800,7 @@ class StoreLayout:
             os.close(fd)
         if not STORE_ID.fullmatch(text):
             raise RagError(ErrorCode.INDEX_INCOMPATIBLE, f"{path} does not hold a store id",
-                           f"remove {path} and run `python ingest.py --full`")
+                           f"remove {path} and run {ingest_command('--full')}")
         return text
 
 
@@ -1790,7 +1821,7 @@ def _fsync_dir(path: Path) -> None:
 # are written once; the two backends differ in how a client is made, what a collection is called,
 # how an index's vectors are found and dropped, and how their failures read.
 
-INGEST_HINT = "run `python ingest.py` (with the same RAG_STORE_DIR and RAG_CORPUS_DIR as this server)"
+INGEST_HINT = f"run {ingest_command()} (with the same RAG_STORE_DIR and RAG_CORPUS_DIR as this server)"
 # Ids are listed, and deleted, a page at a time: a Chroma server caps a request's size.
 VECTOR_PAGE = 5000
 

@@ -1064,3 +1064,26 @@ def test_a_compaction_failure_on_a_full_disk_is_store_unwritable(tmp_path: Path,
     failure = vectors._failure(Exception("Error in compaction: Failed to apply logs to the metadata segment"))
     assert failure.code == code
     assert (code == "internal") == ("--full" in failure.hint)
+
+
+def test_the_version_is_pyprojects_own() -> None:
+    """One source: what the server reports in its handshake and `--version` is pyproject.toml's."""
+    import tomllib
+
+    declared = tomllib.loads((Path(rules.__file__).parent / "pyproject.toml").read_text(encoding="utf-8"))
+    assert rules.TOOL_VERSION == declared["project"]["version"]
+
+
+def test_the_environment_list_is_what_load_settings_reads_and_the_readme_documents() -> None:
+    read: list[str] = []
+
+    class Recording(dict[str, str]):
+        def get(self, key: str, default: object = None) -> object:  # type: ignore[override]  # dict.get's overloads
+            read.append(key)
+            return super().get(key, default)
+
+    rules.load_settings(Recording())
+    readme = (Path(rules.__file__).parent / "README.md").read_text(encoding="utf-8")
+    table = re.findall(r"^\| `([A-Z_]+)` \|", readme.split("## Configuration", 1)[1], flags=re.M)
+    assert set(read) == set(rules.ENVIRONMENT)
+    assert table == list(rules.ENVIRONMENT)
