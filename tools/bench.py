@@ -1203,18 +1203,14 @@ def machine_line(machine: dict[str, Any]) -> str:
 # Measurements.
 
 
-def server_channel_candidates(server_path: Path) -> int:
-    """n_results the server asks Chroma for (CHANNEL_CANDIDATES in server.py), so the raw limit asks the same."""
-    import ast
-
-    with contextlib.suppress(OSError, SyntaxError):
-        for node in ast.parse(server_path.read_text(encoding="utf-8")).body:
-            targets = [getattr(t, "id", None) for t in getattr(node, "targets", [])]
-            if isinstance(node, ast.Assign) and "CHANNEL_CANDIDATES" in targets:
-                value = ast.literal_eval(node.value)
-                if isinstance(value, int):
-                    return value
-    return 50
+def server_channel_candidates(python: str, server_path: Path) -> int:
+    """n_results the measured server asks Chroma for (its CHANNEL_CANDIDATES), so the raw limit asks
+    the same. Asked of that server in its own process: --server may be another checkout, whose
+    modules must not mix with this one's."""
+    done = subprocess.run([python, "-c", "import server; print(server.CHANNEL_CANDIDATES)"], cwd=server_path.parent,
+                          capture_output=True, text=True, timeout=120, check=True,
+                          env={**os.environ, "ANONYMIZED_TELEMETRY": "False"})
+    return int(done.stdout)
 
 
 class Bench:
@@ -1241,7 +1237,7 @@ class Bench:
                      "http_single": 40 if self.quick else 80, "http_each": 10 if self.quick else 20,
                      "cli": 3 if self.quick else 5, "watch": 5 if self.quick else 20}
         self.vectors = FastVectors(DIMS)
-        self.n_results = server_channel_candidates(self.server)
+        self.n_results = server_channel_candidates(self.python, self.server)
         self.stores: dict[int, Path] = {}
         self.corpora: dict[int, Path] = {}
         self.deadline: float | None = None  # --scale: when the budget runs out (perf_counter)
