@@ -1,10 +1,23 @@
 """The contract shared by ingest.py (the only writer) and server.py (the reader).
 
-Configuration, frontmatter conventions, chunking, embedding prefixes, keyword terms,
-metadata keys, store layout and the index manifest live here so that the server reads
-exactly what ingest wrote. Heavy libraries (ollama, chromadb, markdown-it, frontmatter)
-are imported inside the functions that need them: the server must answer the MCP
-handshake before paying for them.
+Both import this module and nothing of each other, so the server reads exactly what ingest
+wrote. Its sections, in file order:
+
+- Errors: ErrorCode, RagError, store_failure (a store's exceptions in the vocabulary), and
+  ingest_command (the command every hint names).
+- Configuration: Settings, ENVIRONMENT (every variable) and load_settings.
+- Paths, and opening corpus files without following links (ingest's reads, get_file).
+- Frontmatter conventions, token estimation, searchable text.
+- Headings and chunking (CHUNKER_VERSION), embedding prefixes (PREFIX_SCHEMES).
+- Keyword terms: the one tokenizer for the FTS5 index and for queries; identifier detection.
+- Store layout, ids, metadata keys and the manifest (StoreLayout, CURRENT.json).
+- The vector-store seam: VectorStore (embedded Chroma) and ServerVectors (a Chroma server),
+  one collection per lifecycle, their failures in the vocabulary.
+- The embedder: OllamaEmbedder, the one Ollama client of both programs, with its own call
+  threads and deadlines (an embedding call is bounded even when Ollama stops answering).
+
+Heavy libraries (ollama, chromadb, markdown-it, frontmatter) are imported inside the
+functions that need them: the server must answer the MCP handshake before paying for them.
 """
 
 from __future__ import annotations
