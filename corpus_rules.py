@@ -38,6 +38,7 @@ import secrets
 import shutil
 import stat
 import statistics
+import sys
 import threading
 import time
 import unicodedata
@@ -281,10 +282,11 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
     model = env.get("RAG_EMBED_MODEL", "").strip()
     max_tokens = _int_env(env, "RAG_CHUNK_MAX_TOKENS", DEFAULT_CHUNK_MAX_TOKENS, 32)
     min_tokens = _int_env(env, "RAG_CHUNK_MIN_TOKENS", DEFAULT_CHUNK_MIN_TOKENS, 0)
+    if min_tokens > max_tokens:
+        raise _setting_error("RAG_CHUNK_MIN_TOKENS", str(min_tokens),
+                             f"a whole number up to RAG_CHUNK_MAX_TOKENS ({max_tokens})")
     corpus_choice = corpus_dir or env.get("RAG_CORPUS_DIR", "").strip()
-    host = env.get("OLLAMA_HOST", "").strip() or DEFAULT_OLLAMA_HOST
-    if "://" not in host:
-        host = "http://" + host
+    host = _ollama_host_env(env, "OLLAMA_HOST")
     return Settings(
         corpus_dir=_abs_path(corpus_choice or PROJECT_DIR / "sample-corpus"),
         corpus_dir_explicit=bool(corpus_choice),
@@ -294,7 +296,7 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
         embed_model_explicit=bool(model),
         embed_timeout_s=_seconds_env(env, "RAG_EMBED_TIMEOUT", DEFAULT_EMBED_TIMEOUT_S),
         chunk_max_tokens=max_tokens,
-        chunk_min_tokens=min(min_tokens, max_tokens),
+        chunk_min_tokens=min_tokens,
         store_timeout_s=_seconds_env(env, "RAG_STORE_TIMEOUT", DEFAULT_STORE_TIMEOUT_S),
         log_level=_choice_env(env, "RAG_LOG_LEVEL", "INFO", LOG_LEVELS),
         server_warmup=_flag_env(env, "RAG_SERVER_WARMUP", True),
@@ -335,6 +337,27 @@ def _addresses_env(env: Mapping[str, str], name: str, pattern: re.Pattern[str], 
         if not pattern.fullmatch(entry):
             raise _setting_error(name, entry, f"a comma list such as {example}")
     return entries
+
+
+def _ollama_host_env(env: Mapping[str, str], name: str) -> str:
+    """OLLAMA_HOST in the forms Ollama's own clients read (`host`, `host:port`,
+    `scheme://host[:port][/path]`; no port: Ollama's default), checked here: a value that does not
+    parse is a configuration error naming the variable, never a traceback from inside the client."""
+    from urllib.parse import urlsplit
+
+    raw = env.get(name, "").strip()
+    if not raw:
+        return DEFAULT_OLLAMA_HOST
+    url = raw if "://" in raw else f"http://{raw}"
+    try:
+        parts = urlsplit(url)
+        valid = (parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port is None or parts.port > 0)
+                 and not (parts.query or parts.fragment) and not any(char.isspace() for char in url))
+    except ValueError:  # a port that is not a number from 0 to 65535
+        valid = False
+    if not valid:
+        raise _setting_error(name, raw, "an Ollama address such as 127.0.0.1:11434 or http://gpu-box:11434")
+    return url.rstrip("/")
 
 
 def _url_env(env: Mapping[str, str], name: str) -> str | None:
@@ -2203,9 +2226,23 @@ def import_heavy(name: str) -> Any:
     up (imports chromadb, hence numpy) in the background while the first call may be importing
     numpy for the embedder; two threads importing numpy at once can see it half-initialized
     ("partially initialized module 'numpy._typing'"), which CPython's per-module locks do not
-    prevent for numpy's circular imports."""
+    prevent for numpy's circular imports.
+
+    Importing ollama builds a module-level client from the raw OLLAMA_HOST, which raises on a
+    value load_settings reads fine (a pasted trailing space): it sees the value as read."""
     with _HEAVY_IMPORTS:
-        return importlib.import_module(name)
+        if name != "ollama" or name in sys.modules:
+            return importlib.import_module(name)
+        raw = os.environ.get("OLLAMA_HOST")
+        with contextlib.suppress(RagError):  # an invalid value is said by load_settings, not here
+            os.environ["OLLAMA_HOST"] = _ollama_host_env(os.environ, "OLLAMA_HOST")
+        try:
+            return importlib.import_module(name)
+        finally:
+            if raw is None:
+                os.environ.pop("OLLAMA_HOST", None)
+            else:
+                os.environ["OLLAMA_HOST"] = raw
 
 
 class _CallThreads:

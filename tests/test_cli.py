@@ -195,3 +195,24 @@ def test_readme_ci_example_fails_the_job_when_the_passage_is_gone(sample_index: 
     assert ingest_index(built.corpus, built.store, fake.host).returncode == 0
     failing = ci_job()
     assert failing.returncode != 0, failing.stdout
+
+
+def test_a_pasted_ollama_host_with_a_trailing_space_searches_as_written(built: Built, fake: FakeOllama) -> None:
+    """`import ollama` parses the raw variable itself and raised on the space inside every search."""
+    done = run_cli({**built.server_env(fake.host), "OLLAMA_HOST": f"{fake.host} "}, "search", "sev-1", "--json")
+    assert done.returncode == 0, done.stderr
+    payload = json_answer(done, "search_corpus")
+    assert payload.get("degraded") is None and payload["results"], payload
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:xx", ":99999", "ftp://127.0.0.1:11434"])
+def test_an_ollama_host_that_does_not_parse_is_a_configuration_error_everywhere(built: Built, host: str,
+                                                                                tmp_path: Path) -> None:
+    env = {**os.environ, "OLLAMA_HOST": host, "ANONYMIZED_TELEMETRY": "False"}
+    for argv in ([str(ROOT / "ingest.py"), "--corpus", str(built.corpus), "--store", str(tmp_path / "s")],
+                 [str(ROOT / "ingest.py"), "--corpus", str(built.corpus), "--store", str(tmp_path / "s"), "--dry-run"],
+                 [str(SERVER), "search", "sev-1"]):
+        done = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=120,
+                              stdin=subprocess.DEVNULL)
+        assert done.returncode == 2, (argv, done.stderr)
+        assert "configuration error: OLLAMA_HOST=" in done.stderr and "Traceback" not in done.stderr, done.stderr

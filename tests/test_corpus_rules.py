@@ -805,10 +805,6 @@ def test_chunk_ids_depend_on_content() -> None:
 # ---------------------------------------------------------------------------
 # Settings.
 
-_RAG_VARS = ("RAG_CORPUS_DIR", "RAG_STORE_DIR", "OLLAMA_HOST", "RAG_EMBED_MODEL", "RAG_EMBED_TIMEOUT",
-             "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS")
-
-
 def test_settings_defaults_do_not_depend_on_the_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -817,7 +813,7 @@ def test_settings_defaults_do_not_depend_on_the_cwd(tmp_path: Path, monkeypatch:
     assert s.store_dir == tmp_path / "home" / ".local-rag-mcp" / "store"
     assert (s.ollama_host, s.embed_model, s.embed_model_explicit) == ("http://127.0.0.1:11434", "embeddinggemma", False)
     assert (s.chunk_max_tokens, s.chunk_min_tokens, s.embed_timeout_s) == (512, 64, 60.0)
-    assert rules.load_settings({name: "  " for name in _RAG_VARS}) == s
+    assert rules.load_settings({name: "  " for name in rules.ENVIRONMENT}) == s
 
 
 def test_settings_precedence_and_expansion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -825,12 +821,12 @@ def test_settings_precedence_and_expansion(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.chdir(tmp_path)
     env = {"RAG_CORPUS_DIR": "~/docs", "RAG_STORE_DIR": "rel/store", "OLLAMA_HOST": "127.0.0.1:9999",
            "RAG_EMBED_MODEL": "nomic-embed-text", "RAG_EMBED_TIMEOUT": "2.5", "RAG_CHUNK_MAX_TOKENS": "100",
-           "RAG_CHUNK_MIN_TOKENS": "500"}
+           "RAG_CHUNK_MIN_TOKENS": "50"}
     s = rules.load_settings(env)
     assert (s.corpus_dir, s.corpus_dir_explicit) == (tmp_path / "docs", True)
     assert s.store_dir == tmp_path / "rel" / "store"
     assert (s.ollama_host, s.embed_model, s.embed_model_explicit) == ("http://127.0.0.1:9999", "nomic-embed-text", True)
-    assert (s.embed_timeout_s, s.chunk_max_tokens, s.chunk_min_tokens) == (2.5, 100, 100)
+    assert (s.embed_timeout_s, s.chunk_max_tokens, s.chunk_min_tokens) == (2.5, 100, 50)
     over = rules.load_settings(env, corpus_dir="~/other", store_dir=str(tmp_path / "abs"))
     assert (over.corpus_dir, over.store_dir) == (tmp_path / "other", tmp_path / "abs")
     assert over.corpus_dir.is_absolute()
@@ -842,13 +838,26 @@ def test_settings_precedence_and_expansion(tmp_path: Path, monkeypatch: pytest.M
                                  {"RAG_CHUNK_MAX_TOKENS": "big"}, {"RAG_CHUNK_MAX_TOKENS": "8"},
                                  {"RAG_CHUNK_MIN_TOKENS": "-1"}, {"RAG_STORE_TIMEOUT": "-5"},
                                  {"RAG_STORE_TIMEOUT": "forever"}, {"RAG_LOG_LEVEL": "chatty"},
-                                 {"RAG_SERVER_WARMUP": "maybe"}])
+                                 {"RAG_SERVER_WARMUP": "maybe"},
+                                 {"RAG_CHUNK_MIN_TOKENS": "600", "RAG_CHUNK_MAX_TOKENS": "512"},
+                                 {"OLLAMA_HOST": "127.0.0.1:xx"}, {"OLLAMA_HOST": ":99999"},
+                                 {"OLLAMA_HOST": "127.0.0.1:99999"}, {"OLLAMA_HOST": "ftp://127.0.0.1:11434"},
+                                 {"OLLAMA_HOST": "http://"}, {"OLLAMA_HOST": "127.0.0.1 :11434"},
+                                 {"OLLAMA_HOST": "127.0.0.1:11434?x=1"}])
 def test_invalid_settings(env: dict[str, str]) -> None:
     with pytest.raises(RagError) as caught:
         rules.load_settings(env)
     assert caught.value.code is ErrorCode.INVALID_ARGUMENT
     assert caught.value.message.startswith("configuration error: ") and next(iter(env)) in caught.value.message
     assert next(iter(env)) in caught.value.hint
+
+
+@pytest.mark.parametrize(("raw", "host"), [("127.0.0.1:11434 ", "http://127.0.0.1:11434"),
+                                           ("\tgpu-box", "http://gpu-box"),
+                                           ("https://ollama.internal/base/", "https://ollama.internal/base"),
+                                           ("[::1]:11434", "http://[::1]:11434")])
+def test_ollama_host_in_the_forms_ollama_reads(raw: str, host: str) -> None:
+    assert rules.load_settings({"OLLAMA_HOST": raw}).ollama_host == host
 
 
 def test_server_knobs_are_settings_too() -> None:
