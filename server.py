@@ -3345,7 +3345,7 @@ def human_view(tool: str, payload: Mapping[str, Any]) -> str:
     here, so its control sequences (escapes, clipboard writes, bidi overrides) are neutralised;
     --json stays exact."""
     if tool == "search_corpus":
-        lines = []
+        lines = [f"({metadata_text(warning, HUMAN_VIEW_NOTE_MAX)})" for warning in doubts_of(payload)]
         for rank, hit in enumerate(payload["results"], start=1):
             score = "-" if hit["score"] is None else f"{hit['score']:.3f}"
             superseded = " [superseded]" if hit["lifecycle"] == "superseded" else ""
@@ -3353,8 +3353,10 @@ def human_view(tool: str, payload: Mapping[str, Any]) -> str:
                          f"  {metadata_text(hit['heading'])}  (score {score}){superseded}")
             shown = (metadata_text(line, HUMAN_VIEW_WIDTH) for line in hit["text"].splitlines())
             lines.extend(f"   {line}" for line in [line for line in shown if line][:HUMAN_VIEW_LINES])
+        if payload.get("confidence") in ("high", "medium"):
+            lines.append(f"(confidence {payload['confidence']}: {payload.get('confidence_score')})")
         lines.extend(f"({metadata_text(note, HUMAN_VIEW_NOTE_MAX)})" for note in notes_of(payload))
-        return "\n".join(lines) if lines else "(no results)"
+        return "\n".join(lines) if payload["results"] or lines else "(no results)"
     if tool == "get_file":
         message = payload.get("message")
         return printable_text(payload["text"]) + (f"\n({metadata_text(message, HUMAN_VIEW_NOTE_MAX)})" if message else "")
@@ -3364,6 +3366,16 @@ def human_view(tool: str, payload: Mapping[str, Any]) -> str:
     if payload.get("next_offset") is not None:
         lines.append(f"(more: --offset {payload['next_offset']})")
     return "\n".join(lines) if lines else f"({metadata_text(payload.get('message') or 'no documents')})"
+
+
+def doubts_of(payload: Mapping[str, Any]) -> list[str]:
+    """What a search's reader must see before its hits, as the agent does: identifiers no document
+    holds, and a low confidence with its reason."""
+    low = payload.get("confidence") == "low"
+    reason = payload.get("confidence_reason") or "the documents may not answer this"
+    missing = [name for name in payload.get("missing_identifiers") or [] if not (low and name in reason)]
+    return ([f"no document contains {', '.join(missing)}"] if missing else []) + \
+        ([f"low confidence: {reason}"] if low else [])
 
 
 def notes_of(payload: Mapping[str, Any]) -> list[str]:

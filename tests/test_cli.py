@@ -216,3 +216,16 @@ def test_an_ollama_host_that_does_not_parse_is_a_configuration_error_everywhere(
                               stdin=subprocess.DEVNULL)
         assert done.returncode == 2, (argv, done.stderr)
         assert "configuration error: OLLAMA_HOST=" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_human_view_says_what_the_agent_is_told_before_the_hits(built: Built, fake: FakeOllama) -> None:
+    """A plausible-looking answer to an identifier no document holds is flagged first, as the
+    tool's confidence and missing_identifiers flag it to the agent."""
+    env = built.server_env(fake.host)
+    payload = json_answer(run_cli(env, "search", "OLLAMA_KEEP_ALIVE_SECONDS", "--json"), "search_corpus")
+    assert payload["confidence"] == "low" and payload["missing_identifiers"] == ["OLLAMA_KEEP_ALIVE_SECONDS"]
+    lines = run_cli(env, "search", "OLLAMA_KEEP_ALIVE_SECONDS").stdout.splitlines()
+    assert lines[0] == f"(low confidence: {payload['confidence_reason']})", lines[:3]
+    assert "OLLAMA_KEEP_ALIVE_SECONDS" in lines[0] and lines[1].startswith("1. "), lines[:3]
+    sure = run_cli(env, "search", "declaring a sev-1 incident", "--k", "1").stdout.splitlines()
+    assert re.fullmatch(r"\(confidence (high|medium): [-0-9.]+\)", sure[-1]), sure
