@@ -1413,7 +1413,11 @@ class StalenessCheck:
                 self._refreshing = True
                 threading.Thread(target=self._refresh, args=(recount,), name="rag-staleness", daemon=True).start()
         hints = []
-        if changed:
+        if index.current.corpus_dir and Path(index.current.corpus_dir) != corpus_dir:
+            # Files are compared with another folder's, and a plain ingest would refuse (corpus_mismatch).
+            hints.append("RAG_CORPUS_DIR is not the folder this index was built from: point both at the same "
+                         f"folder, or make this store index it with {ingest_command('--replace-corpus')}")
+        elif changed:
             hints.append(f"{changed} indexed file(s) changed on disk since the last ingest; results may be out of "
                          f"date: {INGEST_HINT}")
         if index.current.manifest.chunker_version != CHUNKER_VERSION:
@@ -3326,6 +3330,8 @@ def cli(service: RetrievalService, args: Any) -> int:
         if outcome.error.hint:
             print(f"next: {outcome.error.hint}", file=sys.stderr)
         return 2
+    for problem in startup_problems():  # what the stdio server says at start, here too (a wrong folder)
+        print(f"warning: {problem}", file=sys.stderr)
     payload = outcome.payload or {}
     if args.json:
         print(json.dumps(payload, ensure_ascii=False))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -229,3 +230,17 @@ def test_the_human_view_says_what_the_agent_is_told_before_the_hits(built: Built
     assert "OLLAMA_KEEP_ALIVE_SECONDS" in lines[0] and lines[1].startswith("1. "), lines[:3]
     sure = run_cli(env, "search", "declaring a sev-1 incident", "--k", "1").stdout.splitlines()
     assert re.fullmatch(r"\(confidence (high|medium): [-0-9.]+\)", sure[-1]), sure
+
+
+def test_a_store_of_another_corpus_is_a_warning_and_the_hint_names_a_command_that_works(
+        built: Built, fake: FakeOllama, tmp_path: Path) -> None:
+    """The stdio server warns at start when RAG_CORPUS_DIR is not the indexed folder; the CLI says
+    the same, and the staleness hint asks for --replace-corpus, not a plain ingest that would refuse."""
+    other = tmp_path / "other-docs"
+    shutil.copytree(built.corpus, other)
+    (other / "oncall" / "escalation.md").write_text("# Changed\n\nSomething else.\n", encoding="utf-8")
+    done = run_cli({**built.server_env(fake.host), "RAG_CORPUS_DIR": str(other)}, "search", "sev-1", "--json")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.startswith("warning: RAG_CORPUS_DIR") and "was built from" in done.stderr, done.stderr
+    hint = json_answer(done, "search_corpus")["staleness"]["hint"]
+    assert "--replace-corpus" in hint and "changed on disk" not in hint, hint

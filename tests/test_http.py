@@ -656,8 +656,7 @@ def test_a_crash_is_internal_error_without_a_stack_trace(built: Built, fake: Fak
     def broken_search(self: Any, args: Any) -> Any:
         raise ZeroDivisionError(f"planted bug near {built.store}")
 
-    spec = server_module.TOOLS["search_corpus"]
-    monkeypatch.setitem(server_module.TOOLS, "search_corpus", dataclasses.replace(spec, handler=broken_search))
+    monkeypatch.setattr(server_module.RetrievalService, server_module.TOOLS["search_corpus"].method, broken_search)
     settings = load_settings()
     app = server_module.http_app(service, settings, "", server_module.WarmUp(service),
                                  server_module.HealthProbe(service))
