@@ -12,6 +12,7 @@ import sys
 import textwrap
 import tomllib
 from pathlib import Path
+from typing import Any
 
 from fake_ollama import FakeOllama
 
@@ -35,12 +36,16 @@ def codex_table(out: str) -> dict[str, object]:
     return tomllib.loads(textwrap.dedent(block))["mcp_servers"]["local-rag"]
 
 
-def test_the_codex_block_without_variables_is_valid_toml() -> None:
+def load_quickstart() -> Any:
     spec = importlib.util.spec_from_file_location("quickstart", QUICKSTART)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert codex_table(module.registration(Path("/venv/bin/python"), {})) == {
+    return module
+
+
+def test_the_codex_block_without_variables_is_valid_toml() -> None:
+    assert codex_table(load_quickstart().registration(Path("/venv/bin/python"), {})) == {
         "command": "/venv/bin/python", "args": [str(ROOT / "server.py")], "startup_timeout_sec": 30}
 
 
@@ -74,7 +79,10 @@ def test_own_corpus_gets_its_own_store_and_both_variables(tmp_path: Path) -> Non
     with FakeOllama() as fake:
         done = quickstart(fake.host, "--corpus", str(corpus), "--store", str(store))
     assert done.returncode == 0, done.stderr
-    assert f"local-rag -e RAG_CORPUS_DIR={corpus} -e RAG_STORE_DIR={store} --" in done.stdout
+    # Named after its folder, so it registers beside the sample corpus's `local-rag`.
+    assert f"claude mcp add -s user local-rag-my-docs -e RAG_CORPUS_DIR={corpus} -e RAG_STORE_DIR={store} --" in done.stdout
+    assert "[mcp_servers.local-rag-my-docs]" in done.stdout
+    assert "claude mcp add --transport http -s user local-rag-my-docs http://127.0.0.1:8765/mcp" in done.stdout
     assert json.loads((store / "CURRENT.json").read_text(encoding="utf-8"))["corpus_dir"] == str(corpus)
 
 
@@ -90,3 +98,12 @@ def test_ollama_down_or_without_the_model_says_what_to_do(tmp_path: Path) -> Non
         done = quickstart(fake.host, "--store", str(tmp_path / "s2"), path=str(Path(sys.executable).parent))
     assert done.returncode == 2 and "ollama pull embeddinggemma" in done.stderr
     assert not (tmp_path / "s1").exists() and not (tmp_path / "s2").exists()
+
+
+def test_an_installed_environment_is_not_installed_again(tmp_path: Path) -> None:
+    """A re-run skips pip when this checkout and its dependencies are installed (as in the test's own
+    environment, which `pip install -e .` made), and installs into one that lacks them."""
+    module = load_quickstart()
+    assert module.installed(Path(sys.executable))
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True, timeout=120)
+    assert not module.installed(tmp_path / "bare" / "bin" / "python")

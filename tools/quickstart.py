@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -39,8 +41,35 @@ def fail(text: str) -> int:
     return 2
 
 
+# Run by the environment's interpreter (-I: not the checkout's own build metadata in the cwd):
+# exit 0 when this checkout is installed there (editable) with every dependency pyproject.toml
+# names (their versions are pip's business on a reinstall).
+INSTALLED = r"""
+import importlib.metadata as metadata, json, pathlib, sys
+checkout, *needed = sys.argv[1:]
+dist = metadata.distribution("local-rag-mcp")
+url = json.loads(dist.read_text("direct_url.json") or "{}")
+assert url.get("dir_info", {}).get("editable") and url.get("url") == pathlib.Path(checkout).as_uri()
+for name in needed:
+    metadata.version(name)
+"""
+
+
+def dependency_names() -> list[str]:
+    """The distribution names pyproject.toml depends on (without versions or markers)."""
+    project = tomllib.loads((PROJECT_DIR / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    return [re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0] for requirement in project["dependencies"]]
+
+
+def installed(interpreter: Path) -> bool:
+    done = subprocess.run([str(interpreter), "-I", "-c", INSTALLED, str(PROJECT_DIR), *dependency_names()],
+                          capture_output=True)
+    return done.returncode == 0
+
+
 def environment(python: str | None) -> Path:
-    """The interpreter of the project's environment: the one given, or .venv (created when missing)."""
+    """The interpreter of the project's environment: the one given, or .venv (created when missing,
+    installed into unless this checkout and its dependencies already are)."""
     if python:
         return Path(python)
     venv = PROJECT_DIR / ".venv"
@@ -48,6 +77,9 @@ def environment(python: str | None) -> Path:
     if not interpreter.exists():
         say(f"creating the environment {venv}")
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    elif installed(interpreter):
+        say(f"the environment {venv} is installed already")
+        return interpreter
     say("installing local-rag-mcp and its dependencies (a minute or two the first time)")
     subprocess.run([str(interpreter), "-m", "pip", "install", "--quiet", "--upgrade", "pip"], check=True)
     subprocess.run([str(interpreter), "-m", "pip", "install", "--quiet", "-e", str(PROJECT_DIR)], check=True)
@@ -84,7 +116,16 @@ def ensure_model(host: str, model: str) -> str | None:
     return None
 
 
-def registration(python: Path, env: dict[str, str]) -> str:
+def server_name(corpus: Path | None) -> str:
+    """The name to register under: `local-rag` for the sample corpus, `local-rag-<folder>` for one's
+    own, so a second corpus registers beside the first instead of colliding with it."""
+    if corpus is None:
+        return "local-rag"
+    slug = re.sub(r"[^a-z0-9]+", "-", corpus.name.lower()).strip("-")[:40].strip("-")
+    return f"local-rag-{slug}" if slug else "local-rag-docs"
+
+
+def registration(python: Path, env: dict[str, str], name: str = "local-rag") -> str:
     server = PROJECT_DIR / "server.py"
     command = [str(python), str(server)]
     claude_env = "".join(f" -e {shlex.quote(f'{k}={v}')}" for k, v in env.items())
@@ -94,19 +135,23 @@ def registration(python: Path, env: dict[str, str]) -> str:
         pairs = ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.items())
         toml_env = f"    env = {{ {pairs} }}\n"
     quoted = " ".join(shlex.quote(part) for part in command)
+    http_env = "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())
     return (
-        "Register the server (stdio) with your agent:\n\n"
+        f"Register the server (stdio) with your agent, as {name}:\n\n"
         "  Claude Code (every directory: -s user; -e goes after the name):\n"
-        f"    claude mcp add -s user local-rag{claude_env} -- {quoted}\n"
-        "    claude mcp list        # expect: local-rag: ... - ✔ Connected\n\n"
+        f"    claude mcp add -s user {name}{claude_env} -- {quoted}\n"
+        f"    claude mcp list        # expect: {name}: ... - ✔ Connected\n\n"
         "  Codex:\n"
-        f"    codex mcp add{codex_env} local-rag -- {quoted}\n"
+        f"    codex mcp add{codex_env} {name} -- {quoted}\n"
         "  or in ~/.codex/config.toml:\n"
-        "    [mcp_servers.local-rag]\n"
+        f"    [mcp_servers.{name}]\n"
         f"    command = {json.dumps(str(python))}\n"
         f"    args = [{json.dumps(str(server))}]\n"
         f"{toml_env}"
         "    startup_timeout_sec = 30\n\n"
+        "  Or over HTTP, one server for several clients (for a team's network, see the README):\n"
+        f"    {http_env}{quoted} --http\n"
+        f"    claude mcp add --transport http -s user {name} http://127.0.0.1:8765/mcp\n\n"
         "Then ask your agent something the documents answer; it calls search_corpus.\n"
         f"Re-index after editing the documents: {shlex.quote(str(python))} {shlex.quote(str(PROJECT_DIR / 'ingest.py'))}"
         + "".join(f" --{'corpus' if k == 'RAG_CORPUS_DIR' else 'store'} {shlex.quote(v)}" for k, v in env.items())
@@ -149,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail("ingest did nothing (see its message above); fix that and run this again")
     if code == 1:
         say("some files failed to index (listed above); the rest is searchable")
-    print(registration(python, env))
+    print(registration(python, env, server_name(Path(env["RAG_CORPUS_DIR"]) if "RAG_CORPUS_DIR" in env else None)))
     return 0
 
 
