@@ -535,7 +535,9 @@ def renumber(chunks: Sequence[rules.Chunk]) -> list[rules.Chunk]:
 
 
 # ---------------------------------------------------------------------------
-# The vector process: the run's vector store, in a process of its own.
+# The run's vector store (rules.Vectors): in a process of its own (VectorProcess, every real run)
+# or in this one (InProcessVectors, the fast tests). Both are the same client, VectorClient, over
+# a different connection to the same VectorWriter, so they behave the same, errors included.
 
 
 def _die_with_parent() -> None:
@@ -549,117 +551,115 @@ def _die_with_parent() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-VECTOR_WRITES = ("upsert", "delete")
-
-
-def _serve_vectors(fd: int) -> None:
-    """The vector process's loop, on its end of the socket `fd`: one VectorStore, operations in
-    the order they were sent, one answer each, ("ok", value) or ("error", (code, message, hint)).
-    Ends when the socket closes.
+class VectorWriter:
+    """The far end of a VectorClient: one VectorStore, one answer per operation, ("ok", value) or
+    ("error", (code, message, hint)).
 
     After a write fails (a full disk, say), the store is never touched again: every later
     operation gets that write's error at once. Chroma can keep a lock from the failed write, and
     its next write then waits on it for ever (seen with a file-size limit: SQLite's busy loop in
-    one of Chroma's own connections). The parent replaces a process whose write failed."""
+    one of Chroma's own connections). The client is replaced after a failed write."""
+
+    def __init__(self) -> None:
+        self._vectors: rules.VectorStore | None = None
+        self._failed: tuple[Any, ...] | None = None  # the failed write's error
+
+    def answer(self, operation: str, args: tuple[Any, ...]) -> tuple[str, Any]:
+        try:
+            answer: tuple[str, Any] = ("ok", self._carry_out(operation, args))
+        except RagError as exc:
+            answer = ("error", (exc.code, exc.message, exc.hint))
+        except Exception as exc:  # noqa: BLE001 - every failure goes back to the client
+            answer = ("error", (ErrorCode.INTERNAL, f"the vector store failed: {rules.shown(exc, 300)}",
+                                "run ingest again; if it repeats, report it"))
+        if answer[0] == "error" and operation in rules.VECTOR_WRITES and self._failed is None:
+            self._failed = answer[1]
+        return answer
+
+    def _carry_out(self, operation: str, args: tuple[Any, ...]) -> Any:
+        if self._failed is not None:
+            raise RagError(*self._failed)
+        if operation == "open":
+            settings, layout, index_name, metadata = args
+            self._vectors = rules.vector_store(settings, layout, index_name, create=True).open(
+                create=True, metadata=metadata)
+            return None
+        if self._vectors is None:
+            raise RagError(ErrorCode.INTERNAL, f"vector store operation {operation!r} before open", "report it")
+        if operation == "close":
+            self._vectors, vectors = None, self._vectors
+            return vectors.close()
+        if operation not in (*rules.VECTOR_WRITES, *rules.VECTOR_READS):
+            raise RagError(ErrorCode.INTERNAL, f"unknown vector store operation {operation!r}", "report it")
+        return getattr(self._vectors, operation)(*args)
+
+    def finish(self) -> None:
+        """Close the store, unless a write failed: closing a store left locked could wait for ever too."""
+        if self._vectors is not None and self._failed is None:
+            self._vectors.close()
+        self._vectors = None
+
+
+def _serve_vectors(fd: int) -> None:
+    """The vector process's loop, on its end of the socket `fd`: a VectorWriter answering the
+    operations in the order they were sent. Ends when the socket closes."""
     from multiprocessing.connection import Connection  # noqa: PLC0415
 
     conn = Connection(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the parent decides
     _die_with_parent()
     rules.import_heavy("chromadb")  # ~1 s, paid while the parent walks the corpus and asks Ollama
-    vectors: rules.VectorStore | None = None
-    failed: tuple[Any, ...] | None = None  # the failed write's error
+    writer = VectorWriter()
     while True:
         try:
             operation, args = conn.recv()
         except (EOFError, OSError):
             break
         try:
-            if failed is not None:
-                raise RagError(*failed)
-            if operation == "open":
-                settings, layout, index_name, metadata = args
-                vectors = rules.vector_store(settings, layout, index_name, create=True).open(
-                    create=True, metadata=metadata)
-                value = None
-            elif vectors is None:
-                raise RagError(ErrorCode.INTERNAL, f"vector store operation {operation!r} before open", "report it")
-            else:
-                value = getattr(vectors, operation)(*args)
-                if operation == "close":
-                    vectors = None
-            answer: tuple[str, Any] = ("ok", value)
-        except RagError as exc:
-            answer = ("error", (exc.code, exc.message, exc.hint))
-        except Exception as exc:  # noqa: BLE001 - every failure goes back to the parent
-            answer = ("error", (ErrorCode.INTERNAL, f"the vector store failed: {rules.shown(exc, 300)}",
-                                "run ingest again; if it repeats, report it"))
-        if answer[0] == "error" and operation in VECTOR_WRITES and failed is None:
-            failed = answer[1]
-        try:
-            conn.send(answer)
+            conn.send(writer.answer(operation, args))
         except (BrokenPipeError, OSError):
             break
-    if vectors is not None and failed is None:  # closing a store left locked could wait for ever too
-        vectors.close()
+    writer.finish()
 
 
-class VectorProcess:
-    """The run's vector store in a process of its own, with the VectorStore methods ingest uses.
+class VectorClient:
+    """rules.Vectors over a connection to a VectorWriter (subclasses make the connection).
 
-    Chroma's upsert holds the GIL for its whole length (measured: a thread with work to do got
-    0.07 s of CPU during 2 s of upserts), so in one process nothing else of ingest runs while
-    Chroma writes. Here the next group's embedding and the previous group's keyword rows run
-    meanwhile. Operations run in the order sent: writes (upsert, delete) return at once and are
-    waited for with settle(), before the rows that need them commit; reads wait for everything
-    sent before them. A failure of a write is raised by the next settle or read.
-
-    Nothing starts until a run needs the store: a run with nothing to write never pays Chroma's
-    import (~1.5 s of CPU). A run that will write calls start() as soon as it knows, so the
-    import overlaps its model probe, planning and chunking. The process dies with ingest."""
+    Operations run in the order sent: writes (upsert, delete) return at once and are waited for
+    with settle(), before the rows that need them commit; reads wait for everything sent before
+    them. A failure of a write is raised by the next settle or read. The store is opened by the
+    first operation that needs it."""
 
     def __init__(self) -> None:
-        self._process: subprocess.Popen[bytes] | None = None
-        self._conn: Any = None
+        self._conn: Any = None  # send, recv, poll and close, as multiprocessing's Connection
         self._opening: tuple[Any, ...] | None = None  # open() arguments, sent with the first operation
-        self._open = False  # a store is open in the process
+        self._open = False  # a store is open at the far end
         self._sent = 0
         self._answered = 0
         self._awaiting: collections.deque[str] = collections.deque()  # operations sent, not yet answered
         self._failure: RagError | None = None  # the first failed write: every later settle raises it
 
     def start(self) -> None:
-        """Start the process now (it imports Chroma meanwhile); idempotent."""
-        if self._process is not None:
-            return
-        import socket  # noqa: PLC0415
-        from multiprocessing.connection import Connection  # noqa: PLC0415
-
-        # A plain interpreter, not multiprocessing's spawn: that would run the caller's main
-        # module again in the child. Its stdout is not ours: there `--json` prints the summary.
-        mine, theirs = socket.socketpair()
-        with theirs:
-            self._process = subprocess.Popen(
-                [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
-                 f"import ingest; ingest._serve_vectors({theirs.fileno()})"],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        self._conn = Connection(mine.detach())
+        raise NotImplementedError
 
     def usable(self) -> bool:
-        """Whether another run can use this process: not started yet, or alive with none of its
-        writes failed (after one, it touches the store no more; see _serve_vectors)."""
-        return self._process is None or (self._process.poll() is None and self._failure is None)
+        raise NotImplementedError
+
+    def shut(self) -> None:
+        raise NotImplementedError
+
+    def _gone(self) -> RagError:
+        raise NotImplementedError
 
     def in_use(self) -> bool:
-        """Whether the store is open (an operation needed it)."""
         return self._open
 
     def open(self, settings: rules.Settings, layout: rules.StoreLayout, index_name: str,
-             metadata: dict[str, Any]) -> VectorProcess:
+             metadata: dict[str, Any]) -> VectorClient:
         """Open an index's store (a fresh client: it sees every write made since) when the first
-        operation needs it; its errors are raised there. A process whose write failed opens
+        operation needs it; its errors are raised there. A writer whose write failed opens
         nothing more (the error is raised): --watch starts a new one."""
-        if self._process is not None:
+        if self._conn is not None:
             with contextlib.suppress(RagError):
                 self.settle()
         self._opening = (settings, layout, index_name, metadata)
@@ -707,7 +707,7 @@ class VectorProcess:
         self._read("merge_metadata", updates)
 
     def close(self) -> None:
-        """Close the store (the process stays for another open); a failure here changes nothing.
+        """Close the store (the writer stays for another open); a failure here changes nothing.
         A store that was never opened has nothing to close."""
         self._opening = None
         if not self._open:
@@ -748,10 +748,49 @@ class VectorProcess:
         operation = self._awaiting.popleft()
         if status == "error":
             error = RagError(*value)
-            if self._failure is None and operation in VECTOR_WRITES:
+            if self._failure is None and operation in rules.VECTOR_WRITES:
                 self._failure = error
             raise error
         return value
+
+
+class VectorProcess(VectorClient):
+    """The run's vector store in a process of its own.
+
+    Chroma's upsert holds the GIL for its whole length (measured: a thread with work to do got
+    0.07 s of CPU during 2 s of upserts), so in one process nothing else of ingest runs while
+    Chroma writes. Here the next group's embedding and the previous group's keyword rows run
+    meanwhile.
+
+    Nothing starts until a run needs the store: a run with nothing to write never pays Chroma's
+    import (~1.5 s of CPU). A run that will write calls start() as soon as it knows, so the
+    import overlaps its model probe, planning and chunking. The process dies with ingest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start the process now (it imports Chroma meanwhile); idempotent."""
+        if self._process is not None:
+            return
+        import socket  # noqa: PLC0415
+        from multiprocessing.connection import Connection  # noqa: PLC0415
+
+        # A plain interpreter, not multiprocessing's spawn: that would run the caller's main
+        # module again in the child. Its stdout is not ours: there `--json` prints the summary.
+        mine, theirs = socket.socketpair()
+        with theirs:
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
+                 f"import ingest; ingest._serve_vectors({theirs.fileno()})"],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        self._conn = Connection(mine.detach())
+
+    def usable(self) -> bool:
+        """Whether another run can use this process: not started yet, or alive with none of its
+        writes failed (after one, it touches the store no more; see VectorWriter)."""
+        return self._process is None or (self._process.poll() is None and self._failure is None)
 
     def _gone(self) -> RagError:
         assert self._process is not None
@@ -781,6 +820,46 @@ class VectorProcess:
             self._process.wait(5.0)
 
 
+class _AnsweredHere:
+    """A connection whose far end is a VectorWriter in this process: an operation is carried out
+    as it is sent, its answer kept until received."""
+
+    def __init__(self) -> None:
+        self._writer = VectorWriter()
+        self._answers: collections.deque[tuple[str, Any]] = collections.deque()
+
+    def send(self, message: tuple[str, tuple[Any, ...]]) -> None:
+        self._answers.append(self._writer.answer(*message))
+
+    def recv(self) -> tuple[str, Any]:
+        return self._answers.popleft()
+
+    def poll(self) -> bool:
+        return bool(self._answers)
+
+    def close(self) -> None:
+        self._writer.finish()
+
+
+class InProcessVectors(VectorClient):
+    """The run's vector store in this process: what VectorProcess does, without a process (a
+    test drives ingest.run in one process with it; nothing overlaps Chroma's writes)."""
+
+    def start(self) -> None:
+        if self._conn is None:
+            self._conn = _AnsweredHere()
+
+    def usable(self) -> bool:
+        return self._failure is None
+
+    def _gone(self) -> RagError:
+        raise AssertionError("an in-process vector writer cannot go away")
+
+    def shut(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+
+
 # ---------------------------------------------------------------------------
 # Writing: vectors first, then the SQLite commit, then old vectors out.
 
@@ -799,7 +878,7 @@ class Store:
     the SQLite keyword index in the index folder."""
 
     def __init__(self, layout: rules.StoreLayout, manifest: rules.IndexManifest, settings: rules.Settings,
-                 vectors: VectorProcess) -> None:
+                 vectors: rules.Vectors) -> None:
         self.name = manifest.index_name()
         self.manifest = manifest
         meta = {f"manifest_{k}": v for k, v in manifest.to_dict().items()}  # the space: VECTOR_CONFIGURATION
@@ -1518,7 +1597,7 @@ def dry_run_listing(walk: Walk, plan: Plan, registry: dict[str, DocumentRow], co
     return sorted(entries, key=lambda e: (order[e["action"]], e["path"]))
 
 
-def run(args: argparse.Namespace, summary: Summary | None = None, vectors: VectorProcess | None = None) -> Summary:
+def run(args: argparse.Namespace, summary: Summary | None = None, vectors: rules.Vectors | None = None) -> Summary:
     """One ingest run. `summary` is filled in as the run goes, so a run that stops on an error can
     still report what it did. `vectors`: a vector process to use (--watch keeps one for all its
     runs); by default the run starts its own."""
@@ -1545,7 +1624,7 @@ def run(args: argparse.Namespace, summary: Summary | None = None, vectors: Vecto
 
 
 def _run_in(args: argparse.Namespace, summary: Summary, settings: rules.Settings, layout: rules.StoreLayout,
-            vectors: VectorProcess | None) -> None:
+            vectors: rules.Vectors | None) -> None:
     """run() once its settings are read; `vectors` is None only for a dry run."""
     corpus = settings.corpus_dir
     walk = walk_corpus(corpus, settings.respect_gitignore)
@@ -1652,7 +1731,7 @@ def _calibrate(store: Store, embedding: Embedding) -> bool:
 
 
 def _open_and_plan(layout: rules.StoreLayout, settings: rules.Settings, scheme: rules.PrefixScheme, dims: int,
-                   walk: Walk, full: bool, vectors: VectorProcess) -> tuple[Store, Plan, int]:
+                   walk: Walk, full: bool, vectors: rules.Vectors) -> tuple[Store, Plan, int]:
     """Open (or create) the index for these settings, repair what an interrupted run left, and
     compare the corpus with what it holds."""
     store = Store(layout, rules.manifest_for(settings, scheme.name, dims), settings, vectors)
@@ -1853,7 +1932,7 @@ def failure_of(exc: BaseException) -> RagError:
 
 
 def run_once(args: argparse.Namespace, quiet: bool = False,
-             vectors: VectorProcess | None = None) -> tuple[int, Summary]:
+             vectors: rules.Vectors | None = None) -> tuple[int, Summary]:
     """One run and its report: (exit status, summary). Every way a run can stop ends here in the
     error vocabulary; Ctrl-C propagates (committed work is kept, the next run continues)."""
     summary = Summary(dry_run=args.dry_run)
