@@ -10,7 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from fake_ollama import FakeOllama
+
+pytestmark = pytest.mark.process  # real processes (servers, ingest, Chroma): only in `pytest --all` (tests/README.md)
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "tools" / "quickstart.py"
