@@ -1623,6 +1623,46 @@ def run(args: argparse.Namespace, summary: Summary | None = None, vectors: rules
     return summary
 
 
+@dataclass
+class Run:
+    """One ingest run: what it was asked, what the walk found, and what it learned of the live
+    index and the model. Every stage reads it; the stages before the lock and under it fill in
+    `current`, `model` and `full`."""
+
+    args: argparse.Namespace
+    settings: rules.Settings
+    layout: rules.StoreLayout
+    summary: Summary
+    walk: Walk
+    scheme: rules.PrefixScheme
+    embedder: rules.OllamaEmbedder
+    current: rules.CurrentIndex | None  # the live index; read again under the lock
+    model: ModelFacts | None = None  # None: Ollama did not answer, or was not needed
+    full: bool = False  # no vector reused: --full, or new weights under the model's name
+
+    def index_name(self, dims: int) -> str:
+        return rules.manifest_for(self.settings, self.scheme.name, dims).index_name()
+
+
+@dataclass
+class Look:
+    """The plan made before the lock, and the registry it compared the walk with: under the lock
+    it stands as long as the index holds that same registry."""
+
+    registry: dict[str, DocumentRow]
+    plan: Plan
+
+
+@dataclass
+class Prepared:
+    """The index a run writes (opened, repaired after an interrupted run) and its plan, chunked."""
+
+    store: Store
+    plan: Plan
+    registry: dict[str, DocumentRow]  # what the plan compared the walk with
+    repaired: int  # vectors removed that no committed chunk owned
+
+
 def _run_in(args: argparse.Namespace, summary: Summary, settings: rules.Settings, layout: rules.StoreLayout,
             vectors: rules.Vectors | None) -> None:
     """run() once its settings are read; `vectors` is None only for a dry run."""
@@ -1637,83 +1677,127 @@ def _run_in(args: argparse.Namespace, summary: Summary, settings: rules.Settings
     if args.dry_run:
         dry_run(args, settings, layout, walk, current, summary)
         return
-
-    scheme = scheme_for(settings.embed_model)
+    assert vectors is not None
     embedder = rules.OllamaEmbedder(settings.ollama_host, settings.embed_model, settings.embed_timeout_s,
                                     keep_alive=KEEP_ALIVE)
-    # Ollama is asked before the store is touched whenever anything may need embedding (when it is
-    # down or lacks the model, nothing in the store changes, not even the lock file). A run with
-    # nothing to embed does not need it: it still asks, briefly, to notice a model re-pulled with
-    # other dimensions (a rebuild), and goes on without it when it does not answer.
-    if (current is None or args.full
-            or rules.manifest_for(settings, scheme.name, current.manifest.dims).index_name() != current.index
-            or plan_changes(walk, _registry_of(layout, current), False).changed):
-        vectors.start()  # type: ignore[union-attr]  # Chroma's import overlaps the probe, planning and chunking
-        model: ModelFacts | None = probe_model(embedder, scheme, settings)
-    else:
-        model = probe_model_if_reachable(settings, scheme)
-
+    run = Run(args, settings, layout, summary, walk, scheme_for(settings.embed_model), embedder, current)
+    look = _look_before_the_lock(run, vectors)
     with ingest_lock(layout):
-        current = layout.read_current()
-        check_same_corpus(current, corpus, settings.store_dir, args.replace_corpus)
-        if args.full and current is not None:
-            set_aside_damaged_keywords(layout, current)
-        _guard_empty(walk, _registry_of(layout, current), args.allow_empty)
-        dims = model.dims if model is not None else current.manifest.dims  # type: ignore[union-attr]
-        index_name = rules.manifest_for(settings, scheme.name, dims).index_name()
-        summary.model_changed = weights_changed(current, index_name, model)
-        if summary.model_changed:
-            log.warning("Ollama's %s is not the one this index was embedded with (digest %s, now %s): "
-                        "re-embedding every chunk", settings.embed_model,
-                        current.stamp.model_digest[:12], model.digest[:12])  # type: ignore[union-attr]
-        full = args.full or summary.model_changed
-        store, plan, repaired = _open_and_plan(layout, settings, scheme, dims, walk, full, vectors)
-        if plan.changed and model is None:
-            # Another ingest or an editor changed files since the look before the lock.
-            model = probe_model(embedder, scheme, settings)
-            if model.dims != dims:
-                store.close()
-                store, plan, repaired = _open_and_plan(layout, settings, scheme, model.dims, walk, full, vectors)
+        prepared = _prepare(run, vectors, look)
         try:
-            manifest = store.manifest
-            registry = load_registry(store.db)
-            summary.index = store.name
-            summary.rebuilt = current is None or current.index != store.name
-            if summary.rebuilt and current is not None:
-                log.info("index manifest changed (%s -> %s): rebuilding into a new index; the old one stays live "
-                         "until the new one is complete", current.index, store.name)
-            if repaired:
-                log.info("removed %d vectors left by an interrupted run", repaired)
-            _fill_summary(summary, plan, registry)
-            if model is not None:
-                chunk_files(plan.changed, Budget(model.context_length, settings.chunk_max_tokens,
-                                                 settings.chunk_min_tokens, scheme))
-            changed_anything = bool(repaired) or store.unpublished()
-            if plan.mtime_only:
-                store.update_mtimes(plan.mtime_only)
-                changed_anything = True
-            if plan.relocated:
-                store.relocate(plan.relocated)
-                changed_anything = True
-            # --full is the way to force every chunk through the embedder: no reuse then (and
-            # new weights under the model's name make every stored vector unusable).
-            embedding = Embedding(embedder, scheme, manifest.dims,
-                                  reuse=(lambda keys: {}) if full else store.stored_vectors)
-            written, run_errors = _embed_and_write(store, embedding, plan, summary)
-            changed_anything = changed_anything or bool(written)
-            if plan.removed:
-                store.remove(plan.removed)
-                changed_anything = True
-            store.end_vector_writes()  # every vector written this run is owned by a committed row
-            if model is not None and store.needs_calibration():
-                changed_anything = _calibrate(store, embedding) or changed_anything
-            summary.embedding_calls = embedding.calls
-            summary.failed = len(plan.failed)
-            summary.errors = [*sorted(plan.failed.values()), *run_errors]
-            _publish(layout, settings, store, current, walk, summary, plan,
-                     changed_anything or summary.model_changed, _digest_to_record(current, model, summary, plan))
+            changed_anything = _write(run, prepared)
+            _publish(run, prepared, changed_anything)
         finally:
-            store.close()
+            prepared.store.close()
+
+
+def _look_before_the_lock(run: Run, vectors: rules.Vectors) -> Look | None:
+    """Ask Ollama before the store is touched whenever anything may need embedding (when it is
+    down or lacks the model, nothing in the store changes, not even the lock file). A run with
+    nothing to embed does not need it: it still asks, briefly, to notice a model re-pulled with
+    other dimensions (a rebuild), and goes on without it when it does not answer. Returns the plan
+    against the live index, made to know that; None where the run embeds everything anyway."""
+    current = run.current
+    look = None
+    if current is not None and not run.args.full and run.index_name(current.manifest.dims) == current.index:
+        registry = _registry_of(run.layout, current)
+        look = Look(registry, plan_changes(run.walk, registry, full=False))
+    if look is None or look.plan.changed:
+        vectors.start()  # Chroma's import overlaps the probe, planning and chunking
+        run.model = probe_model(run.embedder, run.scheme, run.settings)
+    else:
+        run.model = probe_model_if_reachable(run.settings, run.scheme)
+    return look
+
+
+def _prepare(run: Run, vectors: rules.Vectors, look: Look | None) -> Prepared:
+    """Under the lock: the live index read again and the guards, then the index this run writes,
+    opened and planned (the look before the lock reused when it still holds), its files chunked."""
+    summary, current = run.summary, run.layout.read_current()
+    run.current = current
+    check_same_corpus(current, run.settings.corpus_dir, run.settings.store_dir, run.args.replace_corpus)
+    if run.args.full and current is not None:
+        set_aside_damaged_keywords(run.layout, current)
+    _guard_empty(run.walk, _registry_of(run.layout, current), run.args.allow_empty)
+    dims = run.model.dims if run.model is not None else current.manifest.dims  # type: ignore[union-attr]
+    summary.model_changed = weights_changed(current, run.index_name(dims), run.model)
+    if summary.model_changed:
+        log.warning("Ollama's %s is not the one this index was embedded with (digest %s, now %s): "
+                    "re-embedding every chunk", run.settings.embed_model,
+                    current.stamp.model_digest[:12], run.model.digest[:12])  # type: ignore[union-attr]
+    run.full = run.args.full or summary.model_changed
+    prepared = _open_and_plan(run, dims, vectors, look)
+    if prepared.plan.changed and run.model is None:
+        # Another ingest or an editor changed files since the look before the lock.
+        run.model = probe_model(run.embedder, run.scheme, run.settings)
+        if run.model.dims != dims:
+            prepared.store.close()
+            prepared = _open_and_plan(run, run.model.dims, vectors, None)
+    store = prepared.store
+    summary.index = store.name
+    summary.rebuilt = current is None or current.index != store.name
+    if summary.rebuilt and current is not None:
+        log.info("index manifest changed (%s -> %s): rebuilding into a new index; the old one stays live "
+                 "until the new one is complete", current.index, store.name)
+    if prepared.repaired:
+        log.info("removed %d vectors left by an interrupted run", prepared.repaired)
+    _fill_summary(summary, prepared.plan, prepared.registry)
+    if run.model is not None:
+        chunk_files(prepared.plan.changed, Budget(run.model.context_length, run.settings.chunk_max_tokens,
+                                                  run.settings.chunk_min_tokens, run.scheme))
+    return prepared
+
+
+def _open_and_plan(run: Run, dims: int, vectors: rules.Vectors, look: Look | None) -> Prepared:
+    """Open (or create) the index for these dimensions, repair what an interrupted run left, and
+    compare the corpus with what it holds. Files are read and parsed again only when the index
+    holds other documents than the look saw (another run wrote in between, or the repair dropped
+    files whose vectors were lost)."""
+    store = Store(run.layout, rules.manifest_for(run.settings, run.scheme.name, dims), run.settings, vectors)
+    registry = load_registry(store.db)
+    plan = _plan_for(run, registry, look)
+    repaired = 0
+    if run.full or store.needs_reconcile(count=plan.writes_vectors()):
+        repaired = store.reconcile()
+        repaired_registry = load_registry(store.db)
+        if repaired_registry != registry:
+            registry, plan = repaired_registry, plan_changes(run.walk, repaired_registry, run.full)
+    return Prepared(store, plan, registry, repaired)
+
+
+def _plan_for(run: Run, registry: dict[str, DocumentRow], look: Look | None) -> Plan:
+    if look is not None and not run.full and look.registry == registry:
+        return look.plan
+    return plan_changes(run.walk, registry, run.full)
+
+
+def _write(run: Run, prepared: Prepared) -> bool:
+    """Carry out the plan: metadata-only updates, embedding and writing the changed files, the
+    removals, then the calibration. True when the index changed (a new generation is due)."""
+    store, plan, summary = prepared.store, prepared.plan, run.summary
+    changed_anything = bool(prepared.repaired) or store.unpublished()
+    if plan.mtime_only:
+        store.update_mtimes(plan.mtime_only)
+        changed_anything = True
+    if plan.relocated:
+        store.relocate(plan.relocated)
+        changed_anything = True
+    # --full is the way to force every chunk through the embedder: no reuse then (and
+    # new weights under the model's name make every stored vector unusable).
+    embedding = Embedding(run.embedder, run.scheme, store.manifest.dims,
+                          reuse=(lambda keys: {}) if run.full else store.stored_vectors)
+    written, run_errors = _embed_and_write(store, embedding, plan, summary)
+    changed_anything = changed_anything or bool(written)
+    if plan.removed:
+        store.remove(plan.removed)
+        changed_anything = True
+    store.end_vector_writes()  # every vector written this run is owned by a committed row
+    if run.model is not None and store.needs_calibration():
+        changed_anything = _calibrate(store, embedding) or changed_anything
+    summary.embedding_calls = embedding.calls
+    summary.failed = len(plan.failed)
+    summary.errors = [*sorted(plan.failed.values()), *run_errors]
+    return changed_anything
 
 
 def _calibrate(store: Store, embedding: Embedding) -> bool:
@@ -1728,18 +1812,6 @@ def _calibrate(store: Store, embedding: Embedding) -> bool:
         log.info("similarity calibration: unrelated %.3f, related %.3f (%d headings as queries)",
                  calibration.unrelated, calibration.related, calibration.queries)
     return True
-
-
-def _open_and_plan(layout: rules.StoreLayout, settings: rules.Settings, scheme: rules.PrefixScheme, dims: int,
-                   walk: Walk, full: bool, vectors: rules.Vectors) -> tuple[Store, Plan, int]:
-    """Open (or create) the index for these settings, repair what an interrupted run left, and
-    compare the corpus with what it holds."""
-    store = Store(layout, rules.manifest_for(settings, scheme.name, dims), settings, vectors)
-    plan = plan_changes(walk, load_registry(store.db), full)
-    if not (full or store.needs_reconcile(count=plan.writes_vectors())):
-        return store, plan, 0
-    repaired = store.reconcile()  # it may drop files whose vectors were lost: plan again
-    return store, plan_changes(walk, load_registry(store.db), full), repaired
 
 
 def _embed_and_write(store: Store, embedding: Embedding, plan: Plan, summary: Summary) -> tuple[set[str], list[str]]:
@@ -1816,37 +1888,39 @@ def _digest_to_record(current: rules.CurrentIndex | None, model: ModelFacts | No
     return model.digest
 
 
-def _publish(layout: rules.StoreLayout, settings: rules.Settings, store: Store, current: rules.CurrentIndex | None,
-             walk: Walk, summary: Summary, plan: Plan, changed_anything: bool, model_digest: str | None) -> None:
+def _publish(run: Run, prepared: Prepared, changed_anything: bool) -> None:
     """Stamp the index and, when anything changed, point CURRENT.json at it with a new generation
     (running servers reopen on it). A rebuild with failures stays unpublished."""
+    summary, settings, current, store = run.summary, run.settings, run.current, prepared.store
     summary.commit, summary.dirty = corpus_git_state(settings.corpus_dir)
     files, chunks = store.counts()
     stamp = rules.IndexStamp(commit=summary.commit, dirty=summary.dirty,
                              ingested_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                             files=files, chunks=chunks, model_digest=model_digest)
-    announce = (summary.rebuilt or changed_anything or current is None or current.corpus_dir != str(settings.corpus_dir)
-                or current.corpus_id != walk.root_id
+                             files=files, chunks=chunks,
+                             model_digest=_digest_to_record(current, run.model, summary, prepared.plan))
+    announce = (summary.rebuilt or changed_anything or summary.model_changed or current is None
+                or current.corpus_dir != str(settings.corpus_dir) or current.corpus_id != run.walk.root_id
                 or (current.stamp.commit, current.stamp.dirty) != (stamp.commit, stamp.dirty))
     # The vector store's copy of the stamp follows the generations; a run that changed nothing
     # does not open the vector store just to note when it ran.
     store.stamp(stamp, in_vectors=announce or store.vectors.in_use())
-    if summary.rebuilt and (plan.failed or summary.left_for_next_run) and current is not None:
+    if summary.rebuilt and (prepared.plan.failed or summary.left_for_next_run) and current is not None:
         summary.errors.append(f"the new index {store.name} is incomplete; {current.index} stays live until a "
                               "run completes without failures")
         return
     if announce:
         generation = (current.generation + 1) if current else 1
-        layout.write_current(rules.CurrentIndex(index=store.name, generation=generation, manifest=store.manifest,
-                                                 stamp=stamp, corpus_dir=str(settings.corpus_dir), corpus_id=walk.root_id))
+        run.layout.write_current(rules.CurrentIndex(index=store.name, generation=generation, manifest=store.manifest,
+                                                     stamp=stamp, corpus_dir=str(settings.corpus_dir),
+                                                     corpus_id=run.walk.root_id))
         store.mark_published()
         if current is not None and current.index != store.name:
             # The previous index is no longer live: its vectors and its folder go.
             try:
-                rules.vector_store(settings, layout, current.index).drop()
+                rules.vector_store(settings, run.layout, current.index).drop()
             except RagError as exc:
                 log.warning("the previous index's vectors could not be removed (%s); they stay unused", exc.message)
-            shutil.rmtree(layout.index_dir(current.index), ignore_errors=True)
+            shutil.rmtree(run.layout.index_dir(current.index), ignore_errors=True)
 
 
 def _fails_files_alone(exc: RagError) -> bool:

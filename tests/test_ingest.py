@@ -318,6 +318,27 @@ def test_unchanged_corpus_makes_no_embed_calls_and_reads_no_file(
     assert snapshot(store) == before
 
 
+def test_a_run_reads_each_changed_file_once(tmp_path: Path, fake_ollama_env: FakeOllama,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan made before the lock (to know whether Ollama is needed) is the one carried out."""
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    assert ingest_run(corpus, store).code == 0
+    edit(corpus / "reference" / "glossary.md", "# Glossary\n\nA new definition.\n")
+    reads: list[list[str]] = []
+    read_beneath = rules.read_beneath
+
+    def counted(root_fd: int, parts: list[str], **kwargs: Any) -> bytes:
+        reads.append(list(parts))
+        return read_beneath(root_fd, parts, **kwargs)
+
+    monkeypatch.setattr(rules, "read_beneath", counted)
+    run = ingest_run(corpus, store)
+    assert run.code == 0 and run.summary["updated"] == 1, run.err
+    # The edited file and the rag: false one (it has no row, so it is read to learn that again), once each.
+    planned = sorted(parts for parts in reads if parts[-1] != ingest.RAGIGNORE)
+    assert planned == [["private", "offsite-backup.md"], ["reference", "glossary.md"]]
+
+
 def test_mtime_only_change_makes_no_embed_calls(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
     assert ingest_run(corpus, store).code == 0
