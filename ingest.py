@@ -1665,7 +1665,9 @@ class Prepared:
 
 def _run_in(args: argparse.Namespace, summary: Summary, settings: rules.Settings, layout: rules.StoreLayout,
             vectors: rules.Vectors | None) -> None:
-    """run() once its settings are read; `vectors` is None only for a dry run."""
+    """run() once its settings are read, in stages: the walk; the look before the lock (is Ollama
+    needed?); then under the lock prepare (open, plan, chunk), write and publish. `vectors` is
+    None only for a dry run."""
     corpus = settings.corpus_dir
     walk = walk_corpus(corpus, settings.respect_gitignore)
     for warning in walk.warnings:
@@ -1711,29 +1713,47 @@ def _look_before_the_lock(run: Run, vectors: rules.Vectors) -> Look | None:
 
 
 def _prepare(run: Run, vectors: rules.Vectors, look: Look | None) -> Prepared:
-    """Under the lock: the live index read again and the guards, then the index this run writes,
-    opened and planned (the look before the lock reused when it still holds), its files chunked."""
-    summary, current = run.summary, run.layout.read_current()
-    run.current = current
+    """Under the lock: the index this run writes, opened and planned (the look before the lock
+    reused when it still holds), its files chunked. On a failure the index is closed again."""
+    dims = _dims_under_the_lock(run)
+    prepared = _open_and_plan(run, dims, vectors, look)
+    try:
+        if prepared.plan.changed and run.model is None:
+            # Another ingest or an editor changed files since the look before the lock.
+            run.model = probe_model(run.embedder, run.scheme, run.settings)
+            if run.model.dims != dims:
+                prepared.store.close()
+                prepared = _open_and_plan(run, run.model.dims, vectors, None)
+        _report_prepared(run, prepared)
+        if run.model is not None:
+            chunk_files(prepared.plan.changed, Budget(run.model.context_length, run.settings.chunk_max_tokens,
+                                                      run.settings.chunk_min_tokens, run.scheme))
+    except BaseException:
+        prepared.store.close()
+        raise
+    return prepared
+
+
+def _dims_under_the_lock(run: Run) -> int:
+    """The live index read again (another run may have published since the look) and the guards
+    checked before anything is written; the vectors' dimensions this run writes."""
+    run.current = current = run.layout.read_current()
     check_same_corpus(current, run.settings.corpus_dir, run.settings.store_dir, run.args.replace_corpus)
     if run.args.full and current is not None:
         set_aside_damaged_keywords(run.layout, current)
     _guard_empty(run.walk, _registry_of(run.layout, current), run.args.allow_empty)
     dims = run.model.dims if run.model is not None else current.manifest.dims  # type: ignore[union-attr]
-    summary.model_changed = weights_changed(current, run.index_name(dims), run.model)
-    if summary.model_changed:
+    run.summary.model_changed = weights_changed(current, run.index_name(dims), run.model)
+    if run.summary.model_changed:
         log.warning("Ollama's %s is not the one this index was embedded with (digest %s, now %s): "
                     "re-embedding every chunk", run.settings.embed_model,
                     current.stamp.model_digest[:12], run.model.digest[:12])  # type: ignore[union-attr]
-    run.full = run.args.full or summary.model_changed
-    prepared = _open_and_plan(run, dims, vectors, look)
-    if prepared.plan.changed and run.model is None:
-        # Another ingest or an editor changed files since the look before the lock.
-        run.model = probe_model(run.embedder, run.scheme, run.settings)
-        if run.model.dims != dims:
-            prepared.store.close()
-            prepared = _open_and_plan(run, run.model.dims, vectors, None)
-    store = prepared.store
+    run.full = run.args.full or run.summary.model_changed
+    return dims
+
+
+def _report_prepared(run: Run, prepared: Prepared) -> None:
+    summary, current, store = run.summary, run.current, prepared.store
     summary.index = store.name
     summary.rebuilt = current is None or current.index != store.name
     if summary.rebuilt and current is not None:
@@ -1742,10 +1762,6 @@ def _prepare(run: Run, vectors: rules.Vectors, look: Look | None) -> Prepared:
     if prepared.repaired:
         log.info("removed %d vectors left by an interrupted run", prepared.repaired)
     _fill_summary(summary, prepared.plan, prepared.registry)
-    if run.model is not None:
-        chunk_files(prepared.plan.changed, Budget(run.model.context_length, run.settings.chunk_max_tokens,
-                                                  run.settings.chunk_min_tokens, run.scheme))
-    return prepared
 
 
 def _open_and_plan(run: Run, dims: int, vectors: rules.Vectors, look: Look | None) -> Prepared:
