@@ -623,7 +623,8 @@ def _serve_vectors(fd: int) -> None:
 
 
 class VectorClient:
-    """rules.Vectors over a connection to a VectorWriter (subclasses make the connection).
+    """rules.Vectors over a connection to a VectorWriter (subclasses make the connection); the
+    protocol's signatures are checked against VectorStore's and this class's by a test.
 
     Operations run in the order sent: writes (upsert, delete) return at once and are waited for
     with settle(), before the rows that need them commit; reads wait for everything sent before
