@@ -45,7 +45,7 @@ import unicodedata
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 PROJECT_DIR = Path(__file__).resolve().parent
 
@@ -2187,6 +2187,58 @@ def vector_store(settings: Settings, layout: StoreLayout, index_name: str, *, cr
         return ServerVectors(settings.chroma_url, settings.chroma_headers, layout.store_id(create), index_name,
                              settings.store_timeout_s)
     return EmbeddedVectors(layout.chroma_dir(index_name), index_name)
+
+
+# What ingest needs of its vector writer. Writes (upsert, delete) may run behind the caller's back:
+# each returns a ticket, settle(ticket) waits for the writes up to it, and a failed write is
+# raised by the next settle or read; after one, the writer touches the store no more (Chroma can
+# keep a lock from it). Reads see every write sent before them. Two implementations, in ingest.py:
+# VectorProcess (a process of its own, the real runs) and InProcessVectors (the same, in the
+# caller's process: the fast tests).
+VECTOR_WRITES = ("upsert", "delete")
+VECTOR_READS = ("ids", "count", "embeddings", "metadatas", "update_metadatas", "query", "merge_metadata")
+
+
+class Vectors(Protocol):
+    def start(self) -> None:
+        """Get ready now (the process imports Chroma meanwhile); idempotent."""
+
+    def open(self, settings: Settings, layout: StoreLayout, index_name: str, metadata: dict[str, Any]) -> Vectors:
+        """Open an index's store when the first operation needs it (its errors are raised there)."""
+
+    def in_use(self) -> bool:
+        """Whether the store is open (an operation needed it)."""
+
+    def upsert(self, lifecycle: str, ids: Sequence[str], embeddings: Sequence[Any], documents: Sequence[str],
+               metadatas: Sequence[dict[str, Any]]) -> int: ...
+
+    def delete(self, lifecycle: str, ids: Sequence[str]) -> int: ...
+
+    def settle(self, ticket: int | None = None) -> None: ...
+
+    def ids(self, lifecycle: str) -> list[str]: ...
+
+    def count(self, lifecycle: str) -> int: ...
+
+    def embeddings(self, lifecycle: str, ids: Sequence[str]) -> tuple[list[str], Any]: ...
+
+    def metadatas(self, lifecycle: str, ids: Sequence[str]) -> tuple[list[str], list[dict[str, Any]]]: ...
+
+    def update_metadatas(self, lifecycle: str, ids: Sequence[str], metadatas: Sequence[dict[str, Any]]) -> None: ...
+
+    def query(self, lifecycle: str, vector: Sequence[float], n: int,
+              paths: Sequence[str] | None) -> list[tuple[str, float]]: ...
+
+    def merge_metadata(self, updates: dict[str, Any]) -> None: ...
+
+    def close(self) -> None:
+        """Close the store (the writer stays for another open); a failure here changes nothing."""
+
+    def usable(self) -> bool:
+        """Whether another run can use this writer (none of its writes failed)."""
+
+    def shut(self) -> None:
+        """End the writer, waiting for writes still under way."""
 
 
 # ---------------------------------------------------------------------------

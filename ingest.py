@@ -535,7 +535,9 @@ def renumber(chunks: Sequence[rules.Chunk]) -> list[rules.Chunk]:
 
 
 # ---------------------------------------------------------------------------
-# The vector process: the run's vector store, in a process of its own.
+# The run's vector store (rules.Vectors): in a process of its own (VectorProcess, every real run)
+# or in this one (InProcessVectors, the fast tests). Both are the same client, VectorClient, over
+# a different connection to the same VectorWriter, so they behave the same, errors included.
 
 
 def _die_with_parent() -> None:
@@ -549,117 +551,116 @@ def _die_with_parent() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-VECTOR_WRITES = ("upsert", "delete")
-
-
-def _serve_vectors(fd: int) -> None:
-    """The vector process's loop, on its end of the socket `fd`: one VectorStore, operations in
-    the order they were sent, one answer each, ("ok", value) or ("error", (code, message, hint)).
-    Ends when the socket closes.
+class VectorWriter:
+    """The far end of a VectorClient: one VectorStore, one answer per operation, ("ok", value) or
+    ("error", (code, message, hint)).
 
     After a write fails (a full disk, say), the store is never touched again: every later
     operation gets that write's error at once. Chroma can keep a lock from the failed write, and
     its next write then waits on it for ever (seen with a file-size limit: SQLite's busy loop in
-    one of Chroma's own connections). The parent replaces a process whose write failed."""
+    one of Chroma's own connections). The client is replaced after a failed write."""
+
+    def __init__(self) -> None:
+        self._vectors: rules.VectorStore | None = None
+        self._failed: tuple[Any, ...] | None = None  # the failed write's error
+
+    def answer(self, operation: str, args: tuple[Any, ...]) -> tuple[str, Any]:
+        try:
+            answer: tuple[str, Any] = ("ok", self._carry_out(operation, args))
+        except RagError as exc:
+            answer = ("error", (exc.code, exc.message, exc.hint))
+        except Exception as exc:  # noqa: BLE001 - every failure goes back to the client
+            answer = ("error", (ErrorCode.INTERNAL, f"the vector store failed: {rules.shown(exc, 300)}",
+                                "run ingest again; if it repeats, report it"))
+        if answer[0] == "error" and operation in rules.VECTOR_WRITES and self._failed is None:
+            self._failed = answer[1]
+        return answer
+
+    def _carry_out(self, operation: str, args: tuple[Any, ...]) -> Any:
+        if self._failed is not None:
+            raise RagError(*self._failed)
+        if operation == "open":
+            settings, layout, index_name, metadata = args
+            self._vectors = rules.vector_store(settings, layout, index_name, create=True).open(
+                create=True, metadata=metadata)
+            return None
+        if self._vectors is None:
+            raise RagError(ErrorCode.INTERNAL, f"vector store operation {operation!r} before open", "report it")
+        if operation == "close":
+            self._vectors, vectors = None, self._vectors
+            return vectors.close()
+        if operation not in (*rules.VECTOR_WRITES, *rules.VECTOR_READS):
+            raise RagError(ErrorCode.INTERNAL, f"unknown vector store operation {operation!r}", "report it")
+        return getattr(self._vectors, operation)(*args)
+
+    def finish(self) -> None:
+        """Close the store, unless a write failed: closing a store left locked could wait for ever too."""
+        if self._vectors is not None and self._failed is None:
+            self._vectors.close()
+        self._vectors = None
+
+
+def _serve_vectors(fd: int) -> None:
+    """The vector process's loop, on its end of the socket `fd`: a VectorWriter answering the
+    operations in the order they were sent. Ends when the socket closes."""
     from multiprocessing.connection import Connection  # noqa: PLC0415
 
     conn = Connection(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the parent decides
     _die_with_parent()
     rules.import_heavy("chromadb")  # ~1 s, paid while the parent walks the corpus and asks Ollama
-    vectors: rules.VectorStore | None = None
-    failed: tuple[Any, ...] | None = None  # the failed write's error
+    writer = VectorWriter()
     while True:
         try:
             operation, args = conn.recv()
         except (EOFError, OSError):
             break
         try:
-            if failed is not None:
-                raise RagError(*failed)
-            if operation == "open":
-                settings, layout, index_name, metadata = args
-                vectors = rules.vector_store(settings, layout, index_name, create=True).open(
-                    create=True, metadata=metadata)
-                value = None
-            elif vectors is None:
-                raise RagError(ErrorCode.INTERNAL, f"vector store operation {operation!r} before open", "report it")
-            else:
-                value = getattr(vectors, operation)(*args)
-                if operation == "close":
-                    vectors = None
-            answer: tuple[str, Any] = ("ok", value)
-        except RagError as exc:
-            answer = ("error", (exc.code, exc.message, exc.hint))
-        except Exception as exc:  # noqa: BLE001 - every failure goes back to the parent
-            answer = ("error", (ErrorCode.INTERNAL, f"the vector store failed: {rules.shown(exc, 300)}",
-                                "run ingest again; if it repeats, report it"))
-        if answer[0] == "error" and operation in VECTOR_WRITES and failed is None:
-            failed = answer[1]
-        try:
-            conn.send(answer)
+            conn.send(writer.answer(operation, args))
         except (BrokenPipeError, OSError):
             break
-    if vectors is not None and failed is None:  # closing a store left locked could wait for ever too
-        vectors.close()
+    writer.finish()
 
 
-class VectorProcess:
-    """The run's vector store in a process of its own, with the VectorStore methods ingest uses.
+class VectorClient:
+    """rules.Vectors over a connection to a VectorWriter (subclasses make the connection); the
+    protocol's signatures are checked against VectorStore's and this class's by a test.
 
-    Chroma's upsert holds the GIL for its whole length (measured: a thread with work to do got
-    0.07 s of CPU during 2 s of upserts), so in one process nothing else of ingest runs while
-    Chroma writes. Here the next group's embedding and the previous group's keyword rows run
-    meanwhile. Operations run in the order sent: writes (upsert, delete) return at once and are
-    waited for with settle(), before the rows that need them commit; reads wait for everything
-    sent before them. A failure of a write is raised by the next settle or read.
-
-    Nothing starts until a run needs the store: a run with nothing to write never pays Chroma's
-    import (~1.5 s of CPU). A run that will write calls start() as soon as it knows, so the
-    import overlaps its model probe, planning and chunking. The process dies with ingest."""
+    Operations run in the order sent: writes (upsert, delete) return at once and are waited for
+    with settle(), before the rows that need them commit; reads wait for everything sent before
+    them. A failure of a write is raised by the next settle or read. The store is opened by the
+    first operation that needs it."""
 
     def __init__(self) -> None:
-        self._process: subprocess.Popen[bytes] | None = None
-        self._conn: Any = None
+        self._conn: Any = None  # send, recv, poll and close, as multiprocessing's Connection
         self._opening: tuple[Any, ...] | None = None  # open() arguments, sent with the first operation
-        self._open = False  # a store is open in the process
+        self._open = False  # a store is open at the far end
         self._sent = 0
         self._answered = 0
         self._awaiting: collections.deque[str] = collections.deque()  # operations sent, not yet answered
         self._failure: RagError | None = None  # the first failed write: every later settle raises it
 
     def start(self) -> None:
-        """Start the process now (it imports Chroma meanwhile); idempotent."""
-        if self._process is not None:
-            return
-        import socket  # noqa: PLC0415
-        from multiprocessing.connection import Connection  # noqa: PLC0415
-
-        # A plain interpreter, not multiprocessing's spawn: that would run the caller's main
-        # module again in the child. Its stdout is not ours: there `--json` prints the summary.
-        mine, theirs = socket.socketpair()
-        with theirs:
-            self._process = subprocess.Popen(
-                [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
-                 f"import ingest; ingest._serve_vectors({theirs.fileno()})"],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        self._conn = Connection(mine.detach())
+        raise NotImplementedError
 
     def usable(self) -> bool:
-        """Whether another run can use this process: not started yet, or alive with none of its
-        writes failed (after one, it touches the store no more; see _serve_vectors)."""
-        return self._process is None or (self._process.poll() is None and self._failure is None)
+        raise NotImplementedError
+
+    def shut(self) -> None:
+        raise NotImplementedError
+
+    def _gone(self) -> RagError:
+        raise NotImplementedError
 
     def in_use(self) -> bool:
-        """Whether the store is open (an operation needed it)."""
         return self._open
 
     def open(self, settings: rules.Settings, layout: rules.StoreLayout, index_name: str,
-             metadata: dict[str, Any]) -> VectorProcess:
+             metadata: dict[str, Any]) -> VectorClient:
         """Open an index's store (a fresh client: it sees every write made since) when the first
-        operation needs it; its errors are raised there. A process whose write failed opens
+        operation needs it; its errors are raised there. A writer whose write failed opens
         nothing more (the error is raised): --watch starts a new one."""
-        if self._process is not None:
+        if self._conn is not None:
             with contextlib.suppress(RagError):
                 self.settle()
         self._opening = (settings, layout, index_name, metadata)
@@ -707,7 +708,7 @@ class VectorProcess:
         self._read("merge_metadata", updates)
 
     def close(self) -> None:
-        """Close the store (the process stays for another open); a failure here changes nothing.
+        """Close the store (the writer stays for another open); a failure here changes nothing.
         A store that was never opened has nothing to close."""
         self._opening = None
         if not self._open:
@@ -748,10 +749,49 @@ class VectorProcess:
         operation = self._awaiting.popleft()
         if status == "error":
             error = RagError(*value)
-            if self._failure is None and operation in VECTOR_WRITES:
+            if self._failure is None and operation in rules.VECTOR_WRITES:
                 self._failure = error
             raise error
         return value
+
+
+class VectorProcess(VectorClient):
+    """The run's vector store in a process of its own.
+
+    Chroma's upsert holds the GIL for its whole length (measured: a thread with work to do got
+    0.07 s of CPU during 2 s of upserts), so in one process nothing else of ingest runs while
+    Chroma writes. Here the next group's embedding and the previous group's keyword rows run
+    meanwhile.
+
+    Nothing starts until a run needs the store: a run with nothing to write never pays Chroma's
+    import (~1.5 s of CPU). A run that will write calls start() as soon as it knows, so the
+    import overlaps its model probe, planning and chunking. The process dies with ingest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start the process now (it imports Chroma meanwhile); idempotent."""
+        if self._process is not None:
+            return
+        import socket  # noqa: PLC0415
+        from multiprocessing.connection import Connection  # noqa: PLC0415
+
+        # A plain interpreter, not multiprocessing's spawn: that would run the caller's main
+        # module again in the child. Its stdout is not ours: there `--json` prints the summary.
+        mine, theirs = socket.socketpair()
+        with theirs:
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
+                 f"import ingest; ingest._serve_vectors({theirs.fileno()})"],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        self._conn = Connection(mine.detach())
+
+    def usable(self) -> bool:
+        """Whether another run can use this process: not started yet, or alive with none of its
+        writes failed (after one, it touches the store no more; see VectorWriter)."""
+        return self._process is None or (self._process.poll() is None and self._failure is None)
 
     def _gone(self) -> RagError:
         assert self._process is not None
@@ -781,6 +821,46 @@ class VectorProcess:
             self._process.wait(5.0)
 
 
+class _AnsweredHere:
+    """A connection whose far end is a VectorWriter in this process: an operation is carried out
+    as it is sent, its answer kept until received."""
+
+    def __init__(self) -> None:
+        self._writer = VectorWriter()
+        self._answers: collections.deque[tuple[str, Any]] = collections.deque()
+
+    def send(self, message: tuple[str, tuple[Any, ...]]) -> None:
+        self._answers.append(self._writer.answer(*message))
+
+    def recv(self) -> tuple[str, Any]:
+        return self._answers.popleft()
+
+    def poll(self) -> bool:
+        return bool(self._answers)
+
+    def close(self) -> None:
+        self._writer.finish()
+
+
+class InProcessVectors(VectorClient):
+    """The run's vector store in this process: what VectorProcess does, without a process (a
+    test drives ingest.run in one process with it; nothing overlaps Chroma's writes)."""
+
+    def start(self) -> None:
+        if self._conn is None:
+            self._conn = _AnsweredHere()
+
+    def usable(self) -> bool:
+        return self._failure is None
+
+    def _gone(self) -> RagError:
+        raise AssertionError("an in-process vector writer cannot go away")
+
+    def shut(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+
+
 # ---------------------------------------------------------------------------
 # Writing: vectors first, then the SQLite commit, then old vectors out.
 
@@ -799,7 +879,7 @@ class Store:
     the SQLite keyword index in the index folder."""
 
     def __init__(self, layout: rules.StoreLayout, manifest: rules.IndexManifest, settings: rules.Settings,
-                 vectors: VectorProcess) -> None:
+                 vectors: rules.Vectors) -> None:
         self.name = manifest.index_name()
         self.manifest = manifest
         meta = {f"manifest_{k}": v for k, v in manifest.to_dict().items()}  # the space: VECTOR_CONFIGURATION
@@ -1518,7 +1598,7 @@ def dry_run_listing(walk: Walk, plan: Plan, registry: dict[str, DocumentRow], co
     return sorted(entries, key=lambda e: (order[e["action"]], e["path"]))
 
 
-def run(args: argparse.Namespace, summary: Summary | None = None, vectors: VectorProcess | None = None) -> Summary:
+def run(args: argparse.Namespace, summary: Summary | None = None, vectors: rules.Vectors | None = None) -> Summary:
     """One ingest run. `summary` is filled in as the run goes, so a run that stops on an error can
     still report what it did. `vectors`: a vector process to use (--watch keeps one for all its
     runs); by default the run starts its own."""
@@ -1544,9 +1624,51 @@ def run(args: argparse.Namespace, summary: Summary | None = None, vectors: Vecto
     return summary
 
 
+@dataclass
+class Run:
+    """One ingest run: what it was asked, what the walk found, and what it learned of the live
+    index and the model. Every stage reads it; the stages before the lock and under it fill in
+    `current`, `model` and `full`."""
+
+    args: argparse.Namespace
+    settings: rules.Settings
+    layout: rules.StoreLayout
+    summary: Summary
+    walk: Walk
+    scheme: rules.PrefixScheme
+    embedder: rules.OllamaEmbedder
+    current: rules.CurrentIndex | None  # the live index; read again under the lock
+    model: ModelFacts | None = None  # None: Ollama did not answer, or was not needed
+    full: bool = False  # no vector reused: --full, or new weights under the model's name
+
+    def index_name(self, dims: int) -> str:
+        return rules.manifest_for(self.settings, self.scheme.name, dims).index_name()
+
+
+@dataclass
+class Look:
+    """The plan made before the lock, and the registry it compared the walk with: under the lock
+    it stands as long as the index holds that same registry."""
+
+    registry: dict[str, DocumentRow]
+    plan: Plan
+
+
+@dataclass
+class Prepared:
+    """The index a run writes (opened, repaired after an interrupted run) and its plan, chunked."""
+
+    store: Store
+    plan: Plan
+    registry: dict[str, DocumentRow]  # what the plan compared the walk with
+    repaired: int  # vectors removed that no committed chunk owned
+
+
 def _run_in(args: argparse.Namespace, summary: Summary, settings: rules.Settings, layout: rules.StoreLayout,
-            vectors: VectorProcess | None) -> None:
-    """run() once its settings are read; `vectors` is None only for a dry run."""
+            vectors: rules.Vectors | None) -> None:
+    """run() once its settings are read, in stages: the walk; the look before the lock (is Ollama
+    needed?); then under the lock prepare (open, plan, chunk), write and publish. `vectors` is
+    None only for a dry run."""
     corpus = settings.corpus_dir
     walk = walk_corpus(corpus, settings.respect_gitignore)
     for warning in walk.warnings:
@@ -1558,83 +1680,141 @@ def _run_in(args: argparse.Namespace, summary: Summary, settings: rules.Settings
     if args.dry_run:
         dry_run(args, settings, layout, walk, current, summary)
         return
-
-    scheme = scheme_for(settings.embed_model)
+    assert vectors is not None
     embedder = rules.OllamaEmbedder(settings.ollama_host, settings.embed_model, settings.embed_timeout_s,
                                     keep_alive=KEEP_ALIVE)
-    # Ollama is asked before the store is touched whenever anything may need embedding (when it is
-    # down or lacks the model, nothing in the store changes, not even the lock file). A run with
-    # nothing to embed does not need it: it still asks, briefly, to notice a model re-pulled with
-    # other dimensions (a rebuild), and goes on without it when it does not answer.
-    if (current is None or args.full
-            or rules.manifest_for(settings, scheme.name, current.manifest.dims).index_name() != current.index
-            or plan_changes(walk, _registry_of(layout, current), False).changed):
-        vectors.start()  # type: ignore[union-attr]  # Chroma's import overlaps the probe, planning and chunking
-        model: ModelFacts | None = probe_model(embedder, scheme, settings)
-    else:
-        model = probe_model_if_reachable(settings, scheme)
-
+    run = Run(args, settings, layout, summary, walk, scheme_for(settings.embed_model), embedder, current)
+    look = _look_before_the_lock(run, vectors)
     with ingest_lock(layout):
-        current = layout.read_current()
-        check_same_corpus(current, corpus, settings.store_dir, args.replace_corpus)
-        if args.full and current is not None:
-            set_aside_damaged_keywords(layout, current)
-        _guard_empty(walk, _registry_of(layout, current), args.allow_empty)
-        dims = model.dims if model is not None else current.manifest.dims  # type: ignore[union-attr]
-        index_name = rules.manifest_for(settings, scheme.name, dims).index_name()
-        summary.model_changed = weights_changed(current, index_name, model)
-        if summary.model_changed:
-            log.warning("Ollama's %s is not the one this index was embedded with (digest %s, now %s): "
-                        "re-embedding every chunk", settings.embed_model,
-                        current.stamp.model_digest[:12], model.digest[:12])  # type: ignore[union-attr]
-        full = args.full or summary.model_changed
-        store, plan, repaired = _open_and_plan(layout, settings, scheme, dims, walk, full, vectors)
-        if plan.changed and model is None:
-            # Another ingest or an editor changed files since the look before the lock.
-            model = probe_model(embedder, scheme, settings)
-            if model.dims != dims:
-                store.close()
-                store, plan, repaired = _open_and_plan(layout, settings, scheme, model.dims, walk, full, vectors)
+        prepared = _prepare(run, vectors, look)
         try:
-            manifest = store.manifest
-            registry = load_registry(store.db)
-            summary.index = store.name
-            summary.rebuilt = current is None or current.index != store.name
-            if summary.rebuilt and current is not None:
-                log.info("index manifest changed (%s -> %s): rebuilding into a new index; the old one stays live "
-                         "until the new one is complete", current.index, store.name)
-            if repaired:
-                log.info("removed %d vectors left by an interrupted run", repaired)
-            _fill_summary(summary, plan, registry)
-            if model is not None:
-                chunk_files(plan.changed, Budget(model.context_length, settings.chunk_max_tokens,
-                                                 settings.chunk_min_tokens, scheme))
-            changed_anything = bool(repaired) or store.unpublished()
-            if plan.mtime_only:
-                store.update_mtimes(plan.mtime_only)
-                changed_anything = True
-            if plan.relocated:
-                store.relocate(plan.relocated)
-                changed_anything = True
-            # --full is the way to force every chunk through the embedder: no reuse then (and
-            # new weights under the model's name make every stored vector unusable).
-            embedding = Embedding(embedder, scheme, manifest.dims,
-                                  reuse=(lambda keys: {}) if full else store.stored_vectors)
-            written, run_errors = _embed_and_write(store, embedding, plan, summary)
-            changed_anything = changed_anything or bool(written)
-            if plan.removed:
-                store.remove(plan.removed)
-                changed_anything = True
-            store.end_vector_writes()  # every vector written this run is owned by a committed row
-            if model is not None and store.needs_calibration():
-                changed_anything = _calibrate(store, embedding) or changed_anything
-            summary.embedding_calls = embedding.calls
-            summary.failed = len(plan.failed)
-            summary.errors = [*sorted(plan.failed.values()), *run_errors]
-            _publish(layout, settings, store, current, walk, summary, plan,
-                     changed_anything or summary.model_changed, _digest_to_record(current, model, summary, plan))
+            changed_anything = _write(run, prepared)
+            _publish(run, prepared, changed_anything)
         finally:
-            store.close()
+            prepared.store.close()
+
+
+def _look_before_the_lock(run: Run, vectors: rules.Vectors) -> Look | None:
+    """Ask Ollama before the store is touched whenever anything may need embedding (when it is
+    down or lacks the model, nothing in the store changes, not even the lock file). A run with
+    nothing to embed does not need it: it still asks, briefly, to notice a model re-pulled with
+    other dimensions (a rebuild), and goes on without it when it does not answer. Returns the plan
+    against the live index, made to know that; None where the run embeds everything anyway."""
+    current = run.current
+    look = None
+    if current is not None and not run.args.full and run.index_name(current.manifest.dims) == current.index:
+        registry = _registry_of(run.layout, current)
+        look = Look(registry, plan_changes(run.walk, registry, full=False))
+    if look is None or look.plan.changed:
+        vectors.start()  # Chroma's import overlaps the probe, planning and chunking
+        run.model = probe_model(run.embedder, run.scheme, run.settings)
+    else:
+        run.model = probe_model_if_reachable(run.settings, run.scheme)
+    return look
+
+
+def _prepare(run: Run, vectors: rules.Vectors, look: Look | None) -> Prepared:
+    """Under the lock: the index this run writes, opened and planned (the look before the lock
+    reused when it still holds), its files chunked. On a failure the index is closed again."""
+    dims = _dims_under_the_lock(run)
+    prepared = _open_and_plan(run, dims, vectors, look)
+    try:
+        if prepared.plan.changed and run.model is None:
+            # Another ingest or an editor changed files since the look before the lock.
+            run.model = probe_model(run.embedder, run.scheme, run.settings)
+            if run.model.dims != dims:
+                prepared.store.close()
+                prepared = _open_and_plan(run, run.model.dims, vectors, None)
+        _report_prepared(run, prepared)
+        if run.model is not None:
+            chunk_files(prepared.plan.changed, Budget(run.model.context_length, run.settings.chunk_max_tokens,
+                                                      run.settings.chunk_min_tokens, run.scheme))
+    except BaseException:
+        prepared.store.close()
+        raise
+    return prepared
+
+
+def _dims_under_the_lock(run: Run) -> int:
+    """The live index read again (another run may have published since the look) and the guards
+    checked before anything is written; the vectors' dimensions this run writes."""
+    run.current = current = run.layout.read_current()
+    check_same_corpus(current, run.settings.corpus_dir, run.settings.store_dir, run.args.replace_corpus)
+    if run.args.full and current is not None:
+        set_aside_damaged_keywords(run.layout, current)
+    _guard_empty(run.walk, _registry_of(run.layout, current), run.args.allow_empty)
+    dims = run.model.dims if run.model is not None else current.manifest.dims  # type: ignore[union-attr]
+    run.summary.model_changed = weights_changed(current, run.index_name(dims), run.model)
+    if run.summary.model_changed:
+        log.warning("Ollama's %s is not the one this index was embedded with (digest %s, now %s): "
+                    "re-embedding every chunk", run.settings.embed_model,
+                    current.stamp.model_digest[:12], run.model.digest[:12])  # type: ignore[union-attr]
+    run.full = run.args.full or run.summary.model_changed
+    return dims
+
+
+def _report_prepared(run: Run, prepared: Prepared) -> None:
+    summary, current, store = run.summary, run.current, prepared.store
+    summary.index = store.name
+    summary.rebuilt = current is None or current.index != store.name
+    if summary.rebuilt and current is not None:
+        log.info("index manifest changed (%s -> %s): rebuilding into a new index; the old one stays live "
+                 "until the new one is complete", current.index, store.name)
+    if prepared.repaired:
+        log.info("removed %d vectors left by an interrupted run", prepared.repaired)
+    _fill_summary(summary, prepared.plan, prepared.registry)
+
+
+def _open_and_plan(run: Run, dims: int, vectors: rules.Vectors, look: Look | None) -> Prepared:
+    """Open (or create) the index for these dimensions, repair what an interrupted run left, and
+    compare the corpus with what it holds. Files are read and parsed again only when the index
+    holds other documents than the look saw (another run wrote in between, or the repair dropped
+    files whose vectors were lost)."""
+    store = Store(run.layout, rules.manifest_for(run.settings, run.scheme.name, dims), run.settings, vectors)
+    registry = load_registry(store.db)
+    plan = _plan_for(run, registry, look)
+    repaired = 0
+    if run.full or store.needs_reconcile(count=plan.writes_vectors()):
+        repaired = store.reconcile()
+        repaired_registry = load_registry(store.db)
+        if repaired_registry != registry:
+            registry, plan = repaired_registry, plan_changes(run.walk, repaired_registry, run.full)
+    return Prepared(store, plan, registry, repaired)
+
+
+def _plan_for(run: Run, registry: dict[str, DocumentRow], look: Look | None) -> Plan:
+    if look is not None and not run.full and look.registry == registry:
+        return look.plan
+    return plan_changes(run.walk, registry, run.full)
+
+
+def _write(run: Run, prepared: Prepared) -> bool:
+    """Carry out the plan: metadata-only updates, embedding and writing the changed files, the
+    removals, then the calibration. True when the index changed (a new generation is due)."""
+    store, plan, summary = prepared.store, prepared.plan, run.summary
+    changed_anything = bool(prepared.repaired) or store.unpublished()
+    if plan.mtime_only:
+        store.update_mtimes(plan.mtime_only)
+        changed_anything = True
+    if plan.relocated:
+        store.relocate(plan.relocated)
+        changed_anything = True
+    # --full is the way to force every chunk through the embedder: no reuse then (and
+    # new weights under the model's name make every stored vector unusable).
+    embedding = Embedding(run.embedder, run.scheme, store.manifest.dims,
+                          reuse=(lambda keys: {}) if run.full else store.stored_vectors)
+    written, run_errors = _embed_and_write(store, embedding, plan, summary)
+    changed_anything = changed_anything or bool(written)
+    if plan.removed:
+        store.remove(plan.removed)
+        changed_anything = True
+    store.end_vector_writes()  # every vector written this run is owned by a committed row
+    if run.model is not None and store.needs_calibration():
+        changed_anything = _calibrate(store, embedding) or changed_anything
+    summary.embedding_calls = embedding.calls
+    summary.failed = len(plan.failed)
+    summary.errors = [*sorted(plan.failed.values()), *run_errors]
+    return changed_anything
 
 
 def _calibrate(store: Store, embedding: Embedding) -> bool:
@@ -1649,18 +1829,6 @@ def _calibrate(store: Store, embedding: Embedding) -> bool:
         log.info("similarity calibration: unrelated %.3f, related %.3f (%d headings as queries)",
                  calibration.unrelated, calibration.related, calibration.queries)
     return True
-
-
-def _open_and_plan(layout: rules.StoreLayout, settings: rules.Settings, scheme: rules.PrefixScheme, dims: int,
-                   walk: Walk, full: bool, vectors: VectorProcess) -> tuple[Store, Plan, int]:
-    """Open (or create) the index for these settings, repair what an interrupted run left, and
-    compare the corpus with what it holds."""
-    store = Store(layout, rules.manifest_for(settings, scheme.name, dims), settings, vectors)
-    plan = plan_changes(walk, load_registry(store.db), full)
-    if not (full or store.needs_reconcile(count=plan.writes_vectors())):
-        return store, plan, 0
-    repaired = store.reconcile()  # it may drop files whose vectors were lost: plan again
-    return store, plan_changes(walk, load_registry(store.db), full), repaired
 
 
 def _embed_and_write(store: Store, embedding: Embedding, plan: Plan, summary: Summary) -> tuple[set[str], list[str]]:
@@ -1737,37 +1905,39 @@ def _digest_to_record(current: rules.CurrentIndex | None, model: ModelFacts | No
     return model.digest
 
 
-def _publish(layout: rules.StoreLayout, settings: rules.Settings, store: Store, current: rules.CurrentIndex | None,
-             walk: Walk, summary: Summary, plan: Plan, changed_anything: bool, model_digest: str | None) -> None:
+def _publish(run: Run, prepared: Prepared, changed_anything: bool) -> None:
     """Stamp the index and, when anything changed, point CURRENT.json at it with a new generation
     (running servers reopen on it). A rebuild with failures stays unpublished."""
+    summary, settings, current, store = run.summary, run.settings, run.current, prepared.store
     summary.commit, summary.dirty = corpus_git_state(settings.corpus_dir)
     files, chunks = store.counts()
     stamp = rules.IndexStamp(commit=summary.commit, dirty=summary.dirty,
                              ingested_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                             files=files, chunks=chunks, model_digest=model_digest)
-    announce = (summary.rebuilt or changed_anything or current is None or current.corpus_dir != str(settings.corpus_dir)
-                or current.corpus_id != walk.root_id
+                             files=files, chunks=chunks,
+                             model_digest=_digest_to_record(current, run.model, summary, prepared.plan))
+    announce = (summary.rebuilt or changed_anything or summary.model_changed or current is None
+                or current.corpus_dir != str(settings.corpus_dir) or current.corpus_id != run.walk.root_id
                 or (current.stamp.commit, current.stamp.dirty) != (stamp.commit, stamp.dirty))
     # The vector store's copy of the stamp follows the generations; a run that changed nothing
     # does not open the vector store just to note when it ran.
     store.stamp(stamp, in_vectors=announce or store.vectors.in_use())
-    if summary.rebuilt and (plan.failed or summary.left_for_next_run) and current is not None:
+    if summary.rebuilt and (prepared.plan.failed or summary.left_for_next_run) and current is not None:
         summary.errors.append(f"the new index {store.name} is incomplete; {current.index} stays live until a "
                               "run completes without failures")
         return
     if announce:
         generation = (current.generation + 1) if current else 1
-        layout.write_current(rules.CurrentIndex(index=store.name, generation=generation, manifest=store.manifest,
-                                                 stamp=stamp, corpus_dir=str(settings.corpus_dir), corpus_id=walk.root_id))
+        run.layout.write_current(rules.CurrentIndex(index=store.name, generation=generation, manifest=store.manifest,
+                                                     stamp=stamp, corpus_dir=str(settings.corpus_dir),
+                                                     corpus_id=run.walk.root_id))
         store.mark_published()
         if current is not None and current.index != store.name:
             # The previous index is no longer live: its vectors and its folder go.
             try:
-                rules.vector_store(settings, layout, current.index).drop()
+                rules.vector_store(settings, run.layout, current.index).drop()
             except RagError as exc:
                 log.warning("the previous index's vectors could not be removed (%s); they stay unused", exc.message)
-            shutil.rmtree(layout.index_dir(current.index), ignore_errors=True)
+            shutil.rmtree(run.layout.index_dir(current.index), ignore_errors=True)
 
 
 def _fails_files_alone(exc: RagError) -> bool:
@@ -1853,7 +2023,7 @@ def failure_of(exc: BaseException) -> RagError:
 
 
 def run_once(args: argparse.Namespace, quiet: bool = False,
-             vectors: VectorProcess | None = None) -> tuple[int, Summary]:
+             vectors: rules.Vectors | None = None) -> tuple[int, Summary]:
     """One run and its report: (exit status, summary). Every way a run can stop ends here in the
     error vocabulary; Ctrl-C propagates (committed work is kept, the next run continues)."""
     summary = Summary(dry_run=args.dry_run)

@@ -15,14 +15,39 @@ for _p in (str(ROOT), str(TESTS_DIR)):
         sys.path.insert(0, _p)
 
 from fake_ollama import FakeOllama  # noqa: E402  (needs the sys.path entry above)
-from helpers import copy_index, copy_sample, run_ingest  # noqa: E402
+from helpers import copy_index, copy_sample, ingest_in_process  # noqa: E402
+
+FAST_TIER = "not slow and not process and not heavy"
+EVERY_TIER = "not slow"  # the fault loops marked slow run only when asked for: -m slow
+ALL_WORKERS = 3  # on the 2-core machines the suite is made for: its tests wait on processes and
+# sockets a third of the time (457 s against 518 s with two workers)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--all", action="store_true",
+                     help=f"every tier ({EVERY_TIER}), on {ALL_WORKERS} workers (what CI runs)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns -n into workers
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Which tests run, unless -m says: plain `pytest` the fast tier; `pytest --all` every tier on
+    ALL_WORKERS workers, a test file each (a module's fixtures are built once; -n N overrides the
+    count); a file or test named on the command line runs whatever its tier."""
+    everything = config.option.all
+    if not config.option.markexpr:
+        named = config.args_source is pytest.Config.ArgsSource.ARGS
+        config.option.markexpr = EVERY_TIER if everything or named else FAST_TIER
+    if everything and getattr(config.option, "numprocesses", 0) is None and not hasattr(config, "workerinput"):
+        config.option.numprocesses = ALL_WORKERS
+        config.option.dist = "loadfile"
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Test files marked `heavy` (over a minute of wall time each) run first. xdist hands out
-    whole files in collection order (--dist loadfile, --no-loadscope-reorder: its own reorder
-    puts the files with the most tests first, which left the one-test minute-long files for the
-    end, a worker busy with one while the other idled)."""
+    """Tests marked `heavy` run first. xdist hands out whole files in collection order (--dist
+    loadfile, --no-loadscope-reorder: its own reorder puts the files with the most tests first,
+    which left the one-test minute-long files for the end, a worker busy with one while the other
+    idled)."""
     items.sort(key=lambda item: item.get_closest_marker("heavy") is None)  # stable: files stay whole
 
 
@@ -50,12 +75,12 @@ def fake_ollama_env(fake_ollama: FakeOllama, monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.fixture(scope="session")
 def indexed_sample(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The sample corpus and the store the real `python ingest.py` built from it, once per test
+    """The sample corpus and the store ingest built from it (in this process), once per test
     process (an xdist worker): never changed, only copied (see `sample_index`)."""
     tmp = tmp_path_factory.mktemp("indexed-sample")
     with FakeOllama() as fake:
         corpus, store = copy_sample(tmp), tmp / "store"
-        done = run_ingest(fake, corpus, store)
+        done = ingest_in_process(fake, corpus, store)
         assert done.code == 0, done.err
     return corpus, store
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import json
+import logging
 import os
 import queue
 import shutil
@@ -29,7 +31,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator, Mapping
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TextIO
@@ -41,6 +43,7 @@ from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
 import corpus_rules as rules
+import ingest
 import server
 from corpus_rules import ErrorCode, StoreLayout
 from fake_ollama import FakeOllama
@@ -348,6 +351,13 @@ class HasHost(Protocol):
     def host(self) -> str: ...
 
 
+@dataclass(frozen=True)
+class OllamaAt:
+    """An Ollama known only by where it listens."""
+
+    host: str
+
+
 def child_env(fake: HasHost, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
     env.update(OLLAMA_HOST=fake.host, ANONYMIZED_TELEMETRY="False", PYTHONUNBUFFERED="1", **extra)
@@ -374,7 +384,64 @@ def finish(proc: subprocess.Popen[str], timeout: float = PROCESS_TIMEOUT_S) -> D
 
 
 def run_ingest(fake: FakeOllama, corpus: Path, store: Path, *extra: str, **env: str) -> Done:
+    """`python ingest.py --json` as a real process (and its vector process)."""
     return finish(start_ingest(fake, corpus, store, *extra, **env))
+
+
+# ---------------------------------------------------------------------------
+# Ingest in this process: ingest.run_once with its vector store here too (InProcessVectors), for
+# tests of what a run indexes, skips, reuses or plans. Same summary, exit status and log lines as
+# the real process, without two interpreters importing Chroma per run.
+
+
+@contextmanager
+def environment(fake: HasHost | None, **env: str) -> Iterator[None]:
+    """os.environ as child_env(fake, **env) would make it, for the block's length (fake None:
+    the environment as it is)."""
+    saved = dict(os.environ)
+    if fake is not None:
+        os.environ.clear()
+        os.environ.update(child_env(fake, **env))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@contextmanager
+def ingest_log_captured(err: io.StringIO) -> Iterator[None]:
+    """The ingest log into `err`, formatted as `python ingest.py` prints it on stderr."""
+    logger = logging.getLogger("ingest")
+    handler = logging.StreamHandler(err)
+    handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+    saved = (logger.level, logger.propagate)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
+def ingest_in_process(fake: HasHost | None, corpus: Path, store: Path, *extra: str, as_json: bool = True,
+                      **env: str) -> Done:
+    """What run_ingest returns, from a run in this process (fake None: in the environment as it is;
+    as_json False: without --json, stdout as a person reads it)."""
+    out, err = io.StringIO(), io.StringIO()
+    vectors = ingest.InProcessVectors()
+    args = ingest.parse_args(["--corpus", str(corpus), "--store", str(store), *(["--json"] if as_json else []), *extra])
+    try:
+        with environment(fake, **env), ingest_log_captured(err), redirect_stdout(out), redirect_stderr(err):
+            code, _ = ingest.run_once(args, vectors=vectors)
+    finally:
+        vectors.shut()
+        # A cached Chroma client would not see later writes by other processes.
+        SharedSystemClient.clear_system_cache()
+    return Done(code, out.getvalue(), err.getvalue())
 
 
 # ---------------------------------------------------------------------------
@@ -419,8 +486,8 @@ def build(tmp: Path, host: str, source: Path = SAMPLE, *, symlinks: bool = True)
     corpus = tmp / "corpus"
     shutil.copytree(source, corpus, symlinks=symlinks)
     store = tmp / "store"
-    done = ingest_index(corpus, store, host)
-    assert done.returncode == 0, done.stderr
+    done = ingest_in_process(OllamaAt(host), corpus, store)
+    assert done.code == 0, done.err
     return Built(corpus, store, host)
 
 

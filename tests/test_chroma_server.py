@@ -36,7 +36,7 @@ from helpers import (
     run_ingest,
 )
 
-pytestmark = pytest.mark.heavy  # over a minute of wall time: scheduled first (conftest.py)
+pytestmark = [pytest.mark.heavy, pytest.mark.process]  # a file over a minute of real processes: `pytest --all` only, scheduled first
 
 QUERIES = ["who gets paged for a sev-1", "rollback the database after a bad deploy", "E4091", "ログ収集"]
 

@@ -21,6 +21,8 @@ from fake_ollama import FakeOllama
 import server
 from helpers import ROOT, SERVER, Built, free_port, ingest_index, output_validators, sample_built
 
+pytestmark = pytest.mark.process  # real processes (servers, ingest, Chroma): only in `pytest --all` (tests/README.md)
+
 
 @pytest.fixture(scope="module")
 def built(fake: FakeOllama, indexed_sample: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Built:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from fake_ollama import FakeOllama
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -175,6 +176,7 @@ def test_fragments_are_small_chunks_of_split_documents_and_pieces_of_cut_lines()
     assert (found.chunks, found.under_min, found.shared_line, found.fragments) == (8, 3, 3, 5)  # "x" is both
 
 
+@pytest.mark.process
 def test_eval_runs_end_to_end_on_sample_corpus(tmp_path: Path) -> None:
     queries = [
         {"id": "s1", "query": "who gets paged for a sev-1?", "kind": "paraphrase",

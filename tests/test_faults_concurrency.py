@@ -9,6 +9,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 
 from fake_ollama import FakeOllama
 from faultlib import clean_reference, write_handbooks
@@ -25,6 +27,8 @@ from helpers import (
     snapshot,
     start_ingest,
 )
+
+pytestmark = pytest.mark.process  # real processes (servers, ingest, Chroma): only in `pytest --all` (tests/README.md)
 
 HANDBOOKS = {f"handbooks/h{i:02d}.md": 40 for i in range(12)}
 NEW_TOKEN = "FRESHPAGE7310"

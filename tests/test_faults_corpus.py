@@ -37,9 +37,11 @@ from helpers import (
     edit,
     keyword_db,
     raw_server,
-    run_ingest,
+    ingest_in_process,
     search_paths,
 )
+
+pytestmark = pytest.mark.heavy  # its corpus of 40,000 headings takes ~20 s to index: `pytest --all` only
 
 BIG_ENV = {"RAG_CHUNK_MAX_TOKENS": "40000"}
 OUTSIDE_TOKEN = "OUTSIDE-SECRET-5521"
@@ -96,7 +98,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
         (corpus / rel).parent.mkdir(parents=True, exist_ok=True)
         (corpus / rel).write_text(f"# Good {rel}\n\nGood content of {rel} before it broke.\n", encoding="utf-8")
     with FakeOllama(context_length=131072, dims=64) as fake:
-        first = run_ingest(fake, corpus, store, **BIG_ENV)
+        first = ingest_in_process(fake, corpus, store, **BIG_ENV)
         assert first.code == 0, first.err
         before, first_hashes = chroma_state(store), corpus_hashes(corpus)
         for rel, (content, _) in BROKEN.items():
@@ -124,7 +126,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
         (corpus / "outside-dir").symlink_to(outside, target_is_directory=True)
         (corpus / "dangling.md").symlink_to(corpus / "nowhere.md")
         os.mkfifo(corpus / "pipe.md")
-        run = run_ingest(fake, corpus, store, **BIG_ENV)
+        run = ingest_in_process(fake, corpus, store, **BIG_ENV)
         yield Outcome(corpus, store, outside, before, first_hashes, run, fake)
 
 
@@ -198,6 +200,7 @@ def test_symlinks_out_and_cycles_are_reported_never_followed(outcome: Outcome) -
     assert OUTSIDE_TOKEN not in json.dumps(chroma_state(outcome.store), ensure_ascii=False)
 
 
+@pytest.mark.process
 def test_the_server_serves_what_was_indexed(outcome: Outcome) -> None:
     with raw_server(outcome.store, outcome.corpus, outcome.fake.host, **BIG_ENV) as server:
         for token, path in ((MIDDLE_TOKEN, "big/storage.md"), (LAST_TOKEN, "big/storage.md"),
@@ -224,7 +227,7 @@ def test_the_server_serves_what_was_indexed(outcome: Outcome) -> None:
 def test_rerun_reports_the_same_failures_and_embeds_nothing(outcome: Outcome) -> None:
     before = chroma_state(outcome.store)
     calls = outcome.fake.embed_calls
-    again = run_ingest(outcome.fake, outcome.corpus, outcome.store, **BIG_ENV)
+    again = ingest_in_process(outcome.fake, outcome.corpus, outcome.store, **BIG_ENV)
     assert again.code == 1 and again.summary["failed"] == 4
     assert sorted(again.summary["errors"]) == sorted(outcome.run.summary["errors"])
     assert outcome.fake.embed_calls == calls

@@ -40,7 +40,7 @@ from helpers import (
     store_bytes,
 )
 
-pytestmark = pytest.mark.heavy  # over a minute of wall time: scheduled first (conftest.py)
+pytestmark = [pytest.mark.heavy, pytest.mark.process]  # a file over a minute of real processes: `pytest --all` only, scheduled first
 
 OUTSIDE = "OUTSIDE-SECRET-9173"
 ALIAS_BOMB = """---

@@ -32,6 +32,8 @@ from helpers import (
     tool,
 )
 
+pytestmark = pytest.mark.process  # real processes (servers, ingest, Chroma): only in `pytest --all` (tests/README.md)
+
 QUERY = "who gets paged for a sev-1"
 ESCALATION = "oncall/escalation.md"
 

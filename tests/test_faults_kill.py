@@ -57,6 +57,8 @@ from helpers import (
     start_ingest,
 )
 
+pytestmark = pytest.mark.process  # real processes (servers, ingest, Chroma): only in `pytest --all` (tests/README.md)
+
 HANDBOOKS = {f"handbooks/h{i:02d}.md": 40 for i in range(16)}
 EXTRA = "extra/page.md"
 EXTRA_TEXT = "# Extra\n\nAn extra page that comes and goes.\n"

@@ -39,7 +39,7 @@ from helpers import (
     start_ingest,
 )
 
-pytestmark = pytest.mark.heavy  # over a minute of wall time: scheduled first (conftest.py)
+pytestmark = [pytest.mark.heavy, pytest.mark.process]  # a file over a minute of real processes: `pytest --all` only, scheduled first
 
 # aa- sorts first: a group of its own (>= COMMIT_BATCH_CHUNKS chunks), then ab- shares the second
 # group with the sample files, and needs two embedding calls of its own.

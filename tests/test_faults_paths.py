@@ -18,6 +18,8 @@ import pytest
 from fake_ollama import FakeOllama
 from helpers import RawServer, call, copy_sample, raw_server, run_ingest
 
+pytestmark = pytest.mark.process  # real processes (servers, ingest, Chroma): only in `pytest --all` (tests/README.md)
+
 OUTSIDE_TOKEN = "OUTSIDE-SECRET-5521"
 TWIN_TOKEN = "UNINDEXED-TWIN-8832"
 PASSWD_MARK = "root:x:0:0"

@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 from fake_ollama import FakeOllama
 from helpers import RawServer, call, copy_index, raw_server, tool_payload
 
+pytestmark = pytest.mark.process  # real processes (servers, ingest, Chroma): only in `pytest --all` (tests/README.md)
+
 EXAMPLES = 500
 # Codes bad input may legitimately produce; `internal` would mean a crash path.
 INPUT_CODES = {"invalid_argument", "path_rejected", "not_indexed"}

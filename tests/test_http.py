@@ -35,7 +35,7 @@ from fake_ollama import FakeOllama
 from faultlib import write_lock
 from helpers import ROOT, SERVER, Built, connect, free_port, output_validators, sample_built, tool, wait_for_logged
 
-pytestmark = pytest.mark.heavy  # over a minute of wall time: scheduled first (conftest.py)
+pytestmark = [pytest.mark.heavy, pytest.mark.process]  # a file over a minute of real processes: `pytest --all` only, scheduled first
 
 TOKEN = "team-secret-token-0123456789"
 LISTENING = re.compile(r"listening on (http://[^ ]+)/mcp")

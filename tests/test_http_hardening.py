@@ -27,7 +27,7 @@ from fake_ollama import FakeOllama
 from helpers import SERVER, Built, sample_built, wait_for_logged
 from test_http import TOKEN, HttpServer, bridge, bridge_failure, http_server
 
-pytestmark = pytest.mark.heavy
+pytestmark = [pytest.mark.heavy, pytest.mark.process]  # a file over a minute of real processes: `pytest --all` only, scheduled first
 
 READ_TIMEOUT_S = 2
 MCP_HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}

@@ -3,11 +3,9 @@ in-process where convenient and `python ingest.py` as a real process where the p
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
+import inspect
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -40,12 +38,12 @@ from helpers import (
     current_of,
     edit,
     file_listing,
+    ingest_in_process,
     keyword_db,
     snapshot,
     store_bytes,
 )
 
-pytestmark = pytest.mark.heavy  # over a minute of wall time: scheduled first (conftest.py)
 
 SECRET = b"SECRET-OFFSITE-TOKEN-7731"
 GEMMA = rules.PREFIX_SCHEMES["embeddinggemma"]
@@ -67,25 +65,8 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def ingest_run(corpus: Path, store: Path, *extra: str) -> Run:
-    """ingest.main in-process with --json; stderr and the ingest log captured together."""
-    out, err = io.StringIO(), io.StringIO()
-    logger = logging.getLogger("ingest")
-    handler = logging.StreamHandler(err)
-    handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
-    saved = (logger.level, logger.propagate)
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = ingest.main(["--corpus", str(corpus), "--store", str(store), "--json", *extra])
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(saved[0])
-        logger.propagate = saved[1]
-        # A cached Chroma client would not see later writes by other processes.
-        SharedSystemClient.clear_system_cache()
-    return Run(code, out.getvalue(), err.getvalue())
+    """One run in this process (vector store included), in the environment the test set up."""
+    return ingest_in_process(None, corpus, store, *extra)
 
 
 def ingest_process(fake: FakeOllama, corpus: Path, store: Path, *extra: str, crash_at: str = "",
@@ -129,6 +110,47 @@ def wait_for(condition: Any, timeout: float = 30.0) -> None:
 
 def embed_requests(fake: FakeOllama) -> list[dict[str, Any]]:
     return [body for method, path, body in fake.requests if path == "/api/embed"]
+
+
+# ---------------------------------------------------------------------------
+# The vector writer: one protocol, two ways to run it.
+
+
+def test_both_vector_writers_speak_the_vectors_protocol_with_the_stores_signatures() -> None:
+    for name in (*rules.VECTOR_WRITES, *rules.VECTOR_READS):
+        expected = list(inspect.signature(getattr(rules.Vectors, name)).parameters)
+        assert list(inspect.signature(getattr(rules.VectorStore, name)).parameters) == expected, name
+        assert list(inspect.signature(getattr(ingest.VectorClient, name)).parameters) == expected, name
+    members = {name for name in vars(rules.Vectors) if not name.startswith("_")}
+    for writer in (ingest.VectorProcess, ingest.InProcessVectors):
+        assert members <= set(dir(writer)), writer
+        for name in ("start", "usable", "shut"):  # what the client leaves to each way of running it
+            assert getattr(writer, name) is not getattr(ingest.VectorClient, name), (writer, name)
+
+
+@pytest.mark.parametrize("writer", [ingest.InProcessVectors,
+                                    pytest.param(ingest.VectorProcess, marks=pytest.mark.process)])
+def test_a_failed_write_is_raised_by_settle_and_by_every_later_operation(writer: type[ingest.VectorClient],
+                                                                         tmp_path: Path) -> None:
+    settings = rules.load_settings({"RAG_CORPUS_DIR": str(tmp_path), "RAG_STORE_DIR": str(tmp_path / "store")})
+    layout = rules.StoreLayout(settings.store_dir)
+    layout.index_dir("idx-0123456789ab").mkdir(parents=True)
+    vectors = writer()
+    try:
+        vectors.open(settings, layout, "idx-0123456789ab", {"manifest_dims": 3})
+        vectors.settle(vectors.upsert("active", ["a"], [[0.1, 0.2, 0.3]], ["text a"], [{"path": "a.md"}]))
+        assert (vectors.ids("active"), vectors.count("active"), vectors.in_use()) == (["a"], 1, True)
+        vectors.upsert("active", ["b"], [[0.1, 0.2]], ["text b"], [{"path": "b.md"}])  # other dimensions
+        with pytest.raises(rules.RagError) as failed:
+            vectors.settle()
+        with pytest.raises(rules.RagError) as later:
+            vectors.count("active")
+        assert (later.value.code, later.value.message) == (failed.value.code, failed.value.message)
+        assert "dimension" in failed.value.message and not vectors.usable()
+    finally:
+        vectors.close()
+        vectors.shut()
+        SharedSystemClient.clear_system_cache()
 
 
 # ---------------------------------------------------------------------------
@@ -296,6 +318,27 @@ def test_unchanged_corpus_makes_no_embed_calls_and_reads_no_file(
     assert snapshot(store) == before
 
 
+def test_a_run_reads_each_changed_file_once(tmp_path: Path, fake_ollama_env: FakeOllama,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan made before the lock (to know whether Ollama is needed) is the one carried out."""
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    assert ingest_run(corpus, store).code == 0
+    edit(corpus / "reference" / "glossary.md", "# Glossary\n\nA new definition.\n")
+    reads: list[list[str]] = []
+    read_beneath = rules.read_beneath
+
+    def counted(root_fd: int, parts: list[str], **kwargs: Any) -> bytes:
+        reads.append(list(parts))
+        return read_beneath(root_fd, parts, **kwargs)
+
+    monkeypatch.setattr(rules, "read_beneath", counted)
+    run = ingest_run(corpus, store)
+    assert run.code == 0 and run.summary["updated"] == 1, run.err
+    # The edited file and the rag: false one (it has no row, so it is read to learn that again), once each.
+    planned = sorted(parts for parts in reads if parts[-1] != ingest.RAGIGNORE)
+    assert planned == [["private", "offsite-backup.md"], ["reference", "glossary.md"]]
+
+
 def test_mtime_only_change_makes_no_embed_calls(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
     assert ingest_run(corpus, store).code == 0
@@ -403,6 +446,7 @@ def test_embedder_dies_mid_run_then_converges(tmp_path: Path, fake_ollama_env: F
     assert snapshot(store) == clean_snapshot(corpus, tmp_path)
 
 
+@pytest.mark.process
 def test_kill_9_at_many_points_then_rerun_converges(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
     assert ingest_run(corpus, store).code == 0
@@ -641,6 +685,7 @@ def test_missing_model_names_ollama_pull(tmp_path: Path, fake_ollama_env: FakeOl
     assert not (tmp_path / "store").exists()
 
 
+@pytest.mark.process
 def test_second_concurrent_ingest_fails_fast_on_the_lock(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
     fake_ollama_env.configure(delay_seconds=30)
@@ -766,6 +811,7 @@ def test_nfd_file_names_are_stored_nfc(tmp_path: Path, fake_ollama_env: FakeOlla
     assert twin.code == 1 and "same name after Unicode NFC normalisation" in twin.err
 
 
+@pytest.mark.process
 def test_symlinks_outside_the_corpus_are_skipped(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
     outside, corpus, store = tmp_path / "outside", tmp_path / "corpus", tmp_path / "store"
     edit(outside / "secret.md", "OUTSIDE-SECRET-4242\n")
@@ -800,6 +846,7 @@ def test_symlinks_outside_the_corpus_are_skipped(tmp_path: Path, fake_ollama_env
 # Output, dry run, stamp, generation.
 
 
+@pytest.mark.process
 def test_json_is_the_only_stdout_and_progress_goes_to_stderr(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
     proc = ingest_process(fake_ollama_env, corpus, store, "--json")
@@ -996,6 +1043,7 @@ def test_nothing_to_embed_needs_no_ollama(tmp_path: Path, fake_ollama_env: FakeO
     assert current_of(store)["stamp"]["files"] == 5
 
 
+@pytest.mark.heavy  # waits on 2 s embedding calls by design
 def test_progress_keeps_talking_while_a_slow_call_runs(tmp_path: Path, fake_ollama_env: FakeOllama,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Not on a terminal, a progress line comes every PROGRESS_EVERY_S even while one embedding call

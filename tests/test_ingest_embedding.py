@@ -32,12 +32,11 @@ from helpers import (
     finish,
     ingest_args,
     child_env,
-    run_ingest,
+    ingest_in_process,
     snapshot,
     start_ingest,
 )
 
-pytestmark = pytest.mark.heavy  # over a minute of wall time: scheduled first (conftest.py)
 
 
 @pytest.fixture
@@ -84,15 +83,16 @@ def test_a_slow_embedder_gets_small_calls_and_a_fast_one_full_calls() -> None:
 # A slow embedder is not a failure.
 
 
+@pytest.mark.heavy  # 0.1 s a text by design: ~15 s
 def test_calls_a_64_chunk_batch_would_time_out_on_still_index_everything(fake: FakeOllama, tmp_path: Path) -> None:
     """0.1 s per text and a 2 s timeout: 64 texts take 6.4 s (too long), 8 take 0.8 s."""
     corpus = copy_sample(tmp_path)
     write_handbooks(corpus, {"handbook.md": 120}, "A")
-    fast = run_ingest(fake, corpus, tmp_path / "fast")
+    fast = ingest_in_process(fake, corpus, tmp_path / "fast")
     assert fast.code == 0, fast.err
     fake.reset()
     fake.configure(delay_per_text_seconds=0.1)
-    slow = run_ingest(fake, corpus, tmp_path / "slow", RAG_EMBED_TIMEOUT="2")
+    slow = ingest_in_process(fake, corpus, tmp_path / "slow", RAG_EMBED_TIMEOUT="2")
     assert slow.code == 0, slow.err
     assert (slow.summary["failed"], slow.summary["left_for_next_run"]) == (0, 0)
     assert slow.summary["chunks_written"] == fast.summary["chunks_written"]
@@ -106,6 +106,7 @@ def test_calls_a_64_chunk_batch_would_time_out_on_still_index_everything(fake: F
     assert snapshot(tmp_path / "slow") == snapshot(tmp_path / "fast")
 
 
+@pytest.mark.process
 def test_a_call_that_times_out_is_retried_with_fewer_chunks(fake: FakeOllama, tmp_path: Path) -> None:
     """Started at the full 64 chunks (as if the first measurement had been optimistic): each timeout
     halves the call until one fits, and the run completes."""
@@ -125,23 +126,24 @@ def test_a_call_that_times_out_is_retried_with_fewer_chunks(fake: FakeOllama, tm
 def test_an_embedder_that_times_out_on_one_chunk_stops_quickly_and_loses_nothing(fake: FakeOllama,
                                                                                   tmp_path: Path) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
-    assert run_ingest(fake, corpus, store).code == 0
+    assert ingest_in_process(fake, corpus, store).code == 0
     before = committed_hashes(index_dir(store))
     edit(corpus / "reference" / "glossary.md", "# Glossary\n\nA new definition.\n")
     edit(corpus / "oncall" / "escalation.md", "# Escalation\n\nRewritten.\n")
     fake.configure(delay_per_text_seconds=5.0)
     started = time.monotonic()
-    done = run_ingest(fake, corpus, store, RAG_EMBED_TIMEOUT="1")
+    done = ingest_in_process(fake, corpus, store, RAG_EMBED_TIMEOUT="1")
     elapsed = time.monotonic() - started
     assert done.code == 2, done.err
     assert done.summary["left_for_next_run"] == 2 and done.summary["failed"] == 0
     assert elapsed < 20, f"bounded retries: {elapsed:.1f} s"
     assert committed_hashes(index_dir(store)) == before
     fake.configure(delay_per_text_seconds=0.0)
-    again = run_ingest(fake, corpus, store)
+    again = ingest_in_process(fake, corpus, store)
     assert again.code == 0 and again.summary["updated"] == 2
 
 
+@pytest.mark.process
 def test_ctrl_c_keeps_what_was_committed_and_the_next_run_continues(fake: FakeOllama, tmp_path: Path) -> None:
     corpus, store = tmp_path / "corpus", tmp_path / "store"
     write_handbooks(corpus, {f"h{i:02d}.md": 30 for i in range(12)}, "A")
@@ -157,7 +159,7 @@ def test_ctrl_c_keeps_what_was_committed_and_the_next_run_continues(fake: FakeOl
     committed = _committed(store)
     assert 0 < len(committed) < 12
     fake.reset()
-    again = run_ingest(fake, corpus, store)
+    again = ingest_in_process(fake, corpus, store)
     assert again.code == 0, again.err
     # No committed file is embedded again: only the rest.
     assert again.summary["added"] == 12 - len(committed)
@@ -200,11 +202,11 @@ def test_an_edit_in_one_paragraph_embeds_only_that_chunk(fake: FakeOllama, tmp_p
     corpus, store = tmp_path / "corpus", tmp_path / "store"
     corpus.mkdir()
     (corpus / "manual.md").write_text(long_document(40), encoding="utf-8")
-    first = run_ingest(fake, corpus, store)
+    first = ingest_in_process(fake, corpus, store)
     assert first.code == 0 and first.summary["chunks_written"] == 40, first.err
     fake.reset()
     edit(corpus / "manual.md", long_document(40, marker=" (revised)"))
-    done = run_ingest(fake, corpus, store)
+    done = ingest_in_process(fake, corpus, store)
     assert done.code == 0, done.err
     assert done.summary["chunks_embedded"] <= 2 and done.summary["chunks_reused"] >= 38
     assert [t for t in embedded_texts(fake) if "Procedure 17" in t]
@@ -213,11 +215,11 @@ def test_an_edit_in_one_paragraph_embeds_only_that_chunk(fake: FakeOllama, tmp_p
 
 def test_a_renamed_folder_and_a_copied_file_embed_nothing(fake: FakeOllama, tmp_path: Path) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
-    assert run_ingest(fake, corpus, store).code == 0
+    assert ingest_in_process(fake, corpus, store).code == 0
     fake.reset()
     (corpus / "runbooks").rename(corpus / "playbooks")
     shutil.copy2(corpus / "reference" / "api.md", corpus / "reference" / "api-copy.md")
-    done = run_ingest(fake, corpus, store)
+    done = ingest_in_process(fake, corpus, store)
     assert done.code == 0, done.err
     assert (done.summary["added"], done.summary["removed"]) == (3, 2)
     # No chunk text goes to Ollama (the copy moves the chunk count enough for the calibration's
@@ -229,9 +231,9 @@ def test_a_renamed_folder_and_a_copied_file_embed_nothing(fake: FakeOllama, tmp_
 
 def test_full_re_embeds_everything(fake: FakeOllama, tmp_path: Path) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
-    first = run_ingest(fake, corpus, store)
+    first = ingest_in_process(fake, corpus, store)
     fake.reset()
-    full = run_ingest(fake, corpus, store, "--full")
+    full = ingest_in_process(fake, corpus, store, "--full")
     assert full.code == 0
     assert (full.summary["chunks_embedded"], full.summary["chunks_reused"]) == (first.summary["chunks_written"], 0)
 
@@ -241,12 +243,12 @@ def test_weights_re_pulled_under_the_same_name_re_embed_everything(fake: FakeOll
     every stored vector is stale, so the next run embeds every chunk again (no reuse), records the
     new digest, and the run after that has nothing to do."""
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
-    first = run_ingest(fake, corpus, store)
+    first = ingest_in_process(fake, corpus, store)
     digest = current_of(store)["stamp"]["model_digest"]
     assert isinstance(digest, str) and len(digest) == 64
     fake.reset()
     fake.configure(weights="re-pulled")
-    again = run_ingest(fake, corpus, store)
+    again = ingest_in_process(fake, corpus, store)
     assert again.code == 0, again.err
     assert again.summary["model_changed"] is True and "weights changed" in again.err
     assert (again.summary["chunks_embedded"], again.summary["chunks_reused"]) == (first.summary["chunks_written"], 0)
@@ -255,7 +257,7 @@ def test_weights_re_pulled_under_the_same_name_re_embed_everything(fake: FakeOll
     assert current_of(store)["generation"] == 2
     fake.reset()
     fake.configure(weights="re-pulled")
-    settled = run_ingest(fake, corpus, store)
+    settled = ingest_in_process(fake, corpus, store)
     assert settled.summary["model_changed"] is False and settled.summary["chunks_embedded"] == 0
     assert current_of(store)["stamp"]["model_digest"] == new_digest
 
@@ -264,7 +266,7 @@ def test_an_index_written_before_embed_keys_gets_them_and_reuses(fake: FakeOllam
     """A store from before chunks carried their embed_key: ingest fills the keys from the rows,
     so its vectors are reused like any other."""
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
-    assert run_ingest(fake, corpus, store).code == 0
+    assert ingest_in_process(fake, corpus, store).code == 0
     db = index_dir(store) / rules.KEYWORD_DB
     con = sqlite3.connect(db)
     con.execute("DROP INDEX IF EXISTS chunks_by_embed_key")
@@ -273,7 +275,7 @@ def test_an_index_written_before_embed_keys_gets_them_and_reuses(fake: FakeOllam
     con.close()
     fake.reset()
     (corpus / "oncall").rename(corpus / "on-call")
-    done = run_ingest(fake, corpus, store)
+    done = ingest_in_process(fake, corpus, store)
     assert done.code == 0, done.err
     assert done.summary["chunks_embedded"] == 0 and done.summary["chunks_reused"] > 0
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
@@ -284,6 +286,6 @@ def test_an_index_written_before_embed_keys_gets_them_and_reuses(fake: FakeOllam
 
 def _clean(fake: FakeOllama, corpus: Path, tmp_path: Path) -> dict:
     reference = tmp_path / f"reference-{time.monotonic_ns()}"
-    done = run_ingest(fake, corpus, reference)
+    done = ingest_in_process(fake, corpus, reference)
     assert done.code == 0, done.err
     return snapshot(reference)

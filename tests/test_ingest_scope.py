@@ -1,13 +1,12 @@
 """What ingest leaves out (issue 11): built-in excludes, nested .ragignore files with negation, what
-git ignores, and the dry run that lists every path with the rule that decided it. Real `python
-ingest.py` processes against the loopback fake Ollama."""
+git ignores, and the dry run that lists every path with the rule that decided it. Ingest runs in the
+test process against the loopback fake Ollama."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import pytest
 import corpus_rules as rules
 from fake_ollama import FakeOllama
 from faultlib import committed_hashes, index_dir
-from helpers import ROOT, child_env, copy_sample, edit, run_ingest
+from helpers import Run, copy_sample, edit, ingest_in_process
 
 
 def write(path: Path, text: str = "# Page\n\nSome documentation.\n") -> None:
@@ -27,10 +26,8 @@ def indexed(store: Path) -> set[str]:
     return set(committed_hashes(index_dir(store)))
 
 
-def dry_run(fake: FakeOllama, corpus: Path, store: Path, *extra: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(ROOT / "ingest.py"), "--corpus", str(corpus), "--store", str(store),
-                           "--dry-run", *extra], env=child_env(fake, **env), capture_output=True, text=True,
-                          timeout=120, cwd=ROOT.parent)
+def dry_run(fake: FakeOllama, corpus: Path, store: Path, *extra: str, **env: str) -> Run:
+    return ingest_in_process(fake, corpus, store, "--dry-run", *extra, as_json=False, **env)
 
 
 def test_built_in_excludes_nested_ragignore_and_negation(fake: FakeOllama, tmp_path: Path) -> None:
@@ -48,7 +45,7 @@ def test_built_in_excludes_nested_ragignore_and_negation(fake: FakeOllama, tmp_p
     write(corpus / "notes" / "meeting.md")
     write(corpus / ".ragignore", "# scope of the docs\ndrafts/\n*.draft.md\n!vendor/\n")
     write(corpus / "guide" / ".ragignore", "!drafts/\ndrafts/*\n!drafts/ready.md\n")
-    done = run_ingest(fake, corpus, store)
+    done = ingest_in_process(fake, corpus, store)
     assert done.code == 0, done.err
     assert indexed(store) == {"guide/intro.md", "vendor/api/reference.md", "guide/drafts/ready.md",
                               "notes/meeting.md"}
@@ -59,15 +56,15 @@ def test_built_in_excludes_nested_ragignore_and_negation(fake: FakeOllama, tmp_p
 
 def test_a_rule_added_after_indexing_removes_the_files_chunks(fake: FakeOllama, tmp_path: Path) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
-    assert run_ingest(fake, corpus, store).code == 0
+    assert ingest_in_process(fake, corpus, store).code == 0
     assert "runbooks/deploy.md" in indexed(store)
     write(corpus / ".ragignore", "runbooks/\n")
-    done = run_ingest(fake, corpus, store)
+    done = ingest_in_process(fake, corpus, store)
     assert done.code == 0, done.err
     assert (done.summary["removed"], done.summary["ignored"]) == (2, 1)
     assert not any(path.startswith("runbooks/") for path in indexed(store))
     (corpus / ".ragignore").unlink()
-    back = run_ingest(fake, corpus, store)
+    back = ingest_in_process(fake, corpus, store)
     assert back.summary["added"] == 2 and back.summary["chunks_embedded"] == back.summary["chunks_written"]
 
 
@@ -92,15 +89,15 @@ def test_a_corpus_in_a_git_repository_leaves_out_what_git_ignores(fake: FakeOlla
     # Tracked although a rule matches it: git does not ignore a tracked file, and neither does ingest.
     git(tmp_path / "repo", "add", "-f", "docs/tracked-but-matching.md")
     git(tmp_path / "repo", "commit", "-qm", "docs")
-    done = run_ingest(fake, corpus, store)
+    done = ingest_in_process(fake, corpus, store)
     assert done.code == 0, done.err
     assert indexed(store) == {"index.md", "api/spec.md", "tracked-but-matching.md"}
     # RAG_RESPECT_GITIGNORE=0: git's rules do not apply.
-    everything = run_ingest(fake, corpus, tmp_path / "store2", RAG_RESPECT_GITIGNORE="0")
+    everything = ingest_in_process(fake, corpus, tmp_path / "store2", RAG_RESPECT_GITIGNORE="0")
     assert everything.code == 0 and indexed(tmp_path / "store2") == {
         "index.md", "api/spec.md", "api/spec.generated.md", "site/generated.md", "tracked-but-matching.md"}
     listing = dry_run(fake, corpus, store, "--json")
-    entries = {e["path"]: e for e in json.loads(listing.stdout)["listing"]}
+    entries = {e["path"]: e for e in json.loads(listing.out)["listing"]}
     assert entries["site/"]["action"] == "exclude" and ".gitignore:1:docs/site/" in entries["site/"]["reason"]
     assert ".gitignore:2:*.generated.md" in entries["api/spec.generated.md"]["reason"]
 
@@ -110,14 +107,14 @@ def test_dry_run_lists_every_path_with_its_rule(fake: FakeOllama, tmp_path: Path
     write(corpus / "node_modules" / "pkg" / "README.md")
     write(corpus / "notes" / "a.draft.md")
     write(corpus / ".ragignore", "# nothing half-written\n*.draft.md\n")
-    assert run_ingest(fake, corpus, store).code == 0
+    assert ingest_in_process(fake, corpus, store).code == 0
     edit(corpus / "reference" / "glossary.md", "# Glossary\n\nRewritten.\n")
     write(corpus / "new" / "page.md")
     (corpus / "oncall" / "escalation.md").unlink()
     fake.reset()
     human = dry_run(fake, corpus, store)
-    assert human.returncode == 0, human.stderr
-    lines = human.stdout.splitlines()
+    assert human.code == 0, human.err
+    lines = human.out.splitlines()
     assert "add       new/page.md  (1 chunk(s) to embed or reuse)" in lines
     assert any(line.startswith("update    reference/glossary.md") for line in lines)
     assert "remove    oncall/escalation.md  (gone from the corpus)" in lines
@@ -125,7 +122,7 @@ def test_dry_run_lists_every_path_with_its_rule(fake: FakeOllama, tmp_path: Path
     assert "exclude   node_modules/  (built-in rule: node_modules/)" in lines
     assert "exclude   notes/a.draft.md  (.ragignore: line 2: *.draft.md)" in lines
     assert "unchanged runbooks/deploy.md" in lines
-    machine = json.loads(dry_run(fake, corpus, store, "--json").stdout)
+    machine = json.loads(dry_run(fake, corpus, store, "--json").out)
     actions = {e["path"]: e["action"] for e in machine["listing"]}
     assert actions["new/page.md"] == "add" and actions["oncall/escalation.md"] == "remove"
     assert fake.requests == []  # the dry run asked Ollama nothing

@@ -25,7 +25,7 @@ import pytest
 from fake_ollama import FakeOllama
 from helpers import copy_sample, run_ingest
 
-pytestmark = pytest.mark.heavy  # over a minute of wall time: scheduled first (conftest.py)
+pytestmark = [pytest.mark.heavy, pytest.mark.process]  # a file over a minute of real processes: `pytest --all` only, scheduled first
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "server.py"

@@ -14,7 +14,10 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fake_ollama import FakeOllama
+
+pytestmark = pytest.mark.process  # real processes (servers, ingest, Chroma): only in `pytest --all` (tests/README.md)
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "tools" / "quickstart.py"

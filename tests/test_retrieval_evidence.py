@@ -20,6 +20,8 @@ from corpus_rules import CJK_DOCUMENT, Calibration, CorpusFacts, StoreLayout, cj
 from fake_ollama import FakeOllama
 from helpers import Built, connect, ingest_index, keyword_db, sample_built, tool_payload
 
+pytestmark = pytest.mark.process  # real processes (servers, ingest, Chroma): only in `pytest --all` (tests/README.md)
+
 
 @pytest.fixture(scope="module")
 def built(fake: FakeOllama, indexed_sample: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Built:

@@ -26,7 +26,7 @@ from fake_ollama import FakeOllama
 from helpers import (SERVER, Built, RawServer, build, connect, ingest_index, sample_built, server_env, tool,
                      tool_payload, without_echoed_identifier)
 
-pytestmark = pytest.mark.heavy  # over a minute of wall time: scheduled first (conftest.py)
+pytestmark = [pytest.mark.heavy, pytest.mark.process]  # a file over a minute of real processes: `pytest --all` only, scheduled first
 
 TOKEN = "SECRET-OFFSITE-TOKEN-7731"
 T = TypeVar("T")

@@ -22,6 +22,8 @@ from fake_ollama import FakeOllama
 from faultlib import gone, poll, vector_processes
 from helpers import ROOT, call, child_env, copy_sample, raw_server, run_ingest
 
+pytestmark = pytest.mark.process  # real processes (servers, ingest, Chroma): only in `pytest --all` (tests/README.md)
+
 SETTLE_S = 0.3
 VISIBLE_WITHIN_S = 15.0  # generous for a loaded CI machine; the bench measures the real latency
 
