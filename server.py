@@ -112,6 +112,9 @@ from corpus_rules import (
 
 log = logging.getLogger("local-rag.server")
 
+K = typing.TypeVar("K")  # a cache's keys and values (see LRU)
+V = typing.TypeVar("V")
+
 # ---------------------------------------------------------------------------
 # Limits. Every number an agent can feel is here.
 
@@ -780,6 +783,34 @@ def cosine_many(query: Sequence[float], matrix: Any) -> list[float | None]:
     return [float(d / n) if n > 0 else None for d, n in zip(dots, norms)]
 
 
+class LRU(typing.Generic[K, V]):
+    """A bounded map, least recently used first out; thread-safe (searches share it). The one
+    cache shape of the search path: query vectors, passage terms, stored chunk vectors and
+    per-term passage counts."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._entries: OrderedDict[K, V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            return value
+
+    def put(self, key: K, value: V) -> None:
+        with self._lock:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 # ---------------------------------------------------------------------------
 # The store, as of one generation.
 
@@ -916,7 +947,8 @@ class OpenIndex:
         self.keyword_path = layout.keyword_db(current.index)
         self.db = self._open_keywords()
         self.vectors = vectors  # opened on first need, on the Chroma thread
-        self._passage_counts: dict[str, int] = {}
+        # A generation's counts never change; they go with it (a new generation opens afresh).
+        self._passage_counts: LRU[str, int] = LRU(PASSAGE_COUNT_CACHE_SIZE)
 
     def _open_keywords(self) -> sqlite3.Connection:
         path = self.keyword_path
@@ -962,15 +994,15 @@ class OpenIndex:
     def passages_with(self, terms: Sequence[str]) -> dict[str, int]:
         """How many passages contain each term (as the keyword index holds it). Cached: a
         generation's counts never change, and queries share most of their words."""
-        counts = self._passage_counts
+        counts = {term: n for term in dict.fromkeys(terms) if (n := self._passage_counts.get(term)) is not None}
         unknown = [term for term in dict.fromkeys(terms) if term not in counts]
         if unknown:
-            if len(counts) + len(unknown) > PASSAGE_COUNT_CACHE_SIZE:
-                counts.clear()
             counts.update(dict.fromkeys(unknown, 0))
             for batch in batched(unknown, 500):
                 counts.update((str(t), int(n)) for t, n in self._sql(
                     f"SELECT term, doc FROM temp.term_counts WHERE term IN ({','.join('?' * len(batch))})", batch))
+            for term in unknown:
+                self._passage_counts.put(term, counts[term])
         return {term: counts[term] for term in terms if counts.get(term)}
 
     def holders(self, expression: str | None, ids: Sequence[str]) -> set[str]:
@@ -1234,9 +1266,8 @@ class QueryEmbeddings:
     channel meanwhile)."""
 
     def __init__(self, size: int = QUERY_CACHE_SIZE) -> None:
-        self.size = size
-        self._cache: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
-        self._lock = threading.Lock()
+        self._cache: LRU[tuple[Any, ...], Any] = LRU(size)
+        self._lock = threading.Lock()  # the embedders and the resting hosts
         self._embedders: dict[tuple[str, str, float], OllamaEmbedder] = {}
         self._resting: dict[tuple[str, str], tuple[float, RagError]] = {}
 
@@ -1253,12 +1284,8 @@ class QueryEmbeddings:
         work meanwhile and waits by calling the result, which raises any error. When a call goes
         out, then(vectors) runs as soon as they arrive, on the thread that received them."""
         keys = [(host, model, text, generation) for text in texts]
-        vectors: dict[tuple[Any, ...], Any] = {}
+        vectors = {key: vector for key in keys if (vector := self._cache.get(key)) is not None}
         with self._lock:
-            for key in keys:
-                if key in self._cache:
-                    self._cache.move_to_end(key)
-                    vectors[key] = self._cache[key]
             resting = self._resting.get((host, model))
         missing = list(dict.fromkeys(key for key in keys if key not in vectors))
         if not missing:
@@ -1275,11 +1302,9 @@ class QueryEmbeddings:
                                "the model changed under the same name: rebuild with `python ingest.py --full`")
             with self._lock:
                 self._resting.pop((host, model), None)
-                for key, vector in zip(missing, matrix, strict=True):
-                    vectors[key] = self._cache[key] = vector
-                    self._cache.move_to_end(key)
-                while len(self._cache) > self.size:
-                    self._cache.popitem(last=False)
+            for key, vector in zip(missing, matrix, strict=True):
+                vectors[key] = vector
+                self._cache.put(key, vector)
             ordered = [vectors[key] for key in keys]
             if then is not None:
                 then(ordered)
@@ -1511,23 +1536,15 @@ class PassageTerms:
     an entry (index, id) never goes stale; the service keeps one across searches (thread-safe)."""
 
     def __init__(self, size: int) -> None:
-        self.size = size
-        self._known: OrderedDict[tuple[str, str], tuple[frozenset[str], float]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._known: LRU[tuple[str, str], tuple[frozenset[str], float]] = LRU(size)
 
     def of(self, index_name: str, row: ChunkRow) -> tuple[frozenset[str], float]:
         key = (index_name, row.id)
-        with self._lock:
-            known = self._known.get(key)
-            if known is not None:
-                self._known.move_to_end(key)
-                return known
-        known = (frozenset(indexed_terms(f"{row.title}\n{row.heading}\n{row.text}")),
-                 cjk_share(searchable_text(row.text)))  # a link's payload holds no Japanese
-        with self._lock:
-            self._known[key] = known
-            while len(self._known) > self.size:
-                self._known.popitem(last=False)
+        known = self._known.get(key)
+        if known is None:
+            known = (frozenset(indexed_terms(f"{row.title}\n{row.heading}\n{row.text}")),
+                     cjk_share(searchable_text(row.text)))  # a link's payload holds no Japanese
+            self._known.put(key, known)
         return known
 
 
@@ -1564,8 +1581,8 @@ class RetrievalService:
         self._init_lock = threading.Lock()
         self.queries = QueryEmbeddings()
         self.staleness = StalenessCheck()
-        # Stored vectors of keyword-only hits, for their scores; only touched under the store lock.
-        self._chunk_vectors: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        # Stored vectors of keyword-only hits, for their scores, by (index, chunk id).
+        self._chunk_vectors: LRU[tuple[str, str], Any] = LRU(CHUNK_VECTOR_CACHE_SIZE)
         self._passage_terms = PassageTerms(PASSAGE_TERMS_CACHE_SIZE)
 
     # set-up -------------------------------------------------------------------------------
@@ -1931,22 +1948,19 @@ class RetrievalService:
         by_lc: dict[str, list[str]] = {}
         for i in ids:
             by_lc.setdefault(lifecycles[i], []).append(i)
-        cache = self._chunk_vectors
         name = index.current.index
         for lc, lc_ids in by_lc.items():
             if lc not in COLLECTION_BY_LIFECYCLE:
                 continue
-            missing = [i for i in lc_ids if (name, i) not in cache]
+            stored = {i: vector for i in lc_ids if (vector := self._chunk_vectors.get((name, i))) is not None}
+            missing = [i for i in lc_ids if i not in stored]
             if missing:
                 found_ids, matrix = index.embeddings(lc, missing)
                 for i, row in zip(found_ids, matrix):
-                    cache[(name, i)] = row
-                while len(cache) > CHUNK_VECTOR_CACHE_SIZE:
-                    cache.popitem(last=False)
-            known = [i for i in lc_ids if (name, i) in cache]
-            for i in known:
-                cache.move_to_end((name, i))
-            matrix = [cache[(name, i)] for i in known]
+                    stored[i] = row
+                    self._chunk_vectors.put((name, i), row)
+            known = [i for i in lc_ids if i in stored]
+            matrix = [stored[i] for i in known]
             for vector in vectors:
                 for i, score in zip(known, cosine_many(vector, matrix)):
                     if score is not None and (out[i] is None or score > out[i]):  # type: ignore[operator]
