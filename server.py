@@ -55,6 +55,7 @@ from corpus_rules import (
     CHUNK_SELECT,
     CHUNKER_VERSION,
     IDENTIFIERS_MAX,
+    BoundedCall,
     Calibration,
     CorpusFacts,
     COLLECTION_BY_LIFECYCLE,
@@ -819,16 +820,6 @@ def _chromadb() -> Any:
     return import_heavy("chromadb")  # the import costs ~1 s; never during the handshake
 
 
-class _Job:
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn = fn
-        self.done = threading.Event()
-        self.lock = threading.Lock()
-        self.state: Literal["queued", "running", "abandoned"] = "queued"
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-
 class VectorStoreUnavailable(RagError):
     """A read of the vector store failed (a Chroma server down or frozen, a database locked or
     damaged): hybrid search answers from the keyword channel, as when the embedder is down."""
@@ -868,17 +859,17 @@ class ChromaWorker:
     """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[BoundedCall] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._running_since: float | None = None
 
-    def submit(self, fn: Callable[[], Any]) -> _Job:
+    def submit(self, fn: Callable[[], Any]) -> BoundedCall:
         with self._start_lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="rag-chroma", daemon=True)
                 self._thread.start()
-        job = _Job(fn)
+        job = BoundedCall(fn)
         self._queue.put(job)
         return job
 
@@ -886,47 +877,40 @@ class ChromaWorker:
         """True once every call submitted so far has finished (at once if none ever ran)."""
         if self._thread is None:
             return True
-        return self.submit(lambda: None).done.wait(timeout)
+        return self.submit(lambda: None).finished(timeout)
 
     def call(self, fn: Callable[[], Any], what: str, timeout: float) -> Any:
         return self.wait(self.submit(fn), what, timeout)
 
-    def wait(self, job: _Job, what: str, timeout: float) -> Any:
+    def wait(self, job: BoundedCall, what: str, timeout: float) -> Any:
         """A submitted job's result, waited for at most `timeout` seconds (then dropped if unstarted).
         While the worker is stuck on a call older than `timeout`, a queued job waits only
         STORE_STUCK_GRACE_S (hybrid search then degrades without a second full wait)."""
         started, wait_s = self._running_since, timeout
-        stuck = started is not None and time.monotonic() - started > timeout and job.state == "queued"
+        stuck = started is not None and time.monotonic() - started > timeout and job.queued
         if stuck:
             wait_s = min(timeout, STORE_STUCK_GRACE_S)
-        if not job.done.wait(wait_s):
-            with job.lock:
-                if job.state == "queued":
-                    job.state = "abandoned"
+        if not job.finished(wait_s):
+            job.abandon_if_queued()
             raise RagError(ErrorCode.STORE_UNAVAILABLE,
                            f"the {what} is still busy with a call that has run past the store timeout ({timeout:g} s)"
                            if stuck else f"the {what} did not answer within {timeout:g} s",
                            "another process may hold it locked (an ingest, a backup or a database browser); "
                            "retry in a moment. mode='keyword' does not need it")
-        if job.error is not None:
-            raise job.error
-        return job.result
+        return job.result(0)
 
     def _serve(self) -> None:
         while True:
-            job = self._queue.get()
-            with job.lock:
-                if job.state == "abandoned":
-                    continue
-                job.state = "running"
-            self._running_since = time.monotonic()
-            try:
-                job.result = job.fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                job.error = exc
-            finally:
-                self._running_since = None
-                job.done.set()
+            self._queue.get().run(self._running())
+
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[None]:
+        """How long the current call has run, for wait's stuck check (cleared before its waiter wakes)."""
+        self._running_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._running_since = None
 
 
 CHROMA_WORKER = ChromaWorker()
@@ -1059,7 +1043,7 @@ class OpenIndex:
         return self._vector_read(lambda vectors: vectors.query(lifecycle, vector, n, paths))
 
     def start_vector_query(self, lifecycle: str, vector: Sequence[float], n: int, paths: Sequence[str] | None,
-                           live: Callable[[], bool]) -> _Job:
+                           live: Callable[[], bool]) -> BoundedCall:
         """vector_query sent to the Chroma thread now and read later with vector_answer, so the
         caller can work meanwhile (Chroma's query releases the GIL). `live()` is asked on that
         thread first: a generation replaced meanwhile reads nothing (its client is being closed
@@ -1069,7 +1053,7 @@ class OpenIndex:
 
         return CHROMA_WORKER.submit(lambda: self._read_reopening(query) if live() else None)
 
-    def vector_answer(self, job: _Job) -> list[tuple[str, float]] | None:
+    def vector_answer(self, job: BoundedCall) -> list[tuple[str, float]] | None:
         with vector_store_failures():
             return CHROMA_WORKER.wait(job, self.vectors.where, self.store_timeout_s)
 
@@ -1435,7 +1419,7 @@ class Overlapped:
     key: tuple[str, int]
     scope: SearchScope
     found: Candidates | None = None
-    queries: dict[tuple[int, str], _Job] = field(default_factory=dict)
+    queries: dict[tuple[int, str], BoundedCall] = field(default_factory=dict)
 
     def vector_queries(self, index: OpenIndex, manager: StoreManager, n: int) -> Callable[[list[Any]], None] | None:
         """What to run when the vectors arrive (None when the pre-filter lets nothing through)."""
@@ -1777,7 +1761,7 @@ class RetrievalService:
 
     def _vector_candidates(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope,
                            phrasings: list[Phrasing], found: Candidates,
-                           started: Mapping[tuple[int, str], _Job]) -> None:
+                           started: Mapping[tuple[int, str], BoundedCall]) -> None:
         """Each phrasing's vector candidates (hybrid and vector modes), with their similarities;
         `started`: Chroma queries already sent, by (phrasing, lifecycle)."""
         if args.mode not in ("hybrid", "vector"):
@@ -1821,7 +1805,7 @@ class RetrievalService:
         found.missing = [identifier for term, identifier in seen.items() if counts.get(term, 0) == 0]
 
     def _vector_channel(self, index: OpenIndex, vector: Sequence[float], scope: SearchScope,
-                        started: Mapping[str, _Job]) -> tuple[list[str], dict[str, float | None]]:
+                        started: Mapping[str, BoundedCall]) -> tuple[list[str], dict[str, float | None]]:
         """Vector candidates whose chunk rows are committed, best first: (ids, similarities).
 
         Asks Chroma for VECTOR_FETCH and over-fetches until CHANNEL_CANDIDATES committed
