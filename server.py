@@ -843,7 +843,8 @@ def vector_store_failures() -> Iterator[None]:
 
 
 class ChromaWorker:
-    """Runs every Chroma call on one daemon thread; callers wait a bounded time.
+    """Runs every Chroma call on one daemon thread; callers wait a bounded time (each call is a
+    corpus_rules.BoundedCall, as the embedder's are; only the threads that run them differ).
 
     Chroma's own SQLite layer waits without limit for a lock another process holds (measured: a
     search hung for as long as another process held BEGIN EXCLUSIVE on chroma.sqlite3, opening or
