@@ -39,7 +39,7 @@ import time
 import traceback
 import typing
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Container, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Iterable, Iterator, Mapping, Sequence
 import contextlib
 import contextvars
 import dataclasses
@@ -801,12 +801,26 @@ class LRU(typing.Generic[K, V]):
                 self._entries.move_to_end(key)
             return value
 
-    def put(self, key: K, value: V) -> None:
+    def get_many(self, keys: Iterable[K]) -> dict[K, V]:
+        """The entries these keys have (one lock for all: a search asks for dozens at once)."""
+        entries = self._entries
         with self._lock:
-            self._entries[key] = value
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
+            found = {key: entries[key] for key in keys if key in entries}
+            for key in found:
+                entries.move_to_end(key)
+            return found
+
+    def put(self, key: K, value: V) -> None:
+        self.put_many({key: value})
+
+    def put_many(self, items: Mapping[K, V]) -> None:
+        entries = self._entries
+        with self._lock:
+            for key, value in items.items():
+                entries[key] = value
+                entries.move_to_end(key)
+            while len(entries) > self.size:
+                entries.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -979,15 +993,15 @@ class OpenIndex:
     def passages_with(self, terms: Sequence[str]) -> dict[str, int]:
         """How many passages contain each term (as the keyword index holds it). Cached: a
         generation's counts never change, and queries share most of their words."""
-        counts = {term: n for term in dict.fromkeys(terms) if (n := self._passage_counts.get(term)) is not None}
+        counts = self._passage_counts.get_many(terms)
         unknown = [term for term in dict.fromkeys(terms) if term not in counts]
         if unknown:
-            counts.update(dict.fromkeys(unknown, 0))
+            learnt = dict.fromkeys(unknown, 0)
             for batch in batched(unknown, 500):
-                counts.update((str(t), int(n)) for t, n in self._sql(
+                learnt.update((str(t), int(n)) for t, n in self._sql(
                     f"SELECT term, doc FROM temp.term_counts WHERE term IN ({','.join('?' * len(batch))})", batch))
-            for term in unknown:
-                self._passage_counts.put(term, counts[term])
+            self._passage_counts.put_many(learnt)
+            counts.update(learnt)
         return {term: counts[term] for term in terms if counts.get(term)}
 
     def holders(self, expression: str | None, ids: Sequence[str]) -> set[str]:
@@ -1270,7 +1284,7 @@ class QueryEmbeddings:
         out, on_arrival(vectors) runs as soon as they arrive, on the embedder's call thread that
         received them (a search queues its Chroma queries from there, see Prefetch)."""
         keys = [(host, model, text, generation) for text in texts]
-        vectors = {key: vector for key in keys if (vector := self._cache.get(key)) is not None}
+        vectors = self._cache.get_many(keys)
         with self._lock:
             resting = self._resting.get((host, model))
         missing = list(dict.fromkeys(key for key in keys if key not in vectors))
@@ -1288,9 +1302,9 @@ class QueryEmbeddings:
                                "the model changed under the same name: rebuild with `python ingest.py --full`")
             with self._lock:
                 self._resting.pop((host, model), None)
-            for key, vector in zip(missing, matrix, strict=True):
-                vectors[key] = vector
-                self._cache.put(key, vector)
+            arrived = dict(zip(missing, matrix, strict=True))
+            vectors.update(arrived)
+            self._cache.put_many(arrived)
             ordered = [vectors[key] for key in keys]
             if on_arrival is not None:
                 on_arrival(ordered)
@@ -1874,9 +1888,9 @@ class RetrievalService:
     @staticmethod
     def _whole_identifiers(index: OpenIndex, facts: QueryFacts, candidates: ChannelCandidates) -> dict[str, set[str]]:
         """Which candidates hold each query identifier whole (none for one no passage holds)."""
-        ids = candidates.ids()
-        return {identifier: index.holders(fts_any([term]), ids)
-                for identifier, term in facts.identifiers if identifier not in facts.missing}
+        wanted = [(identifier, term) for identifier, term in facts.identifiers if identifier not in facts.missing]
+        ids = candidates.ids() if wanted else []
+        return {identifier: index.holders(fts_any([term]), ids) for identifier, term in wanted}
 
     @staticmethod
     def _query_identifiers(index: OpenIndex,
@@ -2030,13 +2044,13 @@ class RetrievalService:
         for lc, lc_ids in by_lc.items():
             if lc not in COLLECTION_BY_LIFECYCLE:
                 continue
-            stored = {i: vector for i in lc_ids if (vector := self._chunk_vectors.get((name, i))) is not None}
+            stored = {i: vector for (_, i), vector in self._chunk_vectors.get_many((name, i) for i in lc_ids).items()}
             missing = [i for i in lc_ids if i not in stored]
             if missing:
                 found_ids, matrix = index.embeddings(lc, missing)
-                for i, row in zip(found_ids, matrix):
-                    stored[i] = row
-                    self._chunk_vectors.put((name, i), row)
+                fetched = dict(zip(found_ids, matrix))
+                stored.update(fetched)
+                self._chunk_vectors.put_many({(name, i): row for i, row in fetched.items()})
             known = [i for i in lc_ids if i in stored]
             matrix = [stored[i] for i in known]
             for vector in vectors:
