@@ -822,9 +822,6 @@ class LRU(typing.Generic[K, V]):
             while len(entries) > self.size:
                 entries.popitem(last=False)
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
 
 # ---------------------------------------------------------------------------
 # The store, as of one generation.
