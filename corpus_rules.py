@@ -45,7 +45,7 @@ import unicodedata
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, Protocol, Sequence
 
 PROJECT_DIR = Path(__file__).resolve().parent
 
@@ -2329,36 +2329,70 @@ class _CallThreads:
 _CALL_THREADS = _CallThreads()
 
 
-class Pending:
-    """fn() running on a daemon thread from construction; result(seconds) waits for it at most
-    that long (TimeoutError after) and raises what fn raised.
+class BoundedCall:
+    """fn() run once by a worker thread (run()); its waiters wait at most a bound (result()).
 
-    An HTTP client's timeout bounds each read, not the call: an endpoint that sends its headers and
-    then a byte a second would keep a call alive for ever. The caller gets its answer within the
-    bound whatever the other side does; the abandoned call ends on its own (see _DeadlineStream),
-    and a daemon thread never keeps the process from exiting. Starting the call and waiting for it
-    apart lets the caller work meanwhile (a search runs its keyword channel while Ollama embeds)."""
+    The one bounded-call mechanism of both processes: the embedder's calls (each on a thread of
+    _CALL_THREADS, see on_call_thread) and the server's Chroma calls (queued for its one thread,
+    see server.ChromaWorker, which may abandon a call still queued when its waiter gave up). A
+    waiter that gives up leaves a started call running to its end on a daemon thread, which never
+    keeps the process from exiting; starting a call and waiting for it apart lets the caller work
+    meanwhile (a search runs its keyword channel while Ollama embeds)."""
 
     def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn = fn
         self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._state: Literal["queued", "running", "abandoned"] = "queued"
         self._value: Any = None
         self._error: BaseException | None = None
-        _CALL_THREADS.run(lambda: self._run(fn))
 
-    def _run(self, fn: Callable[[], Any]) -> None:
+    @property
+    def queued(self) -> bool:
+        return self._state == "queued"
+
+    def run(self, running: contextlib.AbstractContextManager[Any] | None = None) -> None:
+        """Call fn on this thread, inside `running` (the worker's own book-keeping), unless the
+        call was abandoned while queued."""
+        with self._lock:
+            if self._state == "abandoned":
+                return
+            self._state = "running"
         try:
-            self._value = fn()
+            with running or contextlib.nullcontext():
+                self._value = self._fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             self._error = exc
         finally:
             self._done.set()
 
+    def abandon_if_queued(self) -> None:
+        """Let a worker skip this call if it has not started it (its waiter gave up)."""
+        with self._lock:
+            if self._state == "queued":
+                self._state = "abandoned"
+
+    def finished(self, seconds: float | None) -> bool:
+        return self._done.wait(seconds)
+
     def result(self, seconds: float | None = None) -> Any:
+        """fn's value, or what it raised; TimeoutError when it has not finished within `seconds`."""
         if not self._done.wait(seconds):
             raise TimeoutError(f"no answer within {seconds:g} s")
         if self._error is not None:
             raise self._error
         return self._value
+
+
+def on_call_thread(fn: Callable[[], Any]) -> BoundedCall:
+    """fn() running on a daemon thread of its own from now on (see _CALL_THREADS).
+
+    An HTTP client's timeout bounds each read, not the call: an endpoint that sends its headers and
+    then a byte a second would keep a call alive for ever. The caller gets its answer within the
+    bound whatever the other side does; the abandoned call ends on its own (see _DeadlineStream)."""
+    call = BoundedCall(fn)
+    _CALL_THREADS.run(call.run)
+    return call
 
 
 @functools.cache
@@ -2380,7 +2414,7 @@ def _deadline_transport_class() -> type:
 
     class DeadlineTransport(httpx.HTTPTransport):
         """Ends a response whose body is still arriving when the call's time is up, so a call
-        abandoned by its waiter (see Pending) does not trickle on for ever."""
+        abandoned by its waiter (see on_call_thread) does not trickle on for ever."""
 
         def __init__(self, seconds: float) -> None:
             super().__init__()
@@ -2420,9 +2454,9 @@ class OllamaEmbedder:
         # The client is built (ollama and httpx imported) before the clock starts: on a loaded
         # machine the imports alone can outlast a short RAG_EMBED_TIMEOUT.
         client = self._get_client()
-        return self._answer(Pending(lambda: fn(client)))
+        return self._answer(on_call_thread(lambda: fn(client)))
 
-    def _answer(self, call: Pending) -> Any:
+    def _answer(self, call: BoundedCall) -> Any:
         try:
             return call.result(self.timeout_s)
         except TimeoutError:
@@ -2502,7 +2536,7 @@ class OllamaEmbedder:
             matrix = self._vectors(texts, response)
             return then(matrix) if then is not None else matrix
 
-        call = Pending(fetch)
+        call = on_call_thread(fetch)
 
         def wait() -> Any:
             try:

@@ -37,7 +37,7 @@ import traceback
 import types
 import typing
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Container, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Iterable, Iterator, Mapping, Sequence
 import contextlib
 import contextvars
 import dataclasses
@@ -53,6 +53,7 @@ from corpus_rules import (
     CHUNK_SELECT,
     CHUNKER_VERSION,
     IDENTIFIERS_MAX,
+    BoundedCall,
     Calibration,
     CorpusFacts,
     COLLECTION_BY_LIFECYCLE,
@@ -111,6 +112,9 @@ from corpus_rules import (
 )
 
 log = logging.getLogger("local-rag.server")
+
+K = typing.TypeVar("K")  # a cache's keys and values (see LRU)
+V = typing.TypeVar("V")
 
 # ---------------------------------------------------------------------------
 # Limits. Every number an agent can feel is here.
@@ -824,22 +828,51 @@ def cosine_many(query: Sequence[float], matrix: Any) -> list[float | None]:
     return [float(d / n) if n > 0 else None for d, n in zip(dots, norms)]
 
 
+class LRU(typing.Generic[K, V]):
+    """A bounded map, least recently used first out; thread-safe (searches share it). The one
+    cache shape of the search path: query vectors, passage terms, stored chunk vectors and
+    per-term passage counts."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._entries: OrderedDict[K, V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            return value
+
+    def get_many(self, keys: Iterable[K]) -> dict[K, V]:
+        """The entries these keys have (one lock for all: a search asks for dozens at once)."""
+        entries = self._entries
+        with self._lock:
+            found = {key: entries[key] for key in keys if key in entries}
+            for key in found:
+                entries.move_to_end(key)
+            return found
+
+    def put(self, key: K, value: V) -> None:
+        self.put_many({key: value})
+
+    def put_many(self, items: Mapping[K, V]) -> None:
+        entries = self._entries
+        with self._lock:
+            for key, value in items.items():
+                entries[key] = value
+                entries.move_to_end(key)
+            while len(entries) > self.size:
+                entries.popitem(last=False)
+
+
 # ---------------------------------------------------------------------------
 # The store, as of one generation.
 
 
 def _chromadb() -> Any:
     return import_heavy("chromadb")  # the import costs ~1 s; never during the handshake
-
-
-class _Job:
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn = fn
-        self.done = threading.Event()
-        self.lock = threading.Lock()
-        self.state: Literal["queued", "running", "abandoned"] = "queued"
-        self.result: Any = None
-        self.error: BaseException | None = None
 
 
 class VectorStoreUnavailable(RagError):
@@ -865,7 +898,8 @@ def vector_store_failures() -> Iterator[None]:
 
 
 class ChromaWorker:
-    """Runs every Chroma call on one daemon thread; callers wait a bounded time.
+    """Runs every Chroma call on one daemon thread; callers wait a bounded time (each call is a
+    corpus_rules.BoundedCall, as the embedder's are; only the threads that run them differ).
 
     Chroma's own SQLite layer waits without limit for a lock another process holds (measured: a
     search hung for as long as another process held BEGIN EXCLUSIVE on chroma.sqlite3, opening or
@@ -881,17 +915,17 @@ class ChromaWorker:
     """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[BoundedCall] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._running_since: float | None = None
 
-    def submit(self, fn: Callable[[], Any]) -> _Job:
+    def submit(self, fn: Callable[[], Any]) -> BoundedCall:
         with self._start_lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="rag-chroma", daemon=True)
                 self._thread.start()
-        job = _Job(fn)
+        job = BoundedCall(fn)
         self._queue.put(job)
         return job
 
@@ -899,47 +933,40 @@ class ChromaWorker:
         """True once every call submitted so far has finished (at once if none ever ran)."""
         if self._thread is None:
             return True
-        return self.submit(lambda: None).done.wait(timeout)
+        return self.submit(lambda: None).finished(timeout)
 
     def call(self, fn: Callable[[], Any], what: str, timeout: float) -> Any:
         return self.wait(self.submit(fn), what, timeout)
 
-    def wait(self, job: _Job, what: str, timeout: float) -> Any:
+    def wait(self, job: BoundedCall, what: str, timeout: float) -> Any:
         """A submitted job's result, waited for at most `timeout` seconds (then dropped if unstarted).
         While the worker is stuck on a call older than `timeout`, a queued job waits only
         STORE_STUCK_GRACE_S (hybrid search then degrades without a second full wait)."""
         started, wait_s = self._running_since, timeout
-        stuck = started is not None and time.monotonic() - started > timeout and job.state == "queued"
+        stuck = started is not None and time.monotonic() - started > timeout and job.queued
         if stuck:
             wait_s = min(timeout, STORE_STUCK_GRACE_S)
-        if not job.done.wait(wait_s):
-            with job.lock:
-                if job.state == "queued":
-                    job.state = "abandoned"
+        if not job.finished(wait_s):
+            job.abandon_if_queued()
             raise RagError(ErrorCode.STORE_UNAVAILABLE,
                            f"the {what} is still busy with a call that has run past the store timeout ({timeout:g} s)"
                            if stuck else f"the {what} did not answer within {timeout:g} s",
                            "another process may hold it locked (an ingest, a backup or a database browser); "
                            "retry in a moment. mode='keyword' does not need it")
-        if job.error is not None:
-            raise job.error
-        return job.result
+        return job.result(0)
 
     def _serve(self) -> None:
         while True:
-            job = self._queue.get()
-            with job.lock:
-                if job.state == "abandoned":
-                    continue
-                job.state = "running"
-            self._running_since = time.monotonic()
-            try:
-                job.result = job.fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                job.error = exc
-            finally:
-                self._running_since = None
-                job.done.set()
+            self._queue.get().run(self._running())
+
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[None]:
+        """How long the current call has run, for wait's stuck check (cleared before its waiter wakes)."""
+        self._running_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._running_since = None
 
 
 CHROMA_WORKER = ChromaWorker()
@@ -960,7 +987,8 @@ class OpenIndex:
         self.keyword_path = layout.keyword_db(current.index)
         self.db = self._open_keywords()
         self.vectors = vectors  # opened on first need, on the Chroma thread
-        self._passage_counts: dict[str, int] = {}
+        # A generation's counts never change; they go with it (a new generation opens afresh).
+        self._passage_counts: LRU[str, int] = LRU(PASSAGE_COUNT_CACHE_SIZE)
 
     def _open_keywords(self) -> sqlite3.Connection:
         path = self.keyword_path
@@ -1006,15 +1034,15 @@ class OpenIndex:
     def passages_with(self, terms: Sequence[str]) -> dict[str, int]:
         """How many passages contain each term (as the keyword index holds it). Cached: a
         generation's counts never change, and queries share most of their words."""
-        counts = self._passage_counts
+        counts = self._passage_counts.get_many(terms)
         unknown = [term for term in dict.fromkeys(terms) if term not in counts]
         if unknown:
-            if len(counts) + len(unknown) > PASSAGE_COUNT_CACHE_SIZE:
-                counts.clear()
-            counts.update(dict.fromkeys(unknown, 0))
+            learnt = dict.fromkeys(unknown, 0)
             for batch in batched(unknown, 500):
-                counts.update((str(t), int(n)) for t, n in self._sql(
+                learnt.update((str(t), int(n)) for t, n in self._sql(
                     f"SELECT term, doc FROM temp.term_counts WHERE term IN ({','.join('?' * len(batch))})", batch))
+            self._passage_counts.put_many(learnt)
+            counts.update(learnt)
         return {term: counts[term] for term in terms if counts.get(term)}
 
     def holders(self, expression: str | None, ids: Sequence[str]) -> set[str]:
@@ -1071,7 +1099,7 @@ class OpenIndex:
         return self._vector_read(lambda vectors: vectors.query(lifecycle, vector, n, paths))
 
     def start_vector_query(self, lifecycle: str, vector: Sequence[float], n: int, paths: Sequence[str] | None,
-                           live: Callable[[], bool]) -> _Job:
+                           live: Callable[[], bool]) -> BoundedCall:
         """vector_query sent to the Chroma thread now and read later with vector_answer, so the
         caller can work meanwhile (Chroma's query releases the GIL). `live()` is asked on that
         thread first: a generation replaced meanwhile reads nothing (its client is being closed
@@ -1081,7 +1109,7 @@ class OpenIndex:
 
         return CHROMA_WORKER.submit(lambda: self._read_reopening(query) if live() else None)
 
-    def vector_answer(self, job: _Job) -> list[tuple[str, float]] | None:
+    def vector_answer(self, job: BoundedCall) -> list[tuple[str, float]] | None:
         with vector_store_failures():
             return CHROMA_WORKER.wait(job, self.vectors.where, self.store_timeout_s)
 
@@ -1278,9 +1306,8 @@ class QueryEmbeddings:
     channel meanwhile)."""
 
     def __init__(self, size: int = QUERY_CACHE_SIZE) -> None:
-        self.size = size
-        self._cache: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
-        self._lock = threading.Lock()
+        self._cache: LRU[tuple[Any, ...], Any] = LRU(size)
+        self._lock = threading.Lock()  # the embedders and the resting hosts
         self._embedders: dict[tuple[str, str, float], OllamaEmbedder] = {}
         self._resting: dict[tuple[str, str], tuple[float, RagError]] = {}
 
@@ -1292,17 +1319,14 @@ class QueryEmbeddings:
             return self._embedders[key]
 
     def begin(self, host: str, model: str, texts: Sequence[str], timeout: float, dims: int,
-              generation: Any, then: Callable[[list[Any]], None] | None = None) -> Callable[[], list[Any]]:
+              generation: Any, on_arrival: Callable[[list[Any]], None] | None = None) -> Callable[[], list[Any]]:
         """One vector per text, those not cached in one call to Ollama, sent now: the caller may
         work meanwhile and waits by calling the result, which raises any error. When a call goes
-        out, then(vectors) runs as soon as they arrive, on the thread that received them."""
+        out, on_arrival(vectors) runs as soon as they arrive, on the embedder's call thread that
+        received them (a search queues its Chroma queries from there, see Prefetch)."""
         keys = [(host, model, text, generation) for text in texts]
-        vectors: dict[tuple[Any, ...], Any] = {}
+        vectors = self._cache.get_many(keys)
         with self._lock:
-            for key in keys:
-                if key in self._cache:
-                    self._cache.move_to_end(key)
-                    vectors[key] = self._cache[key]
             resting = self._resting.get((host, model))
         missing = list(dict.fromkeys(key for key in keys if key not in vectors))
         if not missing:
@@ -1311,7 +1335,7 @@ class QueryEmbeddings:
             error = resting[1]
             return lambda: _raise(error)
 
-        def arrived(matrix: Any) -> list[Any]:
+        def received(matrix: Any) -> list[Any]:  # on the embedder's call thread
             if len(matrix[0]) != dims:
                 raise RagError(ErrorCode.INDEX_INCOMPATIBLE,
                                f"Ollama's {model!r} returns {len(matrix[0])}-dimensional vectors but the index "
@@ -1319,17 +1343,15 @@ class QueryEmbeddings:
                                f"the model changed under the same name: rebuild with {ingest_command('--full')}")
             with self._lock:
                 self._resting.pop((host, model), None)
-                for key, vector in zip(missing, matrix, strict=True):
-                    vectors[key] = self._cache[key] = vector
-                    self._cache.move_to_end(key)
-                while len(self._cache) > self.size:
-                    self._cache.popitem(last=False)
+            arrived = dict(zip(missing, matrix, strict=True))
+            vectors.update(arrived)
+            self._cache.put_many(arrived)
             ordered = [vectors[key] for key in keys]
-            if then is not None:
-                then(ordered)
+            if on_arrival is not None:
+                on_arrival(ordered)
             return ordered
 
-        answer = self.embedder(host, model, timeout).begin_embed([key[2] for key in missing], then=arrived)
+        answer = self.embedder(host, model, timeout).begin_embed([key[2] for key in missing], then=received)
 
         def finish() -> list[Any]:
             try:
@@ -1450,18 +1472,28 @@ class SearchScope:
 
 
 @dataclass
-class Overlapped:
-    """A search's work done on index generation `key` while Ollama embeds its phrasings: the
-    pre-filter, the keyword candidates (hybrid mode), and the Chroma queries (by phrasing and
-    lifecycle), started by the thread that receives the vectors as soon as they arrive."""
+class Prefetch:
+    """The work a search starts on index generation `key` while Ollama embeds its phrasings (it
+    is kept when the index has not moved on by the time the vectors are in, else done again).
+    Three threads share it, each doing one thing:
+
+    - the caller's thread computes the pre-filter (`scope`), sends the embedding call, and runs
+      the keyword channel in hybrid mode (`keyword`) while the call is out;
+    - the embedder's call thread (corpus_rules.on_call_thread) receives the vectors and, right
+      there, queues one Chroma query per phrasing and lifecycle (`queries`, see
+      when_vectors_arrive): no thread is woken just to send them;
+    - the Chroma thread (ChromaWorker) runs those queries, which the vector channel then reads.
+    """
 
     key: tuple[str, int]
     scope: SearchScope
-    found: Candidates | None = None
-    queries: dict[tuple[int, str], _Job] = field(default_factory=dict)
+    keyword: KeywordChannel | None = None
+    queries: dict[tuple[int, str], BoundedCall] = field(default_factory=dict)
 
-    def vector_queries(self, index: OpenIndex, manager: StoreManager, n: int) -> Callable[[list[Any]], None] | None:
-        """What to run when the vectors arrive (None when the pre-filter lets nothing through)."""
+    def when_vectors_arrive(self, index: OpenIndex, manager: StoreManager,
+                            n: int) -> Callable[[list[Any]], None] | None:
+        """What the embedder's call thread runs on the vectors (None when the pre-filter lets
+        nothing through)."""
         if self.scope.empty:
             return None
 
@@ -1484,56 +1516,83 @@ class Phrasing:
     vector: Any | None
 
 
-@dataclass
-class Candidates:
-    """What the channels found for the phrasings, as weighted ranked lists of chunk ids, with the
-    rows read so far and the best similarities known so far; per phrasing, its terms' weights;
-    the query's identifiers, those no passage holds, and which candidates hold each whole.
-    `dropped` are the candidates min_score removed."""
+@dataclass(frozen=True)
+class QueryFacts:
+    """What the query says, as this index reads it (the keyword channel finds it out; vector mode
+    reads none of it): per phrasing, its terms' weights; the query's keyword plan; the phrasings'
+    distinctive identifiers (as typed, keyword term), those no indexed passage holds, and the
+    terms of the query's own identifiers (phrasing 0)."""
 
-    lists: list[RankedList] = field(default_factory=list)
-    rows: dict[str, ChunkRow] = field(default_factory=dict)  # read for the candidates a search looks at
-    lifecycles: dict[str, str] = field(default_factory=dict)  # of the keyword candidates
-    scores: dict[str, float | None] = field(default_factory=dict)
-    found_by: dict[str, set[tuple[str, int]]] = field(default_factory=dict)
-    weights: dict[int, dict[str, float]] = field(default_factory=dict)
-    similarities: dict[int, dict[str, float]] = field(default_factory=dict)  # per phrasing, of its vector candidates
+    weights: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
     keyword_plan: KeywordPlan | None = None
-    identifiers: list[tuple[str, str]] = field(default_factory=list)  # (as typed, keyword term)
-    missing: list[str] = field(default_factory=list)
-    whole: dict[str, set[str]] = field(default_factory=dict)
-    own: set[str] = field(default_factory=set)  # the terms of the query's own identifiers (phrasing 0)
-    dropped: set[str] = field(default_factory=set)
-    passages: PassageTerms = field(default_factory=lambda: PassageTerms(PASSAGE_TERMS_CACHE_SIZE))
-    index_name: str = ""  # the index the rows come from (an id names one text within one index)
-    languages: Mapping[str, float] = field(default_factory=dict)  # each document's cjk_share, by path
+    identifiers: Sequence[tuple[str, str]] = ()
+    missing: Sequence[str] = ()
+    own: frozenset[str] = frozenset()
 
-    def add(self, ranked: RankedList) -> None:
-        self.lists.append(ranked)
-        for item in ranked.ids:
-            self.found_by.setdefault(item, set()).add((ranked.channel, ranked.phrasing))
 
-    def read_rows(self, index: OpenIndex, ids: Sequence[str]) -> list[ChunkRow]:
-        """The rows of these candidates, read once (the channels rank ids; rows are read for the
-        few a search looks at); a candidate whose row an ingest removed meanwhile has none."""
-        unread = [item for item in ids if item not in self.rows]
-        if unread:
-            self.rows.update(index.chunks_by_id(unread))
-        return [self.rows[item] for item in ids if item in self.rows]
+@dataclass(frozen=True)
+class ChannelCandidates:
+    """What the channels found for the phrasings: weighted ranked lists of chunk ids, the keyword
+    candidates' lifecycles, per phrasing the similarities of its vector candidates, each
+    candidate's best similarity known so far, which candidates hold each query identifier whole,
+    and those min_score dropped. Each stage returns a new record; only `rows` is shared, a memo of
+    the rows this search has read (rows are read for the few candidates a search looks at)."""
+
+    lists: tuple[RankedList, ...] = ()
+    lifecycles: Mapping[str, str] = field(default_factory=dict)
+    similarities: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
+    scores: Mapping[str, float | None] = field(default_factory=dict)
+    whole: Mapping[str, set[str]] = field(default_factory=dict)
+    dropped: frozenset[str] = frozenset()
+    rows: dict[str, ChunkRow] = field(default_factory=dict)
+
+    @functools.cached_property
+    def found_by(self) -> dict[str, set[tuple[str, int]]]:
+        """Per candidate, the (channel, phrasing) lists that hold it."""
+        out: dict[str, set[tuple[str, int]]] = {}
+        for ranked in self.lists:
+            for item in ranked.ids:
+                out.setdefault(item, set()).add((ranked.channel, ranked.phrasing))
+        return out
 
     def ids(self) -> list[str]:
         """Every candidate still in a list (min_score may have dropped some), first seen first."""
         return list(dict.fromkeys(item for ranked in self.lists for item in ranked.ids))
 
-    def drop(self, ids: set[str]) -> None:
-        self.dropped |= ids
-        self.lists = [dataclasses.replace(r, ids=tuple(i for i in r.ids if i not in ids)) for r in self.lists]
+    def read_rows(self, index: OpenIndex, ids: Sequence[str]) -> list[ChunkRow]:
+        """The rows of these candidates, read once; a candidate whose row an ingest removed
+        meanwhile has none."""
+        unread = [item for item in ids if item not in self.rows]
+        if unread:
+            self.rows.update(index.chunks_by_id(unread))
+        return [self.rows[item] for item in ids if item in self.rows]
 
-    def term_evidence(self, p: int, phrasing: Phrasing, row: ChunkRow) -> float | None:
-        """The share of phrasing p's term weight a passage holds, or None when the two are not in
+    def without(self, ids: set[str]) -> ChannelCandidates:
+        return dataclasses.replace(self, dropped=self.dropped | ids, lists=tuple(
+            dataclasses.replace(r, ids=tuple(i for i in r.ids if i not in ids)) for r in self.lists))
+
+
+@dataclass(frozen=True)
+class KeywordChannel:
+    """The keyword channel's answer: its candidates and what it found out about the query."""
+
+    candidates: ChannelCandidates
+    facts: QueryFacts
+
+
+@dataclass(frozen=True)
+class PassageReading:
+    """How the passages of one index read against a phrasing's term weights (`passages`: the
+    service's cache of their terms; `languages`: each document's cjk_share, by path)."""
+
+    passages: PassageTerms
+    index_name: str
+    languages: Mapping[str, float]
+
+    def term_evidence(self, weights: Mapping[str, float] | None, phrasing: Phrasing, row: ChunkRow) -> float | None:
+        """The share of a phrasing's term weight a passage holds, or None when the two are not in
         one language (a Japanese passage cannot hold an English question's words: their absence
         says nothing) or the phrasing's terms were not weighed."""
-        weights = self.weights.get(p)
         if weights is None:
             return None
         terms, text_cjk_share = self.passages.of(self.index_name, row)
@@ -1541,10 +1600,9 @@ class Candidates:
             return None
         return coverage(weights, terms)
 
-    def keyword_evidence(self, p: int, phrasing: Phrasing, row: ChunkRow) -> float:
-        """What a passage the keyword channel found says for phrasing p: the share of its term
+    def keyword_evidence(self, weights: Mapping[str, float] | None, phrasing: Phrasing, row: ChunkRow) -> float:
+        """What a passage the keyword channel found says for a phrasing: the share of its term
         weight the passage holds, across languages of its shared_terms only."""
-        weights = self.weights.get(p)
         if weights is None:
             return 0.0
         terms, text_cjk_share = self.passages.of(self.index_name, row)
@@ -1559,27 +1617,19 @@ class PassageTerms:
     an entry (index, id) never goes stale; the service keeps one across searches (thread-safe)."""
 
     def __init__(self, size: int) -> None:
-        self.size = size
-        self._known: OrderedDict[tuple[str, str], tuple[frozenset[str], float]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._known: LRU[tuple[str, str], tuple[frozenset[str], float]] = LRU(size)
 
     def of(self, index_name: str, row: ChunkRow) -> tuple[frozenset[str], float]:
         key = (index_name, row.id)
-        with self._lock:
-            known = self._known.get(key)
-            if known is not None:
-                self._known.move_to_end(key)
-                return known
-        known = (frozenset(indexed_terms(f"{row.title}\n{row.heading}\n{row.text}")),
-                 cjk_share(searchable_text(row.text)))  # a link's payload holds no Japanese
-        with self._lock:
-            self._known[key] = known
-            while len(self._known) > self.size:
-                self._known.popitem(last=False)
+        known = self._known.get(key)
+        if known is None:
+            known = (frozenset(indexed_terms(f"{row.title}\n{row.heading}\n{row.text}")),
+                     cjk_share(searchable_text(row.text)))  # a link's payload holds no Japanese
+            self._known.put(key, known)
         return known
 
 
-def rank(found: Candidates, mode: str) -> list[tuple[str, float]]:
+def rank(candidates: ChannelCandidates, mode: str) -> list[tuple[str, float]]:
     """Every candidate in the order a search returns them, with the value that ordered them. A
     search returns the first k, so its first results are the same whatever k it asks for.
 
@@ -1592,12 +1642,12 @@ def rank(found: Candidates, mode: str) -> list[tuple[str, float]]:
     the identifier bonus does not.)
     """
     # One order whichever channel answered first: per phrasing, vector then keyword.
-    lists = sorted(found.lists, key=lambda ranked: (ranked.phrasing, ranked.channel != "vector"))
+    lists = sorted(candidates.lists, key=lambda ranked: (ranked.phrasing, ranked.channel != "vector"))
     # 1. fuse
     fused = fuse_rankings(lists, RRF_K)
     # 2. identifiers
     if mode == "hybrid":
-        fused = with_identifier_bonus(fused, found.whole, IDENTIFIER_BONUS)
+        fused = with_identifier_bonus(fused, candidates.whole, IDENTIFIER_BONUS)
     # 3. spread
     return spread_documents(fused, chunk_document_key, FILE_LEAD)
 
@@ -1612,8 +1662,8 @@ class RetrievalService:
         self._init_lock = threading.Lock()
         self.queries = QueryEmbeddings()
         self.staleness = StalenessCheck()
-        # Stored vectors of keyword-only hits, for their scores; only touched under the store lock.
-        self._chunk_vectors: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        # Stored vectors of keyword-only hits, for their scores, by (index, chunk id).
+        self._chunk_vectors: LRU[tuple[str, str], Any] = LRU(CHUNK_VECTOR_CACHE_SIZE)
         self._passage_terms = PassageTerms(PASSAGE_TERMS_CACHE_SIZE)
 
     # set-up -------------------------------------------------------------------------------
@@ -1684,24 +1734,39 @@ class RetrievalService:
         return [scheme.query_text(p) for p in phrasings]
 
     def _query_vectors(self, phrasings: Sequence[str], current: CurrentIndex,
-                       then: Callable[[list[Any]], None] | None) -> Callable[[], list[Any]]:
+                       on_arrival: Callable[[list[Any]], None] | None) -> Callable[[], list[Any]]:
         """The phrasings' query vectors, from the cache or being embedded (one call for all); the
-        returned function waits for them. then(vectors) runs when an embedding call answers."""
+        returned function waits for them. on_arrival(vectors) runs when an embedding call answers."""
         settings = self.settings
         manifest = current.manifest
         self._check_model(current)
         timeout = min(settings.embed_timeout_s, QUERY_EMBED_TIMEOUT_S)
         return self.queries.begin(settings.ollama_host, manifest.model, self._query_texts(phrasings, current),
                                   timeout, manifest.dims,
-                                  (current.index, current.generation, current.stamp.model_digest), then)
+                                  (current.index, current.generation, current.stamp.model_digest), on_arrival)
 
     # search_corpus ----------------------------------------------------------------------------
     def search(self, args: SearchCorpusInput) -> dict[str, Any]:
-        """Embed the phrasings (outside the store lock: it can take seconds; one call for all), then
-        run the stages on one generation of the index: pre-filter -> candidates -> rank -> hits ->
-        confidence. While Ollama embeds, the pre-filter and (hybrid mode) the keyword channel run,
-        and the vector queries start as soon as the vectors arrive; all of it is kept when the
-        index did not move on meanwhile."""
+        """One search, as stages on one generation of the index (the numbers mark the body, here
+        and in _search_index):
+
+        1. embed: the phrasings' query vectors, from the cache or one call to Ollama for all,
+           sent first and waited for last, outside the store lock (it can take seconds);
+        2. pre-filter: lifecycles and path_prefix, before any ranking (SearchScope);
+        3. keyword channel (hybrid, keyword): each phrasing's BM25 candidates, weighted by the
+           evidence the best of them hold, and what the query says (QueryFacts);
+        4. vector channel (hybrid, vector): each phrasing's nearest committed chunks;
+        5. min_score: the candidates below it dropped, before fusion;
+        6. identifiers: which candidates hold each of the query's identifiers whole;
+        7. rank: fuse, identifier bonus, spread (see rank), the first k, their rows read;
+        8. hits: the ranked candidates as SearchHits with their similarities;
+        9. confidence: how likely the first hit answers the query (see judge);
+        10. response: the payload within its budget, saying why when nothing was found.
+
+        Stages 2, 3 and the Chroma queries of 4 overlap stage 1 (Prefetch says which thread does
+        what); they are kept when the index did not move on meanwhile, else run again on the new
+        generation. An embedder (1) or vector store (4) that is down degrades hybrid search to
+        the keyword channel's results; vector mode has nothing to fall back on."""
         if args.mode == "keyword" and args.min_score is not None:
             raise RagError(ErrorCode.INVALID_ARGUMENT, "min_score needs similarity scores, which keyword mode "
                            "does not compute", "drop min_score, or use mode 'hybrid' or 'vector'")
@@ -1710,28 +1775,34 @@ class RetrievalService:
         vectors: list[Any] | None = None
         embedded_for: Any = None
         degraded: RagError | None = None
-        early: Overlapped | None = None
+        prefetch: Prefetch | None = None
         for _attempt in range(3):
             with manager.lock:
                 index = manager.open()
                 if (args.mode == "keyword" or degraded is not None
                         or (vectors is not None and embedded_for == index.current.manifest)):
+                    # 2.-10. on this generation, with what was prefetched on it
                     phrasings = [Phrasing(text, vectors[i] if vectors else None) for i, text in enumerate(texts)]
                     try:
                         return self._search_index(index, args, phrasings, degraded,
-                                                  early if early is not None and early.key == index.key else None)
+                                                  prefetch if prefetch is not None and prefetch.key == index.key
+                                                  else None)
                     except VectorStoreUnavailable as exc:
                         if args.mode != "hybrid":
                             raise
                         log.warning("search degraded to keyword results: %s", exc.message)
                         return self._search_index(index, args, [Phrasing(text, None) for text in texts], exc)
                 current = index.current
-                # The pre-filter first: the vector queries the embedding's thread starts need it.
-                early = Overlapped(index.key, self._prefilter(index, args))
-                embedding = self._query_vectors(texts, current, early.vector_queries(index, manager, VECTOR_FETCH))
-                if args.mode == "hybrid" and not early.scope.empty:
-                    early.found = self._keyword_candidates(index, args, early.scope,
-                                                           [Phrasing(text, None) for text in texts])
+                # 2. pre-filter, first: the Chroma queries the embedder's thread starts need it
+                prefetch = Prefetch(index.key, self._prefilter(index, args))
+                # 1. embed (sent now)
+                embedding = self._query_vectors(texts, current,
+                                                prefetch.when_vectors_arrive(index, manager, VECTOR_FETCH))
+                # 3. keyword channel, while Ollama embeds
+                if args.mode == "hybrid" and not prefetch.scope.empty:
+                    prefetch.keyword = self._keyword_channel(index, args, prefetch.scope,
+                                                             [Phrasing(text, None) for text in texts])
+            # 1. embed (waited for)
             try:
                 vectors = embedding()
             except RagError as exc:
@@ -1746,18 +1817,32 @@ class RetrievalService:
                        "an ingest is publishing generations; retry in a moment")
 
     def _search_index(self, index: OpenIndex, args: SearchCorpusInput, phrasings: list[Phrasing],
-                      degraded: RagError | None, early: Overlapped | None = None) -> dict[str, Any]:
-        scope = early.scope if early is not None else self._prefilter(index, args)
-        found = self._new_candidates(index)
+                      degraded: RagError | None, prefetch: Prefetch | None = None) -> dict[str, Any]:
+        """Stages 2-10 of search on one generation, each returning what the next one takes."""
+        # 2. pre-filter
+        scope = prefetch.scope if prefetch is not None else self._prefilter(index, args)
+        facts, candidates = QueryFacts(), ChannelCandidates()
         if not scope.empty:
-            found = (early.found if early is not None and early.found is not None
-                     else self._keyword_candidates(index, args, scope, phrasings))
-            self._vector_candidates(index, args, scope, phrasings, found, early.queries if early is not None else {})
-            self._settle_candidates(index, args, phrasings, found)
-        ranked = self._with_rows(index, rank(found, args.mode)[:args.k], found)
-        hits = self._hits(index, ranked, found, phrasings)
-        confidence = self._confidence(index, found.rows[ranked[0][0]], hits[0], found, phrasings) if hits else None
-        return self._search_response(index, args, scope, found, hits, confidence, degraded)
+            # 3. keyword channel
+            keyword = (prefetch.keyword if prefetch is not None and prefetch.keyword is not None
+                       else self._keyword_channel(index, args, scope, phrasings))
+            facts = keyword.facts
+            # 4. vector channel
+            candidates = self._vector_channel(index, args, scope, phrasings, keyword.candidates,
+                                              prefetch.queries if prefetch is not None else {})
+            # 5. min_score
+            candidates = self._above_min_score(index, args, phrasings, candidates)
+            # 6. identifiers
+            candidates = dataclasses.replace(candidates, whole=self._whole_identifiers(index, facts, candidates))
+        # 7. rank
+        ranked = self._with_rows(index, rank(candidates, args.mode)[:args.k], candidates)
+        # 8. hits
+        hits = self._hits(index, ranked, candidates, facts, phrasings)
+        # 9. confidence
+        confidence = (self._confidence(index, candidates.rows[ranked[0][0]], hits[0], candidates, facts, phrasings)
+                      if hits else None)
+        # 10. response
+        return self._search_response(index, args, scope, candidates, facts, hits, confidence, degraded)
 
     def _prefilter(self, index: OpenIndex, args: SearchCorpusInput) -> SearchScope:
         """Lifecycle and path_prefix, applied before ranking in both channels so a filtered-out
@@ -1777,82 +1862,101 @@ class RetrievalService:
         return SearchScope(lifecycles, prefix, {lc: None if len(by_lc.get(lc, [])) == totals.get(lc, 0)
                                                 else by_lc.get(lc, []) for lc in lifecycles})
 
-    def _new_candidates(self, index: OpenIndex) -> Candidates:
-        return Candidates(passages=self._passage_terms, index_name=index.current.index,
-                          languages=index.document_languages)
+    def _passage_reading(self, index: OpenIndex) -> PassageReading:
+        return PassageReading(self._passage_terms, index.current.index, index.document_languages)
 
-    def _keyword_candidates(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope,
-                            phrasings: list[Phrasing]) -> Candidates:
+    def _keyword_channel(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope,
+                         phrasings: list[Phrasing]) -> KeywordChannel:
         """Each phrasing's terms' weights and keyword candidates, weighted for fusion (the query
         above the extra phrasings; in hybrid mode by the evidence the ranking has, see
         keyword_weight), and the query's identifiers. Nothing in vector mode: it reads the
         vectors only (it works without the keyword index)."""
-        found = self._new_candidates(index)
         if args.mode == "vector":
-            return found
+            return KeywordChannel(ChannelCandidates(), QueryFacts())
+        reading = self._passage_reading(index)
+        candidates = ChannelCandidates()  # its rows memo fills as the evidence is read
         total = index.current.stamp.chunks
+        weights: dict[int, dict[str, float]] = {}
+        lifecycles: dict[str, str] = {}
+        lists: list[RankedList] = []
+        plan: KeywordPlan | None = None
         for p, phrasing in enumerate(phrasings):
             terms = query_terms(phrasing.text)
-            found.weights[p] = term_weights(terms, index.passages_with(terms), total)
-            ranked, plan = index.keyword_ranking(phrasing.text, scope.lifecycles, scope.prefix, CHANNEL_CANDIDATES)
+            weights[p] = term_weights(terms, index.passages_with(terms), total)
+            ranked, phrasing_plan = index.keyword_ranking(phrasing.text, scope.lifecycles, scope.prefix,
+                                                          CHANNEL_CANDIDATES)
             if p == 0:
-                found.keyword_plan = plan
-            found.lifecycles.update(ranked)
-            rows = found.read_rows(index, [item for item, _ in ranked[:KEYWORD_EVIDENCE_ROWS]])
-            evidence = max((found.keyword_evidence(p, phrasing, row) for row in rows), default=0.0)
+                plan = phrasing_plan
+            lifecycles.update(ranked)
+            rows = candidates.read_rows(index, [item for item, _ in ranked[:KEYWORD_EVIDENCE_ROWS]])
+            evidence = max((reading.keyword_evidence(weights[p], phrasing, row) for row in rows), default=0.0)
             weight = (1.0 if p == 0 else EXTRA_PHRASING_WEIGHT) * (
                 keyword_weight(evidence) if args.mode == "hybrid" else 1.0)
-            found.add(RankedList("keyword", p, tuple(item for item, _ in ranked), weight))
-        self._identifiers(index, phrasings, found)
-        return found
+            lists.append(RankedList("keyword", p, tuple(item for item, _ in ranked), weight))
+        identifiers, missing, own = self._query_identifiers(index, phrasings)
+        return KeywordChannel(dataclasses.replace(candidates, lists=tuple(lists), lifecycles=lifecycles),
+                              QueryFacts(weights, plan, identifiers, missing, own))
 
-    def _vector_candidates(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope,
-                           phrasings: list[Phrasing], found: Candidates,
-                           started: Mapping[tuple[int, str], _Job]) -> None:
-        """Each phrasing's vector candidates (hybrid and vector modes), with their similarities;
-        `started`: Chroma queries already sent, by (phrasing, lifecycle)."""
+    def _vector_channel(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope,
+                        phrasings: list[Phrasing], keyword: ChannelCandidates,
+                        started: Mapping[tuple[int, str], BoundedCall]) -> ChannelCandidates:
+        """The keyword candidates with each phrasing's vector candidates (hybrid and vector
+        modes) and their similarities added; `started`: Chroma queries already sent, by
+        (phrasing, lifecycle)."""
         if args.mode not in ("hybrid", "vector"):
-            return
+            return keyword
+        lists: list[RankedList] = []
+        similarities: dict[int, dict[str, float]] = {}
+        best: dict[str, float | None] = {}
         for p, phrasing in enumerate(phrasings):
             if phrasing.vector is None:
                 continue
-            ids, scores = self._vector_channel(index, phrasing.vector, scope,
-                                               {lc: job for (q, lc), job in started.items() if q == p})
-            found.add(RankedList("vector", p, tuple(ids), 1.0 if p == 0 else EXTRA_PHRASING_WEIGHT))
-            found.similarities[p] = {item: score for item, score in scores.items() if score is not None}
+            ids, scores = self._nearest_committed(index, phrasing.vector, scope,
+                                                  {lc: job for (q, lc), job in started.items() if q == p})
+            lists.append(RankedList("vector", p, tuple(ids), 1.0 if p == 0 else EXTRA_PHRASING_WEIGHT))
+            similarities[p] = {item: score for item, score in scores.items() if score is not None}
             for item, score in scores.items():
-                found.scores[item] = max(score, found.scores.get(item) or -1.0)
+                best[item] = max(score, best.get(item) or -1.0)
+        return dataclasses.replace(keyword, lists=(*keyword.lists, *lists), similarities=similarities, scores=best)
 
-    def _settle_candidates(self, index: OpenIndex, args: SearchCorpusInput, phrasings: list[Phrasing],
-                           found: Candidates) -> None:
-        """With min_score, candidates below it dropped (before fusion, so a weak candidate never
-        takes a slot); then which candidates hold each query identifier whole."""
-        if args.min_score is not None and any(p.vector is not None for p in phrasings):
-            unscored = [i for i in found.ids() if i not in found.scores]  # keyword candidates
-            found.scores.update(self._stored_scores(index, phrasings, unscored, found.lifecycles))
-            found.drop({i for i, s in found.scores.items() if s is None or s < args.min_score})
-        for identifier, term in found.identifiers:
-            if identifier not in found.missing:
-                ids = found.ids()
-                found.whole[identifier] = index.holders(fts_any([term]), ids)
+    def _above_min_score(self, index: OpenIndex, args: SearchCorpusInput, phrasings: list[Phrasing],
+                         candidates: ChannelCandidates) -> ChannelCandidates:
+        """With min_score, the candidates below it dropped (before fusion, so a weak candidate
+        never takes a slot); the keyword candidates are scored from their stored vectors."""
+        if args.min_score is None or not any(p.vector is not None for p in phrasings):
+            return candidates
+        unscored = [i for i in candidates.ids() if i not in candidates.scores]  # keyword candidates
+        scores = {**candidates.scores, **self._stored_scores(index, phrasings, unscored, candidates.lifecycles)}
+        below = {i for i, s in scores.items() if s is None or s < args.min_score}
+        return dataclasses.replace(candidates, scores=scores).without(below)
 
     @staticmethod
-    def _identifiers(index: OpenIndex, phrasings: list[Phrasing], found: Candidates) -> None:
-        """The phrasings' identifiers that are distinctive here, and those no indexed passage holds."""
+    def _whole_identifiers(index: OpenIndex, facts: QueryFacts, candidates: ChannelCandidates) -> dict[str, set[str]]:
+        """Which candidates hold each query identifier whole (none for one no passage holds)."""
+        wanted = [(identifier, term) for identifier, term in facts.identifiers if identifier not in facts.missing]
+        ids = candidates.ids() if wanted else []
+        return {identifier: index.holders(fts_any([term]), ids) for identifier, term in wanted}
+
+    @staticmethod
+    def _query_identifiers(index: OpenIndex,
+                           phrasings: list[Phrasing]) -> tuple[list[tuple[str, str]], list[str], frozenset[str]]:
+        """The phrasings' identifiers that are distinctive here (as typed, keyword term), those no
+        indexed passage holds, and the terms of the query's own identifiers (phrasing 0)."""
         seen: dict[str, str] = {}
+        own: set[str] = set()
         for p, phrasing in enumerate(phrasings):
             for identifier in query_identifiers(phrasing.text):
                 term = identifier_term(identifier)
                 if term is not None and term not in seen and len(seen) < IDENTIFIERS_MAX:
                     seen[term] = identifier
                     if p == 0:
-                        found.own.add(term)
+                        own.add(term)
         counts = index.passages_with(list(seen))
-        found.identifiers = distinctive_identifiers(seen, counts, index.current.stamp.chunks)
-        found.missing = [identifier for term, identifier in seen.items() if counts.get(term, 0) == 0]
+        missing = [identifier for term, identifier in seen.items() if counts.get(term, 0) == 0]
+        return distinctive_identifiers(seen, counts, index.current.stamp.chunks), missing, frozenset(own)
 
-    def _vector_channel(self, index: OpenIndex, vector: Sequence[float], scope: SearchScope,
-                        started: Mapping[str, _Job]) -> tuple[list[str], dict[str, float | None]]:
+    def _nearest_committed(self, index: OpenIndex, vector: Sequence[float], scope: SearchScope,
+                           started: Mapping[str, BoundedCall]) -> tuple[list[str], dict[str, float | None]]:
         """Vector candidates whose chunk rows are committed, best first: (ids, similarities).
 
         Asks Chroma for VECTOR_FETCH and over-fetches until CHANNEL_CANDIDATES committed
@@ -1891,49 +1995,51 @@ class RetrievalService:
         return [i for i, _ in kept], {i: 1.0 - d for i, d in kept}
 
     @staticmethod
-    def _with_rows(index: OpenIndex, ranked: list[tuple[str, float]], found: Candidates) -> list[tuple[str, float]]:
+    def _with_rows(index: OpenIndex, ranked: list[tuple[str, float]],
+                   candidates: ChannelCandidates) -> list[tuple[str, float]]:
         """The ranked candidates with their rows read (vector candidates come without them); one
         whose row an ingest removed since it was found is no longer committed and drops out."""
-        found.read_rows(index, [item for item, _ in ranked])
-        return [(item, value) for item, value in ranked if item in found.rows]
+        candidates.read_rows(index, [item for item, _ in ranked])
+        return [(item, value) for item, value in ranked if item in candidates.rows]
 
-    def _hits(self, index: OpenIndex, ranked: Sequence[tuple[str, float]], found: Candidates,
-              phrasings: list[Phrasing]) -> list[SearchHit]:
+    def _hits(self, index: OpenIndex, ranked: Sequence[tuple[str, float]], candidates: ChannelCandidates,
+              facts: QueryFacts, phrasings: list[Phrasing]) -> list[SearchHit]:
         """The ranked candidates as hits: rows, channels, phrasings, whole identifiers, and the
         cosine of hits the vector channel did not score, from their stored embeddings (only these
         k, not all candidates: fetching vectors is the dearest step of a search)."""
+        scores = candidates.scores
         if any(p.vector is not None for p in phrasings):
-            unscored = [i for i, _ in ranked if i not in found.scores]
-            found.scores.update(self._stored_scores(index, phrasings, unscored, found.lifecycles))
+            unscored = [i for i, _ in ranked if i not in scores]
+            scores = {**scores, **self._stored_scores(index, phrasings, unscored, candidates.lifecycles)}
         hits = []
         for item, rank_score in ranked:
-            row = found.rows[item]
-            by = found.found_by.get(item, set())
+            row = candidates.rows[item]
+            by = candidates.found_by.get(item, set())
             matched: list[Literal["vector", "keyword"]] = [c for c in ("vector", "keyword") if any(c == b[0] for b in by)]
-            score = found.scores.get(item)
+            score = scores.get(item)
             hits.append(SearchHit(path=row.path, title=row.title, heading=row.heading, start_line=row.start_line,
                                   end_line=row.end_line, score=None if score is None else round(score, 6),
                                   rank_score=round(rank_score, 6), lifecycle=_lifecycle(row.lifecycle),
                                   matched=matched, phrasings=sorted({p for _, p in by}),
-                                  exact_matches=[i for i, _ in found.identifiers if item in found.whole.get(i, ())],
+                                  exact_matches=[i for i, _ in facts.identifiers if item in candidates.whole.get(i, ())],
                                   text=row.text, truncated=False))
         return hits
 
-    @staticmethod
-    def _confidence(index: OpenIndex, row: ChunkRow, top: SearchHit, found: Candidates,
-                    phrasings: list[Phrasing]) -> Judgement:
+    def _confidence(self, index: OpenIndex, row: ChunkRow, top: SearchHit, candidates: ChannelCandidates,
+                    facts: QueryFacts, phrasings: list[Phrasing]) -> Judgement:
         """How likely the first hit (its row and its hit) answers the query (see judge)."""
+        reading = self._passage_reading(index)
         shares = [share for p, phrasing in enumerate(phrasings)
-                  if (share := found.term_evidence(p, phrasing, row)) is not None]
+                  if (share := reading.term_evidence(facts.weights.get(p), phrasing, row)) is not None]
         return judge(Evidence(
-            similarity=top.score, margin=best_margin(found.similarities, row.id), calibration=index.calibration,
+            similarity=top.score, margin=best_margin(candidates.similarities, row.id), calibration=index.calibration,
             coverage=max(shares, default=None),
-            identifiers=tuple(i for i, term in found.identifiers if term in found.own), exact=tuple(top.exact_matches),
-            missing=tuple(found.missing)))
+            identifiers=tuple(i for i, term in facts.identifiers if term in facts.own), exact=tuple(top.exact_matches),
+            missing=tuple(facts.missing)))
 
-    def _search_response(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope, found: Candidates,
-                         hits: list[SearchHit], confidence: Judgement | None,
-                         degraded: RagError | None) -> dict[str, Any]:
+    def _search_response(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope,
+                         candidates: ChannelCandidates, facts: QueryFacts, hits: list[SearchHit],
+                         confidence: Judgement | None, degraded: RagError | None) -> dict[str, Any]:
         """The response's payload: hits within the text budget, the confidence, the index stamp,
         and a message that says why there is nothing when there is nothing. Built as the output
         model (so it fits the declared outputSchema), then trimmed to the budget as JSON."""
@@ -1947,13 +2053,13 @@ class RetrievalService:
         if confidence is not None:
             extra.update(confidence=confidence.level, confidence_score=confidence.score,
                          confidence_reason=confidence.reason)
-        plan = found.keyword_plan
+        plan = facts.keyword_plan
         message = None
         if scope.empty:
             message = scope.empty
         elif not hits:
-            if found.dropped:
-                message = f"nothing scored at least min_score={args.min_score}; {len(found.dropped)} hit(s) dropped"
+            if candidates.dropped:
+                message = f"nothing scored at least min_score={args.min_score}; {len(candidates.dropped)} hit(s) dropped"
             elif args.mode == "keyword" and plan is not None and plan.kind == "no_terms":
                 message = "the query has no searchable keywords (only stop words or punctuation)"
             elif args.mode == "keyword" and plan is not None and plan.kind == "too_common":
@@ -1961,11 +2067,11 @@ class RetrievalService:
                            "distinctive term (a name, identifier or error code) or use mode 'hybrid'")
             else:
                 message = "no matching passages"
-        if found.missing and not hits:
-            message = f"{message}; no indexed passage contains {', '.join(found.missing)}"
+        if facts.missing and not hits:
+            message = f"{message}; no indexed passage contains {', '.join(facts.missing)}"
         response = SearchResponse(query=args.query, mode=args.mode, results=hits,
-                                  dropped_below_min_score=len(found.dropped), message=message,
-                                  missing_identifiers=found.missing, index=self._index_info(index.current),
+                                  dropped_below_min_score=len(candidates.dropped), message=message,
+                                  missing_identifiers=list(facts.missing), index=self._index_info(index.current),
                                   staleness=self._staleness(index), **extra)
         return fit_hits(response.model_dump(mode="json"))
 
@@ -1979,22 +2085,19 @@ class RetrievalService:
         by_lc: dict[str, list[str]] = {}
         for i in ids:
             by_lc.setdefault(lifecycles[i], []).append(i)
-        cache = self._chunk_vectors
         name = index.current.index
         for lc, lc_ids in by_lc.items():
             if lc not in COLLECTION_BY_LIFECYCLE:
                 continue
-            missing = [i for i in lc_ids if (name, i) not in cache]
+            stored = {i: vector for (_, i), vector in self._chunk_vectors.get_many((name, i) for i in lc_ids).items()}
+            missing = [i for i in lc_ids if i not in stored]
             if missing:
                 found_ids, matrix = index.embeddings(lc, missing)
-                for i, row in zip(found_ids, matrix):
-                    cache[(name, i)] = row
-                while len(cache) > CHUNK_VECTOR_CACHE_SIZE:
-                    cache.popitem(last=False)
-            known = [i for i in lc_ids if (name, i) in cache]
-            for i in known:
-                cache.move_to_end((name, i))
-            matrix = [cache[(name, i)] for i in known]
+                fetched = dict(zip(found_ids, matrix))
+                stored.update(fetched)
+                self._chunk_vectors.put_many({(name, i): row for i, row in fetched.items()})
+            known = [i for i in lc_ids if i in stored]
+            matrix = [stored[i] for i in known]
             for vector in vectors:
                 for i, score in zip(known, cosine_many(vector, matrix)):
                     if score is not None and (out[i] is None or score > out[i]):  # type: ignore[operator]

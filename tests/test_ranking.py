@@ -29,12 +29,8 @@ holders = st.dictionaries(st.sampled_from(["OLLAMA_KEEP_ALIVE", "E4091", "v-mode
                           st.sets(st.sampled_from(CHUNKS)), max_size=3)
 
 
-def candidates(lists: list[server.RankedList], whole: dict[str, set[str]]) -> server.Candidates:
-    found = server.Candidates()
-    for ranked in lists:
-        found.add(ranked)
-    found.whole = whole
-    return found
+def candidates(lists: list[server.RankedList], whole: dict[str, set[str]]) -> server.ChannelCandidates:
+    return server.ChannelCandidates(lists=tuple(lists), whole=whole)
 
 
 def order_of(entries: list[tuple[str, float]]) -> list[str]:
