@@ -824,7 +824,7 @@ def _is_payload_run(run: str) -> bool:
 # Headings and chunking.
 
 # Bump when chunking or keyword terms change: it is part of the manifest, so stores rebuild.
-CHUNKER_VERSION = "4"
+CHUNKER_VERSION = "5"
 HEADING_SEPARATOR = " > "
 MERGED_HEADING_SEPARATOR = "; "  # between the headings a merged chunk covers (merged_heading)
 _ANCHOR_SUFFIX = re.compile(r"\s*\{#[^}]*\}\s*$")
@@ -1007,6 +1007,11 @@ def _merge_small(body: _Body, spans: list[_Span], min_tokens: int, max_tokens: i
             pass
     while len(merged) >= 2 and resolve(len(merged) - 1):
         pass
+    # A reshare shrinks a neighbour after the span before it was found too big to join it: look
+    # at every small span once more (joins only shorten the list, reshares are not repeated).
+    at = 0
+    while at < len(merged):
+        at = max(0, at - 1) if len(merged) >= 2 and resolve(at) else at + 1
     return merged
 
 
