@@ -377,7 +377,7 @@ def test_slice_lines_ranges_and_errors() -> None:
 
 def test_split_lines_numbers_lines_like_ingest() -> None:
     text = "a\r\nb\n\nc"
-    assert server.split_lines(text) == ["a", "b", "", "c"]
+    assert rules.split_lines(text) == ["a", "b", "", "c"]
 
 
 segments = st.sampled_from(["a", "ab", "a-b", "b", "runbooks", "runbooks-old", "x.md", "日本"])
