@@ -42,10 +42,11 @@ import sys
 import threading
 import time
 import unicodedata
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Iterable, Literal, Mapping, Protocol, Sequence
+from typing import Any, Literal, Protocol
 
 PROJECT_DIR = Path(__file__).resolve().parent
 
@@ -624,7 +625,7 @@ def frontmatter_handlers() -> tuple[tuple[str, Any], ...]:
 
     from frontmatter.default_handlers import BaseHandler, JSONHandler, YAMLHandler
 
-    class TOMLHandler(BaseHandler):  # type: ignore[misc]
+    class TOMLHandler(BaseHandler):  # type: ignore[misc]  # frontmatter ships no type hints
         FM_BOUNDARY = re.compile(r"^\+{3,}\s*$", re.MULTILINE)
         START_DELIMITER = END_DELIMITER = "+++"
 
@@ -2009,7 +2010,7 @@ class VectorStore:
                                                           include=["distances"]))
         ids = (found.get("ids") or [[]])[0]
         distances = (found.get("distances") or [[]])[0]
-        return [(str(i), float(d)) for i, d in zip(ids, distances)]
+        return [(str(i), float(d)) for i, d in zip(ids, distances, strict=True)]
 
     def merge_metadata(self, updates: Mapping[str, Any]) -> None:
         """Add keys to every collection's own metadata (the index stamp)."""
@@ -2466,7 +2467,7 @@ class OllamaEmbedder:
             return call.result(self.timeout_s)
         except TimeoutError:
             raise self._timed_out() from None
-        except Exception as exc:  # noqa: BLE001 - translated below
+        except Exception as exc:  # translated below
             raise self._translate(exc) from exc
 
     def _timed_out(self) -> RagError:
@@ -2536,7 +2537,7 @@ class OllamaEmbedder:
         def fetch() -> Any:
             try:
                 response = client.embed(model=self.model, input=list(texts), truncate=False, **options)
-            except Exception as exc:  # noqa: BLE001 - translated here, raised to the waiter
+            except Exception as exc:  # translated here, raised to the waiter
                 raise self._translate(exc) from exc
             matrix = self._vectors(texts, response)
             return then(matrix) if then is not None else matrix

@@ -29,10 +29,11 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterator, Literal, Sequence
+from typing import Any, Literal
 
 import corpus_rules as rules
 from corpus_rules import DocumentRow, ErrorCode, RagError
@@ -444,14 +445,14 @@ class Embedding:
         while True:
             items = [(pf, chunk, self.text(pf.doc, chunk)) for pf in files for chunk in pf.chunks]
             keys = [rules.embed_key(text) for _, _, text in items]
-            wanted = {key: text for key, (_, _, text) in zip(keys, items) if key not in known}
+            wanted = {key: text for key, (_, _, text) in zip(keys, items, strict=True) if key not in known}
             if not wanted:
                 break
             stored = self.reuse(list(wanted))
             known.update(stored)
             texts = {key: text for key, text in wanted.items() if key not in stored}
             too_long = set()
-            for key, vector in zip(texts, self._embed_texts(list(texts.values()))):
+            for key, vector in zip(texts, self._embed_texts(list(texts.values())), strict=True):
                 if vector is None:
                     too_long.add(key)
                 else:
@@ -545,7 +546,7 @@ def _die_with_parent() -> None:
     included), so no write of a dead run lands after the next run has started. Elsewhere the
     process ends when its pipe closes."""
     if sys.platform.startswith("linux"):
-        import ctypes  # noqa: PLC0415
+        import ctypes
 
         with contextlib.suppress(Exception):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -603,7 +604,7 @@ class VectorWriter:
 def _serve_vectors(fd: int) -> None:
     """The vector process's loop, on its end of the socket `fd`: a VectorWriter answering the
     operations in the order they were sent. Ends when the socket closes."""
-    from multiprocessing.connection import Connection  # noqa: PLC0415
+    from multiprocessing.connection import Connection
 
     conn = Connection(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the parent decides
@@ -775,8 +776,8 @@ class VectorProcess(VectorClient):
         """Start the process now (it imports Chroma meanwhile); idempotent."""
         if self._process is not None:
             return
-        import socket  # noqa: PLC0415
-        from multiprocessing.connection import Connection  # noqa: PLC0415
+        import socket
+        from multiprocessing.connection import Connection
 
         # A plain interpreter, not multiprocessing's spawn: that would run the caller's main
         # module again in the child. Its stdout is not ours: there `--json` prints the summary.
@@ -974,7 +975,7 @@ class Store:
             ids = [i for i, key in by_id.items() if key not in found]
             for batch in rules.batched(ids, 1000):
                 got_ids, vectors = self.vectors.embeddings(lifecycle, batch)
-                for chunk, vector in zip(got_ids, vectors):
+                for chunk, vector in zip(got_ids, vectors, strict=True):
                     found.setdefault(by_id[chunk], vector)
         return found
 
@@ -1018,10 +1019,10 @@ class Store:
                        for chunk, vector in zip(pf.chunks, pf.vectors, strict=True)]
             new_ids.update(record[0] for record in records)
             for batch in rules.batched(records, UPSERT_BATCH):
-                ids, vectors, texts, metas = zip(*batch)
+                ids, vectors, texts, metas = zip(*batch, strict=True)
                 ticket = self.vectors.upsert(lifecycle, ids, vectors, texts, metas)
         for pf in files:
-            self._sent_vectors.update(zip(pf.keys, pf.vectors))
+            self._sent_vectors.update(zip(pf.keys, pf.vectors, strict=True))
             pf.vectors = []  # 100k chunks of vectors would hold GBs until the end
         return Sent(list(files), new_ids, ticket)
 
@@ -1619,7 +1620,7 @@ def run(args: argparse.Namespace, summary: Summary | None = None, vectors: rules
         _run_in(args, summary, settings, layout, vectors)
     finally:
         if owned:
-            vectors.shut()  # type: ignore[union-attr]
+            vectors.shut()  # type: ignore[union-attr]  # owned: made above, never None here
         summary.seconds = time.monotonic() - started  # a run that failed took its time too
     return summary
 
@@ -1743,12 +1744,13 @@ def _dims_under_the_lock(run: Run) -> int:
     if run.args.full and current is not None:
         set_aside_damaged_keywords(run.layout, current)
     _guard_empty(run.walk, _registry_of(run.layout, current), run.args.allow_empty)
+    # No model facts (Ollama unreachable) is only carried this far with an index to keep serving.
     dims = run.model.dims if run.model is not None else current.manifest.dims  # type: ignore[union-attr]
     run.summary.model_changed = weights_changed(current, run.index_name(dims), run.model)
     if run.summary.model_changed:
         log.warning("Ollama's %s is not the one this index was embedded with (digest %s, now %s): "
                     "re-embedding every chunk", run.settings.embed_model,
-                    current.stamp.model_digest[:12], run.model.digest[:12])  # type: ignore[union-attr]
+                    current.stamp.model_digest[:12], run.model.digest[:12])  # type: ignore[union-attr]  # changed: both known
     run.full = run.args.full or run.summary.model_changed
     return dims
 
@@ -1912,7 +1914,7 @@ def _publish(run: Run, prepared: Prepared, changed_anything: bool) -> None:
     summary.commit, summary.dirty = corpus_git_state(settings.corpus_dir)
     files, chunks = store.counts()
     stamp = rules.IndexStamp(commit=summary.commit, dirty=summary.dirty,
-                             ingested_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                             ingested_at=datetime.now(UTC).isoformat(timespec="seconds"),
                              files=files, chunks=chunks,
                              model_digest=_digest_to_record(current, run.model, summary, prepared.plan))
     announce = (summary.rebuilt or changed_anything or summary.model_changed or current is None

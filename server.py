@@ -57,7 +57,7 @@ import typing
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -682,7 +682,7 @@ def fit_hits(payload: dict[str, Any], budget: int = SEARCH_RESPONSE_MAX_CHARS,
         texts.pop()
     # 3. Fair shares of the room left.
     shares = fair_shares([json_len(text) - 2 for text in texts], budget - json_len(out))
-    for hit, text, share, original in zip(results, texts, shares, originals):
+    for hit, text, share, original in zip(results, texts, shares, originals, strict=True):
         hit["text"] = prefix_within(text, share)
         hit["truncated"] = bool(hit.get("truncated")) or len(hit["text"]) < len(original)
     return out
@@ -759,7 +759,7 @@ def slice_lines(lines: Sequence[str], start_line: int | None, end_line: int | No
 
 
 def iso_from_ns(mtime_ns: int) -> str:
-    return datetime.fromtimestamp(mtime_ns / 1e9, tz=timezone.utc).isoformat(timespec="seconds")
+    return datetime.fromtimestamp(mtime_ns / 1e9, tz=UTC).isoformat(timespec="seconds")
 
 
 def prefix_sql(column: str, prefix: str | None) -> tuple[str, list[Any]]:
@@ -789,7 +789,7 @@ def cosine_many(query: Sequence[float], matrix: Any) -> list[float | None]:
         return [None] * len(rows)
     norms = np.linalg.norm(rows, axis=1) * np.linalg.norm(q)
     dots = rows @ q
-    return [float(d / n) if n > 0 else None for d, n in zip(dots, norms)]
+    return [float(d / n) if n > 0 else None for d, n in zip(dots, norms, strict=True)]
 
 
 class LRU(typing.Generic[K, V]):
@@ -2057,14 +2057,15 @@ class RetrievalService:
             missing = [i for i in lc_ids if i not in stored]
             if missing:
                 found_ids, matrix = index.embeddings(lc, missing)
-                fetched = dict(zip(found_ids, matrix))
+                fetched = dict(zip(found_ids, matrix, strict=True))
                 stored.update(fetched)
                 self._chunk_vectors.put_many({(name, i): row for i, row in fetched.items()})
             known = [i for i in lc_ids if i in stored]
             matrix = [stored[i] for i in known]
             for vector in vectors:
-                for i, score in zip(known, cosine_many(vector, matrix)):
-                    if score is not None and (out[i] is None or score > out[i]):  # type: ignore[operator]
+                for i, score in zip(known, cosine_many(vector, matrix), strict=True):
+                    best = out[i]
+                    if score is not None and (best is None or score > best):
                         out[i] = score
         return out
 
@@ -2296,7 +2297,7 @@ async def dispatch_within(service: RetrievalService, name: str, arguments: Mappi
     """dispatch() on a worker thread (store and embedder calls block), waited for at most
     `timeout_s`: a call past its deadline is answered as timed out and finishes in the background
     (each of its parts has its own bound), so the next call is served."""
-    import anyio  # noqa: PLC0415
+    import anyio
 
     # Over HTTP the work holds its call's slot (see Slot) until it ends, past a timed-out answer too.
     slot = CURRENT_SLOT.get()
@@ -2367,7 +2368,7 @@ def mcp_result(outcome: Outcome) -> Any:
     """An Outcome as an MCP tool result. Successes carry the payload as structured content (it fits
     the outputSchema) and as text; errors only as text: TypeScript-SDK clients (the MCP Inspector
     and others) check structured content against the outputSchema even on errors."""
-    from mcp.types import CallToolResult, TextContent  # noqa: PLC0415
+    from mcp.types import CallToolResult, TextContent
 
     if outcome.error is None:
         text = json.dumps(outcome.payload, ensure_ascii=False)
@@ -2377,7 +2378,7 @@ def mcp_result(outcome: Outcome) -> Any:
 
 
 def tool_definitions() -> list[Any]:
-    from mcp.types import Tool, ToolAnnotations  # noqa: PLC0415
+    from mcp.types import Tool, ToolAnnotations
 
     annotations = ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False,
                                   destructive_hint=False)
@@ -2402,7 +2403,7 @@ def answer_unreadable_request(exc: BaseException) -> Any | None:
     error (as the tool's own validation would), any other method with a JSON-RPC parse error.
     Nothing of the unreadable text is echoed back.
     """
-    from mcp.types import PARSE_ERROR, ErrorData, JSONRPCError, JSONRPCResponse  # noqa: PLC0415
+    from mcp.types import PARSE_ERROR, ErrorData, JSONRPCError, JSONRPCResponse
 
     if not isinstance(exc, ValidationError):
         return None
@@ -2439,9 +2440,9 @@ def build_server(service: RetrievalService, instructions: str, warmup: WarmUp, *
     schemas, known to the SDK) and our dispatcher (input models that forbid unknown keys, every
     failure a structured error). `timeout_s` bounds a call (HTTP); `hide_paths` keeps paths and
     hosts out of error messages (HTTP)."""
-    import anyio  # noqa: PLC0415
-    from mcp.server.lowlevel import Server  # noqa: PLC0415
-    from mcp.types import ListToolsResult  # noqa: PLC0415
+    import anyio
+    from mcp.server.lowlevel import Server
+    from mcp.types import ListToolsResult
 
     definitions = tool_definitions()
     schemas = {tool.name: tool.input_schema for tool in definitions}
@@ -2485,11 +2486,11 @@ async def pipe_stdio() -> AsyncIterator[tuple[Any, Any]]:
     writes into the protocol; undecodable bytes are replaced; a line that is not a JSON-RPC
     message goes to the server as the exception, as the SDK's does. Only for pipes and sockets
     (see _pollable); serve_stdio falls back to the SDK's transport otherwise."""
-    import asyncio  # noqa: PLC0415
+    import asyncio
 
-    import anyio  # noqa: PLC0415
-    from mcp.shared.message import SessionMessage  # noqa: PLC0415
-    from mcp.types import jsonrpc_message_adapter  # noqa: PLC0415
+    import anyio
+    from mcp.shared.message import SessionMessage
+    from mcp.types import jsonrpc_message_adapter
 
     loop = asyncio.get_running_loop()
     wire_in, wire_out = os.dup(0), os.dup(1)
@@ -2538,9 +2539,9 @@ async def serve_stdio(server: Any) -> None:
     """MCP over stdio (pipe_stdio, or the SDK's transport when stdin or stdout is not a pipe or a
     socket), with request lines the SDK could not parse answered (see answer_unreadable_request)
     instead of dropped."""
-    import anyio  # noqa: PLC0415
-    from mcp.server.stdio import stdio_server  # noqa: PLC0415
-    from mcp.shared.message import SessionMessage  # noqa: PLC0415
+    import anyio
+    from mcp.server.stdio import stdio_server
+    from mcp.shared.message import SessionMessage
 
     transport = pipe_stdio() if _pollable(0) and _pollable(1) else stdio_server()
     async with transport as (read_stream, write_stream):
@@ -2670,7 +2671,7 @@ _BRIDGE_STATUS = {ErrorCode.INVALID_ARGUMENT: 400, ErrorCode.PATH_REJECTED: 400,
 
 
 def is_loopback(host: str) -> bool:
-    import ipaddress  # noqa: PLC0415
+    import ipaddress
 
     if host == "localhost":
         return True
@@ -2701,7 +2702,7 @@ def origin_allowed(origin: str, allowed: Sequence[str]) -> bool:
 
 
 def bridge_error(status: int, bridge_code: str, message: str, /, **details: Any) -> Any:
-    from starlette.responses import JSONResponse  # noqa: PLC0415
+    from starlette.responses import JSONResponse
 
     headers = {"Retry-After": "1"} if status == 503 else None
     return JSONResponse({"success": False, "error": {"code": bridge_code, "message": message, "details": details}},
@@ -2819,7 +2820,7 @@ class Bridge:
         self.service, self.settings, self.health = service, settings, health
 
     async def tools(self, request: Any) -> Any:
-        from starlette.responses import JSONResponse  # noqa: PLC0415
+        from starlette.responses import JSONResponse
 
         timeout_ms = int(self.settings.tool_timeout_s * 1000)
         return JSONResponse({"success": True, "tools": [
@@ -2828,13 +2829,13 @@ class Bridge:
             for tool in tool_definitions()]})
 
     async def health_check(self, request: Any) -> Any:
-        from starlette.responses import JSONResponse  # noqa: PLC0415
+        from starlette.responses import JSONResponse
 
         status, body = self.health.answer()
         return JSONResponse(body, status_code=status)
 
     async def call(self, request: Any) -> Any:
-        from starlette.responses import JSONResponse  # noqa: PLC0415
+        from starlette.responses import JSONResponse
 
         try:
             body = await self._body(request)
@@ -3128,7 +3129,7 @@ class Gate:
         return None
 
     def _token_problem(self, given: str | None) -> str | None:
-        import hmac  # noqa: PLC0415
+        import hmac
 
         if not given:
             return "a bearer token is required: send Authorization: Bearer <token>"
@@ -3282,8 +3283,8 @@ def http_app(service: RetrievalService, settings: rules.Settings, instructions: 
     """The ASGI app: the SDK's own streamable-HTTP transport at /mcp (stateless, JSON responses:
     clients of both protocol eras), the bridge routes beside it, and the Gate in front (which
     checks Host and Origin for every route, so the SDK's own, prefix-matching, check is off)."""
-    from mcp.server.transport_security import TransportSecuritySettings  # noqa: PLC0415
-    from starlette.routing import Route  # noqa: PLC0415
+    from mcp.server.transport_security import TransportSecuritySettings
+    from starlette.routing import Route
 
     server = build_server(service, instructions, warmup, timeout_s=settings.tool_timeout_s, hide_paths=True)
     bridge = Bridge(service, settings, health)
@@ -3304,10 +3305,10 @@ def serve_http(service: RetrievalService, settings: rules.Settings, instructions
     """Run the HTTP server with uvicorn until Ctrl-C or SIGTERM. Refuses a non-loopback address
     without RAG_HTTP_TOKEN. Returns whether calls were still at work at the end (answered
     already; their threads must not hold the exit)."""
-    import signal  # noqa: PLC0415
-    import socket  # noqa: PLC0415
+    import signal
+    import socket
 
-    import uvicorn  # noqa: PLC0415
+    import uvicorn
 
     host, port = settings.http_host, settings.http_port
     if not is_loopback(host) and not settings.http_token:
@@ -3462,7 +3463,7 @@ def notes_of(payload: Mapping[str, Any]) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None) -> Any:
-    import argparse  # noqa: PLC0415
+    import argparse
 
     parser = argparse.ArgumentParser(
         prog="server.py",
@@ -3517,7 +3518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    warmup)
         else:
             log.info("local-rag-mcp %s starting (stdio)", rules.TOOL_VERSION)
-            import anyio  # noqa: PLC0415
+            import anyio
 
             anyio.run(serve_stdio, build_server(service, instructions_with(problems, index_facts()), warmup))
     except KeyboardInterrupt:

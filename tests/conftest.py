@@ -14,8 +14,8 @@ for _p in (str(ROOT), str(TESTS_DIR)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from fake_ollama import FakeOllama  # noqa: E402  (needs the sys.path entry above)
-from helpers import copy_index, copy_sample, ingest_in_process  # noqa: E402
+from fake_ollama import FakeOllama  # after the sys.path entries above
+from helpers import copy_index, copy_sample, ingest_in_process
 
 FAST_TIER = "not slow and not process and not heavy"
 EVERY_TIER = "not slow"  # the fault loops marked slow run only when asked for: -m slow

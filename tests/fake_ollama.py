@@ -519,7 +519,7 @@ class FakeOllama:
             "model": full,
             "modified_at": "2025-09-01T00:00:00Z",
             "size": 621875417,
-            "digest": hashlib.sha256(f"{full}{self.weights}".encode("utf-8")).hexdigest(),
+            "digest": hashlib.sha256(f"{full}{self.weights}".encode()).hexdigest(),
             "details": self._details(),
         }
 
@@ -632,7 +632,7 @@ class FakeOllama:
         with self._lock:
             nan_for, trickle = self.nan_for, self.trickle_seconds
         if nan_for is not None:
-            vectors = [[math.nan] * len(v) if nan_for in text else v for v, text in zip(vectors, inputs)]
+            vectors = [[math.nan] * len(v) if nan_for in text else v for v, text in zip(vectors, inputs, strict=True)]
         payload = {
             "model": name,
             "embeddings": vectors,

@@ -20,9 +20,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import corpus_rules as rules
 from fake_ollama import FakeOllama, calls_carrying
 from helpers import ROOT, current_of, edit, run_ingest, snapshot
+
+import corpus_rules as rules
 
 # ---------------------------------------------------------------------------
 # A fake Ollama that can die for real, a clean reference ingest, bounded waits.

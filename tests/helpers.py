@@ -39,6 +39,7 @@ from typing import Any, Protocol, TextIO
 import chromadb
 import jsonschema
 from chromadb.api.client import SharedSystemClient
+from fake_ollama import FakeOllama
 from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
@@ -46,7 +47,6 @@ import corpus_rules as rules
 import ingest
 import server
 from corpus_rules import ErrorCode, StoreLayout
-from fake_ollama import FakeOllama
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "sample-corpus"
@@ -219,7 +219,7 @@ def keyword_db(store: Path, index: str | None = None) -> sqlite3.Connection:
     return sqlite3.connect(f"file:{store / index / rules.KEYWORD_DB}?mode=ro", uri=True)
 
 
-class StoredVector(tuple):  # type: ignore[type-arg]
+class StoredVector(tuple):  # type: ignore[type-arg]  # floats, compared within 1e-6
     """An embedding as read back from Chroma, equal to another when every component is within one
     float32 step (1e-6): a cosine collection hands back a vector's normalised form once its HNSW
     segment is compacted, which can move a component by one float32 ulp. A vector reused by ingest
@@ -229,7 +229,7 @@ class StoredVector(tuple):  # type: ignore[type-arg]
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, tuple) or len(other) != len(self):
             return False
-        return all(abs(a - b) <= 1e-6 for a, b in zip(self, other))
+        return all(abs(a - b) <= 1e-6 for a, b in zip(self, other, strict=True))
 
     def __ne__(self, other: object) -> bool:
         return not self == other
@@ -246,7 +246,7 @@ def chroma_state(store: Path, index: str | None = None) -> dict[str, dict[str, t
         for name in rules.COLLECTION_BY_LIFECYCLE.values():
             got = client.get_collection(name).get(include=["documents", "metadatas", "embeddings"])
             state[name] = {i: (d, dict(m), StoredVector(float(x) for x in e))
-                           for i, d, m, e in zip(got["ids"], got["documents"], got["metadatas"], got["embeddings"])}
+                           for i, d, m, e in zip(got["ids"], got["documents"], got["metadatas"], got["embeddings"], strict=True)}
         return state
     finally:
         SharedSystemClient.clear_system_cache()
@@ -637,7 +637,7 @@ def stderr_text(server: RawServer) -> str:
 async def connect(env: dict[str, str], errlog: TextIO | None = None, mode: str = "auto") -> AsyncIterator[Client]:
     params = StdioServerParameters(command=sys.executable, args=[str(SERVER)], env=env, cwd=str(ROOT.parent))
     target: Any = stdio_client(params, errlog=errlog) if errlog is not None else params
-    async with Client(target, mode=mode, read_timeout_seconds=60) as client:  # type: ignore[arg-type]
+    async with Client(target, mode=mode, read_timeout_seconds=60) as client:  # type: ignore[arg-type]  # SDK's union
         yield client
 
 

@@ -16,15 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-import corpus_rules as rules
 from fake_ollama import FakeOllama
 from helpers import (
     CRASHING_CHILD,
     ROOT,
     ChromaServer,
-    StoredVector,
     Done,
+    StoredVector,
     call,
     child_env,
     copy_sample,
@@ -35,6 +33,8 @@ from helpers import (
     raw_server,
     run_ingest,
 )
+
+import corpus_rules as rules
 
 pytestmark = [pytest.mark.heavy, pytest.mark.process]  # a file over a minute of real processes: `pytest --all` only, scheduled first
 
@@ -65,7 +65,7 @@ def vector_snapshot(store: Path, url: str | None) -> dict[str, dict[str, Any]]:
         for lifecycle in rules.LIFECYCLES:
             got = vectors.collection(lifecycle).get(include=["documents", "metadatas", "embeddings"])
             state[lifecycle] = {i: (d, dict(m), StoredVector(float(x) for x in e))
-                                for i, d, m, e in zip(got["ids"], got["documents"], got["metadatas"], got["embeddings"])}
+                                for i, d, m, e in zip(got["ids"], got["documents"], got["metadatas"], got["embeddings"], strict=True)}
         return state
     finally:
         vectors.close()

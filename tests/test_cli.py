@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from fake_ollama import FakeOllama
-import server
 from helpers import ROOT, SERVER, Built, free_port, ingest_index, output_validators, sample_built
+
+import server
 
 pytestmark = pytest.mark.process  # real processes (servers, ingest, Chroma): only in `pytest --all` (tests/README.md)
 

@@ -8,15 +8,16 @@ import re
 import sqlite3
 import unicodedata
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
+from fake_ollama import FakeOllama, count_tokens
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import corpus_rules as rules
 from corpus_rules import Chunk, ErrorCode, RagError, SourceDocument
-from fake_ollama import FakeOllama, count_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "sample-corpus"
@@ -58,7 +59,7 @@ def assert_chunk_invariants(doc: SourceDocument, chunks: list[Chunk], max_tokens
         assert rules.searchable_tokens(chunk.text) <= context, chunk
         source = "\n".join(doc.lines[chunk.start_line - 1:chunk.end_line])
         assert chunk.text in source
-    for prev, nxt in zip(chunks, chunks[1:]):
+    for prev, nxt in pairwise(chunks):
         if nxt.start_line == prev.end_line + 1:
             continue
         # The documented exception: one line too long for the context, shared by its pieces.
@@ -74,7 +75,7 @@ def assert_chunk_invariants(doc: SourceDocument, chunks: list[Chunk], max_tokens
                 lines = sum(rules.searchable_tokens(line) + 1 for line in doc.lines[first.start_line - 1:last.end_line])
                 headings = rules.searchable_tokens(first.heading) + rules.searchable_tokens(last.heading)
                 assert lines + headings + 3 > context, (chunk, other)
-    shared = {nxt.start_line for prev, nxt in zip(chunks, chunks[1:]) if nxt.start_line == prev.end_line}
+    shared = {nxt.start_line for prev, nxt in pairwise(chunks) if nxt.start_line == prev.end_line}
     for chunk in chunks:
         if chunk.start_line not in shared and chunk.end_line not in shared:
             # A chunk that shares no line with a neighbour is exactly its lines.
@@ -154,7 +155,7 @@ def markdown_documents(draw: st.DrawFn) -> Generated:
         elif kind == "quote":
             blocks.append(f"> # quoted{counter} heading\n> {_phrase(draw)}")
     separators = [draw(st.sampled_from(["\n\n", "\n\n\n", "\n\n  \n"])) for _ in blocks]
-    body = "".join(b + s for b, s in zip(blocks, separators))
+    body = "".join(b + s for b, s in zip(blocks, separators, strict=True))
     body = draw(st.sampled_from(["", "\n", "\n\n"])) + body
     has_frontmatter = draw(st.booleans())
     if has_frontmatter:
@@ -357,7 +358,7 @@ def test_chunk_lines_match_the_raw_file_for_every_sample() -> None:
         for max_tokens in (128, 512):
             chunks = rules.chunk_document(doc, max_tokens, 64)
             assert_chunk_invariants(doc, chunks, max_tokens)
-            shared = {b.start_line for a, b in zip(chunks, chunks[1:]) if b.start_line == a.end_line}
+            shared = {b.start_line for a, b in pairwise(chunks) if b.start_line == a.end_line}
             for chunk in chunks:
                 source = "\n".join(raw_lines[chunk.start_line - 1:chunk.end_line])
                 if shared & {chunk.start_line, chunk.end_line}:

@@ -15,7 +15,6 @@ from typing import Any
 import httpx
 import ollama
 import pytest
-
 from fake_ollama import FakeOllama, count_tokens, fake_embedding
 
 MODEL = "embeddinggemma"
@@ -83,7 +82,7 @@ def test_show_list_version_and_root(fake_ollama: FakeOllama) -> None:
 def test_custom_model_dims_and_context() -> None:
     with FakeOllama(models=("nomic-embed-text:v1.5",), dims=64, context_length=512) as fake:
         client = _client(fake)
-        assert client.show("nomic-embed-text:v1.5").modelinfo["gemma3.context_length"] == 512  # type: ignore[index]
+        assert client.show("nomic-embed-text:v1.5").modelinfo["gemma3.context_length"] == 512  # type: ignore[index]  # modelinfo: optional in the model
         assert len(client.embed(model="nomic-embed-text:v1.5", input="x").embeddings[0]) == 64
         with pytest.raises(ollama.ResponseError):
             client.embed(model="nomic-embed-text", input="x")  # ":latest" is a different tag

@@ -10,8 +10,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
-
 from fake_ollama import FakeOllama
 from faultlib import clean_reference, write_handbooks
 from helpers import (
@@ -116,9 +114,10 @@ def test_search_whose_embedding_outlives_its_generation_answers_from_the_new_one
     new generation alone: nothing read from the old one is kept."""
     import threading
 
+    from helpers import tool_payload
+
     import server
     from corpus_rules import load_settings
-    from helpers import tool_payload
 
     fake.reset()
     corpus, store = copy_sample(tmp_path), tmp_path / "store"

@@ -20,12 +20,11 @@ import os
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-from corpus_rules import content_hash
 from fake_ollama import FakeOllama
 from faultlib import committed_hashes, index_dir
 from helpers import (
@@ -35,11 +34,13 @@ from helpers import (
     copy_sample,
     corpus_hashes,
     edit,
+    ingest_in_process,
     keyword_db,
     raw_server,
-    ingest_in_process,
     search_paths,
 )
+
+from corpus_rules import content_hash
 
 pytestmark = pytest.mark.heavy  # its corpus of 40,000 headings takes ~20 s to index: `pytest --all` only
 
@@ -178,7 +179,7 @@ def test_large_inputs_are_indexed_whole(outcome: Outcome) -> None:
             rows = list(con.execute("SELECT start_line, end_line, heading, text FROM chunks WHERE path = ? "
                                     "ORDER BY chunk_index", (rel,)))
             assert rows[0][0] <= 5 and rows[-1][1] == len(lines), rel
-            for (_, end, _, _), (start, _, _, _) in zip(rows, rows[1:]):
+            for (_, end, _, _), (start, _, _, _) in pairwise(rows):
                 assert start in (end, end + 1), rel  # contiguous: nothing lost between chunks
             joined = "".join("".join(text.split()) for *_, text in rows)
             body = "".join(line for line in lines if not line.startswith("---") and line != "rag_chunk: headings")

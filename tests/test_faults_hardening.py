@@ -21,8 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-import corpus_rules as rules
 from fake_ollama import FakeOllama
 from faultlib import committed_hashes, index_dir
 from helpers import (
@@ -39,6 +37,8 @@ from helpers import (
     run_ingest,
     store_bytes,
 )
+
+import corpus_rules as rules
 
 pytestmark = [pytest.mark.heavy, pytest.mark.process]  # a file over a minute of real processes: `pytest --all` only, scheduled first
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import anyio
 import pytest
-
 from fake_ollama import FakeOllama
 from faultlib import index_dir, write_lock
 from helpers import (

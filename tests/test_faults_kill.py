@@ -25,8 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-import corpus_rules as rules
 from fake_ollama import FakeOllama
 from faultlib import (
     chunk_counts,
@@ -56,6 +54,8 @@ from helpers import (
     snapshot,
     start_ingest,
 )
+
+import corpus_rules as rules
 
 pytestmark = pytest.mark.process  # real processes (servers, ingest, Chroma): only in `pytest --all` (tests/README.md)
 
@@ -91,7 +91,7 @@ class Run:
         children = vector_processes(self.proc.pid)
         self.proc.send_signal(signal.SIGKILL)
         for pid in children:
-            poll(lambda: gone(pid), timeout=30, interval=0.005)
+            poll(lambda pid=pid: gone(pid), timeout=30, interval=0.005)
 
 
 def at(seconds: float) -> Callable[[Run], None]:

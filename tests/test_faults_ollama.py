@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-import ingest
 from fake_ollama import FakeOllama
 from faultlib import (
     OllamaProcess,
@@ -38,6 +36,8 @@ from helpers import (
     snapshot,
     start_ingest,
 )
+
+import ingest
 
 pytestmark = [pytest.mark.heavy, pytest.mark.process]  # a file over a minute of real processes: `pytest --all` only, scheduled first
 

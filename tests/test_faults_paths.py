@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from fake_ollama import FakeOllama
 from helpers import RawServer, call, copy_sample, raw_server, run_ingest
 

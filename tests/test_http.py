@@ -27,13 +27,12 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from mcp import Client
-from mcp.client.streamable_http import streamable_http_client
-from mcp.shared._httpx_utils import create_mcp_http_client
-
 from fake_ollama import FakeOllama
 from faultlib import write_lock
 from helpers import ROOT, SERVER, Built, connect, free_port, output_validators, sample_built, tool, wait_for_logged
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
 
 pytestmark = [pytest.mark.heavy, pytest.mark.process]  # a file over a minute of real processes: `pytest --all` only, scheduled first
 
@@ -153,7 +152,7 @@ async def mcp_http_client(url: str, mode: str, token: str | None = None) -> Any:
         return Client(url, mode=mode, read_timeout_seconds=60)
     transport = streamable_http_client(url, http_client=create_mcp_http_client(
         headers={"Authorization": f"Bearer {token}"}))
-    return Client(transport, mode=mode, read_timeout_seconds=60)  # type: ignore[arg-type]
+    return Client(transport, mode=mode, read_timeout_seconds=60)  # type: ignore[arg-type]  # a transport is a target
 
 
 # ---------------------------------------------------------------------------

@@ -22,7 +22,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from fake_ollama import FakeOllama
 from helpers import SERVER, Built, sample_built, wait_for_logged
 from test_http import TOKEN, HttpServer, bridge, bridge_failure, http_server

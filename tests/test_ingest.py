@@ -14,15 +14,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import chromadb
 import pytest
 from chromadb.api.client import SharedSystemClient
-
-import corpus_rules as rules
-import ingest
 from fake_ollama import FakeOllama, count_tokens, fake_embedding
 from helpers import (
     CRASHING_CHILD,
@@ -44,6 +42,8 @@ from helpers import (
     store_bytes,
 )
 
+import corpus_rules as rules
+import ingest
 
 SECRET = b"SECRET-OFFSITE-TOKEN-7731"
 GEMMA = rules.PREFIX_SCHEMES["embeddinggemma"]
@@ -256,7 +256,7 @@ def test_chunk_line_ranges_match_the_source_files(sample_store: Ingested) -> Non
                                     "WHERE path = ?", (path,)))
         assert [c[0] for c in chunks] == list(range(chunk_count))
         assert chunks[0][1] == doc.body_start and chunks[-1][2] == len(lines)
-        for (_, _, end, _, _, _), (_, start, _, _, _, _) in zip(chunks, chunks[1:]):
+        for (_, _, end, _, _, _), (_, start, _, _, _, _) in pairwise(chunks):
             assert start == end + 1
         for index, start, end, heading, text, chunk in chunks:
             assert text == "\n".join(lines[start - 1:end]).strip()
@@ -473,7 +473,7 @@ def test_kill_9_at_many_points_then_rerun_converges(tmp_path: Path, fake_ollama_
         calls_before = fake_ollama_env.embed_calls
         proc = ingest_process(fake_ollama_env, corpus, store, crash_at=crash_at, small_batches=True)
         if not crash_at:
-            wait_for(lambda: fake_ollama_env.embed_calls > calls_before + 2 or proc.poll() is not None)
+            wait_for(lambda before=calls_before, proc=proc: fake_ollama_env.embed_calls > before + 2 or proc.poll() is not None)
             time.sleep(0.05)
             proc.send_signal(signal.SIGKILL)
         _, err = proc.communicate(timeout=60)
@@ -611,12 +611,12 @@ def test_over_long_chunk_is_split_and_retried_never_truncated(tmp_path: Path, fa
             sent = rules.embedded_document_text(GEMMA, doc.title, meta["heading"], document)
             assert count_tokens(sent) <= limit
             assert sent in fake_ollama_env.embedded_inputs
-            assert all(abs(a - b) < 1e-6 for a, b in zip(vector, fake_embedding(sent, 768)))
+            assert all(abs(a - b) < 1e-6 for a, b in zip(vector, fake_embedding(sent, 768), strict=True))
             assert document in "\n".join(doc.lines[meta["start_line"] - 1:meta["end_line"]])
         body = "\n".join(doc.lines[doc.body_start - 1:])
         assert "".join("".join(d.split()) for d, _, _ in chunks) == "".join(body.split())
         assert [m["chunk_index"] for _, m, _ in chunks] == list(range(len(chunks)))
-        for (_, a, _), (_, b, _) in zip(chunks, chunks[1:]):
+        for (_, a, _), (_, b, _) in pairwise(chunks):
             assert b["start_line"] in (a["end_line"], a["end_line"] + 1)
 
 

@@ -17,26 +17,25 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-import corpus_rules as rules
-import ingest
 from fake_ollama import FakeOllama
 from faultlib import committed_hashes, index_dir, poll, write_handbooks
 from helpers import (
     ROOT,
+    child_env,
     copy_sample,
     current_of,
     edit,
     finish,
     ingest_args,
-    child_env,
     ingest_in_process,
     snapshot,
     start_ingest,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import corpus_rules as rules
+import ingest
 
 
 @pytest.fixture

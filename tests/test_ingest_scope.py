@@ -10,11 +10,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-import corpus_rules as rules
 from fake_ollama import FakeOllama
 from faultlib import committed_hashes, index_dir
 from helpers import Run, copy_sample, edit, ingest_in_process
+
+import corpus_rules as rules
 
 
 def write(path: Path, text: str = "# Page\n\nSome documentation.\n") -> None:

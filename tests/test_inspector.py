@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from fake_ollama import FakeOllama
 from helpers import copy_sample, run_ingest
 

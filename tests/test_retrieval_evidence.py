@@ -14,11 +14,11 @@ from typing import Any
 
 import anyio
 import pytest
+from fake_ollama import FakeOllama
+from helpers import Built, connect, ingest_index, keyword_db, sample_built, tool_payload
 
 import server
 from corpus_rules import CJK_DOCUMENT, Calibration, CorpusFacts, StoreLayout, cjk_share, load_settings
-from fake_ollama import FakeOllama
-from helpers import Built, connect, ingest_index, keyword_db, sample_built, tool_payload
 
 pytestmark = pytest.mark.process  # real processes (servers, ingest, Chroma): only in `pytest --all` (tests/README.md)
 

@@ -20,7 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from fake_ollama import FakeOllama, fake_embedding
+from helpers import SAMPLE, Built, build, ingest_index, sample_built, tool_payload, without_echoed_identifier
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import corpus_rules as rules
 import server
@@ -32,9 +35,6 @@ from corpus_rules import (
     load_settings,
     path_matches_prefix,
 )
-from fake_ollama import FakeOllama, fake_embedding
-from helpers import SAMPLE, Built, build, ingest_index, sample_built, tool_payload, without_echoed_identifier
-
 
 # ---------------------------------------------------------------------------
 # Fixtures: a real index built by the real ingest, a service over it.
@@ -292,7 +292,7 @@ def test_fit_hits_keeps_the_response_under_budget(texts: list[str], budget: int)
     payload = {"query": "q", "results": [{"path": f"p{i}.md", "text": t, "truncated": False} for i, t in enumerate(texts)]}
     fitted = server.fit_hits(payload, budget=budget, per_hit=2000)
     assert server.json_len(fitted) <= budget
-    for hit, original in zip(fitted["results"], texts):
+    for hit, original in zip(fitted["results"], texts, strict=True):
         assert original.startswith(hit["text"])
         assert len(hit["text"]) <= 2000
         assert hit["truncated"] == (hit["text"] != original)
@@ -322,8 +322,8 @@ def test_fit_hits_spends_the_budget_per_hit(hits: list[tuple[str, int]], budget:
     assert server.json_len(fitted) <= budget
     assert len(fitted["results"]) == len(hits), "the capped fields of 20 hits fit"
     costs = [server.json_len(hit["text"]) - 2 for hit in fitted["results"]]
-    cut = [cost for cost, hit in zip(costs, fitted["results"]) if hit["truncated"]]
-    for cost, hit in zip(costs, fitted["results"]):
+    cut = [cost for cost, hit in zip(costs, fitted["results"], strict=True) if hit["truncated"]]
+    for cost, hit in zip(costs, fitted["results"], strict=True):
         assert len(hit["title"]) <= rules.METADATA_MAX_CHARS
         if cut and not hit["truncated"]:
             assert cost <= max(cut) + JSON_CHAR_MAX, "a whole text is never longer than a cut one's share"

@@ -19,12 +19,23 @@ from typing import Any, TypeVar
 
 import anyio
 import pytest
+from fake_ollama import FakeOllama
+from helpers import (
+    SERVER,
+    Built,
+    RawServer,
+    build,
+    connect,
+    ingest_index,
+    sample_built,
+    server_env,
+    tool,
+    tool_payload,
+    without_echoed_identifier,
+)
 from mcp import Client
 
 from corpus_rules import StoreLayout
-from fake_ollama import FakeOllama
-from helpers import (SERVER, Built, RawServer, build, connect, ingest_index, sample_built, server_env, tool,
-                     tool_payload, without_echoed_identifier)
 
 pytestmark = [pytest.mark.heavy, pytest.mark.process]  # a file over a minute of real processes: `pytest --all` only, scheduled first
 
@@ -447,7 +458,7 @@ def test_server_without_corpus_variable_reads_the_folder_the_index_records(built
     assert payload["source"] == "disk"
     expected = (built.corpus / "oncall" / "escalation.md").read_text(encoding="utf-8").split("\n")[:3]
     assert payload["text"].split("\n") == expected
-    assert StoreLayout(built.store).read_current().corpus_dir == str(built.corpus)  # type: ignore[union-attr]
+    assert StoreLayout(built.store).read_current().corpus_dir == str(built.corpus)  # type: ignore[union-attr]  # built
 
 
 # ---------------------------------------------------------------------------

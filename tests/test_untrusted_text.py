@@ -18,10 +18,9 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from mcp import Client
-
 from fake_ollama import FakeOllama
 from helpers import ROOT, SAMPLE, SERVER, RawServer, build, call, ingest_index, raw_server, server_env
+from mcp import Client
 from test_http import http_server
 
 pytestmark = pytest.mark.process  # real processes (servers, ingest, Chroma): only in `pytest --all` (tests/README.md)

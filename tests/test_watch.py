@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from fake_ollama import FakeOllama
 from faultlib import gone, poll, vector_processes
-from helpers import ROOT, call, child_env, copy_sample, raw_server, run_ingest
+from helpers import ROOT, RawServer, call, child_env, copy_sample, raw_server, run_ingest
 
 pytestmark = pytest.mark.process  # real processes (servers, ingest, Chroma): only in `pytest --all` (tests/README.md)
 
@@ -76,8 +75,8 @@ def watched(tmp_path: Path) -> Iterator[tuple[FakeOllama, Path, Path, Watcher]]:
             assert "Traceback" not in "".join(watcher.lines)
 
 
-def paths_found(server: object, query: str) -> set[str]:
-    is_error, payload = call(server, "search_corpus", {"query": query, "mode": "keyword", "k": 20})  # type: ignore[arg-type]
+def paths_found(server: RawServer, query: str) -> set[str]:
+    is_error, payload = call(server, "search_corpus", {"query": query, "mode": "keyword", "k": 20})
     assert not is_error, payload
     return {hit["path"] for hit in payload["results"]}
 

@@ -52,9 +52,11 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 TESTS_DIR = PROJECT_DIR / "tests"
@@ -764,7 +766,7 @@ class StdioPeer:
         self.spawned_at = time.perf_counter()
         self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.stderr_file, env=env, cwd=cwd, bufsize=0)
-        self.fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
+        self.fd = self.proc.stdout.fileno()  # type: ignore[union-attr]  # PIPE: never None
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.fd, selectors.EVENT_READ)
         self.buffer = b""
@@ -773,7 +775,7 @@ class StdioPeer:
         self.stderr_path = stderr_path
 
     def _send(self, message: dict[str, Any]) -> None:
-        self.proc.stdin.write((json.dumps(message) + "\n").encode())  # type: ignore[union-attr]
+        self.proc.stdin.write((json.dumps(message) + "\n").encode())  # type: ignore[union-attr]  # PIPE
 
     def _read_message(self, deadline: float) -> dict[str, Any]:
         while True:
@@ -846,7 +848,7 @@ class StdioPeer:
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
-            self.proc.stdin.close()  # type: ignore[union-attr]
+            self.proc.stdin.close()  # type: ignore[union-attr]  # PIPE
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -858,7 +860,7 @@ class StdioPeer:
                 self.proc.wait(timeout=5)
         self.selector.close()
         with contextlib.suppress(OSError):
-            self.proc.stdout.close()  # type: ignore[union-attr]
+            self.proc.stdout.close()  # type: ignore[union-attr]  # PIPE
         self.stderr_file.close()
 
     def __enter__(self) -> StdioPeer:
@@ -1066,7 +1068,7 @@ async def mcp_search_samples(url: str, queries: Sequence[str]) -> list[float]:
                 samples.append(time.perf_counter() - started)
                 if result.is_error:
                     raise RuntimeError(f"search_corpus over /mcp failed: {result.content}")
-    except Exception as exc:  # noqa: BLE001 - the SDK's errors (and task-group wrappers) as the bench's own
+    except Exception as exc:  # the SDK's errors (and task-group wrappers) as the bench's own
         raise RuntimeError(f"MCP over {url}: {exc!r}") from exc
     return samples
 
@@ -1167,7 +1169,7 @@ def scale_table(rows: Sequence[dict[str, Any]]) -> str:
              "| --- |" + " ---: |" * len(SCALE_COLUMNS)]
     for row in rows:
         lines.append(f"| {size_label(row['chunks'])} | " + " | ".join(cell(row.get(k)) for k, _ in SCALE_COLUMNS) + " |")
-    for low, high in zip(rows, rows[1:]):
+    for low, high in pairwise(rows):
         factors = [high[k] / low[k] if isinstance(high.get(k), (int, float)) and low.get(k) else None
                    for k, _ in SCALE_COLUMNS]
         lines.append(f"| {size_label(high['chunks'])}/{size_label(low['chunks'])} | "
@@ -1367,7 +1369,7 @@ class Bench:
             col = client.get_collection(name)
             metadata[name] = {k: v for k, v in (col.metadata or {}).items() if not k.startswith("stamp_")}
             got = col.get(include=["embeddings", "documents", "metadatas"])
-            for cid, emb, doc, meta in zip(got["ids"], got["embeddings"], got["documents"], got["metadatas"]):
+            for cid, emb, doc, meta in zip(got["ids"], got["embeddings"], got["documents"], got["metadatas"], strict=True):
                 records.append((meta["path"], int(meta["chunk_index"]), cid, [float(x) for x in emb], doc, meta))
         records.sort(key=lambda r: (r[0], r[1]))
         groups: list[list[tuple[Any, ...]]] = []

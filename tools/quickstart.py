@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "corpus, ~/.local-rag-mcp/stores/<folder name> for your own)")
     parser.add_argument("--python", help="use this Python environment instead of creating .venv")
     args = parser.parse_args(argv)
-    if sys.version_info < (3, 11):
+    if sys.version_info < (3, 11):  # noqa: UP036 - run by any python3 on PATH, before anything is installed
         return fail(f"Python 3.11 or newer is needed; this is {sys.version.split()[0]}")
     host = os.environ.get("OLLAMA_HOST", "").strip() or DEFAULT_HOST
     host = host if "://" in host else "http://" + host
