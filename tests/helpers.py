@@ -54,9 +54,8 @@ SERVER = ROOT / "server.py"
 INGEST = ROOT / "ingest.py"
 # Upper bound for any single wait in the suite: nothing may hang a CI run.
 PROCESS_TIMEOUT_S = 240.0
-# Settings a child ingest must not inherit from the test process's environment.
-ENV_VARS = ("RAG_CORPUS_DIR", "RAG_STORE_DIR", "RAG_EMBED_MODEL", "RAG_EMBED_TIMEOUT", "RAG_CHUNK_MAX_TOKENS",
-            "RAG_CHUNK_MIN_TOKENS", "OLLAMA_HOST")
+# Settings a child ingest must not inherit from the test process's environment: every one.
+ENV_VARS = rules.ENVIRONMENT
 
 # Runs ingest.main in a real child process with small batches (many commit points), optionally
 # SIGKILLing itself at a chosen point of the write path: INGEST_CRASH_AT=<where>:<nth call>.
