@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -141,3 +142,73 @@ def test_four_passages_of_one_file_no_longer_hide_the_others() -> None:
     fused = [(item, 1.0 / (60 + rank)) for rank, item in enumerate([*a, b], start=1)]
     ranked = order_of(server.spread_documents(fused, chunk_document_key, 2))
     assert ranked == [a[0], a[1], b, a[2], a[3]]
+
+
+# ---------------------------------------------------------------------------
+# The search path's shared mechanisms: one LRU, one bounded call.
+
+_OPS = st.lists(st.tuples(st.sampled_from(["get", "put", "get_many", "put_many"]),
+                          st.lists(st.integers(0, 6), min_size=1, max_size=3), st.integers()), max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(size=st.integers(1, 4), ops=_OPS)
+def test_the_lru_keeps_the_most_recently_used_entries(size: int, ops: list[tuple[str, list[int], int]]) -> None:
+    """Against a plain model: a list of keys, most recent last, at most `size` of them."""
+    lru: server.LRU[int, int] = server.LRU(size)
+    order: list[int] = []
+    values: dict[int, int] = {}
+
+    def touch(key: int) -> None:
+        order.remove(key)
+        order.append(key)
+
+    for op, keys, value in ops:
+        if op == "get":
+            assert lru.get(keys[0]) == values.get(keys[0])
+            if keys[0] in values:
+                touch(keys[0])
+        elif op == "get_many":
+            wanted = [key for key in keys if key in values]
+            assert lru.get_many(keys) == {key: values[key] for key in wanted}
+            for key in dict.fromkeys(wanted):
+                touch(key)
+        else:
+            items = {key: value + i for i, key in enumerate(keys)} if op == "put_many" else {keys[0]: value}
+            if op == "put_many":
+                lru.put_many(items)
+            else:
+                lru.put(keys[0], value)
+            for key, item in items.items():
+                values[key] = item
+                if key in order:
+                    order.remove(key)
+                order.append(key)
+            while len(order) > size:
+                del values[order.pop(0)]
+    assert lru.get_many(range(7)) == values
+
+
+def test_a_bounded_call_answers_within_its_bound_and_an_abandoned_one_never_runs() -> None:
+    import threading
+
+    from corpus_rules import BoundedCall
+
+    release = threading.Event()
+    slow = BoundedCall(lambda: release.wait(10) and "late")
+    worker = threading.Thread(target=slow.run)
+    worker.start()
+    with pytest.raises(TimeoutError):
+        slow.result(0.05)
+    release.set()
+    assert slow.result(5) == "late"
+    worker.join(5)
+    failing = BoundedCall(lambda: 1 / 0)
+    failing.run()
+    with pytest.raises(ZeroDivisionError):
+        failing.result(0)
+    ran: list[bool] = []
+    skipped = BoundedCall(lambda: ran.append(True))
+    skipped.abandon_if_queued()
+    skipped.run()
+    assert ran == [] and not skipped.queued
