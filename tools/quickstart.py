@@ -81,8 +81,8 @@ def environment(python: str | None) -> Path:
         say(f"the environment {venv} is installed already")
         return interpreter
     say("installing local-rag-mcp and its dependencies (a minute or two the first time)")
-    subprocess.run([str(interpreter), "-m", "pip", "install", "--quiet", "--upgrade", "pip"], check=True)
-    subprocess.run([str(interpreter), "-m", "pip", "install", "--quiet", "-e", str(PROJECT_DIR)], check=True)
+    subprocess.run([str(interpreter), "-m", "pip", "install", "-qq", "--upgrade", "pip"], check=True)
+    subprocess.run([str(interpreter), "-m", "pip", "install", "-qq", "-e", str(PROJECT_DIR)], check=True)
     return interpreter
 
 
