@@ -21,14 +21,11 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
-DEFAULT_HOST = "http://127.0.0.1:11434"
-DEFAULT_MODEL = "embeddinggemma"
 DEFAULT_STORE = Path("~/.local-rag-mcp/store").expanduser()
 
 
@@ -57,6 +54,8 @@ for name in needed:
 
 def dependency_names() -> list[str]:
     """The distribution names pyproject.toml depends on (without versions or markers)."""
+    import tomllib  # Python 3.11+, checked in main() before anything is imported from it
+
     project = tomllib.loads((PROJECT_DIR / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     return [re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0] for requirement in project["dependencies"]]
 
@@ -168,9 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if sys.version_info < (3, 11):  # noqa: UP036 - run by any python3 on PATH, before anything is installed
         return fail(f"Python 3.11 or newer is needed; this is {sys.version.split()[0]}")
-    host = os.environ.get("OLLAMA_HOST", "").strip() or DEFAULT_HOST
-    host = host if "://" in host else "http://" + host
-    model = os.environ.get("RAG_EMBED_MODEL", "").strip() or DEFAULT_MODEL
+    # The settings as ingest and the server will read them (corpus_rules imports nothing installed).
+    sys.path.insert(0, str(PROJECT_DIR))
+    import corpus_rules
+
+    try:
+        settings = corpus_rules.load_settings()
+    except corpus_rules.RagError as exc:
+        return fail(f"{exc.message} ({exc.hint})")
+    host, model = settings.ollama_host, settings.embed_model
 
     python = environment(args.python)
     problem = ensure_model(host, model)
