@@ -1792,7 +1792,8 @@ class StoreLayout:
             return None
         except OSError as exc:
             raise RagError(ErrorCode.INDEX_INCOMPATIBLE, f"{self.current_file} cannot be opened ({exc.strerror}): a "
-                           "link or something else that ingest did not write", f"remove it and run {ingest_command('--full')}") from None
+                           "link or something else that ingest did not write",
+                           f"remove it and run {ingest_command('--full')}") from None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise ValueError("not a regular file")
@@ -2289,18 +2290,15 @@ def import_heavy(name: str) -> Any:
     Importing ollama builds a module-level client from the raw OLLAMA_HOST, which raises on a
     value load_settings reads fine (a pasted trailing space): it sees the value as read."""
     with _HEAVY_IMPORTS:
-        if name != "ollama" or name in sys.modules:
-            return importlib.import_module(name)
         raw = os.environ.get("OLLAMA_HOST")
+        if name != "ollama" or name in sys.modules or raw is None:
+            return importlib.import_module(name)
         with contextlib.suppress(RagError):  # an invalid value is said by load_settings, not here
             os.environ["OLLAMA_HOST"] = _ollama_host_env(os.environ, "OLLAMA_HOST")
         try:
             return importlib.import_module(name)
         finally:
-            if raw is None:
-                os.environ.pop("OLLAMA_HOST", None)
-            else:
-                os.environ["OLLAMA_HOST"] = raw
+            os.environ["OLLAMA_HOST"] = raw
 
 
 class _CallThreads:

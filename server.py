@@ -3435,7 +3435,7 @@ def human_view(tool: str, payload: Mapping[str, Any]) -> str:
         if payload.get("confidence") in ("high", "medium"):
             lines.append(f"(confidence {payload['confidence']}: {payload.get('confidence_score')})")
         lines.extend(f"({rules.metadata_text(note, HUMAN_VIEW_NOTE_MAX)})" for note in notes_of(payload))
-        return "\n".join(lines) if payload["results"] or lines else "(no results)"
+        return "\n".join(lines) if lines else "(no results)"
     if tool == "get_file":
         message = payload.get("message")
         return rules.printable_text(payload["text"]) + (f"\n({rules.metadata_text(message, HUMAN_VIEW_NOTE_MAX)})" if message else "")
