@@ -1343,20 +1343,27 @@ class WarmUp:
     def __init__(self, service: RetrievalService) -> None:
         self.service = service
         self._thread: threading.Thread | None = None
+        # start() runs on the server's thread while main() may join at shutdown: a thread is
+        # published only once started, or join() would raise on a thread not yet running.
+        self._lock = threading.Lock()
 
     def start(self, delay: float = WARMUP_DELAY_S) -> None:
         try:
             wanted = self.service.settings.server_warmup
         except RagError:
             return  # a configuration error: every call will say so, nothing to warm up
-        if self._thread is not None or not wanted:
-            return
-        self._thread = threading.Thread(target=self._run, args=(delay,), name="rag-warmup", daemon=True)
-        self._thread.start()
+        with self._lock:
+            if self._thread is not None or not wanted:
+                return
+            thread = threading.Thread(target=self._run, args=(delay,), name="rag-warmup", daemon=True)
+            thread.start()
+            self._thread = thread
 
     def join(self, timeout: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
 
     def _run(self, delay: float) -> None:
         time.sleep(delay)  # let the tools/list answer reach the client first

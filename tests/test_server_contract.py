@@ -1041,3 +1041,27 @@ def test_the_results_for_k_are_the_first_k_of_the_results_for_20(base: Built, mo
             assert everything, (query, extra)
             for k in range(1, server.K_MAX):
                 assert places(query, k, extra) == everything[:k], (query, extra, k)
+
+
+def test_warm_up_can_be_joined_while_it_is_being_started(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """main() joins the warm-up at shutdown while the server's thread may be starting it (a SIGTERM
+    right after the handshake): join must wait for a started thread, never meet one not yet running."""
+    import threading
+    import time
+
+    monkeypatch.setenv("RAG_STORE_DIR", str(tmp_path / "no-store"))
+    warmup = server.WarmUp(server.RetrievalService())
+    real_start = threading.Thread.start
+    starting = threading.Event()
+
+    def slow_start(thread: threading.Thread) -> None:
+        starting.set()
+        time.sleep(0.2)  # the window in which a join used to raise
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", slow_start)
+    starter = threading.Thread(target=warmup.start, args=(0.0,))
+    real_start(starter)
+    assert starting.wait(5)
+    warmup.join(5)  # raised "cannot join thread before it is started"
+    starter.join(5)
