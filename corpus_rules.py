@@ -89,6 +89,9 @@ class ErrorCode(StrEnum):
     CORPUS_MISMATCH = "corpus_mismatch"
     STORE_UNWRITABLE = "store_unwritable"
     LOCK_HELD = "lock_held"
+    # Passages indexed for keyword search while Ollama could not embed them: vector search has
+    # nothing (or not everything) to search until ingest runs with Ollama.
+    VECTORS_PENDING = "vectors_pending"
 
 
 class RagError(Exception):
@@ -1424,6 +1427,9 @@ CREATE TABLE IF NOT EXISTS chunks(
     start_line INTEGER NOT NULL, end_line INTEGER NOT NULL, heading TEXT NOT NULL,
     lifecycle TEXT NOT NULL, text TEXT NOT NULL, embed_key TEXT);
 CREATE INDEX IF NOT EXISTS chunks_by_path ON chunks(path, chunk_index);
+-- Documents whose chunks are keyword-indexed but have no vectors yet (ingest ran while Ollama could
+-- not embed them), with their chunk count; the next run that can embed takes them first.
+CREATE TABLE IF NOT EXISTS vectors_pending(path TEXT PRIMARY KEY, chunks INTEGER NOT NULL);
 CREATE VIRTUAL TABLE IF NOT EXISTS chunks_fts USING fts5(
     title, heading, body, tokenize="unicode61 remove_diacritics 0 tokenchars '{FTS_TOKENCHARS}'");
 """
@@ -1675,6 +1681,14 @@ class IndexStamp:
     # The model's digest as Ollama listed it when these vectors were embedded (None where it did
     # not say): weights re-pulled under the same name make every stored vector stale.
     model_digest: str | None = None
+    vectors_pending: int = 0  # chunks found by keyword only: their vectors wait for Ollama
+
+
+def vectors_pending_hint(model: str) -> str:
+    """What to do about passages that wait for their vectors: the same words from ingest, search,
+    list_documents and /health."""
+    return (f"start Ollama (`ollama serve`) and `ollama pull {model}`, then run {ingest_command()}: "
+            "it embeds only the waiting passages")
 
 
 @dataclass(frozen=True)
@@ -1728,6 +1742,7 @@ class CurrentIndex:
             raise ValueError("stamp.model_digest must be text")
         _whole(parsed_stamp.files, "stamp.files")
         _whole(parsed_stamp.chunks, "stamp.chunks")
+        _whole(parsed_stamp.vectors_pending, "stamp.vectors_pending")
         corpus_dir = data.get("corpus_dir", "")
         if not isinstance(corpus_dir, str):
             raise ValueError("corpus_dir must be text")
