@@ -29,11 +29,11 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import corpus_rules as rules
 from corpus_rules import DocumentRow, ErrorCode, RagError
@@ -52,7 +52,13 @@ KEEP_ALIVE = "30m"  # asked of Ollama with every call: keep the model loaded for
 # How long a run with nothing to embed waits for Ollama's answer about the model.
 OPTIONAL_PROBE_TIMEOUT_S = 5.0
 PROGRESS_EVERY_S = 5.0  # a progress line at least this often when stderr is not a terminal
-COMMIT_BATCH_CHUNKS = 256  # chunks per Chroma upsert + SQLite transaction
+COMMIT_BATCH_CHUNKS = 256  # chunks per Chroma upsert + SQLite transaction, at most
+# A commit group holds about this much embedding at the measured pace, so Ctrl-C or an embedder
+# going away loses little of a slow first ingest (and the first group is one call's worth).
+COMMIT_EVERY_S = 10.0
+# When embedding what has no vectors yet would take longer than this, those files are indexed
+# for keyword search and published first: a first answer does not wait for a slow embedder.
+KEYWORDS_FIRST_AFTER_S = 10.0
 UPSERT_BATCH = 1000  # records per Chroma upsert call
 
 
@@ -322,9 +328,24 @@ def load_registry(con: sqlite3.Connection) -> dict[str, DocumentRow]:
     return {r[0]: DocumentRow(*r) for r in rows}
 
 
+# Chunks that have (or must have) a vector: every committed chunk but those of documents that wait.
+WITH_VECTORS = "FROM chunks WHERE path NOT IN (SELECT path FROM vectors_pending)"
+
+
 def committed_chunk_ids(con: sqlite3.Connection) -> dict[str, str]:
-    """id -> lifecycle of every committed chunk."""
-    return dict(con.execute("SELECT id, lifecycle FROM chunks"))
+    """id -> lifecycle of every committed chunk that has a vector."""
+    return dict(con.execute(f"SELECT id, lifecycle {WITH_VECTORS}"))
+
+
+def load_waiting(con: sqlite3.Connection) -> dict[str, int]:
+    """Documents indexed for keyword search only, and their chunk counts (none in a store written
+    before keyword-first indexing existed)."""
+    try:
+        return {str(path): int(n) for path, n in con.execute("SELECT path, chunks FROM vectors_pending")}
+    except sqlite3.OperationalError as exc:
+        if "no such table" not in str(exc):
+            raise
+        return {}
 
 
 # ---------------------------------------------------------------------------
@@ -432,9 +453,17 @@ class Embedding:
         self.sizer = BatchSizer(target_s=min(EMBED_CALL_TARGET_S, embedder.timeout_s * EMBED_CALL_SHARE_OF_TIMEOUT))
         self.calls = 0
         self.embedded = 0  # chunks whose vector Ollama computed in this run
+        self.embedding_s = 0.0  # the time those calls took
         self.reused = 0  # chunks that took a vector the index already had
         self.on_embedded: Callable[[int], None] = lambda chunks: None  # progress, after every call
         self.on_reused: Callable[[int], None] = lambda chunks: None  # progress, after every group
+        self.on_split: Callable[[int], None] = lambda more: None  # a chunk Ollama refused became more
+
+    def seconds_for(self, chunks: int) -> float | None:
+        """How long embedding this many chunks takes at this run's pace (None before a call)."""
+        if not self.embedded:
+            return None
+        return chunks * self.embedding_s / self.embedded
 
     def text(self, doc: rules.SourceDocument, chunk: rules.Chunk) -> str:
         return rules.embedded_document_text(self.scheme, doc.title, chunk.heading, chunk.text)
@@ -461,7 +490,8 @@ class Embedding:
             for pf, chunk, text in items:
                 if rules.embed_key(text) in too_long:
                     at = pf.chunks.index(chunk)
-                    pf.chunks[at:at + 1] = self._split(pf.doc, chunk)
+                    pf.chunks[at:at + 1] = parts = self._split(pf.doc, chunk)
+                    self.on_split(len(parts) - 1)
         for pf in files:
             pf.keys = [rules.embed_key(self.text(pf.doc, chunk)) for chunk in pf.chunks]
             pf.vectors = [known[key] for key in pf.keys]
@@ -517,7 +547,9 @@ class Embedding:
 
     def _call(self, texts: Sequence[str], chunks: bool = True) -> Any:
         self.calls += 1
+        started = time.monotonic()
         vectors = self.embedder.embed(texts)
+        seconds = time.monotonic() - started
         wrong = {len(v) for v in vectors if len(v) != self.dims}
         if wrong:
             raise RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
@@ -527,6 +559,7 @@ class Embedding:
                            "reports the new size")
         if chunks:
             self.embedded += len(texts)
+            self.embedding_s += seconds
             self.on_embedded(len(texts))
         return vectors
 
@@ -887,7 +920,8 @@ class Store:
         layout.index_dir(self.name).mkdir(parents=True, exist_ok=True)
         self.vectors = vectors.open(settings, layout, self.name, meta)
         self.db = open_keyword_db(layout.keyword_db(self.name))
-        self._fill_embed_keys(rules.PREFIX_SCHEMES.get(manifest.prefix_scheme, rules.PREFIX_SCHEMES["none"]))
+        self.scheme = rules.PREFIX_SCHEMES.get(manifest.prefix_scheme, rules.PREFIX_SCHEMES["none"])
+        self._fill_embed_keys(self.scheme)
         self._fill_cjk_shares()
         self._vector_writes_marked = False
         # Vectors sent to the store whose rows are not committed yet, by embed key: reusable
@@ -1026,6 +1060,24 @@ class Store:
             pf.vectors = []  # 100k chunks of vectors would hold GBs until the end
         return Sent(list(files), new_ids, ticket)
 
+    def commit_without_vectors(self, files: Sequence[PreparedFile]) -> None:
+        """Make these files' chunks findable by keyword before they have vectors (Ollama cannot
+        embed them now, or would take long): one transaction writes their rows and notes them as
+        waiting; the commit that later brings their vectors replaces both. Only for files with no
+        vectors in this index (new ones, or ones already waiting), so nothing embedded is lost."""
+        with transaction(self.db):
+            self._delete_rows([pf.file.path for pf in files])
+            for pf in files:
+                pf.keys = [rules.embed_key(rules.embedded_document_text(self.scheme, pf.doc.title, c.heading, c.text))
+                           for c in pf.chunks]
+                self._insert_rows(pf)
+            self.db.executemany("INSERT INTO vectors_pending(path, chunks) VALUES (?, ?)",
+                                [(pf.file.path, len(pf.chunks)) for pf in files])
+            self._mark_unpublished()
+
+    def waiting_chunks(self) -> int:
+        return int(self.db.execute("SELECT coalesce(sum(chunks), 0) FROM vectors_pending").fetchone()[0])
+
     def commit(self, sent: Sent) -> None:
         """Once the store holds their vectors, one transaction makes the files' new chunk rows
         and keyword terms the truth; then their old vectors go."""
@@ -1089,7 +1141,7 @@ class Store:
             return True
         if not count:
             return False
-        committed = dict(self.db.execute("SELECT lifecycle, count(*) FROM chunks GROUP BY lifecycle"))
+        committed = dict(self.db.execute(f"SELECT lifecycle, count(*) {WITH_VECTORS} GROUP BY lifecycle"))
         return any(self.vectors.count(lifecycle) != committed.get(lifecycle, 0) for lifecycle in rules.LIFECYCLES)
 
     def end_vector_writes(self) -> None:
@@ -1121,6 +1173,7 @@ class Store:
             self.db.execute("DELETE FROM chunks_fts WHERE rowid IN (SELECT rowid FROM chunks WHERE path = ?)", (path,))
             self.db.execute("DELETE FROM chunks WHERE path = ?", (path,))
             self.db.execute("DELETE FROM documents WHERE path = ?", (path,))
+            self.db.execute("DELETE FROM vectors_pending WHERE path = ?", (path,))
 
     def _insert_rows(self, pf: PreparedFile) -> None:
         doc, path = pf.doc, pf.file.path
@@ -1269,6 +1322,11 @@ class Progress:
         if self.tty:
             self._print_if_due(0.2)
 
+    def grew(self, chunks: int) -> None:
+        """Chunks Ollama found too long were split: the total grows, so it ends where the summary does."""
+        with self._lock:
+            self.chunks += chunks
+
     def committed(self, files: int) -> None:
         with self._lock:
             self.files_done += files
@@ -1328,7 +1386,9 @@ class Summary:
     chunks_written: int = 0
     chunks_embedded: int = 0  # by Ollama, in this run
     chunks_reused: int = 0  # took a vector the index already had (same embedded text)
-    left_for_next_run: int = 0  # not embedded because the embedder became unavailable
+    left_for_next_run: int = 0  # changed files that keep their old chunks: the embedder became unavailable
+    chunks_without_vectors: int = 0  # written for keyword search only in this run (not in chunks_written)
+    vectors_pending: int = 0  # chunks of the index that wait for their vectors, after this run
     embedding_calls: int = 0
     seconds: float = 0.0
     commit: str | None = None
@@ -1349,11 +1409,13 @@ class Summary:
                     f"{self.failed} failed; about {self.estimated_chunks} chunks to embed")
         left = f", {self.left_for_next_run} left for the next run" if self.left_for_next_run else ""
         left += ", every chunk re-embedded: the model's weights changed" if self.model_changed else ""
+        keyword_only = f", {self.chunks_without_vectors} for keyword search only" if self.chunks_without_vectors else ""
+        waiting = f"; {self.vectors_pending} chunks without vectors" if self.vectors_pending else ""
         return (f"{self.scanned} scanned, {self.added} added, {self.updated} updated, {self.unchanged} unchanged, "
                 f"{self.removed} removed, {self.excluded} excluded, {self.ignored} ignored, {self.failed} failed{left}; "
-                f"{self.chunks_written} chunks written ({self.chunks_embedded} embedded, {self.chunks_reused} reused), "
-                f"{self.embedding_calls} embedding calls, {self.seconds:.1f} s, "
-                f"corpus commit {self.commit or 'none'}{' (dirty)' if self.dirty else ''}")
+                f"{self.chunks_written} chunks written ({self.chunks_embedded} embedded, {self.chunks_reused} reused)"
+                f"{keyword_only}, {self.embedding_calls} embedding calls, {self.seconds:.1f} s, "
+                f"corpus commit {self.commit or 'none'}{' (dirty)' if self.dirty else ''}{waiting}")
 
 
 @dataclass
@@ -1369,15 +1431,21 @@ class Plan:
     excluded: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     removed: list[str] = field(default_factory=list)
+    # Changed files with no vectors in the index (new ones, or ones waiting for vectors): the ones
+    # that can be indexed for keyword search first. `waiting_as_they_were`: waiting, content the same.
+    without_vectors: set[str] = field(default_factory=set)
+    waiting_as_they_were: set[str] = field(default_factory=set)
 
     def writes_vectors(self) -> bool:
         """Whether carrying out the plan writes to the vector store."""
         return bool(self.changed or self.removed or self.mtime_only)
 
 
-def plan_changes(walk: Walk, registry: dict[str, DocumentRow], full: bool) -> Plan:
+def plan_changes(walk: Walk, registry: dict[str, DocumentRow], full: bool,
+                 waiting: Collection[str] = ()) -> Plan:
     """Compare the walk with the registry: stat first, content hash only for files whose size or
-    mtime moved. Needs neither Ollama nor a write."""
+    mtime moved. Files `waiting` for their vectors are changed files whatever their content.
+    Needs neither Ollama nor a write."""
     plan = Plan(failed=dict(walk.failures))
     seen = set(walk.failures)
     for folder, reason in walk.unreadable.items():
@@ -1387,7 +1455,7 @@ def plan_changes(walk: Walk, registry: dict[str, DocumentRow], full: bool) -> Pl
                 seen.add(path)
     root_fd = rules.open_folder(walk.root_real, walk.root_id) if walk.files else -1
     try:
-        _compare_files(plan, seen, walk, registry, root_fd, full)
+        _compare_files(plan, seen, walk, registry, root_fd, full, waiting)
     finally:
         if root_fd >= 0:
             os.close(root_fd)
@@ -1397,11 +1465,12 @@ def plan_changes(walk: Walk, registry: dict[str, DocumentRow], full: bool) -> Pl
 
 
 def _compare_files(plan: Plan, seen: set[str], walk: Walk, registry: dict[str, DocumentRow], root_fd: int,
-                   full: bool) -> None:
+                   full: bool, waiting: Collection[str]) -> None:
     for file in walk.files:
         seen.add(file.path)
         row = registry.get(file.path)
-        if row and not full and rules.looks_unchanged(file.size, file.mtime_ns, row.size, row.mtime_ns):
+        waits = file.path in waiting
+        if row and not full and not waits and rules.looks_unchanged(file.size, file.mtime_ns, row.size, row.mtime_ns):
             plan.unchanged.append(file)
             if (file.disk_path, file.real_path) != (row.disk_path, row.real_path):
                 plan.relocated.append(file)
@@ -1417,7 +1486,7 @@ def _compare_files(plan: Plan, seen: set[str], walk: Walk, registry: dict[str, D
             plan.failed[file.path] = f"{file.path}: cannot read ({exc.strerror})"
             continue
         digest = rules.content_hash(raw)
-        if row and not full and row.content_hash == digest:
+        if row and not full and not waits and row.content_hash == digest:
             plan.mtime_only.append((file, row))
             if (file.disk_path, file.real_path) != (row.disk_path, row.real_path):
                 plan.relocated.append(file)
@@ -1431,6 +1500,10 @@ def _compare_files(plan: Plan, seen: set[str], walk: Walk, registry: dict[str, D
             plan.excluded.append(file.path)
             continue
         plan.changed.append(PreparedFile(file, doc, digest, []))
+        if row is None or waits:
+            plan.without_vectors.add(file.path)
+        if waits and row is not None and row.content_hash == digest:
+            plan.waiting_as_they_were.add(file.path)
 
 
 def chunk_files(files: Sequence[PreparedFile], budget: Budget) -> None:
@@ -1493,6 +1566,11 @@ def probe_model_if_reachable(settings: rules.Settings, scheme: rules.PrefixSchem
         return None
 
 
+def assumed_context_length(settings: rules.Settings, scheme: rules.PrefixScheme) -> int:
+    """The model's context when Ollama cannot say (a dry run, a run without Ollama): its registry entry's."""
+    return rules.REGISTRY_CONTEXT_LENGTH.get(scheme.name, settings.chunk_max_tokens)
+
+
 def scheme_for(model: str) -> rules.PrefixScheme:
     scheme = rules.prefix_scheme_for(model)
     if scheme is None:
@@ -1501,18 +1579,30 @@ def scheme_for(model: str) -> rules.PrefixScheme:
     return scheme
 
 
+_T = TypeVar("_T")
+
+
 def _registry_of(layout: rules.StoreLayout, current: rules.CurrentIndex | None) -> dict[str, DocumentRow]:
-    """The live index's registry, read without leaving a trace: a read-only WAL connection would
-    create the -wal and -shm files. immutable=1 reads the database file as it is; when that fails
-    (a writer is mid-transaction), a plain read-only connection does."""
+    return _read_live(layout, current, load_registry, {})
+
+
+def _waiting_of(layout: rules.StoreLayout, current: rules.CurrentIndex | None) -> dict[str, int]:
+    return _read_live(layout, current, load_waiting, {})
+
+
+def _read_live(layout: rules.StoreLayout, current: rules.CurrentIndex | None,
+                  read: Callable[[sqlite3.Connection], _T], empty: _T) -> _T:
+    """What `read` finds in the live index, read without leaving a trace: a read-only WAL
+    connection would create the -wal and -shm files. immutable=1 reads the database file as it is;
+    when that fails (a writer is mid-transaction), a plain read-only connection does."""
     if current is None or not layout.keyword_db(current.index).exists():
-        return {}
+        return empty
     uri = layout.keyword_db(current.index).as_uri()
     for options in ("?mode=ro&immutable=1", "?mode=ro"):
         try:
             con = sqlite3.connect(uri + options, uri=True, timeout=30)
             try:
-                return load_registry(con)
+                return read(con)
             finally:
                 con.close()
         except sqlite3.DatabaseError:
@@ -1560,31 +1650,31 @@ def check_same_corpus(current: rules.CurrentIndex | None, corpus: Path, store: P
 def dry_run(args: argparse.Namespace, settings: rules.Settings, layout: rules.StoreLayout, walk: Walk,
             current: rules.CurrentIndex | None, summary: Summary) -> Summary:
     """What a real run would change, without Ollama and without writing anything."""
-    registry = _registry_of(layout, current)
+    registry, waiting = _registry_of(layout, current), _waiting_of(layout, current)
     _guard_empty(walk, registry, args.allow_empty)
     scheme = scheme_for(settings.embed_model)
     # No Ollama in a dry run: the registry's context length stands in for /api/show, and the live
     # index's dimensions for the model's (a dimension change alone goes unnoticed).
-    context = rules.REGISTRY_CONTEXT_LENGTH.get(scheme.name, settings.chunk_max_tokens)
+    context = assumed_context_length(settings, scheme)
     likely = rules.manifest_for(settings, scheme.name, dims=current.manifest.dims if current else 0)
     summary.index = current.index if current else ""
     if current is not None and likely.index_name() != current.index:
         summary.rebuilt = True  # a real run would rebuild everything into a new index
         summary.index = likely.index_name()
-        registry = {}
-    plan = plan_changes(walk, registry, args.full)
+        registry, waiting = {}, {}
+    plan = plan_changes(walk, registry, args.full, waiting)
     chunk_files(plan.changed, Budget(context, settings.chunk_max_tokens, settings.chunk_min_tokens, scheme))
-    _fill_summary(summary, plan, registry)
+    _fill_summary(summary, plan)
     summary.estimated_chunks = sum(len(pf.chunks) for pf in plan.changed)
-    summary.listing = dry_run_listing(walk, plan, registry, settings.corpus_dir)
+    summary.listing = dry_run_listing(walk, plan, settings.corpus_dir)
     return summary
 
 
-def dry_run_listing(walk: Walk, plan: Plan, registry: dict[str, DocumentRow], corpus: Path) -> list[dict[str, str]]:
+def dry_run_listing(walk: Walk, plan: Plan, corpus: Path) -> list[dict[str, str]]:
     """Every path the run would touch or leave out, with what it would do and why: the scope a user
     can check before paying for embeddings."""
     git_rules = explain_git_ignored(corpus, [p for p, why in walk.ignored.items() if why == "ignored by git"])
-    entries = [{"path": pf.file.path, "action": "update" if pf.file.path in registry else "add",
+    entries = [{"path": pf.file.path, "action": "add" if pf.file.path in plan.without_vectors else "update",
                 "reason": f"{len(pf.chunks)} chunk(s) to embed or reuse"} for pf in plan.changed]
     entries += [{"path": f.path, "action": "unchanged", "reason": ""} for f in plan.unchanged]
     entries += [{"path": f.path, "action": "unchanged", "reason": "content unchanged, mtime moved"}
@@ -1640,7 +1730,17 @@ class Run:
     embedder: rules.OllamaEmbedder
     current: rules.CurrentIndex | None  # the live index; read again under the lock
     model: ModelFacts | None = None  # None: Ollama did not answer, or was not needed
+    # Why nothing can be embedded in this run (Ollama down, or without the model) when the run
+    # goes on to index files for keyword search only.
+    unembeddable: RagError | None = None
     full: bool = False  # no vector reused: --full, or new weights under the model's name
+
+    def context_length(self) -> int:
+        """The model's context, or (without Ollama) the one its registry entry gives: files chunked
+        with it are chunked again with the model's own when they are embedded."""
+        if self.model is not None:
+            return self.model.context_length
+        return assumed_context_length(self.settings, self.scheme)
 
     def index_name(self, dims: int) -> str:
         return rules.manifest_for(self.settings, self.scheme.name, dims).index_name()
@@ -1652,6 +1752,7 @@ class Look:
     it stands as long as the index holds that same registry."""
 
     registry: dict[str, DocumentRow]
+    waiting: dict[str, int]
     plan: Plan
 
 
@@ -1662,6 +1763,7 @@ class Prepared:
     store: Store
     plan: Plan
     registry: dict[str, DocumentRow]  # what the plan compared the walk with
+    waiting: dict[str, int]  # the documents of the registry that wait for vectors
     repaired: int  # vectors removed that no committed chunk owned
 
 
@@ -1699,19 +1801,42 @@ def _look_before_the_lock(run: Run, vectors: rules.Vectors) -> Look | None:
     """Ask Ollama before the store is touched whenever anything may need embedding (when it is
     down or lacks the model, nothing in the store changes, not even the lock file). A run with
     nothing to embed does not need it: it still asks, briefly, to notice a model re-pulled with
-    other dimensions (a rebuild), and goes on without it when it does not answer. Returns the plan
-    against the live index, made to know that; None where the run embeds everything anyway."""
+    other dimensions (a rebuild), and goes on without it when it does not answer. Without Ollama,
+    files with no vectors yet are indexed for keyword search only (see keyword_first_possible).
+    Returns the plan against the live index, made to know that; None where the run embeds
+    everything anyway."""
     current = run.current
     look = None
     if current is not None and not run.args.full and run.index_name(current.manifest.dims) == current.index:
-        registry = _registry_of(run.layout, current)
-        look = Look(registry, plan_changes(run.walk, registry, full=False))
+        registry, waiting = _registry_of(run.layout, current), _waiting_of(run.layout, current)
+        look = Look(registry, waiting, plan_changes(run.walk, registry, full=False, waiting=waiting))
     if look is None or look.plan.changed:
         vectors.start()  # Chroma's import overlaps the probe, planning and chunking
-        run.model = probe_model(run.embedder, run.scheme, run.settings)
+        try:
+            run.model = probe_model(run.embedder, run.scheme, run.settings)
+        except RagError as exc:
+            if exc.code not in EMBEDDER_DOWN or not keyword_first_possible(run, look):
+                raise
+            log.warning("%s: new files are indexed for keyword search only; their vectors wait for Ollama",
+                        exc.message)
+            run.unembeddable = exc
     else:
         run.model = probe_model_if_reachable(run.settings, run.scheme)
     return look
+
+
+EMBEDDER_DOWN = (ErrorCode.EMBEDDER_UNAVAILABLE, ErrorCode.MODEL_NOT_FOUND)
+
+
+def keyword_first_possible(run: Run, look: Look | None) -> bool:
+    """Whether a run that cannot embed has files to index for keyword search: files with no
+    vectors in the index. Never by rebuilding an index that has vectors (its replacement would
+    have none): a first ingest, a rebuild of an index that has none, or new files."""
+    if run.current is None:
+        return True
+    if look is None:
+        return run.current.manifest.dims == 0
+    return bool(look.plan.without_vectors - look.plan.waiting_as_they_were)
 
 
 def _prepare(run: Run, vectors: rules.Vectors, look: Look | None) -> Prepared:
@@ -1720,16 +1845,15 @@ def _prepare(run: Run, vectors: rules.Vectors, look: Look | None) -> Prepared:
     dims = _dims_under_the_lock(run)
     prepared = _open_and_plan(run, dims, vectors, look)
     try:
-        if prepared.plan.changed and run.model is None:
+        if prepared.plan.changed and run.model is None and run.unembeddable is None:
             # Another ingest or an editor changed files since the look before the lock.
             run.model = probe_model(run.embedder, run.scheme, run.settings)
             if run.model.dims != dims:
                 prepared.store.close()
                 prepared = _open_and_plan(run, run.model.dims, vectors, None)
         _report_prepared(run, prepared)
-        if run.model is not None:
-            chunk_files(prepared.plan.changed, Budget(run.model.context_length, run.settings.chunk_max_tokens,
-                                                      run.settings.chunk_min_tokens, run.scheme))
+        chunk_files(prepared.plan.changed, Budget(run.context_length(), run.settings.chunk_max_tokens,
+                                                  run.settings.chunk_min_tokens, run.scheme))
     except BaseException:
         prepared.store.close()
         raise
@@ -1744,8 +1868,9 @@ def _dims_under_the_lock(run: Run) -> int:
     if run.args.full and current is not None:
         set_aside_damaged_keywords(run.layout, current)
     _guard_empty(run.walk, _registry_of(run.layout, current), run.args.allow_empty)
-    # No model facts (Ollama unreachable) is only carried this far with an index to keep serving.
-    dims = run.model.dims if run.model is not None else current.manifest.dims  # type: ignore[union-attr]
+    # Without model facts (Ollama unreachable) the live index's dimensions stand; a first index
+    # built without Ollama has none (0), and the first run that can embed rebuilds it.
+    dims = run.model.dims if run.model is not None else current.manifest.dims if current is not None else 0
     run.summary.model_changed = weights_changed(current, run.index_name(dims), run.model)
     if run.summary.model_changed:
         log.warning("Ollama's %s is not the one this index was embedded with (digest %s, now %s): "
@@ -1764,7 +1889,7 @@ def _report_prepared(run: Run, prepared: Prepared) -> None:
                  "until the new one is complete", current.index, store.name)
     if prepared.repaired:
         log.info("removed %d vectors left by an interrupted run", prepared.repaired)
-    _fill_summary(summary, prepared.plan, prepared.registry)
+    _fill_summary(summary, prepared.plan, embeds=run.unembeddable is None)
 
 
 def _open_and_plan(run: Run, dims: int, vectors: rules.Vectors, look: Look | None) -> Prepared:
@@ -1773,26 +1898,27 @@ def _open_and_plan(run: Run, dims: int, vectors: rules.Vectors, look: Look | Non
     holds other documents than the look saw (another run wrote in between, or the repair dropped
     files whose vectors were lost)."""
     store = Store(run.layout, rules.manifest_for(run.settings, run.scheme.name, dims), run.settings, vectors)
-    registry = load_registry(store.db)
-    plan = _plan_for(run, registry, look)
+    registry, waiting = load_registry(store.db), load_waiting(store.db)
+    plan = _plan_for(run, registry, waiting, look)
     repaired = 0
     if run.full or store.needs_reconcile(count=plan.writes_vectors()):
         repaired = store.reconcile()
         repaired_registry = load_registry(store.db)
         if repaired_registry != registry:
-            registry, plan = repaired_registry, plan_changes(run.walk, repaired_registry, run.full)
-    return Prepared(store, plan, registry, repaired)
+            registry, plan = repaired_registry, plan_changes(run.walk, repaired_registry, run.full, waiting)
+    return Prepared(store, plan, registry, waiting, repaired)
 
 
-def _plan_for(run: Run, registry: dict[str, DocumentRow], look: Look | None) -> Plan:
-    if look is not None and not run.full and look.registry == registry:
+def _plan_for(run: Run, registry: dict[str, DocumentRow], waiting: dict[str, int], look: Look | None) -> Plan:
+    if look is not None and not run.full and (look.registry, look.waiting) == (registry, waiting):
         return look.plan
-    return plan_changes(run.walk, registry, run.full)
+    return plan_changes(run.walk, registry, run.full, waiting)
 
 
 def _write(run: Run, prepared: Prepared) -> bool:
-    """Carry out the plan: metadata-only updates, embedding and writing the changed files, the
-    removals, then the calibration. True when the index changed (a new generation is due)."""
+    """Carry out the plan: metadata-only updates, embedding and writing the changed files (or,
+    without Ollama, indexing those with no vectors yet for keyword search), the removals, then the
+    calibration. True when the index changed (a new generation is due)."""
     store, plan, summary = prepared.store, prepared.plan, run.summary
     changed_anything = bool(prepared.repaired) or store.unpublished()
     if plan.mtime_only:
@@ -1805,7 +1931,10 @@ def _write(run: Run, prepared: Prepared) -> bool:
     # new weights under the model's name make every stored vector unusable).
     embedding = Embedding(run.embedder, run.scheme, store.manifest.dims,
                           reuse=(lambda keys: {}) if run.full else store.stored_vectors)
-    written, run_errors = _embed_and_write(store, embedding, plan, summary)
+    if run.unembeddable is not None:
+        written, run_errors = _index_without_vectors(run, prepared, plan.changed, run.unembeddable)
+    else:
+        written, run_errors = _embed_and_write(run, prepared, embedding)
     changed_anything = changed_anything or bool(written)
     if plan.removed:
         store.remove(plan.removed)
@@ -1815,7 +1944,11 @@ def _write(run: Run, prepared: Prepared) -> bool:
         changed_anything = _calibrate(store, embedding) or changed_anything
     summary.embedding_calls = embedding.calls
     summary.failed = len(plan.failed)
+    summary.vectors_pending = store.waiting_chunks()
     summary.errors = [*sorted(plan.failed.values()), *run_errors]
+    if summary.vectors_pending:
+        summary.errors.append(f"{summary.vectors_pending} chunks without vectors (found by keyword search only): "
+                              f"{rules.vectors_pending_hint(run.settings.embed_model)}")
     return changed_anything
 
 
@@ -1833,15 +1966,24 @@ def _calibrate(store: Store, embedding: Embedding) -> bool:
     return True
 
 
-def _embed_and_write(store: Store, embedding: Embedding, plan: Plan, summary: Summary) -> tuple[set[str], list[str]]:
+def _embed_and_write(run: Run, prepared: Prepared, embedding: Embedding) -> tuple[set[str], list[str]]:
     """Embed the changed files a commit group at a time; each group's vectors go to the store as
     soon as they are embedded, and its rows commit while the store writes the next group's.
-    Returns the paths written and the run's own errors (the embedder going away)."""
+
+    Groups hold about COMMIT_EVERY_S of embedding at the measured pace (the first one call's
+    worth), so an interrupted run keeps what it embedded. Once the pace says the files with no
+    vectors yet would take longer than KEYWORDS_FIRST_AFTER_S, they are indexed for keyword search
+    and published first, then embedded. Returns the paths written and the run's own errors (the
+    embedder going away: files with no vectors yet are then indexed for keyword search only)."""
+    store, plan, summary = prepared.store, prepared.plan, run.summary
     written: set[str] = set()
-    run_errors: list[str] = []
+    started: set[str] = set()  # paths given to a group so far
     progress = Progress(len(plan.changed), sum(len(pf.chunks) for pf in plan.changed))
     embedding.on_embedded = progress.embedded
     embedding.on_reused = progress.embedded
+    embedding.on_split = progress.grew
+    keywords_first = not keyword_first_allowed(run, store)  # True once done, or when it may not be
+    keyword_only: set[str] = set()  # paths indexed for keyword search first in this run
 
     def commit(sent: Sent) -> None:
         store.commit(sent)
@@ -1849,9 +1991,13 @@ def _embed_and_write(store: Store, embedding: Embedding, plan: Plan, summary: Su
         summary.chunks_written += sum(len(pf.chunks) for pf in sent.files)
         progress.committed(len(sent.files))
 
+    def not_started_without_vectors() -> list[PreparedFile]:
+        return [pf for pf in plan.changed if pf.file.path not in started and pf.file.path in plan.without_vectors]
+
     pending: Sent | None = None
     try:
-        for group in _groups(plan.changed):
+        for group in _groups(plan.changed, lambda: _group_chunks(embedding, progress.chunks, first=not started)):
+            started.update(pf.file.path for pf in group)
             try:
                 group = _embedded(embedding, group, plan)
             except RagError:
@@ -1863,21 +2009,81 @@ def _embed_and_write(store: Store, embedding: Embedding, plan: Plan, summary: Su
             if pending is not None:
                 commit(pending)
             pending = sent
+            rest = [] if keywords_first else not_started_without_vectors()
+            wait = embedding.seconds_for(sum(len(pf.chunks) for pf in rest))
+            if rest and wait is not None and wait > KEYWORDS_FIRST_AFTER_S:
+                keywords_first = True
+                if pending is not None:  # this group is findable in the generation published now
+                    commit(pending)
+                    pending = None
+                log.info("embedding %d file(s) new to the index will take about %.0f s: indexing them for keyword "
+                         "search first", len(rest), wait)
+                _write_without_vectors(store, rest, summary)
+                keyword_only.update(pf.file.path for pf in rest)
+                _publish(run, prepared, changed_anything=True)
         if pending is not None:
             commit(pending)
+    except KeyboardInterrupt:
+        if pending is not None:  # embedded and sent: kept (the vector process ignores Ctrl-C)
+            commit(pending)
+        raise
     except RagError as exc:
-        if exc.code not in (ErrorCode.EMBEDDER_UNAVAILABLE, ErrorCode.MODEL_NOT_FOUND):
+        if exc.code not in EMBEDDER_DOWN:
             raise
         # The embedder went away mid-run (even one chunk at a time timed out): what was committed
-        # stays, the rest keeps its old chunks and is left for the next run, which starts there.
-        left = [pf.file.path for pf in plan.changed if pf.file.path not in written and pf.file.path not in plan.failed]
-        summary.left_for_next_run = len(left)
-        named = ", ".join(left[:10]) + (f" and {len(left) - 10} more" if len(left) > 10 else "")
-        run_errors.append(f"{exc.message}; {len(left)} file(s) left for the next run: {named} ({exc.hint})")
+        # stays, the rest keeps its old chunks (or, with none, is indexed for keyword search).
+        rest = [pf for pf in plan.changed
+                if pf.file.path not in written | keyword_only and pf.file.path not in plan.failed]
+        indexed, errors = _index_without_vectors(run, prepared, rest, exc)
+        return written | indexed, errors
     finally:
         progress.finish()
         summary.chunks_embedded, summary.chunks_reused = embedding.embedded, embedding.reused
-    return written, run_errors
+    return written, []
+
+
+def keyword_first_allowed(run: Run, store: Store) -> bool:
+    """Whether rows without vectors may be published in this index: never in a rebuild that would
+    replace a live index that has vectors (its replacement would have fewer)."""
+    current = run.current
+    return current is None or current.index == store.name or current.manifest.dims == 0
+
+
+def _index_without_vectors(run: Run, prepared: Prepared, files: Sequence[PreparedFile],
+                           why: RagError) -> tuple[set[str], list[str]]:
+    """Files that cannot be embedded now: those with no vectors in the index are indexed for
+    keyword search (when this index may publish that; those waiting as they were stay so), the
+    others keep their previous chunks and vectors until the next run. Returns the paths written
+    and the error that says what was left."""
+    plan, summary = prepared.plan, run.summary
+    allowed = keyword_first_allowed(run, prepared.store)
+    files = [pf for pf in files if pf.file.path not in plan.waiting_as_they_were]
+    first = [pf for pf in files if allowed and pf.file.path in plan.without_vectors]
+    _write_without_vectors(prepared.store, first, summary)
+    indexed = {pf.file.path for pf in first}
+    left = [pf.file.path for pf in files if pf.file.path not in indexed]
+    summary.left_for_next_run = len(left)
+    if not left:
+        return indexed, []
+    named = ", ".join(left[:10]) + (f" and {len(left) - 10} more" if len(left) > 10 else "")
+    return indexed, [f"{why.message}; {len(left)} file(s) left for the next run: {named} ({why.hint})"]
+
+
+def _write_without_vectors(store: Store, files: Sequence[PreparedFile], summary: Summary) -> None:
+    for group in rules.batched(files, COMMIT_BATCH_CHUNKS):
+        store.commit_without_vectors(group)
+    summary.chunks_without_vectors += sum(len(pf.chunks) for pf in files)
+
+
+def _group_chunks(embedding: Embedding, total: int, first: bool) -> int:
+    """How many chunks the next commit group holds: the first one call's worth, then about
+    COMMIT_EVERY_S of embedding at the measured pace (COMMIT_BATCH_CHUNKS while every vector so
+    far was reused), and never more than a tenth of the run: an interruption loses little."""
+    if first:
+        return START_CHUNKS
+    per_chunk = embedding.seconds_for(1)
+    by_time = int(COMMIT_EVERY_S / per_chunk) if per_chunk else COMMIT_BATCH_CHUNKS
+    return max(START_CHUNKS, min(COMMIT_BATCH_CHUNKS, by_time, total // 10))
 
 
 def _embedded(embedding: Embedding, group: list[PreparedFile], plan: Plan) -> list[PreparedFile]:
@@ -1909,29 +2115,31 @@ def _digest_to_record(current: rules.CurrentIndex | None, model: ModelFacts | No
 
 def _publish(run: Run, prepared: Prepared, changed_anything: bool) -> None:
     """Stamp the index and, when anything changed, point CURRENT.json at it with a new generation
-    (running servers reopen on it). A rebuild with failures stays unpublished."""
+    (running servers reopen on it; run.current becomes it). A rebuild with failures stays
+    unpublished. Called again in a run that published its keyword index first."""
     summary, settings, current, store = run.summary, run.settings, run.current, prepared.store
     summary.commit, summary.dirty = corpus_git_state(settings.corpus_dir)
     files, chunks = store.counts()
     stamp = rules.IndexStamp(commit=summary.commit, dirty=summary.dirty,
                              ingested_at=datetime.now(UTC).isoformat(timespec="seconds"),
                              files=files, chunks=chunks,
-                             model_digest=_digest_to_record(current, run.model, summary, prepared.plan))
+                             model_digest=_digest_to_record(current, run.model, summary, prepared.plan),
+                             vectors_pending=store.waiting_chunks())
     announce = (summary.rebuilt or changed_anything or summary.model_changed or current is None
                 or current.corpus_dir != str(settings.corpus_dir) or current.corpus_id != run.walk.root_id
                 or (current.stamp.commit, current.stamp.dirty) != (stamp.commit, stamp.dirty))
     # The vector store's copy of the stamp follows the generations; a run that changed nothing
     # does not open the vector store just to note when it ran.
     store.stamp(stamp, in_vectors=announce or store.vectors.in_use())
-    if summary.rebuilt and (prepared.plan.failed or summary.left_for_next_run) and current is not None:
+    if current is not None and current.index != store.name and (prepared.plan.failed or summary.left_for_next_run):
         summary.errors.append(f"the new index {store.name} is incomplete; {current.index} stays live until a "
                               "run completes without failures")
         return
     if announce:
         generation = (current.generation + 1) if current else 1
-        run.layout.write_current(rules.CurrentIndex(index=store.name, generation=generation, manifest=store.manifest,
-                                                     stamp=stamp, corpus_dir=str(settings.corpus_dir),
-                                                     corpus_id=run.walk.root_id))
+        run.current = rules.CurrentIndex(index=store.name, generation=generation, manifest=store.manifest, stamp=stamp,
+                                         corpus_dir=str(settings.corpus_dir), corpus_id=run.walk.root_id)
+        run.layout.write_current(run.current)
         store.mark_published()
         if current is not None and current.index != store.name:
             # The previous index is no longer live: its vectors and its folder go.
@@ -1963,23 +2171,31 @@ def _embed_individually(embedding: Embedding, group: list[PreparedFile], plan: P
     return kept
 
 
-def _groups(files: Sequence[PreparedFile]) -> Iterator[list[PreparedFile]]:
+def _groups(files: Sequence[PreparedFile], limit: Callable[[], int]) -> Iterator[list[PreparedFile]]:
+    """Whole files, in order, in groups of at most `limit()` chunks (asked anew for each group),
+    unless one file alone holds more."""
     group: list[PreparedFile] = []
-    size = 0
+    size, bound = 0, limit()
     for pf in files:
+        if group and size + len(pf.chunks) > bound:
+            yield group
+            group, size, bound = [], 0, limit()
         group.append(pf)
         size += len(pf.chunks)
-        if size >= COMMIT_BATCH_CHUNKS:
+        if size >= bound:
             yield group
-            group, size = [], 0
+            group, size, bound = [], 0, limit()
     if group:
         yield group
 
 
-def _fill_summary(summary: Summary, plan: Plan, registry: dict[str, DocumentRow]) -> None:
-    summary.added = sum(1 for pf in plan.changed if pf.file.path not in registry)
-    summary.updated = len(plan.changed) - summary.added
-    summary.unchanged = len(plan.unchanged) + len(plan.mtime_only)
+def _fill_summary(summary: Summary, plan: Plan, embeds: bool = True) -> None:
+    """Added: files new to the index, or to its vector search (they waited for vectors); without
+    an embedder, a file that waits as it was stays unchanged."""
+    as_they_were = 0 if embeds else len(plan.waiting_as_they_were)
+    summary.added = len(plan.without_vectors) - as_they_were
+    summary.updated = len(plan.changed) - len(plan.without_vectors)
+    summary.unchanged = len(plan.unchanged) + len(plan.mtime_only) + as_they_were
     summary.removed = len(plan.removed)
     summary.excluded = len(plan.excluded)
     summary.failed = len(plan.failed)
@@ -2046,7 +2262,7 @@ def run_once(args: argparse.Namespace, quiet: bool = False,
             print(f"{entry['action']:9} {entry['path']}" + (f"  ({entry['reason']})" if entry["reason"] else ""))
     if not quiet:
         print(f"ingest: {summary.line()}", file=sys.stderr)
-    if summary.left_for_next_run and not summary.chunks_written:
+    if summary.left_for_next_run and not (summary.chunks_written or summary.chunks_without_vectors):
         status = 2  # the embedder is unavailable and nothing could be indexed
     else:
         status = 1 if summary.failed or summary.errors else 0
@@ -2136,7 +2352,7 @@ def _interrupt(*_: Any) -> None:
 
 
 def _unfinished(status: int, summary: Summary) -> bool:
-    return status == 2 or bool(summary.left_for_next_run)
+    return status == 2 or bool(summary.left_for_next_run or summary.vectors_pending)
 
 
 def _change_batches(watchfiles: Any, corpus: Path, settle_ms: int) -> Generator[set[str], None, None]:

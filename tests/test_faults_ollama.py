@@ -116,13 +116,14 @@ def test_ollama_down_at_start_changes_nothing_then_converges(ollama: FakeOllama,
                                                               tmp_path: Path) -> None:
     before = file_listing(revisions.store)
     ollama.stop()
-    for store in (revisions.store, tmp_path / "fresh"):
-        done = run_ingest(ollama, revisions.corpus, store)
-        assert done.code == 2, done.err
-        assert done.summary["error"]["code"] == "embedder_unavailable"
-        assert "start Ollama" in done.err and "ollama pull embeddinggemma" in done.err
+    done = run_ingest(ollama, revisions.corpus, revisions.store)  # only changed files: they keep their chunks
+    assert done.code == 2, done.err
+    assert done.summary["error"]["code"] == "embedder_unavailable"
+    assert "start Ollama" in done.err and "ollama pull embeddinggemma" in done.err
     assert file_listing(revisions.store) == before
-    assert not (tmp_path / "fresh").exists()
+    fresh = run_ingest(ollama, revisions.corpus, tmp_path / "fresh")  # a first ingest: keywords first
+    assert fresh.code == 1 and fresh.summary["vectors_pending"] == fresh.summary["chunks_without_vectors"] > 0
+    assert "ollama pull embeddinggemma" in fresh.err
     ollama.restart()
     assert_converges(ollama, revisions, tmp_path)
 

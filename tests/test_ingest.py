@@ -48,7 +48,8 @@ import ingest
 SECRET = b"SECRET-OFFSITE-TOKEN-7731"
 GEMMA = rules.PREFIX_SCHEMES["embeddinggemma"]
 SUMMARY_KEYS = {"exit", "scanned", "added", "updated", "unchanged", "removed", "excluded", "ignored", "failed",
-                "chunks_written", "chunks_embedded", "chunks_reused", "left_for_next_run", "embedding_calls", "seconds",
+                "chunks_written", "chunks_embedded", "chunks_reused", "left_for_next_run", "chunks_without_vectors", "vectors_pending",
+                "embedding_calls", "seconds",
                 "commit", "dirty", "index", "rebuilt", "model_changed", "dry_run", "estimated_chunks", "errors",
                 "listing"}
 
@@ -206,7 +207,7 @@ def test_first_ingest_summary_and_current(sample_store: Ingested) -> None:
     assert datetime.fromisoformat(stamp.pop("ingested_at")).tzinfo is not None
     digest = hashlib.sha256(b"embeddinggemma:latest").hexdigest()  # as the fake lists the model
     assert stamp == {"commit": head, "dirty": dirty, "files": 6, "chunks": summary["chunks_written"],
-                     "model_digest": digest}
+                     "model_digest": digest, "vectors_pending": 0}
     assert sorted(p.name for p in sample_store.store.iterdir()) == sorted([rules.CURRENT_FILE, rules.LOCK_FILE,
                                                                            current["index"]])
     assert "resolved configuration: corpus=" in run.err and f"store={sample_store.store}" in run.err
@@ -530,10 +531,15 @@ def test_wrong_dimensions_mid_run_keep_old_chunks(tmp_path: Path, fake_ollama_en
 def test_only_unwritten_files_are_reported_when_the_embedder_dies(
         tmp_path: Path, fake_ollama_env: FakeOllama, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ingest, "COMMIT_BATCH_CHUNKS", 1)  # one file per commit group
+    monkeypatch.setattr(ingest, "START_CHUNKS", 1)
     corpus, store = tmp_path / "corpus", tmp_path / "store"
-    edit(corpus / "a.md", "---\ntitle: " + " ".join(["enormous"] * 30) + "\n---\nx y z\n")  # cannot fit: fails alone
     edit(corpus / "b.md", "tiny\n")
+    edit(corpus / "c.md", "plain here\n")
+    assert ingest_run(corpus, store).code == 0
+    edit(corpus / "a.md", "---\ntitle: " + " ".join(["enormous"] * 30) + "\n---\nx y z\n")  # cannot fit: fails alone
+    edit(corpus / "b.md", "tiny too\n")
     edit(corpus / "c.md", "FAILPOINT here\n")
+    edit(corpus / "d.md", "FAILPOINT new\n")  # new: indexed for keyword search until it can be embedded
     fake_ollama_env.configure(max_input_tokens=12)
     original = ingest.Embedding._call
 
@@ -547,9 +553,14 @@ def test_only_unwritten_files_are_reported_when_the_embedder_dies(
     assert run.code == 1
     assert (run.summary["failed"], run.summary["left_for_next_run"]) == (1, 1)
     assert any(e.startswith("a.md:") and "cannot be split" in e for e in run.summary["errors"])
-    assert any("Ollama went away" in e and "left for the next run: c.md" in e for e in run.summary["errors"])
+    assert any("Ollama went away" in e and "1 file(s) left for the next run: c.md (" in e for e in run.summary["errors"])
     assert not any("b.md" in e for e in run.summary["errors"])
-    assert dict(keyword_db(store).execute("SELECT path, chunk_count FROM documents")) == {"b.md": 1}
+    assert (run.summary["chunks_without_vectors"], run.summary["vectors_pending"]) == (1, 1)
+    assert any(e.startswith("1 chunks without vectors") for e in run.summary["errors"])
+    db = keyword_db(store)
+    assert dict(db.execute("SELECT path, chunk_count FROM documents")) == {"b.md": 1, "c.md": 1, "d.md": 1}
+    assert dict(db.execute("SELECT path, chunks FROM vectors_pending")) == {"d.md": 1}
+    assert "plain" in db.execute("SELECT text FROM chunks WHERE path = 'c.md'").fetchone()[0]  # its old chunk stays
 
 
 def test_per_file_errors_keep_that_files_chunks(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
@@ -657,32 +668,73 @@ def test_missing_corpus_is_refused(tmp_path: Path, fake_ollama_env: FakeOllama) 
     assert not (tmp_path / "store").exists()
 
 
-def test_ollama_unreachable_at_start_changes_nothing(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
-    corpus = copy_sample(tmp_path)
-    fake_ollama_env.stop()
-    fresh = tmp_path / "fresh"
-    run = ingest_run(corpus, fresh)
-    assert run.code == 2 and run.summary["error"]["code"] == "embedder_unavailable"
-    assert "cannot reach Ollama" in run.err and "start Ollama" in run.err and "ollama pull embeddinggemma" in run.err
-    assert not fresh.exists()  # not even the store folder or its lock file
-    fake_ollama_env.restart()
-    store = tmp_path / "store"
+def test_without_ollama_only_files_with_no_vectors_are_indexed_and_only_for_keywords(
+        tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
     assert ingest_run(corpus, store).code == 0
     listing = file_listing(store)
     edit(corpus / "reference/glossary.md", "changed\n")
     fake_ollama_env.stop()
-    run = ingest_run(corpus, store)
+    run = ingest_run(corpus, store)  # only a changed file: it keeps its chunks, nothing is touched
     assert run.code == 2 and run.summary["error"]["code"] == "embedder_unavailable"
+    assert "cannot reach Ollama" in run.err and "start Ollama" in run.err and "ollama pull embeddinggemma" in run.err
     assert file_listing(store) == listing
+    before = chroma_state(store)
+    edit(corpus / "guide/new-page.md", "# New page\n\nKEYWORDFIRST-42 is documented here.\n")
+    run = ingest_run(corpus, store)  # a new file besides: it is indexed for keyword search
+    assert run.code == 1, run.err
+    assert (run.summary["added"], run.summary["left_for_next_run"], run.summary["vectors_pending"]) == (1, 1, 1)
+    assert "left for the next run: reference/glossary.md" in run.err
+    assert "1 chunks without vectors (found by keyword search only): start Ollama" in run.err
+    assert chroma_state(store) == before  # no vector written, none removed
+    current = current_of(store)
+    assert current["stamp"]["vectors_pending"] == 1 and current["generation"] == 2
+    assert "changed" not in keyword_db(store).execute(
+        "SELECT group_concat(text) FROM chunks WHERE path = 'reference/glossary.md'").fetchone()[0]
+    fake_ollama_env.restart()
+    fake_ollama_env.reset()
+    run = ingest_run(corpus, store)
+    assert run.code == 0, run.err
+    assert (run.summary["added"], run.summary["updated"], run.summary["vectors_pending"]) == (1, 1, 0)
+    assert current_of(store)["stamp"]["vectors_pending"] == 0
+    assert snapshot(store) == clean_snapshot(corpus, tmp_path)
+
+
+def test_a_first_ingest_without_ollama_publishes_keywords_and_the_next_run_embeds_them(
+        tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    fake_ollama_env.stop()
+    run = ingest_run(corpus, store)
+    assert run.code == 1, run.err
+    chunks = run.summary["chunks_without_vectors"]
+    assert chunks > 0 and run.summary["vectors_pending"] == chunks and run.summary["chunks_written"] == 0
+    assert f"{chunks} chunks without vectors" in run.err and "ollama pull embeddinggemma" in run.err
+    current = current_of(store)
+    assert current["manifest"]["dims"] == 0  # unknown until Ollama answers
+    assert current["stamp"]["vectors_pending"] == chunks
+    assert sum(n for (n,) in keyword_db(store).execute("SELECT chunks FROM vectors_pending")) == chunks
+    again = ingest_run(corpus, store)  # still no Ollama: nothing to do, said as such
+    assert again.code == 2 and again.summary["error"]["code"] == "embedder_unavailable"
+    fake_ollama_env.restart()
+    fake_ollama_env.reset()
+    done = ingest_run(corpus, store)
+    assert done.code == 0, done.err
+    assert done.summary["rebuilt"] and done.summary["vectors_pending"] == 0
+    assert done.summary["chunks_embedded"] == done.summary["chunks_written"] == sample_chunk_count()
+    assert current_of(store)["manifest"]["dims"] == 768
+    assert snapshot(store) == clean_snapshot(corpus, tmp_path)
 
 
 def test_missing_model_names_ollama_pull(tmp_path: Path, fake_ollama_env: FakeOllama,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RAG_EMBED_MODEL", "nomic-embed-text")
-    run = ingest_run(copy_sample(tmp_path), tmp_path / "store")
-    assert run.code == 2 and run.summary["error"]["code"] == "model_not_found"
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    run = ingest_run(corpus, store)
+    assert run.code == 1 and run.summary["vectors_pending"] > 0
     assert "ollama pull nomic-embed-text" in run.err
-    assert not (tmp_path / "store").exists()
+    again = ingest_run(corpus, store)
+    assert again.code == 2 and again.summary["error"]["code"] == "model_not_found"
+    assert "ollama pull nomic-embed-text" in again.err
 
 
 @pytest.mark.process

@@ -148,9 +148,8 @@ def test_ctrl_c_keeps_what_was_committed_and_the_next_run_continues(fake: FakeOl
     write_handbooks(corpus, {f"h{i:02d}.md": 30 for i in range(12)}, "A")
     fake.configure(delay_seconds=0.2)
     proc = start_ingest(fake, corpus, store)
-    # Once a few files are committed, Ctrl-C.
-    poll(lambda: (store / "CURRENT.json").exists() or len(_committed(store)) >= 3 or proc.poll() is not None,
-         timeout=120, interval=0.05)
+    # Once a few files are committed with their vectors, Ctrl-C.
+    poll(lambda: len(_committed(store)) >= 3 or proc.poll() is not None, timeout=120, interval=0.05)
     proc.send_signal(signal.SIGINT)
     done = finish(proc)
     assert done.code == 130, done.err
@@ -169,13 +168,14 @@ def test_ctrl_c_keeps_what_was_committed_and_the_next_run_continues(fake: FakeOl
 
 
 def _committed(store: Path) -> set[str]:
-    """Files whose rows are committed, read from whichever index folder exists (before the first
-    publish there is no CURRENT.json yet)."""
+    """Files whose rows are committed with their vectors (not only for keyword search), read from
+    whichever index folder exists (before the first publish there is no CURRENT.json yet)."""
     found: set[str] = set()
     for db in store.glob("idx-*/" + rules.KEYWORD_DB):
         con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
         try:
-            found |= {row[0] for row in con.execute("SELECT path FROM documents")}
+            found |= {row[0] for row in con.execute(
+                "SELECT path FROM documents WHERE path NOT IN (SELECT path FROM vectors_pending)")}
         except sqlite3.Error:
             pass
         finally:
@@ -288,3 +288,26 @@ def _clean(fake: FakeOllama, corpus: Path, tmp_path: Path) -> dict:
     done = ingest_in_process(fake, corpus, reference)
     assert done.code == 0, done.err
     return snapshot(reference)
+
+
+@pytest.mark.process
+def test_ctrl_c_half_way_through_a_first_ingest_keeps_about_half(fake: FakeOllama, tmp_path: Path) -> None:
+    """#28 §5, the case a user met: 13 files, one slow embedder, Ctrl-C when half the chunks
+    were embedded. The next run embeds at most 60% of them, and the counts agree everywhere."""
+    corpus, store = tmp_path / "corpus", tmp_path / "store"
+    write_handbooks(corpus, {f"h{i:02d}.md": 22 for i in range(13)}, "H")
+    dry = ingest_in_process(fake, corpus, store, "--dry-run")
+    total = dry.summary["estimated_chunks"]
+    fake.configure(delay_per_text_seconds=0.05)
+    proc = start_ingest(fake, corpus, store)
+    poll(lambda: len(fake.embedded_inputs) >= total // 2 or proc.poll() is not None, timeout=120, interval=0.05)
+    proc.send_signal(signal.SIGINT)
+    done = finish(proc)
+    assert done.code == 130, done.err
+    fake.reset()
+    again = ingest_in_process(fake, corpus, store)
+    assert again.code == 0, again.err
+    assert again.summary["chunks_embedded"] <= 0.6 * total, (again.summary, total)
+    assert again.summary["chunks_embedded"] + again.summary["chunks_reused"] <= total
+    whole = ingest_in_process(fake, corpus, tmp_path / "whole")
+    assert whole.summary["chunks_written"] == whole.summary["chunks_embedded"] == total
