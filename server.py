@@ -318,6 +318,9 @@ class IndexInfo(BaseModel):
     generation: int
     files: int
     chunks: int
+    vectors_pending: int = Field(0, description="Passages indexed for keyword search whose vectors wait for "
+                                                "Ollama: vector search cannot find them until an ingest "
+                                                "with Ollama up embeds them.")
 
 
 class Staleness(BaseModel):
@@ -352,9 +355,12 @@ class SearchResponse(BaseModel):
     results: list[SearchHit]
     dropped_below_min_score: int = 0
     message: str | None = None
-    degraded: Literal["embedder_unavailable", "model_not_found", "vector_store_unavailable"] | None = Field(
+    degraded: Literal["embedder_unavailable", "model_not_found", "vector_store_unavailable",
+                      "vectors_pending"] | None = Field(
         None, description="Set when hybrid search could not embed the query or read the vector store, and "
-                          "answered from the keyword channel alone (scores are null); see hint.")
+                          "answered from the keyword channel alone (scores are null); vectors_pending: some "
+                          "passages (index.vectors_pending) have no vectors yet, so only keyword search finds "
+                          "them (all of them: keyword results only, scores null); see hint.")
     hint: str | None = Field(None, description="What happened and what to do, when degraded is set.")
     confidence: Literal["high", "medium", "low"] | None = Field(
         None, description="How likely the first result answers the query (null without results); low means "
@@ -1336,6 +1342,26 @@ def _raise(error: BaseException) -> Any:
 # The service: the three tools as plain methods (no MCP types below this line's section).
 
 
+def vectors_waiting(current: rules.CurrentIndex) -> RagError | None:
+    """VECTORS_PENDING when passages of this generation wait for their vectors (ingest ran while
+    Ollama was away), None when every passage has one."""
+    stamp = current.stamp
+    if current.manifest.dims and not stamp.vectors_pending:
+        return None
+    hint = rules.vectors_pending_hint(current.manifest.model)
+    if without_vectors(current):
+        return RagError(ErrorCode.VECTORS_PENDING, f"none of the index's {stamp.chunks} passages has a vector yet",
+                        hint)
+    return RagError(ErrorCode.VECTORS_PENDING, f"{stamp.vectors_pending} of the index's {stamp.chunks} passages "
+                    "have no vector yet: only keyword search finds them", hint)
+
+
+def without_vectors(current: rules.CurrentIndex) -> bool:
+    """No passage has a vector yet: hybrid search answers from keywords at once (there is nothing
+    to embed the query for), vector mode cannot answer."""
+    return not current.manifest.dims or current.stamp.vectors_pending >= current.stamp.chunks > 0
+
+
 class WarmUp:
     """Pays the imports and the store opening in the background, once, after the handshake: the
     client has what it needs to start, and the agent's first search does not pay ~2 s of imports."""
@@ -1375,9 +1401,11 @@ class WarmUp:
             manager = self.service.manager
             with manager.lock:
                 index = manager.open()
-                # One tiny query loads the HNSW segment now rather than in the agent's first search.
-                probe = [1.0] + [0.0] * (index.current.manifest.dims - 1)
-                index.vector_query("active", probe, 1, None)
+                # One tiny query loads the HNSW segment now rather than in the agent's first search
+                # (an index with no vectors yet has none to load).
+                if not without_vectors(index.current):
+                    probe = [1.0] + [0.0] * (index.current.manifest.dims - 1)
+                    index.vector_query("active", probe, 1, None)
         except RagError as exc:
             log.info("warm-up: store not ready (%s)", exc.code)
         except Exception:  # noqa: BLE001 - a warm-up failure must never take the server down
@@ -1673,7 +1701,7 @@ class RetrievalService:
         stamp = current.stamp
         return IndexInfo(commit=stamp.commit, dirty=stamp.dirty, ingested_at=stamp.ingested_at,
                          model=current.manifest.model, generation=current.generation,
-                         files=stamp.files, chunks=stamp.chunks)
+                         files=stamp.files, chunks=stamp.chunks, vectors_pending=stamp.vectors_pending)
 
     def _staleness(self, index: OpenIndex) -> Staleness:
         def recount() -> tuple[tuple[str, int], int]:
@@ -1750,6 +1778,11 @@ class RetrievalService:
         for _attempt in range(3):
             with manager.lock:
                 index = manager.open()
+                if degraded is None and args.mode != "keyword" and without_vectors(index.current):
+                    unembedded = vectors_waiting(index.current)
+                    if args.mode == "vector":
+                        raise unembedded
+                    degraded, vectors = unembedded, None
                 if (args.mode == "keyword" or degraded is not None
                         or (vectors is not None and embedded_for == index.current.manifest)):
                     # 2.-10. on this generation, with what was prefetched on it
@@ -2021,6 +2054,8 @@ class RetrievalService:
                      "hint": f"{degraded.message}: keyword results only. {degraded.hint}"}
             if args.min_score is not None:
                 extra["hint"] += "; min_score was not applied (it needs the query's embedding)"
+        elif args.mode != "keyword" and (waiting := vectors_waiting(index.current)) is not None:
+            extra = {"degraded": str(waiting.code), "hint": f"{waiting.message}. {waiting.hint}"}
         if confidence is not None:
             extra.update(confidence=confidence.level, confidence_score=confidence.score,
                          confidence_reason=confidence.reason)
@@ -2674,7 +2709,7 @@ HTTP_FD_RESERVE = 100  # descriptors kept for the store, the embedder's connecti
 # A tool's own error as the bridge's HTTP status: the caller's mistake, or a dependency that is not there.
 _BRIDGE_STATUS = {ErrorCode.INVALID_ARGUMENT: 400, ErrorCode.PATH_REJECTED: 400, ErrorCode.NOT_INDEXED: 400,
                   ErrorCode.INDEX_MISSING: 503, ErrorCode.EMBEDDER_UNAVAILABLE: 503, ErrorCode.MODEL_NOT_FOUND: 503,
-                  ErrorCode.STORE_UNAVAILABLE: 503}
+                  ErrorCode.STORE_UNAVAILABLE: 503, ErrorCode.VECTORS_PENDING: 503}
 
 
 def is_loopback(host: str) -> bool:
@@ -2793,11 +2828,17 @@ class HealthProbe:
         200 when serving, degraded or not) and the body."""
         problems = []
         index_ok = True
+        vectors_pending = 0
         try:
             manager = self.service.manager
             current = manager.current()
             if not manager.layout.keyword_db(current.index).is_file():
                 raise RagError(ErrorCode.INDEX_MISSING, "the keyword index is missing", rules.INGEST_HINT)
+            vectors_pending = current.stamp.vectors_pending
+            waiting = vectors_waiting(current)
+            if waiting is not None:
+                problems.append({"part": "vectors", **redacted(waiting).payload()["error"],
+                                 "note": KEYWORDS_SERVE_MEANWHILE})
         except RagError as exc:
             index_ok = False
             problems.append({"part": "index", **redacted(exc).payload()["error"]})
@@ -2810,7 +2851,7 @@ class HealthProbe:
                              "note": KEYWORDS_SERVE_MEANWHILE})
         body = {"status": "ok" if not problems else "degraded", "uptime": round(time.monotonic() - self.started, 3),
                 "servers": {SERVER_NAME: "available" if index_ok else "unavailable"},
-                "embedder": _probed(embedder), "problems": problems}
+                "embedder": _probed(embedder), "vectors_pending": vectors_pending, "problems": problems}
         if self.service.settings.chroma_url is not None:
             body["vector_store"] = _probed(vector_store)
         return (200 if index_ok else 503), body

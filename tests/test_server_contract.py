@@ -21,7 +21,17 @@ from typing import Any
 
 import pytest
 from fake_ollama import FakeOllama, fake_embedding
-from helpers import SAMPLE, Built, build, ingest_index, sample_built, tool_payload, without_echoed_identifier
+from helpers import (
+    SAMPLE,
+    Built,
+    build,
+    copy_sample,
+    ingest_in_process,
+    ingest_index,
+    sample_built,
+    tool_payload,
+    without_echoed_identifier,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -617,6 +627,64 @@ def test_embedder_faults_degrade_hybrid_and_fail_vector_mode(base: Built) -> Non
     # Healthy again: no degradation.
     is_error, payload = call(service(base), "search_corpus", query="rollback steps")
     assert not is_error and payload["degraded"] is None and payload["hint"] is None
+
+
+def test_an_index_built_without_ollama_answers_from_keywords_and_says_so(tmp_path: Path) -> None:
+    """#28 §2: ingest without Ollama publishes keywords; search answers from them at once (no
+    embedding call, though Ollama is up again), says so, and vector mode says why it cannot."""
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    with FakeOllama() as ollama:
+        ollama.stop()
+        assert ingest_in_process(ollama, corpus, store).code == 1
+        ollama.restart()
+        svc = service(Built(corpus, store, ollama.host))
+        is_error, payload = call(svc, "search_corpus", query="rollback steps", min_score=0.2)
+        assert not is_error and payload["degraded"] == "vectors_pending", payload
+        chunks = payload["index"]["chunks"]
+        assert payload["index"]["vectors_pending"] == chunks > 0
+        assert f"none of the index's {chunks} passages has a vector yet" in payload["hint"]
+        assert "ollama pull embeddinggemma" in payload["hint"] and "min_score was not applied" in payload["hint"]
+        assert payload["results"][0]["path"] == "runbooks/deploy.md"
+        assert all(hit["matched"] == ["keyword"] and hit["score"] is None for hit in payload["results"])
+        is_error, payload = call(svc, "search_corpus", query="rollback steps", mode="vector")
+        assert is_error and payload["error"]["code"] == "vectors_pending"
+        assert "embeds only the waiting passages" in payload["error"]["hint"]
+        is_error, payload = call(svc, "search_corpus", query="rollback steps", mode="keyword")
+        assert not is_error and payload["degraded"] is None and payload["results"]
+        assert ollama.embed_calls == 0
+        is_error, listing = call(svc, "list_documents")
+        assert not is_error and listing["index"]["vectors_pending"] == chunks
+        status, health = server.HealthProbe(svc).answer()
+        assert status == 200 and health["status"] == "degraded" and health["vectors_pending"] == chunks
+        assert [p["code"] for p in health["problems"]] == ["vectors_pending"]
+
+
+def test_passages_waiting_for_vectors_are_found_by_keywords_and_counted(tmp_path: Path) -> None:
+    """Files added while Ollama is away wait for vectors; the others keep theirs. Hybrid finds
+    both and says how many wait; once embedded, nothing is said."""
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    with FakeOllama() as ollama:
+        assert ingest_in_process(ollama, corpus, store).code == 0
+        (corpus / "runbooks" / "zebra-crossing.md").write_text(
+            "# Zebra crossing drill\n\nThe quarterly zebra crossing drill rehearses the ZEBRA-7 failover.\n")
+        ollama.stop()
+        assert ingest_in_process(ollama, corpus, store).code == 1
+        ollama.restart()
+        svc = service(Built(corpus, store, ollama.host))
+        is_error, payload = call(svc, "search_corpus", query="ZEBRA-7 failover drill")
+        assert not is_error and payload["degraded"] == "vectors_pending", payload
+        waiting = payload["index"]["vectors_pending"]
+        assert 0 < waiting < payload["index"]["chunks"]
+        assert payload["hint"].startswith(f"{waiting} of the index's {payload['index']['chunks']} passages have")
+        assert payload["results"][0]["path"] == "runbooks/zebra-crossing.md"
+        assert payload["results"][0]["matched"] == ["keyword"]
+        assert any("vector" in hit["matched"] for hit in payload["results"])  # the others still have vectors
+        is_error, payload = call(svc, "search_corpus", query="ZEBRA-7 failover drill", mode="keyword")
+        assert not is_error and payload["degraded"] is None
+        assert ingest_in_process(ollama, corpus, store).code == 0
+        is_error, payload = call(svc, "search_corpus", query="ZEBRA-7 failover drill")
+        assert not is_error and payload["degraded"] is None and payload["index"]["vectors_pending"] == 0
+        assert "vector" in payload["results"][0]["matched"]
 
 
 def test_repeated_queries_reuse_the_query_embedding(base: Built) -> None:
