@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""From a fresh clone to a registered search server in one command (needs Python 3.11+ and Ollama).
+"""From a fresh clone to a registered search server in one command (needs Python 3.11+; Ollama for semantic search).
 
     python3 tools/quickstart.py                      # the sample corpus
     python3 tools/quickstart.py --corpus ~/my-docs   # your own folder of Markdown, in its own store
 
-It creates .venv next to the code (unless it exists), installs local-rag-mcp into it, checks that
-Ollama answers and has the embedding model (pulling it with the `ollama` command when it is
-missing), indexes the corpus with ingest.py, and prints the exact commands that register the
-server with Claude Code and Codex, with absolute paths. Standard library only: it runs before
-anything is installed. Safe to run again: every step is skipped or incremental when done.
+It creates .venv next to the code (unless it exists), installs local-rag-mcp into it (skipped
+when it is installed there), checks that Ollama answers and has the embedding model (pulling it
+with the `ollama` command when it is missing), indexes the corpus with ingest.py, and prints the
+exact commands that register the server with Claude Code and Codex, with absolute paths. Without
+Ollama (or its model) it still indexes and registers: searches answer from the keyword index, and
+it says how to add semantic search (a later run embeds only the passages that wait for it).
+Standard library only: it runs before anything is installed. Safe to run again: ingest only
+indexes what changed.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def environment(python: str | None) -> Path:
     """The interpreter of the project's environment: the one given, or .venv (created when missing,
     installed into unless this checkout and its dependencies already are)."""
     if python:
-        return Path(python)
+        return Path(python).absolute()  # printed in the registration: it must work from any folder
     venv = PROJECT_DIR / ".venv"
     interpreter = venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
     if not interpreter.exists():
@@ -103,15 +106,15 @@ def ensure_model(host: str, model: str) -> str | None:
     """None when Ollama answers and has the model; otherwise what the user must do."""
     names = ollama_models(host)
     if names is None:
-        return (f"Ollama does not answer at {host}. Start it (`ollama serve`, or the Ollama app), or set "
-                "OLLAMA_HOST to where it runs, then run this again.")
+        return (f"Ollama does not answer at {host}: start it (`ollama serve`, or the Ollama app) and run "
+                f"`ollama pull {model}`, or set OLLAMA_HOST to where it runs")
     if has_model(names, model):
         return None
     if shutil.which("ollama") is None:
-        return f"Ollama at {host} does not have {model!r}: run `ollama pull {model}`, then run this again."
+        return f"Ollama at {host} does not have {model!r}: run `ollama pull {model}`"
     say(f"pulling {model} into Ollama (once; a few hundred MB)")
     if subprocess.run(["ollama", "pull", model]).returncode != 0 or not has_model(ollama_models(host) or [], model):
-        return f"`ollama pull {model}` did not succeed; run it yourself, then run this again."
+        return f"`ollama pull {model}` did not succeed: run it yourself"
     return None
 
 
@@ -178,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     host, model = settings.ollama_host, settings.embed_model
 
     python = environment(args.python)
-    problem = ensure_model(host, model)
-    if problem:
-        return fail(problem)
+    without_ollama = ensure_model(host, model)
+    if without_ollama:
+        say(f"{without_ollama}. Meanwhile the documents are indexed for keyword search only.")
     env: dict[str, str] = {}
     ingest = [str(python), str(PROJECT_DIR / "ingest.py")]
     if args.corpus:
@@ -195,11 +198,17 @@ def main(argv: list[str] | None = None) -> int:
         ingest += ["--store", env["RAG_STORE_DIR"]]
     say("indexing: " + " ".join(shlex.quote(part) for part in ingest))
     code = subprocess.run(ingest).returncode
-    if code == 2:
+    store = Path(env.get("RAG_STORE_DIR", settings.store_dir))
+    if code == 2 and without_ollama and (store / "CURRENT.json").is_file():
+        say("nothing new to index without Ollama; the index already built answers keyword searches")
+    elif code == 2:
         return fail("ingest did nothing (see its message above); fix that and run this again")
-    if code == 1:
+    if code == 1 and not without_ollama:
         say("some files failed to index (listed above); the rest is searchable")
     print(registration(python, env, server_name(Path(env["RAG_CORPUS_DIR"]) if "RAG_CORPUS_DIR" in env else None)))
+    if without_ollama:
+        print(f"Searches answer from the keyword index for now. To add semantic search: {without_ollama}; then "
+              "run this again (or the re-index command above): it embeds only the waiting passages.")
     return 0
 
 
