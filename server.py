@@ -3492,6 +3492,10 @@ def human_view(tool: str, payload: Mapping[str, Any]) -> str:
              for doc in payload["documents"]]
     if payload.get("next_offset") is not None:
         lines.append(f"(more: --offset {payload['next_offset']})")
+    index = payload.get("index") or {}
+    if index.get("vectors_pending"):
+        lines.append(f"({index['vectors_pending']} of {index['chunks']} passages are found by keyword search only: "
+                     f"{rules.vectors_pending_hint(index['model'])})")
     return "\n".join(lines) if lines else f"({rules.metadata_text(payload.get('message') or 'no documents')})"
 
 
