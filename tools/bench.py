@@ -73,6 +73,7 @@ SLOW_EMBED_TIMEOUT_S = 60
 # Issue 11: --watch. Edits measured, the poll interval of the searches that look for each, and the
 # pause before the next edit once the watcher reported its run (each edit meets an idle watcher).
 WATCH_POLL_S = 0.05
+FIRST_ANSWER_POLL_S = 0.25
 WATCH_QUIET_S = 0.3
 WATCH_FIND_TIMEOUT_S = 30.0
 # Issue 14: files for the scope and reuse figures (the synthetic documents from this index up).
@@ -620,6 +621,39 @@ def run_ingest(python: str, corpus: Path, store: Path, fake: FakeProcess, log_fi
                      cpu_s=rusage.ru_utime + rusage.ru_stime + tree.descendants_cpu_s,
                      fake_inputs=after["inputs"] - before["inputs"], fake_delay_s=after["delay_s"] - before["delay_s"],
                      largest_call=max(fake.call_sizes(before["embed_calls"]), default=0))
+
+
+class FirstAnswer:
+    """Searches (hybrid, what an agent sends) every FIRST_ANSWER_POLL_S on a thread from now
+    until one returns hits: how long a first ingest keeps an agent waiting for any answer."""
+
+    def __init__(self, peer: StdioPeer, query: str) -> None:
+        self.peer, self.query = peer, query
+        self.started = time.perf_counter()
+        self.seconds = math.inf
+        self.degraded: str | None = None
+        self.polls = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="first-answer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            result, _ = self.peer.call("search_corpus", {"query": self.query})
+            self.polls += 1
+            payload = tool_payload(result)
+            if payload.get("results"):
+                self.seconds, self.degraded = time.perf_counter() - self.started, payload.get("degraded")
+                return
+            self._stop.wait(FIRST_ANSWER_POLL_S)
+
+    def stop(self) -> None:
+        """After the ingest: the poller's answer awaited (at most RPC_TIMEOUT_S), then it stops."""
+        self._thread.join(RPC_TIMEOUT_S)
+        self._stop.set()
+
+    def report(self) -> dict[str, Any]:
+        return {"query": self.query, "seconds": self.seconds, "degraded": self.degraded, "polls": self.polls}
 
 
 class TreeSampler:
@@ -1813,10 +1847,15 @@ class Bench:
         shutil.rmtree(store, ignore_errors=True)
         per_text_ms = SLOW_EMBED_PER_TEXT_S * 1000
         log(f"ingesting the {label} corpus against a slow embedder ({per_text_ms:.0f} ms per text) ...")
-        with FakeProcess(self.python, self.work, delay_per_text_s=SLOW_EMBED_PER_TEXT_S, tag="fake-slow") as slow:
+        with (FakeProcess(self.python, self.work, delay_per_text_s=SLOW_EMBED_PER_TEXT_S, tag="fake-slow") as slow,
+              StdioPeer([self.python, str(self.server)], self.server_env(corpus, store, fake=slow),
+                        self.work / "server-slow.stderr", cwd=self.work) as peer):
+            peer.handshake()
+            first_answer = FirstAnswer(peer, synthetic_queries(1, "first-answer")[0])
             run = self.ingest_once(corpus, store, fake=slow, check=False,
                                    extra_env={"RAG_EMBED_TIMEOUT": str(SLOW_EMBED_TIMEOUT_S)},
                                    timeout_s=max(self.args.ingest_timeout, 3 * size * SLOW_EMBED_PER_TEXT_S))
+            first_answer.stop()
             fake_stats = slow.stats()
         shutil.rmtree(store, ignore_errors=True)
         summary = run.summary
@@ -1829,7 +1868,15 @@ class Bench:
             "exit": run.exit, "summary": {k: v for k, v in summary.items() if k != "listing"}, "wall_s": run.wall_s,
             "peak_rss_mb": run.peak_rss_mb, "fake_calls": run.fake_calls, "fake_inputs": run.fake_inputs,
             "fake_delay_s": run.fake_delay_s, "fake_busy_s": run.fake_busy_s, "largest_call": run.largest_call,
-            "fake_dropped_calls": fake_stats["dropped_calls"]}
+            "fake_dropped_calls": fake_stats["dropped_calls"], "first_answer": first_answer.report()}
+        self.add(Figure(f"slow.first_answer_s@{label}", f"First ingest with a slow embedder ({per_text_ms:.0f} ms "
+                        f"per text), {label} chunks: its start to the first search that returns hits (hybrid, a "
+                        "stdio server started before it)", first_answer.seconds, "s", "<= 30 s",
+                        limit=run.wall_s, limit_what="the whole ingest, this run",
+                        ratio=first_answer.seconds / run.wall_s if run.wall_s else None,
+                        passed=first_answer.seconds <= 30.0, size=size,
+                        note=f"answered with degraded={first_answer.degraded!r} after {first_answer.polls} "
+                             "searches"))
         what = f"slow embedder ({per_text_ms:.0f} ms per text, RAG_EMBED_TIMEOUT={SLOW_EMBED_TIMEOUT_S}), {label} chunks"
         self.add(Figure(f"slow.failures@{label}", f"Ingest with a {what}: files failed or left for the next run",
                         float(max(failed, 0) + max(left, 0)), "files", "0 failures",
