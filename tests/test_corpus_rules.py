@@ -1105,3 +1105,10 @@ def test_the_environment_list_is_what_load_settings_reads_and_the_readme_documen
     table = re.findall(r"^\| `([A-Z_]+)` \|", readme.split("## Configuration", 1)[1], flags=re.M)
     assert set(read) == set(rules.ENVIRONMENT)
     assert table == list(rules.ENVIRONMENT)
+
+
+def test_the_readme_error_table_lists_every_error_code() -> None:
+    readme = (Path(rules.__file__).parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Errors", 1)[1].split("\n## ", 1)[0]
+    table = re.findall(r"^\| `([a-z_]+)` \|", section, flags=re.M)
+    assert sorted(table) == sorted(code.value for code in rules.ErrorCode)

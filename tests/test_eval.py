@@ -110,6 +110,51 @@ def test_readme_tables_put_single_and_phrasings_side_by_side() -> None:
     assert "| P1 | single | 0.500 | 0.500 | 0.500 | 0% | 0% | 0% |" in text  # confidence: a tie everywhere
 
 
+_section_spec = importlib.util.spec_from_file_location("readme_section", ROOT / "tools" / "readme_section.py")
+assert _section_spec and _section_spec.loader
+readme_section = importlib.util.module_from_spec(_section_spec)
+_section_spec.loader.exec_module(readme_section)
+
+
+def test_a_section_is_rewritten_between_its_markers_and_nothing_else() -> None:
+    text = ("# t\nkept\n<!-- eval:begin -->\nold table\n<!-- eval:end -->\nafter\n"
+            "<!-- bench:begin -->\nbench\n<!-- bench:end -->\n")
+    new = readme_section.replace_section(text, "eval", "\nnew table\n| a |\n\n")
+    assert new == text.replace("old table\n", "new table\n| a |\n")
+    assert readme_section.replace_section(new, "eval", "") == text.replace("old table\n", "")
+    assert readme_section.replace_section(text, "eval", "old table") == text  # idempotent
+
+
+@pytest.mark.parametrize("text", ["# no markers\n", "<!-- eval:begin -->\nx\n",
+                                  "<!-- eval:end -->\n<!-- eval:begin -->\n",
+                                  "<!-- eval:begin -->\n<!-- eval:end -->\n<!-- eval:begin -->\n<!-- eval:end -->\n"])
+def test_missing_duplicated_or_swapped_markers_are_a_clear_error(text: str) -> None:
+    with pytest.raises(readme_section.SectionError, match=r"eval.*<!-- eval:(begin|end) -->"):
+        readme_section.replace_section(text, "eval", "new")
+
+
+def test_tools_readme_has_every_section_the_tools_write() -> None:
+    text = readme_section.README.read_text(encoding="utf-8")
+    for name in ("bench", "bench-scale", "eval", "eval-loco"):
+        readme_section.replace_section(text, name, "x")  # raises when a marker is missing or doubled
+
+
+def test_table_write_readme_writes_the_tables_and_the_runs_they_come_from(tmp_path: Path) -> None:
+    single = saved("P1", False, [outcome("q1", "paraphrase", A, ["b.md", "a.md"])], commit="abc1234")
+    runs = tmp_path / "P1-single.json"
+    runs.write_text(json.dumps(single), encoding="utf-8")
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- eval:begin -->\nold\n<!-- eval:end -->\nend\n", encoding="utf-8")
+    assert rag_eval.main(["--table", str(runs), "--write-readme", str(readme)]) == 0
+    written = readme.read_text(encoding="utf-8")
+    assert written.startswith("intro\n<!-- eval:begin -->\nFrom the saved runs P1 single @ abc1234")
+    assert "| P1 | paraphrase | 1 | 1.000 / 1.000 / 0.500 |" in written and "old" not in written
+    assert written.endswith("<!-- eval:end -->\nend\n")
+    readme.write_text("no markers\n", encoding="utf-8")
+    assert rag_eval.main(["--table", str(runs), "--write-readme", str(readme)]) == 2
+    assert readme.read_text(encoding="utf-8") == "no markers\n"
+
+
 def scored_run(corpus: str, answerable: list[float], unanswerable: list[float], phrasings: bool = False) -> dict:
     """A run whose queries carry these confidence scores, the level read as the server does."""
     def level(score: float) -> str:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import math
 import os
@@ -57,6 +58,9 @@ from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/readme_section.py, whichever folder it runs from
+import readme_section  # noqa: E402
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 TESTS_DIR = PROJECT_DIR / "tests"
@@ -2195,6 +2199,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--scale-budget", type=float, default=3600.0, metavar="SECONDS",
                         help="--scale stops growing when the next size's projected time exceeds what is left of "
                              "this (default: %(default)s)")
+    parser.add_argument("--write-readme", nargs="?", const=str(readme_section.README), metavar="PATH",
+                        help="also write the report into the bench (--scale: bench-scale) section of tools/README.md "
+                             "(or PATH), between its <!-- NAME:begin --> and <!-- NAME:end --> markers")
     return parser.parse_args(argv)
 
 
@@ -2211,6 +2218,33 @@ def print_scale(scale: dict[str, Any], out: str, error: str | None) -> int:
     return 0
 
 
+def print_report(args: argparse.Namespace, bench: Bench, figures: Sequence[Figure], machine: dict[str, Any],
+                 duration: float, error: str | None) -> int:
+    """The run's report on stdout (also what --write-readme writes); the exit status."""
+    mode = "scale" if args.scale else "quick: 1k chunks" if args.quick else "full"
+    commit = f", commit {machine['project_commit']}" if machine.get("project_commit") else ""
+    print(f"local-rag-mcp benchmark ({mode}), {duration:.0f} s{commit}")
+    print()
+    print(machine_line(machine))
+    print()
+    if args.scale:
+        return print_scale(bench.details.get("scale") or {}, args.out, error)
+    print(markdown_table(figures))
+    noted = [f for f in figures if f.note and (f.passed is not None or f.id.startswith(("search.", "memory.")))]
+    if noted:
+        print()
+        for f in noted:
+            print(f"- {f.figure}: {f.note}")
+    failed = [f.id for f in figures if f.passed is False]
+    print()
+    print(f"{sum(f.passed is True for f in figures)} goals met, {len(failed)} missed"
+          + (f": {', '.join(failed)}" if failed else "") + f". JSON: {args.out}")
+    if error:
+        print(f"\nThe run stopped early: {error}")
+        return 2
+    return 1 if args.strict and failed else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--serve-fake"]:
@@ -2220,6 +2254,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not Path(args.server).is_file():
         print(f"bench: {args.server} does not exist", file=sys.stderr)
         return 2
+    if args.write_readme:  # before the run, not after minutes of it
+        section = "bench-scale" if args.scale else "bench"
+        try:
+            readme_section.replace_section(Path(args.write_readme).read_text(encoding="utf-8"), section, "")
+        except (readme_section.SectionError, OSError) as exc:
+            print(f"bench: --write-readme: {exc}", file=sys.stderr)
+            return 2
     started = time.perf_counter()
     machine = machine_info()
     log(machine_line(machine))
@@ -2255,27 +2296,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "details": bench.details,
     }
     Path(args.out).write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
-    mode = "scale" if args.scale else "quick: 1k chunks" if args.quick else "full"
-    print(f"local-rag-mcp benchmark ({mode}), {duration:.0f} s")
-    print()
-    print(machine_line(machine))
-    print()
-    if args.scale:
-        return print_scale(bench.details.get("scale") or {}, args.out, error)
-    print(markdown_table(figures))
-    noted = [f for f in figures if f.note and (f.passed is not None or f.id.startswith(("search.", "memory.")))]
-    if noted:
-        print()
-        for f in noted:
-            print(f"- {f.figure}: {f.note}")
-    failed = [f.id for f in figures if f.passed is False]
-    print()
-    print(f"{sum(f.passed is True for f in figures)} goals met, {len(failed)} missed"
-          + (f": {', '.join(failed)}" if failed else "") + f". JSON: {args.out}")
-    if error:
-        print(f"\nThe run stopped early: {error}")
-        return 2
-    return 1 if args.strict and failed else 0
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        status = print_report(args, bench, figures, machine, duration, error)
+    sys.stdout.write(shown.getvalue())
+    if args.write_readme and error is None:
+        section = "bench-scale" if args.scale else "bench"
+        try:
+            readme_section.write_section(Path(args.write_readme), section, shown.getvalue())
+        except (readme_section.SectionError, OSError) as exc:
+            print(f"bench: could not write the {section} section of {args.write_readme}: {exc}", file=sys.stderr)
+            return 2
+        print(f"\nWrote the {section} section of {args.write_readme}.")
+    return status
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ whether it was dirty) and, per mode and query, its gold, ranked results, confide
 runs without running anything: per mode and kind the metrics before -> after, and every query
 whose file hit, section hit or reciprocal rank moved (better, worse, or mixed), in Markdown for
 a commit message, so a change that trades one query for another shows. --table prints the
-README's dev-set tables from saved runs (one single-query and one phrasings run per corpus).
+dev-set tables of tools/README.md from saved runs (one single-query and one phrasings run per corpus).
 --loco reports confidence leave one corpus out from saved runs of two corpora: the
 confidence_score cut that flags at most 10% of one corpus's answerable queries, applied to the
 other's, with each held-out corpus's AUROC of confidence_score and of the level, and the shares
@@ -66,6 +66,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout's own modules, whichever folder the script runs from
+sys.path.insert(0, str(ROOT / "tools"))  # tools/readme_section.py
+
+import readme_section
 
 from corpus_rules import CurrentIndex, StoreLayout, searchable_tokens
 
@@ -430,7 +433,7 @@ def triple(row: Mapping[str, Any]) -> str:
 
 
 def readme_tables(reports: Sequence[Mapping[str, Any]], mode: str = "hybrid") -> str:
-    """The README's dev-set tables from saved runs, one single-query and one phrasings run per
+    """The dev-set tables of tools/README.md from saved runs, one single-query and one phrasings run per
     corpus: file_hit@5 / section_hit@5 / MRR@10 per corpus and kind (in `mode`), every mode's
     totals, and how well confidence tells answerable from unanswerable queries (in `mode`)."""
     runs: dict[str, dict[str, Mapping[str, Any]]] = {}
@@ -755,6 +758,25 @@ def read_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
     return [json.loads(path.read_text(encoding="utf-8")) for path in paths]
 
 
+def runs_line(reports: Sequence[Mapping[str, Any]]) -> str:
+    """Which saved runs a written section comes from: corpus, queries, commit, the index's model."""
+    return "From the saved runs " + "; ".join(
+        f"{run_label(r)} (embedder {r.get('settings', {}).get('embedder_model') or '?'})" for r in reports) + "."
+
+
+def write_readme(path: str | None, section: str, text: str) -> int:
+    """--write-readme: `text` into `section` of the file at `path` (nothing when None); the exit status."""
+    if path is None:
+        return 0
+    try:
+        readme_section.write_section(Path(path), section, text)
+    except (readme_section.SectionError, OSError) as exc:
+        print(f"eval: could not write the {section} section of {path}: {exc}", file=sys.stderr)
+        return 2
+    print(f"\nWrote the {section} section of {path}.", file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("queries", type=Path, nargs="*", help="query files (JSON lines), read in order")
@@ -769,19 +791,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--compare", type=Path, nargs="+", metavar="RUN.json",
                         help="OLD: compare this run with OLD; OLD NEW: compare two saved runs, running nothing")
     parser.add_argument("--table", type=Path, nargs="+", metavar="RUN.json",
-                        help="print the README's dev-set tables from saved runs (single and phrasings per corpus)")
+                        help="print the dev-set tables of tools/README.md from saved runs (single and phrasings per corpus)")
     parser.add_argument("--loco", type=Path, nargs="+", metavar="RUN.json",
                         help="confidence leave one corpus out, from saved runs of two or more corpora")
     parser.add_argument("--check-k", action="store_true",
                         help=f"also check that the results for every k in 1..{K_SWEEP} are the first k of k={K_SWEEP}")
     parser.add_argument("--phrasings", type=Path, help="extra phrasings per query id (JSON lines {id, queries})")
+    parser.add_argument("--write-readme", nargs="?", const=str(readme_section.README), metavar="PATH",
+                        help="with --table / --loco: also write the tables into the eval / eval-loco section of "
+                             "tools/README.md (or PATH), between its <!-- NAME:begin --> and <!-- NAME:end --> markers")
     args = parser.parse_args(argv)
+    if args.write_readme and not (args.table or args.loco):
+        parser.error("--write-readme goes with --table or --loco (the tables of saved runs)")
     if args.table:
-        print(readme_tables(read_runs(args.table)))
-        return 0
+        reports = read_runs(args.table)
+        text = readme_tables(reports)
+        print(text)
+        return write_readme(args.write_readme, "eval", f"{runs_line(reports)}\n\n{text}")
     if args.loco:
-        print(loco_table(leave_one_corpus_out(read_runs(args.loco))))
-        return 0
+        reports = read_runs(args.loco)
+        text = loco_table(leave_one_corpus_out(reports))
+        print(text)
+        return write_readme(args.write_readme, "eval-loco", f"{runs_line(reports)}\n\n{text}")
     if args.compare and len(args.compare) > 2:
         parser.error("--compare takes OLD.json, or OLD.json NEW.json")
     if args.compare and len(args.compare) == 2:
