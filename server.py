@@ -26,8 +26,8 @@ background warm-up after the client has listed the tools, never during the hands
 stdout carries JSON-RPC only (the MCP stdio transport points fd 1 at stderr while serving);
 everything else is logged to stderr.
 
-Run: `python server.py`; configuration comes from the environment (rules.ENVIRONMENT, read by
-rules.load_settings, documented in README.md "Configuration").
+Run: `local-rag-mcp` once installed, `python server.py` in a clone; configuration comes from the
+environment (rules.ENVIRONMENT, read by rules.load_settings, documented in README.md "Configuration").
 """
 
 from __future__ import annotations
