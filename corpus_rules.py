@@ -35,6 +35,7 @@ import os
 import queue
 import re
 import secrets
+import shlex
 import shutil
 import stat
 import statistics
@@ -110,13 +111,63 @@ class RagError(Exception):
         return f"{self.code}: {self.message}" + (f" ({self.hint})" if self.hint else "")
 
 
-# What every hint tells the operator to run to (re)build an index: the one command that writes.
-INGEST_COMMAND = "python ingest.py"
+# The console scripts pyproject.toml's [project.scripts] installs (a test holds the two together).
+SERVER_SCRIPT = "local-rag-mcp"
+INGEST_SCRIPT = "local-rag-ingest"
+# A clone (or an editable install of one), not a copy pip installed: pyproject.toml is beside the code.
+IN_CHECKOUT = (PROJECT_DIR / "pyproject.toml").is_file()
+CLONE_PYTHON = PROJECT_DIR / ".venv" / "bin" / "python"  # the environment the quick start makes
+
+
+def _ingest_program() -> list[str]:
+    """How this user runs ingest from a shell. In a clone run as `python server.py`: this
+    interpreter (or the clone's .venv when this one lacks the project's libraries) and the
+    clone's ingest.py, by absolute paths (a bare `python` may be one without the project).
+    Started as a console script, or installed: the console script beside it, by name when that
+    is what PATH finds, else by its path; failing that, `-m ingest`."""
+    started = Path(sys.argv[0]).absolute() if sys.argv and sys.argv[0] else None
+    as_script = started is not None and started.name in (SERVER_SCRIPT, INGEST_SCRIPT)
+    if IN_CHECKOUT and not as_script:
+        import importlib.util
+
+        lacking = importlib.util.find_spec("chromadb") is None and CLONE_PYTHON.is_file()
+        return [str(CLONE_PYTHON) if lacking else sys.executable, str(PROJECT_DIR / "ingest.py")]
+    import sysconfig
+
+    for folder in ([started.parent] if started is not None and as_script else []) + [Path(sysconfig.get_path("scripts"))]:
+        script = folder / INGEST_SCRIPT
+        if script.is_file():
+            on_path = shutil.which(INGEST_SCRIPT)
+            return [INGEST_SCRIPT if on_path and Path(on_path).resolve() == script.resolve() else str(script)]
+    return [sys.executable, "-m", "ingest"]
+
+
+# What every hint tells the operator to run to (re)build an index: the one command that writes,
+# as this user runs it here; and as HTTP callers read it, its folders not named (see server.redact).
+_INGEST_PROGRAM = _ingest_program()
+INGEST_COMMAND = shlex.join(_INGEST_PROGRAM)
+INGEST_COMMAND_SHOWN_REMOTELY = " ".join(f"<path>/{Path(part).name}" if os.path.isabs(part) else part
+                                         for part in _INGEST_PROGRAM)
 
 
 def ingest_command(*flags: str) -> str:
     """The ingest command with these flags, as hints quote it."""
     return f"`{' '.join((INGEST_COMMAND, *flags))}`"
+
+
+def missing_dependency(exc: ModuleNotFoundError, program: str) -> RagError:
+    """A library the project needs that this interpreter cannot import: `program` (ingest.py or
+    server.py) was started with a Python the project is not installed into, or its installation
+    is incomplete. The hint names the Python that has it (the clone's .venv) or the install."""
+    if IN_CHECKOUT and CLONE_PYTHON.is_file() and Path(sys.executable).absolute() != CLONE_PYTHON:
+        hint = (f"run it with the clone's environment: {shlex.join([str(CLONE_PYTHON), str(PROJECT_DIR / program)])} "
+                f"(or activate it first: . {shlex.quote(str(PROJECT_DIR / '.venv' / 'bin' / 'activate'))})")
+    elif IN_CHECKOUT:
+        hint = f"install the project into this Python: {shlex.join([sys.executable, '-m', 'pip', 'install', str(PROJECT_DIR)])}"
+    else:
+        hint = f"reinstall local-rag-mcp into this Python: {shlex.join([sys.executable, '-m', 'pip', 'install', '--force-reinstall', 'local-rag-mcp'])}"
+    return RagError(ErrorCode.INVALID_ARGUMENT, f"configuration error: the Python running {program} ({sys.executable}) "
+                    f"cannot import {exc.name!r}, which local-rag-mcp needs", hint)
 
 
 def store_failure(exc: BaseException, what: str) -> RagError:
@@ -318,6 +369,17 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
         http_read_timeout_s=_seconds_env(env, "RAG_HTTP_READ_TIMEOUT", 10.0),
         http_max_connections=_int_env(env, "RAG_HTTP_MAX_CONNECTIONS", 1000, 8, 1_000_000),
     )
+
+
+def no_corpus_configured(settings: Settings) -> RagError | None:
+    """The configuration error of an installed copy run with RAG_CORPUS_DIR unset: pip installs
+    no sample corpus beside the code to default to. None when there is a folder to use."""
+    if settings.corpus_dir_explicit or settings.corpus_dir.is_dir():
+        return None
+    return RagError(ErrorCode.INVALID_ARGUMENT, "configuration error: RAG_CORPUS_DIR is not set, and there is no "
+                    f"sample corpus beside the program ({settings.corpus_dir}) to default to",
+                    "set RAG_CORPUS_DIR to your folder of Markdown, the same for ingest and the server "
+                    "(ingest also takes --corpus DIR)")
 
 
 def _token_env(env: Mapping[str, str], name: str) -> str | None:
@@ -1880,6 +1942,13 @@ def _fsync_dir(path: Path) -> None:
 # how an index's vectors are found and dropped, and how their failures read.
 
 INGEST_HINT = f"run {ingest_command()} (with the same RAG_STORE_DIR and RAG_CORPUS_DIR as this server)"
+
+
+def ingest_hint(settings: Settings) -> str:
+    """INGEST_HINT, after setting RAG_CORPUS_DIR when there is no corpus to index (an installed
+    copy has no sample corpus beside it)."""
+    unset = no_corpus_configured(settings)
+    return INGEST_HINT if unset is None else f"{unset.hint}; then {INGEST_HINT}"
 # Ids are listed, and deleted, a page at a time: a Chroma server caps a request's size.
 VECTOR_PAGE = 5000
 

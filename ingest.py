@@ -1700,8 +1700,8 @@ def run(args: argparse.Namespace, summary: Summary | None = None, vectors: rules
     layout = rules.StoreLayout(settings.store_dir)
     corpus = settings.corpus_dir
     if not corpus.is_dir():
-        raise RagError(ErrorCode.CORPUS_MISSING, f"corpus folder {corpus} does not exist",
-                       "set RAG_CORPUS_DIR or pass --corpus DIR")
+        raise rules.no_corpus_configured(settings) or RagError(
+            ErrorCode.CORPUS_MISSING, f"corpus folder {corpus} does not exist", "set RAG_CORPUS_DIR or pass --corpus DIR")
     # Started when the run knows it has work (see _run_in), not for a run with nothing to write.
     owned = vectors is None and not args.dry_run
     if owned:
@@ -2211,7 +2211,7 @@ def _guard_empty(walk: Walk, registry: dict[str, DocumentRow], allow_empty: bool
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Index a folder of Markdown for local-rag-mcp.")
-    parser.add_argument("--corpus", help="corpus folder (default: $RAG_CORPUS_DIR or sample-corpus/)")
+    parser.add_argument("--corpus", help="corpus folder (default: $RAG_CORPUS_DIR, in a clone sample-corpus/)")
     parser.add_argument("--store", help="store folder (default: $RAG_STORE_DIR or ~/.local-rag-mcp/store)")
     parser.add_argument("--full", action="store_true", help="re-embed every file, changed or not")
     parser.add_argument("--dry-run", action="store_true", help="report what would change; embed and write nothing")
@@ -2231,6 +2231,8 @@ def failure_of(exc: BaseException) -> RagError:
     """A run that stopped on something other than a RagError, in the error vocabulary: the store
     could not be written (disk full, read-only, another user's), or an unexpected failure (its
     trace goes to the log). What was committed before it stays; the next run carries on."""
+    if isinstance(exc, ModuleNotFoundError):
+        return rules.missing_dependency(exc, "ingest.py")
     failure = rules.store_failure(exc, "store")
     if failure.code is ErrorCode.INTERNAL and not isinstance(exc, (OSError, sqlite3.Error)):
         log.error("ingest failed unexpectedly:\n%s", traceback.format_exc())
@@ -2303,6 +2305,8 @@ def watch(args: argparse.Namespace) -> int:
 
     settings = rules.load_settings(corpus_dir=args.corpus, store_dir=args.store)
     corpus = settings.corpus_dir
+    if not corpus.is_dir():  # nothing to watch: the run says why (not configured, or not there)
+        return run_once(args)[0]
     settle_ms = int(args.settle * 1000)
     signal.signal(signal.SIGTERM, _interrupt)  # systemd's stop: end like Ctrl-C
     log.info("watching %s (runs once changes have settled for %.1f s)", corpus, args.settle)
@@ -2427,6 +2431,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ingest: interrupted; what was committed is kept, and the next run continues from there",
               file=sys.stderr, flush=True)
         return 130
+    except (RagError, ModuleNotFoundError) as exc:  # --watch's start: its settings, or its watcher's library
+        error = rules.missing_dependency(exc, "ingest.py") if isinstance(exc, ModuleNotFoundError) else exc
+        log.error("%s", error.message)
+        if error.hint:
+            log.error("next: %s", error.hint)
+        return 2
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ background warm-up after the client has listed the tools, never during the hands
 stdout carries JSON-RPC only (the MCP stdio transport points fd 1 at stderr while serving);
 everything else is logged to stderr.
 
-Run: `python server.py`; configuration comes from the environment (rules.ENVIRONMENT, read by
-rules.load_settings, documented in README.md "Configuration").
+Run: `local-rag-mcp` once installed, `python server.py` in a clone; configuration comes from the
+environment (rules.ENVIRONMENT, read by rules.load_settings, documented in README.md "Configuration").
 """
 
 from __future__ import annotations
@@ -61,7 +61,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+try:
+    from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+except ModuleNotFoundError as missing:  # `python server.py` with a Python the project is not installed into
+    import corpus_rules
+
+    _error = corpus_rules.missing_dependency(missing, "server.py")
+    sys.exit(f"server: {_error.message}\nserver: next: {_error.hint}")
 
 import corpus_rules as rules
 from corpus_rules import ErrorCode, RagError
@@ -1218,18 +1224,18 @@ class StoreManager:
     def current(self) -> rules.CurrentIndex:
         root = self.layout.root
         if not root.is_dir():
-            raise RagError(ErrorCode.INDEX_MISSING, f"the store folder {root} does not exist", rules.INGEST_HINT)
+            raise RagError(ErrorCode.INDEX_MISSING, f"the store folder {root} does not exist", rules.ingest_hint(self.settings))
         try:
             st = self.layout.current_file.stat()
         except FileNotFoundError:
             raise RagError(ErrorCode.INDEX_MISSING, f"{self.layout.current_file} does not exist (no index yet)",
-                           rules.INGEST_HINT) from None
+                           rules.ingest_hint(self.settings)) from None
         key = _StatKey(st.st_mtime_ns, st.st_size, st.st_ino)
         # CURRENT.json is replaced atomically by ingest, so any change shows in these three.
         if self._current is None or key != self._stat:
             current = self.layout.read_current()
             if current is None:
-                raise RagError(ErrorCode.INDEX_MISSING, f"{self.layout.current_file} does not exist", rules.INGEST_HINT)
+                raise RagError(ErrorCode.INDEX_MISSING, f"{self.layout.current_file} does not exist", rules.ingest_hint(self.settings))
             self._current, self._stat = current, key
         return self._current
 
@@ -2323,6 +2329,8 @@ def dispatch(service: RetrievalService, name: str, arguments: Mapping[str, Any] 
         outcome = Outcome(name, payload=getattr(service, spec.method)(args))
     except RagError as exc:
         outcome = Outcome(name, error=exc)
+    except ModuleNotFoundError as exc:  # a library this interpreter lacks, imported on first use
+        outcome = Outcome(name, error=rules.missing_dependency(exc, "server.py"))
     except Exception:  # noqa: BLE001 - the boundary: a crash must become a structured error
         log.error("tool %r crashed:\n%s", name, traceback.format_exc())
         outcome = Outcome(name, error=RagError(ErrorCode.INTERNAL, f"{name} failed unexpectedly",
@@ -2382,9 +2390,14 @@ def local_places() -> tuple[str, ...]:
 
 
 def redact(text: str, places: Sequence[str] = ()) -> str:
-    for place in places:
-        text = text.replace(place, "<path>")
-    return _ABSOLUTE_PATH.sub("<path>", _URL.sub("<host>", text))
+    """The text with its paths and URLs redacted; the ingest command a hint names keeps its
+    programs' names (`<path>/python <path>/ingest.py`, not `<path> <path>`)."""
+    def paths_out(part: str) -> str:
+        for place in places:
+            part = part.replace(place, "<path>")
+        return _ABSOLUTE_PATH.sub("<path>", _URL.sub("<host>", part))
+
+    return rules.INGEST_COMMAND_SHOWN_REMOTELY.join(paths_out(part) for part in text.split(rules.INGEST_COMMAND))
 
 
 def redacted(error: RagError, places: Sequence[str] = ()) -> RagError:
@@ -2636,7 +2649,8 @@ def startup_problems(settings_loader: Callable[[], rules.Settings] = rules.load_
     except RagError as exc:
         return [f"the index in {store} is unreadable" + ("" if remote else f": {exc.message}; {exc.hint}")]
     if current is None:
-        return [f"there is no index in {store} yet: every tool will answer index_missing until you {rules.INGEST_HINT}"]
+        return [f"there is no index in {store} yet: every tool will answer index_missing until you "
+                f"{rules.ingest_hint(settings)}"]
     if settings.corpus_dir_explicit and current.corpus_dir and Path(current.corpus_dir) != settings.corpus_dir:
         built_from = "another folder" if remote else rules.metadata_text(current.corpus_dir, PATH_SHOWN_MAX)
         return [f"{place('RAG_CORPUS_DIR', settings.corpus_dir)} is set but the index in {store} was built from "
@@ -3518,7 +3532,6 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="server.py",
         description="local-rag-mcp: read-only retrieval server over a folder of Markdown indexed by ingest.py. "
                     "With no arguments it speaks MCP over stdio (what MCP clients start); --http serves MCP and "
                     "the HTTP bridge; search/get/list answer one question from the shell.",
@@ -3575,10 +3588,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             anyio.run(serve_stdio, build_server(service, instructions_with(problems, index_facts()), warmup))
     except KeyboardInterrupt:
         pass
-    except RagError as exc:
-        log.error("%s", exc.message)
-        if exc.hint:
-            log.error("next: %s", exc.hint)
+    except (RagError, ModuleNotFoundError) as exc:
+        error = rules.missing_dependency(exc, "server.py") if isinstance(exc, ModuleNotFoundError) else exc
+        log.error("%s", error.message)
+        if error.hint:
+            log.error("next: %s", error.hint)
         return 2
     store_timeout = settings.store_timeout_s if settings else rules.DEFAULT_STORE_TIMEOUT_S
     warmup.join(store_timeout)

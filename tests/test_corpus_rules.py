@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shlex
 import sqlite3
+import sys
 import unicodedata
 from dataclasses import dataclass
 from itertools import pairwise
@@ -1090,6 +1092,54 @@ def test_the_version_is_pyprojects_own() -> None:
 
     declared = tomllib.loads((Path(rules.__file__).parent / "pyproject.toml").read_text(encoding="utf-8"))
     assert rules.TOOL_VERSION == declared["project"]["version"]
+
+
+def test_the_console_scripts_are_pyprojects_own() -> None:
+    import tomllib
+
+    declared = tomllib.loads((Path(rules.__file__).parent / "pyproject.toml").read_text(encoding="utf-8"))
+    assert declared["project"]["scripts"] == {rules.SERVER_SCRIPT: "server:main", rules.INGEST_SCRIPT: "ingest:main"}
+    assert set(declared["tool"]["setuptools"]["py-modules"]) == {"corpus_rules", "ingest", "server"}
+
+
+def test_hints_name_this_interpreter_and_the_clones_ingest_by_absolute_path() -> None:
+    """Run from a clone (pytest is not a console script): the command works from any folder, with
+    the Python that has the project, never a bare `python ingest.py`."""
+    assert rules.IN_CHECKOUT
+    assert rules.INGEST_COMMAND == shlex.join([sys.executable, str(Path(rules.__file__).parent / "ingest.py")])
+    assert rules.ingest_command("--full") == f"`{rules.INGEST_COMMAND} --full`"
+    assert rules.INGEST_COMMAND_SHOWN_REMOTELY == "<path>/python <path>/ingest.py"
+
+
+def test_hints_survive_the_http_redaction_readably() -> None:
+    import server
+
+    told = server.redact(f"{rules.INGEST_HINT}, or {rules.ingest_command('--full')} from /srv/x", server.local_places())
+    assert told == ("run `<path>/python <path>/ingest.py` (with the same RAG_STORE_DIR and RAG_CORPUS_DIR as this "
+                    "server), or `<path>/python <path>/ingest.py --full` from <path>")
+
+
+def test_an_installed_copy_without_a_corpus_is_a_configuration_error(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    monkeypatch.setattr(rules, "PROJECT_DIR", tmp_path)  # what pip installs: no sample corpus beside the code
+    settings = rules.load_settings({})
+    unset = rules.no_corpus_configured(settings)
+    assert unset is not None and unset.code == "invalid_argument"
+    assert unset.message.startswith("configuration error: RAG_CORPUS_DIR is not set") and "RAG_CORPUS_DIR" in unset.hint
+    assert rules.ingest_hint(settings) == f"{unset.hint}; then {rules.INGEST_HINT}"
+    assert rules.no_corpus_configured(rules.load_settings({"RAG_CORPUS_DIR": str(tmp_path / "docs")})) is None
+    assert rules.ingest_hint(rules.load_settings({"RAG_CORPUS_DIR": str(tmp_path)})) == rules.INGEST_HINT
+
+
+def test_a_missing_library_names_the_python_that_has_the_project() -> None:
+    error = rules.missing_dependency(ModuleNotFoundError("No module named 'pathspec'", name="pathspec"), "ingest.py")
+    assert error.message == (f"configuration error: the Python running ingest.py ({sys.executable}) cannot import "
+                             "'pathspec', which local-rag-mcp needs")
+    assert "report it" not in error.hint
+    if rules.CLONE_PYTHON.is_file() and Path(sys.executable).absolute() != rules.CLONE_PYTHON:
+        assert shlex.join([str(rules.CLONE_PYTHON), str(rules.PROJECT_DIR / "ingest.py")]) in error.hint
+    else:
+        assert error.hint.startswith("install the project into this Python: ") and "-m pip install" in error.hint
 
 
 def test_the_environment_list_is_what_load_settings_reads_and_the_readme_documents() -> None:

@@ -31,6 +31,8 @@ from helpers import (
     tool,
 )
 
+import corpus_rules as rules
+
 pytestmark = pytest.mark.process  # real processes (servers, ingest, Chroma): only in `pytest --all` (tests/README.md)
 
 QUERY = "who gets paged for a sev-1"
@@ -87,7 +89,7 @@ def test_missing_store_is_index_missing_and_never_created(built: Built, fake: Fa
         answers = every_tool(server)
         assert set(codes(answers).values()) == {"index_missing"}
         for _, payload in answers.values():
-            assert str(store) in payload["error"]["message"] and "python ingest.py" in payload["error"]["hint"]
+            assert str(store) in payload["error"]["message"] and rules.INGEST_COMMAND in payload["error"]["hint"]
     assert not store.exists() and not store.parent.exists()
 
 
@@ -159,7 +161,7 @@ def test_the_command_a_damaged_keyword_index_names_repairs_it(built: Built, fake
     db = index_dir(store) / "keywords.sqlite3"
     db.write_bytes(b"garbage" * 1000) if damage == "garbage" else _truncate(db, 0.5)
     done = run_ingest(fake, built.corpus, store)
-    assert done.code == 2 and "python ingest.py --full" in done.summary["error"]["hint"], done.err[-2000:]
+    assert done.code == 2 and f"{rules.INGEST_COMMAND} --full" in done.summary["error"]["hint"], done.err[-2000:]
     repaired = run_ingest(fake, built.corpus, store, "--full")
     assert repaired.code == 0, repaired.err[-2000:]
     assert "set aside" in repaired.err and (db.parent / "keywords.sqlite3.damaged").exists()

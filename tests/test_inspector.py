@@ -24,6 +24,8 @@ import pytest
 from fake_ollama import FakeOllama
 from helpers import copy_sample, run_ingest
 
+import corpus_rules as rules
+
 pytestmark = [pytest.mark.heavy, pytest.mark.process]  # a file over a minute of real processes: `pytest --all` only, scheduled first
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,4 +98,4 @@ def test_results_and_errors_are_readable_in_the_inspector(built: tuple[Path, Pat
         assert error["code"] == code and error["message"] and error["hint"], (tool, args, error)
     missing = {**env, "RAG_STORE_DIR": str(tmp_path / "no-store")}
     error = error_of(inspector(version, missing, "search_corpus", query="rollback"))
-    assert error["code"] == "index_missing" and "python ingest.py" in error["hint"]
+    assert error["code"] == "index_missing" and rules.INGEST_COMMAND in error["hint"]

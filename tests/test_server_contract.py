@@ -523,7 +523,7 @@ def test_missing_store_is_reported_and_never_created(no_store: tuple[server.Retr
     assert error_code(svc, "get_file", path="oncall/escalation.md") == "index_missing"
     assert error_code(svc, "list_documents") == "index_missing"
     _, payload = call(svc, "list_documents")
-    assert str(store) in payload["error"]["message"] and "python ingest.py" in payload["error"]["hint"]
+    assert str(store) in payload["error"]["message"] and rules.INGEST_COMMAND in payload["error"]["hint"]
     assert not store.exists()
 
 
@@ -886,7 +886,7 @@ def test_staleness_counts_changed_and_vanished_files(swappable: Built) -> None:
     (fresh.corpus / "ja" / "log-collection.md").unlink()
     _, payload = call(service(fresh), "list_documents")
     assert payload["staleness"]["changed_files"] == 2
-    assert "python ingest.py" in payload["staleness"]["hint"]
+    assert rules.INGEST_COMMAND in payload["staleness"]["hint"]
     _, clean = call(service(Built(SAMPLE, fresh.store, fresh.host)), "list_documents")
     assert clean["index"]["generation"] == 1 and clean["index"]["model"] == "embeddinggemma"
 

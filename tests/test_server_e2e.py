@@ -35,6 +35,7 @@ from helpers import (
 )
 from mcp import Client
 
+import corpus_rules as rules
 from corpus_rules import StoreLayout
 
 pytestmark = [pytest.mark.heavy, pytest.mark.process]  # a file over a minute of real processes: `pytest --all` only, scheduled first
@@ -277,7 +278,7 @@ def test_missing_store_is_index_missing_and_never_created(built: Built, fake: Fa
             assert await error_code(client, "get_file", path="oncall/escalation.md") == "index_missing"
             is_error, payload = await tool(client, "list_documents")
             assert is_error and payload["error"]["code"] == "index_missing"
-            assert str(store) in payload["error"]["message"] and "python ingest.py" in payload["error"]["hint"]
+            assert str(store) in payload["error"]["message"] and rules.INGEST_COMMAND in payload["error"]["hint"]
 
     run(scenario)
     assert not store.exists() and not store.parent.exists()
@@ -473,12 +474,12 @@ def test_a_missing_store_is_said_at_start_on_stderr_and_in_the_instructions(buil
         init = raw.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
                                            "clientInfo": {"name": "e2e", "version": "0"}})
         instructions = init["result"]["instructions"]
-        assert "Not ready" in instructions and str(store) in instructions and "python ingest.py" in instructions
+        assert "Not ready" in instructions and str(store) in instructions and rules.INGEST_COMMAND in instructions
         raw.wait_for_stderr(f"there is no index in RAG_STORE_DIR ({store})")
     finally:
         assert raw.close() == 0
     warnings = [line for line in raw.stderr_lines if "WARNING" in line]
-    assert len(warnings) == 1 and "python ingest.py" in warnings[0]
+    assert len(warnings) == 1 and rules.INGEST_COMMAND in warnings[0]
     # A ready store: no warning, and the plain instructions.
     ready = RawServer(built.server_env(fake.host))
     try:
