@@ -67,7 +67,8 @@ except ModuleNotFoundError as missing:  # `python server.py` with a Python the p
     import corpus_rules
 
     _error = corpus_rules.missing_dependency(missing, "server.py")
-    sys.exit(f"server: {_error.message}\nserver: next: {_error.hint}")
+    print(f"server: {_error.message}\nserver: next: {_error.hint}", file=sys.stderr)
+    sys.exit(2)  # a configuration error, as ingest's
 
 import corpus_rules as rules
 from corpus_rules import ErrorCode, RagError
