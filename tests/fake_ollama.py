@@ -314,6 +314,9 @@ class FakeOllama:
         # can act while a call is in flight however slow the machine is.
         self._released = threading.Event()
         self._released.set()
+        # configure(hold_carrying=TEXT): calls carrying TEXT wait until it is cleared, so a test can
+        # act while one chosen file's chunks are in flight, whatever the calls' sizes and numbers.
+        self.hold_carrying: str | None = None
         self._runner = threading.Lock()
         self.embed_calls = 0
         self.embedded_inputs: list[str] = []
@@ -403,6 +406,8 @@ class FakeOllama:
                     self._carried.clear()
                 elif key == "hold":
                     (self._released.clear if value else self._released.set)()
+                elif key == "hold_carrying":
+                    self.hold_carrying = None if value is None else str(value)
                 else:
                     raise ValueError(f"unknown fake config field: {key}")
             return self._config_locked()
@@ -429,6 +434,7 @@ class FakeOllama:
             "delay_per_text_seconds": self.delay_per_text_seconds,
             "weights": self.weights,
             "hold": not self._released.is_set(),
+            "hold_carrying": self.hold_carrying,
         }
 
     def reset(self) -> None:
@@ -450,6 +456,7 @@ class FakeOllama:
         self.trickle_seconds = None
         self.nan_for = None
         self._released.set()
+        self.hold_carrying = None
         self.delay_per_text_seconds = 0.0
         self.weights = ""
         self.embed_calls = 0
@@ -605,9 +612,13 @@ class FakeOllama:
             if self.missing_after_carrying is not None and self.missing_after_carrying[0] in self._carried:
                 self.missing_models |= self.missing_after_carrying[1]
             self._carried |= {text for text in self._carrying_texts() if any(text in item for item in inputs or [])}
+            hold = self.hold_carrying
+            held = hold if hold is not None and any(hold in item for item in inputs or []) else None
         if delay > 0:
             self._stopping.wait(delay)
         while not self._released.wait(0.05) and not self._stopping.is_set():
+            pass
+        while held is not None and self.hold_carrying == held and not self._stopping.wait(0.01):
             pass
         if failing or (fail_after is not None and call_number > fail_after):
             return 500, {"error": "llama runner process has terminated: exit status 2 (fake fail_after)"}

@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from fake_ollama import FakeOllama, calls_carrying
@@ -202,43 +203,31 @@ def chunk_counts(corpus: Path) -> dict[str, int]:
 
 
 def commit_groups(counts: dict[str, int]) -> list[list[str]]:
-    """The files of a run that re-embeds all of `counts`, in commit groups as ingest._groups
-    closes them (path order, a group ends once it holds COMMIT_BATCH_CHUNKS chunks)."""
+    """The first commit groups of a run that re-embeds all of `counts`: those ingest makes of them
+    (ingest._groups with ingest._group_chunks's bounds) at any pace. A group's size follows the
+    embedder's measured pace, so only the groups that come out the same at the slowest and the
+    fastest pace are certain (a group that does not change between the two bounds is the same at
+    any pace between them); the rest, which a loaded machine would change, are left off."""
     import ingest
 
-    groups: list[list[str]] = [[]]
-    size = 0
-    for path, count in sorted(counts.items()):
-        groups[-1].append(path)
-        size += count
-        if size >= ingest.COMMIT_BATCH_CHUNKS:
-            groups.append([])
-            size = 0
-    return [group for group in groups if group]
+    class Pace:  # what _group_chunks asks of the run's Embedding
+        def __init__(self, per_chunk_s: float | None) -> None:
+            self.per_chunk_s = per_chunk_s
 
+        def seconds_for(self, chunks: int) -> float | None:
+            return None if self.per_chunk_s is None else chunks * self.per_chunk_s
 
-def embed_calls_by_file(counts: dict[str, int]) -> dict[str, list[int]]:
-    """Which embedding calls (1-based, in one run that embeds all of `counts` anew) carry each
-    file's chunks: within each commit group, calls of EMBED_BATCH chunks, except the run's first
-    call, which carries START_CHUNKS to measure the embedder's pace (an embedder as fast as the fake
-    then gets full calls)."""
-    import ingest
+    total = sum(counts.values())
+    files = [SimpleNamespace(path=path, chunks=range(count)) for path, count in sorted(counts.items())]
 
-    calls: dict[str, list[int]] = {}
-    done = 0
-    first_call = min(ingest.START_CHUNKS, ingest.EMBED_BATCH)
-    for group in commit_groups(counts):
-        size = sum(counts[path] for path in group)
-        # The chunk positions (within the group) where each of the group's calls starts.
-        starts, at = [], 0
-        while at < size:
-            starts.append(at)
-            at += first_call if done == 0 and len(starts) == 1 else ingest.EMBED_BATCH
-        position = 0
-        for path in group:
-            first, last = position, position + counts[path] - 1
-            calls[path] = [done + i + 1 for i, start in enumerate(starts)
-                           if start <= last and (i + 1 == len(starts) or starts[i + 1] > first)]
-            position += counts[path]
-        done += len(starts)
-    return calls
+    def grouped(pace: Pace) -> list[list[str]]:
+        first = iter([True])
+        groups = ingest._groups(files, lambda: ingest._group_chunks(pace, total, first=next(first, False)))
+        return [[pf.path for pf in group] for group in groups]
+
+    certain = []
+    for slowest, fastest in zip(grouped(Pace(float("inf"))), grouped(Pace(None)), strict=False):
+        if slowest != fastest:
+            break
+        certain.append(fastest)
+    return certain

@@ -25,13 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from fake_ollama import FakeOllama
+from fake_ollama import FakeOllama, calls_carrying
 from faultlib import (
     chunk_counts,
     clean_reference,
     commit_groups,
     committed_hashes,
-    embed_calls_by_file,
     gone,
     index_dir,
     poll,
@@ -74,7 +73,7 @@ class Run:
     index: Path
     base_calls: int  # the fake's embed_calls before this run
     groups: list[list[str]]  # commit groups of this run
-    calls: dict[str, list[int]]  # file -> embedding calls of this run (1-based)
+    tokens: dict[str, str]  # handbook -> the token in each of its chunks
     duration: float  # of an uninterrupted run
     started: float
     note: str = ""
@@ -120,19 +119,31 @@ def in_call(n: int) -> Callable[[Run], None]:
 
 
 def between_vectors_and_keywords(group: int) -> Callable[[Run], None]:
-    """Deterministic: while the group's first embedding call is in flight, take the keyword
-    index's write lock; the ingest writes the group's vectors, then waits for the lock; kill it
-    once the vectors are in Chroma. (Not for the first group: a run marks, in its own keyword-index
+    """Deterministic: the fake holds the group's first embedding call (the first carrying its first
+    file's token) while the test takes the keyword index's write lock; released, the ingest writes
+    the group's vectors, then waits for the lock to commit the group before it; kill it once the
+    vectors are in Chroma. (Not for the first group: a run marks, in its own keyword-index
     transaction, that it is about to write vectors, so the lock would stop it before them.)"""
 
     def moment(run: Run) -> None:
         assert group > 1
-        run.wait_for_call(run.calls[run.groups[group - 1][0]][0])
-        vectors, hashes = vector_count(run.index), committed_hashes(run.index)
-        with write_lock(run.index / rules.KEYWORD_DB):
-            poll(lambda: vector_count(run.index) > vectors or not run.alive())
-            run.kill()
-            run.proc.wait(timeout=30)
+        token = run.tokens[run.groups[group - 1][0]]
+
+        def carried() -> int:
+            return calls_carrying(run.fake.call_inputs[run.base_calls:], token)
+
+        run.fake.configure(hold_carrying=token)
+        try:
+            assert not carried(), "the run reached the group before the test could hold its first call"
+            poll(lambda: carried() or not run.alive())
+            with write_lock(run.index / rules.KEYWORD_DB):
+                vectors, hashes = vector_count(run.index), committed_hashes(run.index)
+                run.fake.configure(hold_carrying=None)
+                poll(lambda: vector_count(run.index) > vectors or not run.alive())
+                run.kill()
+                run.proc.wait(timeout=30)
+        finally:
+            run.fake.configure(hold_carrying=None)
         written = vector_count(run.index) - vectors
         assert written > 0 and committed_hashes(run.index) == hashes
         run.note = f"({written} vectors in Chroma, keyword rows not committed)"
@@ -237,7 +248,7 @@ def kill_loop(fake: FakeOllama, tmp_path: Path, moments: list[str]) -> list[str]
             committed = committed_hashes(index)
             counts = {path: count for path, count in chunk_counts(corpus).items() if committed.get(path) != now[path]}
             run = Run(proc=start_ingest(fake, corpus, store), fake=fake, index=index, base_calls=fake.embed_calls,
-                      groups=commit_groups(counts), calls=embed_calls_by_file(counts), duration=duration,
+                      groups=commit_groups(counts), tokens=tokens, duration=duration,
                       started=time.monotonic())
             assert len(run.groups) >= 3
             MOMENTS[name](run)
