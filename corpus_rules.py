@@ -467,9 +467,9 @@ def nfc(text: str) -> str:
 def normalize_relative_path(raw: str, *, allow_empty: bool = False) -> str:
     """Validate a corpus-relative path given by a client; return its NFC POSIX form.
 
-    Refuses absolute paths, `~`, `..`, NUL, backslashes and anything URL-encoded-looking is
-    left literal (no decoding happens anywhere, so `%2e%2e` is just a file name that will
-    not be in the index).
+    Refuses absolute paths, `~`, `..`, NUL, backslashes; anything URL-encoded-looking is left
+    literal (only a document URI is percent-decoded, before its path gets here; so a path's
+    `%2e%2e` is just a file name that will not be in the index).
     """
     if not isinstance(raw, str):
         raise RagError(ErrorCode.INVALID_ARGUMENT, "path must be a string", "pass a corpus-relative path")

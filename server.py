@@ -38,6 +38,7 @@ import stat
 # Before anything can import chromadb: its telemetry must never start (no network, no stdout).
 os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
 
+import base64
 import contextlib
 import contextvars
 import dataclasses
@@ -54,6 +55,7 @@ import time
 import traceback
 import types
 import typing
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -130,6 +132,9 @@ SEARCH_RESPONSE_MAX_CHARS = 20_000
 FILE_TEXT_MAX_CHARS = 50_000
 LIST_LIMIT_DEFAULT = 100
 LIST_LIMIT_MAX = 500
+RESOURCES_PAGE = 500  # documents per resources/list page
+COMPLETIONS_MAX = 100  # the protocol's bound on one completion's values
+COMPLETION_TYPED_MAX = 4096  # longer than any path a filesystem holds: nothing to complete
 QUERY_EMBED_TIMEOUT_S = 30.0
 QUERY_CACHE_SIZE = 256
 # After a query embedding timed out, further ones fail at once for this long (see QueryEmbeddings).
@@ -199,11 +204,12 @@ def _clean_prefix(value: str | None) -> str | None:
     return rules.normalize_relative_path(value, allow_empty=True) or None
 
 
-# Some clients send numbers as JSON strings ("start_line": "9"), and some send text that looks
-# like a number as a JSON number (the MCP Inspector turns `query=2024` into 2024). Neither is
-# ambiguous: a string of digits is read as the number, an integer given for a text field as its
-# digits. Everything else still meets the strict check: booleans, floats for integers ("9.5", 9.5),
-# "nan", "inf" and junk are refused.
+# Some clients send numbers as JSON strings ("start_line": "9"), some send text that looks like a
+# number as a JSON number (the MCP Inspector turns `query=2024` into 2024), and some send an array
+# as its JSON text (the Inspector 0.15 CLI: `queries='["a","b"]'`). None is ambiguous: a string of
+# digits is read as the number, an integer given for a text field as its digits, a string holding
+# a JSON array given for a list field as that array. Everything else still meets the strict check:
+# booleans, floats for integers ("9.5", 9.5), "nan", "inf", a bare string for a list, and junk.
 _NUMBER_TEXT = {int: re.compile(r"[+-]?\d{1,30}"),
                 float: re.compile(r"[+-]?(?:\d{1,30}(?:\.\d{0,30})?|\.\d{1,30})(?:[eE][+-]?\d{1,3})?")}
 
@@ -221,14 +227,30 @@ def _scalar_kind(annotation: Any) -> type | None:
     return kind if kind in (int, float, str) else None
 
 
+def _is_list(annotation: Any) -> bool:
+    return typing.get_origin(_not_none(annotation)) is list
+
+
+def _json_array(text: str) -> list[Any] | None:
+    """The array a string spells as JSON text, or None when it spells anything else."""
+    stripped = text.strip()
+    if not stripped.startswith("["):
+        return None
+    try:
+        value = json.loads(stripped)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, list) else None
+
+
 class _ToolInput(BaseModel):
     # strict: the schema says integer/boolean, so true-for-1 or 2.5-for-2 are mistakes worth
-    # reporting (numbers and text interchanged are the one leniency, see _numbers_and_text_interchanged).
+    # reporting (the unambiguous spellings above are the one leniency, see _unambiguous_spellings).
     model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod
-    def _numbers_and_text_interchanged(cls, data: Any) -> Any:
+    def _unambiguous_spellings(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
         converted = dict(data)
@@ -239,6 +261,8 @@ class _ToolInput(BaseModel):
                 converted[name] = kind(value.strip())
             elif kind is str and isinstance(value, int) and not isinstance(value, bool) and abs(value) < 10**30:
                 converted[name] = str(value)
+            elif _is_list(info.annotation) and isinstance(value, str) and (items := _json_array(value)) is not None:
+                converted[name] = items  # its items still meet the strict check
         return converted
 
 
@@ -338,6 +362,8 @@ class Staleness(BaseModel):
 
 class SearchHit(BaseModel):
     path: str
+    uri: str = Field(description="The document as an MCP resource (resources/read); its lines: "
+                                 "?start_line=N&end_line=M after it.")
     title: str
     heading: str = Field(description="Heading path of the passage, e.g. 'Deploy > Rollback > Database'.")
     start_line: int
@@ -1185,6 +1211,20 @@ class OpenIndex:
         return [rules.DocumentRow(*r) for r in self._sql(f"SELECT {rules.DOCUMENT_COLUMNS} FROM documents WHERE {where} "
                                                    f"ORDER BY path{tail}", [*params, *extra])]
 
+    def documents_after(self, path: str, limit: int) -> list[rules.DocumentRow]:
+        """Documents in path order after `path` (keyset paging: a page never shifts when an
+        ingest adds or removes documents before it)."""
+        return [rules.DocumentRow(*r) for r in self._sql(f"SELECT {rules.DOCUMENT_COLUMNS} FROM documents "
+                                                         "WHERE path > ? ORDER BY path LIMIT ?", [path, limit])]
+
+    def paths_starting(self, typed: str, limit: int) -> list[str]:
+        """Indexed paths that start with `typed`, then those with a segment that does (case
+        folded), in path order: what a typeahead offers."""
+        pattern = typed.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        return [str(r[0]) for r in self._sql(
+            "SELECT path FROM documents WHERE path LIKE ? ESCAPE '\\' OR path LIKE ? ESCAPE '\\' "
+            "ORDER BY path NOT LIKE ? ESCAPE '\\', path LIMIT ?", [pattern, "%/" + pattern, pattern, limit])]
+
     def count_documents(self, prefix: str | None = None) -> int:
         where, params = prefix_sql("path", prefix)
         return int(self._sql(f"SELECT count(*) FROM documents WHERE {where}", params)[0][0])
@@ -2028,7 +2068,7 @@ class RetrievalService:
             by = candidates.found_by.get(item, set())
             matched: list[Literal["vector", "keyword"]] = [c for c in ("vector", "keyword") if any(c == b[0] for b in by)]
             score = scores.get(item)
-            hits.append(SearchHit(path=row.path, title=row.title, heading=row.heading, start_line=row.start_line,
+            hits.append(SearchHit(path=row.path, uri=document_uri(row.path), title=row.title, heading=row.heading, start_line=row.start_line,
                                   end_line=row.end_line, score=None if score is None else round(score, 6),
                                   rank_score=round(rank_score, 6), lifecycle=_lifecycle(row.lifecycle),
                                   matched=matched, phrasings=sorted({p for _, p in by}),
@@ -2166,6 +2206,30 @@ class RetrievalService:
         return ListDocumentsResponse(documents=entries, total=total, offset=args.offset,
                                      next_offset=end if end < total else None, message=message,
                                      index=info, staleness=staleness).model_dump(mode="json")
+
+    # documents as MCP resources ---------------------------------------------------------------
+    def resource_page(self, after: str) -> tuple[list[rules.DocumentRow], str | None]:
+        """One page of resources/list: the documents after `after` in path order, and the path the
+        next page starts after (None on the last page)."""
+        manager = self.manager
+        with manager.lock:
+            docs = manager.open().documents_after(after, RESOURCES_PAGE + 1)
+        more = len(docs) > RESOURCES_PAGE
+        docs = docs[:RESOURCES_PAGE]
+        return docs, docs[-1].path if more else None
+
+    def read_resource(self, uri: str) -> dict[str, Any]:
+        """resources/read: get_file of the path (and line range) the URI names, with get_file's
+        guarantees (indexed paths only, symlink-hardened, the index's passages when the file is gone)."""
+        return self.get_file(file_arguments(uri))
+
+    def complete_path(self, typed: str) -> tuple[list[str], bool]:
+        """Indexed paths for the template's path argument (see OpenIndex.paths_starting), bounded;
+        and whether there are more."""
+        manager = self.manager
+        with manager.lock:
+            paths = manager.open().paths_starting(typed, COMPLETIONS_MAX + 1)
+        return paths[:COMPLETIONS_MAX], len(paths) > COMPLETIONS_MAX
 
 
 def _lifecycle(value: str) -> Literal["active", "superseded"]:
@@ -2314,6 +2378,18 @@ class Outcome:
     crashed: bool = False
 
 
+def unknown_tool(name: str) -> RagError:
+    return RagError(ErrorCode.INVALID_ARGUMENT, f"unknown tool {rules.shown(name)}", f"tools: {', '.join(TOOLS)}")
+
+
+def protocol_error(code: int, error: RagError) -> Exception:
+    """A request the protocol itself refuses (a JSON-RPC error, not a tool result): the message
+    says what happened and what to do, the data carries the structured error."""
+    from mcp.shared.exceptions import MCPError
+
+    return MCPError(code, f"{error.message}; next: {error.hint}", error.payload())
+
+
 def dispatch(service: RetrievalService, name: str, arguments: Mapping[str, Any] | None) -> Outcome:
     """Validate, run and log one tool call: the one dispatcher behind MCP (stdio and HTTP), the
     HTTP bridge and the CLI. Every failure becomes an error of the vocabulary."""
@@ -2322,7 +2398,7 @@ def dispatch(service: RetrievalService, name: str, arguments: Mapping[str, Any] 
     try:
         spec = TOOLS.get(name)
         if spec is None:
-            raise RagError(ErrorCode.INVALID_ARGUMENT, f"unknown tool {rules.shown(name)}", f"tools: {', '.join(TOOLS)}")
+            raise unknown_tool(name)
         try:
             args = spec.input_model.model_validate(dict(arguments or {}))
         except ValidationError as exc:
@@ -2420,6 +2496,92 @@ def told_remotely(outcome: Outcome) -> Outcome:
     return dataclasses.replace(outcome, payload=payload)
 
 
+# ---------------------------------------------------------------------------
+# Documents as MCP resources. A document is local-rag://doc/<path>: the corpus-relative path is its
+# identity, so the URI is stable across re-ingests. The template reads a line range of one.
+
+DOCUMENT_URI_PREFIX = "local-rag://doc/"
+LINES_TEMPLATE = DOCUMENT_URI_PREFIX + "{+path}{?start_line,end_line}"  # RFC 6570: the path keeps its slashes
+# Errors a client caused answer -32602 (SEP-2164 puts "resource not found" there too); the rest -32603.
+_REQUEST_ERRORS = frozenset({ErrorCode.INVALID_ARGUMENT, ErrorCode.PATH_REJECTED, ErrorCode.NOT_INDEXED})
+
+
+def document_uri(path: str) -> str:
+    return DOCUMENT_URI_PREFIX + urllib.parse.quote(path, safe="/")
+
+
+def file_arguments(uri: str) -> GetFileInput:
+    """The get_file arguments a document URI names (a line range in its query), checked as
+    get_file checks its own."""
+    usage = (f"use a URI from resources/list or a search hit's uri: {DOCUMENT_URI_PREFIX}<path>, optionally "
+             "?start_line=N&end_line=M")
+    uri = uri.partition("#")[0]
+    if not uri.startswith(DOCUMENT_URI_PREFIX):
+        raise RagError(ErrorCode.INVALID_ARGUMENT, f"{rules.shown(uri)} is not a document URI of this server", usage)
+    encoded_path, _, query = uri[len(DOCUMENT_URI_PREFIX):].partition("?")
+    try:
+        arguments: dict[str, Any] = {"path": urllib.parse.unquote(encoded_path, errors="strict")}
+        fields = urllib.parse.parse_qs(query, keep_blank_values=True, strict_parsing=bool(query), errors="strict")
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RagError(ErrorCode.INVALID_ARGUMENT, f"the URI {rules.shown(uri)} cannot be read: {exc}",
+                       f"percent-encode the path as UTF-8; {usage}") from None
+    for name, values in fields.items():
+        if len(values) > 1:
+            raise RagError(ErrorCode.INVALID_ARGUMENT, f"{rules.shown(name)} appears {len(values)} times in the URI",
+                           f"give it once; {usage}")
+        arguments[name] = values[0]
+    try:
+        return GetFileInput.model_validate(arguments)
+    except ValidationError as exc:
+        raise RagError(ErrorCode.INVALID_ARGUMENT, describe_validation_error(exc), usage) from None
+
+
+def document_resource(doc: rules.DocumentRow) -> Any:
+    from mcp.types import Annotations, Resource
+
+    superseded = doc.lifecycle == "superseded"
+    return Resource.model_validate({
+        "uri": document_uri(doc.path), "name": doc.path, "title": rules.metadata_text(doc.title) or doc.path,
+        "mimeType": "text/markdown", "size": doc.size,
+        "description": "superseded (outdated): prefer an active document" if superseded else None,
+        "annotations": Annotations(last_modified=iso_from_ns(doc.mtime_ns)),
+        "_meta": {"lifecycle": _lifecycle(doc.lifecycle), "lines": doc.line_count, "chunks": doc.chunk_count}})
+
+
+def lines_template() -> Any:
+    from mcp.types import ResourceTemplate
+
+    return ResourceTemplate(uri_template=LINES_TEMPLATE, name="document-lines", title="Lines of an indexed document",
+                            description="An indexed document's text, or the lines start_line..end_line of it (the "
+                                        "lines a search hit cites). path is corpus-relative, as in resources/list.",
+                            mime_type="text/markdown")
+
+
+def resource_contents(uri: str, payload: Mapping[str, Any]) -> Any:
+    """get_file's answer as resource contents: the text, and the rest of it (lines, source, a cut
+    and where to continue) as _meta."""
+    from mcp.types import ReadResourceResult, TextResourceContents
+
+    facts = {key: value for key, value in payload.items() if key != "text" and value is not None}
+    return ReadResourceResult(contents=[TextResourceContents.model_validate(
+        {"uri": uri, "mimeType": "text/markdown", "text": payload["text"], "_meta": facts})])
+
+
+def encoded_cursor(after: str | None) -> str | None:
+    return None if after is None else base64.urlsafe_b64encode(after.encode()).decode()
+
+
+def decoded_cursor(cursor: str | None) -> str:
+    """The path a resources/list cursor continues after ("" from the start)."""
+    if cursor is None:
+        return ""
+    try:
+        return base64.b64decode(cursor.encode("ascii"), altchars=b"-_", validate=True).decode("utf-8")
+    except (ValueError, UnicodeError):
+        raise RagError(ErrorCode.INVALID_ARGUMENT, "the cursor is not one this server gave",
+                       "pass the nextCursor of the previous resources/list page, or none to start over") from None
+
+
 def mcp_result(outcome: Outcome) -> Any:
     """An Outcome as an MCP tool result. Successes carry the payload as structured content (it fits
     the outputSchema) and as text; errors only as text: TypeScript-SDK clients (the MCP Inspector
@@ -2497,11 +2659,42 @@ def build_server(service: RetrievalService, instructions: str, warmup: WarmUp, *
     failure a structured error). `timeout_s` bounds a call (HTTP); `hide_paths` keeps paths and
     hosts out of error messages (HTTP)."""
     import anyio
+    from mcp.server import CacheHint
     from mcp.server.lowlevel import Server
-    from mcp.types import ListToolsResult
+    from mcp.types import (
+        INTERNAL_ERROR,
+        INVALID_PARAMS,
+        CompleteResult,
+        Completion,
+        ListResourcesResult,
+        ListResourceTemplatesResult,
+        ListToolsResult,
+    )
 
     definitions = tool_definitions()
     schemas = {tool.name: tool.input_schema for tool in definitions}
+
+    def told(error: RagError) -> RagError:
+        return redacted(error, local_places()) if hide_paths else error
+
+    async def answer(method: str, work: Callable[[], Any]) -> Any:
+        """Run a request's store work on a worker thread; a failure is a JSON-RPC error that says
+        what happened and what to do (the structured error in its data), logged as tools are."""
+        started = time.perf_counter()
+        result = "ok"
+        try:
+            return await anyio.to_thread.run_sync(work)
+        except RagError as exc:
+            result = str(exc.code)
+            raise protocol_error(INVALID_PARAMS if exc.code in _REQUEST_ERRORS else INTERNAL_ERROR, told(exc)) from None
+        except Exception:  # noqa: BLE001 - the boundary, as in dispatch
+            result = "internal"
+            log.error("%s crashed:\n%s", method, traceback.format_exc())
+            raise protocol_error(INTERNAL_ERROR, RagError(ErrorCode.INTERNAL, f"{method} failed unexpectedly",
+                                                          "the server logged the details to stderr; retry, and "
+                                                          "report it if it repeats")) from None
+        finally:
+            log.info("%s -> %s in %.1f ms", method, result, (time.perf_counter() - started) * 1000)
 
     async def list_tools(context: Any, params: Any) -> Any:
         # The client has what it needs to start; now pay the heavy imports in the background.
@@ -2509,14 +2702,47 @@ def build_server(service: RetrievalService, instructions: str, warmup: WarmUp, *
         return ListToolsResult(tools=definitions)
 
     async def call_tool(context: Any, params: Any) -> Any:
+        if params.name not in TOOLS:  # the spec puts an unknown tool among the protocol's errors
+            raise protocol_error(INVALID_PARAMS, told(unknown_tool(params.name)))
         if timeout_s is None:
             outcome = await anyio.to_thread.run_sync(dispatch, service, params.name, params.arguments)
         else:
             outcome = await dispatch_within(service, params.name, params.arguments, timeout_s)
         return mcp_result(told_remotely(outcome) if hide_paths else outcome)
 
+    async def list_resources(context: Any, params: Any) -> Any:
+        after = await answer("resources/list", lambda: decoded_cursor(params.cursor if params else None))
+        try:
+            docs, last = await anyio.to_thread.run_sync(service.resource_page, after)
+        except RagError as exc:  # no index yet, or none readable: no documents to offer, the session goes on
+            log.warning("resources/list answered with no documents: %s", exc)
+            return ListResourcesResult(resources=[])
+        return ListResourcesResult(resources=[document_resource(doc) for doc in docs], next_cursor=encoded_cursor(last))
+
+    async def list_resource_templates(context: Any, params: Any) -> Any:
+        return ListResourceTemplatesResult(resource_templates=[lines_template()])
+
+    async def read_resource(context: Any, params: Any) -> Any:
+        payload = await answer("resources/read", lambda: service.read_resource(params.uri))
+        return resource_contents(params.uri, payload)
+
+    async def complete(context: Any, params: Any) -> Any:
+        ref, argument = params.ref, params.argument
+        typed = rules.nfc(argument.value)
+        if (ref.type != "ref/resource" or ref.uri != LINES_TEMPLATE or argument.name != "path"
+                or rules.has_lone_surrogates(typed) or len(typed) > COMPLETION_TYPED_MAX):
+            return CompleteResult(completion=Completion(values=[]))
+        paths, more = await answer("completion/complete", lambda: service.complete_path(typed.removeprefix("./")))
+        return CompleteResult(completion=Completion(values=paths, has_more=more))
+
+    # 2026-07-28 clients may reuse list results this long: the tables are fixed while the server
+    # runs; the documents change when an ingest publishes; a read is the file as it is now.
+    cache_hints = {"tools/list": CacheHint(ttl_ms=300_000), "resources/templates/list": CacheHint(ttl_ms=300_000),
+                   "resources/list": CacheHint(ttl_ms=10_000), "resources/read": CacheHint(ttl_ms=0)}
     return Server("local-rag", version=rules.TOOL_VERSION, title="Local Markdown RAG", instructions=instructions,
-                  on_list_tools=list_tools, on_call_tool=call_tool, get_tool_input_schema=schemas.get)
+                  on_list_tools=list_tools, on_call_tool=call_tool, get_tool_input_schema=schemas.get,
+                  on_list_resources=list_resources, on_list_resource_templates=list_resource_templates,
+                  on_read_resource=read_resource, on_completion=complete, cache_hints=cache_hints)
 
 
 # The longest request line the pipe transport reads (a client's JSON-RPC message): the SDK's own

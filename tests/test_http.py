@@ -33,6 +33,8 @@ from helpers import ROOT, SERVER, Built, connect, free_port, output_validators, 
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
+from mcp.shared.exceptions import MCPError
+from mcp.types import INVALID_PARAMS, ResourceTemplateReference
 
 pytestmark = [pytest.mark.heavy, pytest.mark.process]  # a file over a minute of real processes: `pytest --all` only, scheduled first
 
@@ -188,6 +190,38 @@ def test_mcp_client_uses_all_three_tools_over_http(server: HttpServer, built: Bu
             assert is_error and invalid["error"]["code"] == "invalid_argument", invalid
             for payload in (refused, missing, invalid):
                 no_paths_or_hosts(json.dumps(payload), str(built.corpus), str(built.store))
+
+    anyio.run(session)
+
+
+@pytest.mark.parametrize("mode", ["legacy", "2026-07-28"])
+def test_documents_are_resources_over_http(server: HttpServer, built: Built, mode: str) -> None:
+    """resources/list, a template read of a hit's lines, completion, and the unknown tool as a
+    JSON-RPC error, through /mcp; errors carry no filesystem path of the server."""
+    import server as server_module
+
+    template = ResourceTemplateReference(uri=server_module.LINES_TEMPLATE)
+
+    async def session() -> None:
+        async with await mcp_http_client(server.mcp_url, mode) as client:
+            listed = await client.list_resources()
+            assert "oncall/escalation.md" in [r.name for r in listed.resources]
+            is_error, found = await tool(client, "search_corpus", query="declaring a sev-1 incident")
+            hit = found["results"][0]
+            read = await client.read_resource(f"{hit['uri']}?start_line={hit['start_line']}&end_line={hit['end_line']}")
+            expected = (built.corpus / hit["path"]).read_text().splitlines()[hit["start_line"] - 1:hit["end_line"]]
+            assert read.contents[0].text == "\n".join(expected)
+            completed = await client.complete(template, {"name": "path", "value": "oncall/"})
+            assert completed.completion.values == ["oncall/escalation.md"]
+            for uri in ("local-rag://doc/no/such/file.md", "local-rag://doc/..%2F..%2Fetc%2Fpasswd"):
+                with pytest.raises(MCPError) as refused:
+                    await client.read_resource(uri)
+                assert refused.value.code == INVALID_PARAMS
+                no_paths_or_hosts(json.dumps(refused.value.data) + refused.value.message, str(built.corpus),
+                                  str(built.store))
+            with pytest.raises(MCPError) as unknown:
+                await client.call_tool("delete_everything", {})
+            assert unknown.value.code == INVALID_PARAMS
 
     anyio.run(session)
 

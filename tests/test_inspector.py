@@ -47,17 +47,15 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path
         yield corpus, store, fake.host
 
 
-def inspector(version: str, env: dict[str, str], tool: str, **args: Any) -> dict[str, Any]:
-    """One tools/call through `npx @modelcontextprotocol/inspector@VERSION --cli`; the parsed
-    CallToolResult it prints. Tool errors exit 0 (0.x) or 5 (2.x) with the result on stdout;
+def inspector(version: str, env: dict[str, str], method: str, *extra: str) -> dict[str, Any]:
+    """One request through `npx @modelcontextprotocol/inspector@VERSION --cli --method METHOD`;
+    the parsed result it prints. Tool errors exit 0 (0.x) or 5 (2.x) with the result on stdout;
     a protocol or schema failure exits 1 with the message on stderr (that is the bug this
     guards against)."""
     command = ["npx", "--prefer-offline", "-y", f"@modelcontextprotocol/inspector@{version}", "--cli"]
     for key, value in env.items():  # 2.x does not pass its own environment on to the server
         command += ["-e", f"{key}={value}"]
-    command += [sys.executable, str(SERVER), "--method", "tools/call", "--tool-name", tool]
-    for key, value in args.items():
-        command += ["--tool-arg", f"{key}={value}"]
+    command += [sys.executable, str(SERVER), "--method", method, *extra]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
                           env={**os.environ, **env, "npm_config_update_notifier": "false"})
     if done.returncode not in (0, 5) and any(word in done.stderr for word in NETWORK_FAILURES):
@@ -65,6 +63,14 @@ def inspector(version: str, env: dict[str, str], tool: str, **args: Any) -> dict
                     f"{done.stderr.strip()[-300:]}")
     assert done.returncode in (0, 5), f"Inspector {version} failed (exit {done.returncode}):\n{done.stderr[-2000:]}"
     return json.loads(done.stdout)
+
+
+def call(version: str, env: dict[str, str], tool: str, **args: Any) -> dict[str, Any]:
+    """One tools/call; the parsed CallToolResult."""
+    extra = ["--tool-name", tool]
+    for key, value in args.items():
+        extra += ["--tool-arg", f"{key}={value}"]
+    return inspector(version, env, "tools/call", *extra)
 
 
 def error_of(result: dict[str, Any]) -> dict[str, str]:
@@ -79,14 +85,14 @@ def test_results_and_errors_are_readable_in_the_inspector(built: tuple[Path, Pat
     corpus, store, host = built
     env = {"RAG_CORPUS_DIR": str(corpus), "RAG_STORE_DIR": str(store), "OLLAMA_HOST": host,
            "ANONYMIZED_TELEMETRY": "False", "RAG_SERVER_WARMUP": "0"}
-    found = inspector(version, env, "search_corpus", query="who gets paged for a sev-1", mode="keyword")
+    found = call(version, env, "search_corpus", query="who gets paged for a sev-1", mode="keyword")
     assert not found.get("isError") and found["structuredContent"]["results"][0]["path"] == "oncall/escalation.md"
-    lines = inspector(version, env, "get_file", path="runbooks/deploy.md", start_line=1, end_line=3)
+    lines = call(version, env, "get_file", path="runbooks/deploy.md", start_line=1, end_line=3)
     assert lines["structuredContent"]["end_line"] == 3
     # Inspector 0.16+ sends any value that parses as JSON as that JSON value: a number for a query.
-    numeric = inspector(version, env, "search_corpus", query="2048", mode="keyword")
+    numeric = call(version, env, "search_corpus", query="2048", mode="keyword")
     assert not numeric.get("isError") and numeric["structuredContent"]["query"] == "2048"
-    listed = inspector(version, env, "list_documents")
+    listed = call(version, env, "list_documents")
     assert listed["structuredContent"]["total"] == 6
     for tool, args, code in [
         ("search_corpus", {"query": "rollback", "k": 0}, "invalid_argument"),
@@ -94,8 +100,29 @@ def test_results_and_errors_are_readable_in_the_inspector(built: tuple[Path, Pat
         ("get_file", {"path": "../../etc/passwd"}, "path_rejected"),
         ("get_file", {"path": "private/offsite-backup.md"}, "not_indexed"),
     ]:
-        error = error_of(inspector(version, env, tool, **args))
+        error = error_of(call(version, env, tool, **args))
         assert error["code"] == code and error["message"] and error["hint"], (tool, args, error)
     missing = {**env, "RAG_STORE_DIR": str(tmp_path / "no-store")}
-    error = error_of(inspector(version, missing, "search_corpus", query="rollback"))
+    error = error_of(call(version, missing, "search_corpus", query="rollback"))
     assert error["code"] == "index_missing" and rules.INGEST_COMMAND in error["hint"]
+    # Inspector 0.15 sends an array argument as its JSON text, 2.x as the array: both are read alike.
+    phrased = call(version, env, "search_corpus", query="rollback", mode="keyword",
+                   queries='["roll back a release"]')
+    assert not phrased.get("isError") and phrased["structuredContent"]["results"], phrased
+
+
+@pytest.mark.parametrize("version", INSPECTORS)
+def test_documents_are_resources_in_the_inspector(built: tuple[Path, Path, str], version: str) -> None:
+    corpus, store, host = built
+    env = {"RAG_CORPUS_DIR": str(corpus), "RAG_STORE_DIR": str(store), "OLLAMA_HOST": host,
+           "ANONYMIZED_TELEMETRY": "False", "RAG_SERVER_WARMUP": "0"}
+    listed = inspector(version, env, "resources/list")
+    by_name = {r["name"]: r for r in listed["resources"]}
+    assert len(by_name) == 6 and "private/offsite-backup.md" not in by_name
+    deploy = by_name["runbooks/deploy.md"]
+    assert deploy["mimeType"] == "text/markdown" and deploy["annotations"]["lastModified"]
+    read = inspector(version, env, "resources/read", "--uri", deploy["uri"] + "?start_line=1&end_line=3")
+    (contents,) = read["contents"]
+    assert contents["text"].splitlines() == (corpus / "runbooks/deploy.md").read_text().splitlines()[:3]
+    templates = inspector(version, env, "resources/templates/list")
+    assert [t["uriTemplate"] for t in templates["resourceTemplates"]] == ["local-rag://doc/{+path}{?start_line,end_line}"]

@@ -34,8 +34,11 @@ from helpers import (
     without_echoed_identifier,
 )
 from mcp import Client
+from mcp.shared.exceptions import MCPError
+from mcp.types import INVALID_PARAMS, ResourceTemplateReference
 
 import corpus_rules as rules
+import server
 from corpus_rules import StoreLayout
 
 pytestmark = [pytest.mark.heavy, pytest.mark.process]  # a file over a minute of real processes: `pytest --all` only, scheduled first
@@ -364,9 +367,9 @@ def test_stdout_is_pure_jsonrpc_including_error_paths(built: Built, fake: FakeOl
         assert is_error and payload["error"]["code"] == "embedder_unavailable"
     finally:
         raw_down.close()
-    for server in (raw, raw_down):
-        assert server.stdout_lines
-        for line in server.stdout_lines:
+    for spoken in (raw, raw_down):
+        assert spoken.stdout_lines
+        for line in spoken.stdout_lines:
             message = json.loads(line)
             assert isinstance(message, dict) and message.get("jsonrpc") == "2.0", line
 
@@ -556,7 +559,6 @@ def test_every_tool_result_fits_the_declared_output_schema(built: Built, fake: F
         ("list_documents", {}, None),
         ("list_documents", {"path_prefix": "nowhere"}, None),
         ("list_documents", {"limit": 0}, "invalid_argument"),
-        ("no_such_tool", {}, "invalid_argument"),
     ]
 
     async def scenario(env: dict[str, str], cases: list[tuple[str, dict[str, Any], str | None]]) -> None:
@@ -577,3 +579,34 @@ def test_every_tool_result_fits_the_declared_output_schema(built: Built, fake: F
     run(lambda: scenario(built.server_env(down_host), [
         ("search_corpus", {"query": "rollback"}, None), ("search_corpus", {"query": "rollback", "mode": "vector"},
                                                           "embedder_unavailable")]))
+
+
+@pytest.mark.parametrize("mode", ["legacy", "2026-07-28"])
+def test_documents_are_resources_over_stdio(built: Built, fake: FakeOllama, mode: str) -> None:
+    """The real server over stdio: every indexed document listed and readable as a resource, a hit's
+    lines through the template, path completion, and the JSON-RPC errors the spec puts outside
+    tool results (an unknown tool, an unreadable URI)."""
+    template = ResourceTemplateReference(uri=server.LINES_TEMPLATE)
+
+    async def scenario() -> None:
+        async with connect(built.server_env(fake.host), mode=mode) as client:
+            listed = await client.list_resources()
+            names = [r.name for r in listed.resources]
+            assert "runbooks/deploy.md" in names and "private/offsite-backup.md" not in names
+            whole = await client.read_resource(server.document_uri("runbooks/deploy.md"))
+            assert whole.contents[0].text.splitlines() == (built.corpus / "runbooks/deploy.md").read_text().splitlines()
+            is_error, found = await tool(client, "search_corpus", query="who gets paged for a sev-1")
+            hit = found["results"][0]
+            read = await client.read_resource(f"{hit['uri']}?start_line={hit['start_line']}&end_line={hit['end_line']}")
+            expected = (built.corpus / hit["path"]).read_text().splitlines()[hit["start_line"] - 1:hit["end_line"]]
+            assert read.contents[0].text == "\n".join(expected)
+            assert (await client.complete(template, {"name": "path", "value": "runbooks/dep"})).completion.values \
+                == sorted(n for n in names if n.startswith("runbooks/dep"))
+            with pytest.raises(MCPError) as unreadable:
+                await client.read_resource(server.document_uri("private/offsite-backup.md"))
+            assert unreadable.value.code == INVALID_PARAMS and unreadable.value.data["error"]["code"] == "not_indexed"
+            with pytest.raises(MCPError) as unknown:
+                await client.call_tool("no_such_tool", {})
+            assert unknown.value.code == INVALID_PARAMS and "search_corpus" in unknown.value.message
+
+    run(scenario)
