@@ -2468,13 +2468,19 @@ def local_places() -> tuple[str, ...]:
 
 def redact(text: str, places: Sequence[str] = ()) -> str:
     """The text with its paths and URLs redacted; the ingest command a hint names keeps its
-    programs' names (`<path>/python <path>/ingest.py`, not `<path> <path>`)."""
+    programs' names (`<path>/python <path>/ingest.py`, not `<path> <path>`), and a document URI
+    stays whole (it names a corpus-relative path only)."""
     def paths_out(part: str) -> str:
         for place in places:
             part = part.replace(place, "<path>")
         return _ABSOLUTE_PATH.sub("<path>", _URL.sub("<host>", part))
 
-    return rules.INGEST_COMMAND_SHOWN_REMOTELY.join(paths_out(part) for part in text.split(rules.INGEST_COMMAND))
+    def outside_uris(part: str) -> str:
+        pieces = _DOCUMENT_URI.split(part)
+        uris = _DOCUMENT_URI.findall(part)
+        return "".join(paths_out(piece) + (uris[i] if i < len(uris) else "") for i, piece in enumerate(pieces))
+
+    return rules.INGEST_COMMAND_SHOWN_REMOTELY.join(outside_uris(part) for part in text.split(rules.INGEST_COMMAND))
 
 
 def redacted(error: RagError, places: Sequence[str] = ()) -> RagError:
@@ -2502,6 +2508,7 @@ def told_remotely(outcome: Outcome) -> Outcome:
 
 DOCUMENT_URI_PREFIX = "local-rag://doc/"
 LINES_TEMPLATE = DOCUMENT_URI_PREFIX + "{+path}{?start_line,end_line}"  # RFC 6570: the path keeps its slashes
+_DOCUMENT_URI = re.compile(re.escape(DOCUMENT_URI_PREFIX) + r"[^\s'\"<>)]*")
 # Errors a client caused answer -32602 (SEP-2164 puts "resource not found" there too); the rest -32603.
 _REQUEST_ERRORS = frozenset({ErrorCode.INVALID_ARGUMENT, ErrorCode.PATH_REJECTED, ErrorCode.NOT_INDEXED})
 

@@ -219,6 +219,10 @@ def test_documents_are_resources_over_http(server: HttpServer, built: Built, mod
                 assert refused.value.code == INVALID_PARAMS
                 no_paths_or_hosts(json.dumps(refused.value.data) + refused.value.message, str(built.corpus),
                                   str(built.store))
+            with pytest.raises(MCPError) as foreign:
+                await client.read_resource(f"file://{built.corpus}/runbooks/deploy.md")
+            assert str(built.corpus) not in foreign.value.message
+            assert f"{server_module.DOCUMENT_URI_PREFIX}<path>" in foreign.value.message  # redaction keeps our URIs
             with pytest.raises(MCPError) as unknown:
                 await client.call_tool("delete_everything", {})
             assert unknown.value.code == INVALID_PARAMS

@@ -110,6 +110,13 @@ def test_a_uri_that_names_no_readable_document_is_refused_with_what_to_do(uri: s
     assert refused.value.code == code and refused.value.hint
 
 
+def test_redaction_keeps_document_uris_whole_and_still_hides_paths() -> None:
+    told = server.redact("'file:///home/me/x.md' is not a document URI; use local-rag://doc/runbooks/a.md?start_line=2 "
+                         "or local-rag://doc/<path>, not /home/me/x.md")
+    assert told == ("'<host>' is not a document URI; use local-rag://doc/runbooks/a.md?start_line=2 or "
+                    "local-rag://doc/<path>, not <path>")
+
+
 @given(st.text(st.characters(exclude_categories=("Cs",)), max_size=40))  # no index path holds a lone surrogate
 def test_a_cursor_continues_after_the_path_it_was_made_from(path: str) -> None:
     assert server.decoded_cursor(server.encoded_cursor(path)) == path
