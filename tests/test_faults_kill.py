@@ -5,7 +5,8 @@ removed, and SIGKILLs it at that moment: while it imports, during a chosen embed
 answers slowly), at the exact point between writing a commit group's vectors and committing its
 keyword rows (the test holds SQLite's write lock on the keyword index, sees the vectors land in
 Chroma, then kills), just after a group's commit while its old vectors are being deleted, just
-after the stamp is written, and at fractions of the measured run time. No hook in the product.
+after the stamp is written, and at fractions of the run's embedding work (the share of its chunks
+sent to the embedder, which a loaded machine does not shift as it shifts time). No hook in the product.
 
 After every kill: the store opens, a real server (one process for the whole loop) answers from
 it, every file that had chunks still has one complete generation of them, and no answer mixes
@@ -74,8 +75,7 @@ class Run:
     base_calls: int  # the fake's embed_calls before this run
     groups: list[list[str]]  # commit groups of this run
     tokens: dict[str, str]  # handbook -> the token in each of its chunks
-    duration: float  # of an uninterrupted run
-    started: float
+    chunks: dict[str, int]  # file -> its chunks, for the files this run embeds
     note: str = ""
 
     def alive(self) -> bool:
@@ -103,7 +103,8 @@ def at(seconds: float) -> Callable[[Run], None]:
 
 def at_fraction(fraction: float) -> Callable[[Run], None]:
     def moment(run: Run) -> None:
-        time.sleep(max(0.0, run.started + fraction * run.duration - time.monotonic()))
+        work = fraction * sum(run.chunks.values())
+        poll(lambda: sum(map(len, run.fake.call_inputs[run.base_calls:])) >= work or not run.alive(), timeout=120)
         run.kill()
 
     return moment
@@ -139,13 +140,15 @@ def between_vectors_and_keywords(group: int) -> Callable[[Run], None]:
             with write_lock(run.index / rules.KEYWORD_DB):
                 vectors, hashes = vector_count(run.index), committed_hashes(run.index)
                 run.fake.configure(hold_carrying=None)
-                poll(lambda: vector_count(run.index) > vectors or not run.alive())
+                # All of the group's vectors (an earlier group's may still be landing too).
+                size = sum(run.chunks[path] for path in run.groups[group - 1])
+                poll(lambda: vector_count(run.index) >= vectors + size or not run.alive())
                 run.kill()
                 run.proc.wait(timeout=30)
         finally:
             run.fake.configure(hold_carrying=None)
         written = vector_count(run.index) - vectors
-        assert written > 0 and committed_hashes(run.index) == hashes
+        assert written >= size and committed_hashes(run.index) == hashes
         run.note = f"({written} vectors in Chroma, keyword rows not committed)"
 
     return moment
@@ -220,9 +223,7 @@ def kill_loop(fake: FakeOllama, tmp_path: Path, moments: list[str]) -> list[str]
     tokens = write_handbooks(corpus, HANDBOOKS, "base")
     hashes = corpus_hashes(corpus)
     fake.configure(delay_seconds=DELAY_S)
-    started = time.monotonic()
     first = run_ingest(fake, corpus, store)
-    duration = time.monotonic() - started
     assert first.code == 0, first.err
     # A killed run may leave any file at any revision written so far: all are allowed, none mixed.
     allowed = {path: {digest} for path, digest in hashes.items()}
@@ -248,8 +249,7 @@ def kill_loop(fake: FakeOllama, tmp_path: Path, moments: list[str]) -> list[str]
             committed = committed_hashes(index)
             counts = {path: count for path, count in chunk_counts(corpus).items() if committed.get(path) != now[path]}
             run = Run(proc=start_ingest(fake, corpus, store), fake=fake, index=index, base_calls=fake.embed_calls,
-                      groups=commit_groups(counts), tokens=tokens, duration=duration,
-                      started=time.monotonic())
+                      groups=commit_groups(counts), tokens=tokens, chunks=counts)
             assert len(run.groups) >= 3
             MOMENTS[name](run)
             done = finish(run.proc)
