@@ -1555,6 +1555,31 @@ class Bench:
                         f"Cold first search, {size_label(size)} chunks: the call alone, after the handshake",
                         statistics.median(after_handshake), "s", "report", size=size))
 
+    def resource_listing(self, size: int) -> None:
+        """resources/list through every page on a warm stdio server (what a client's @-mention
+        menu asks for), then one resources/read of a hit's lines through the template."""
+        label = size_label(size)
+        with self.spawn_server(size, f"resources-{label}") as peer:
+            peer.handshake()
+            pages, cursor, documents = [], None, 0
+            while True:
+                result, seconds = peer.request("resources/list", {"cursor": cursor} if cursor else {})
+                pages.append(seconds)
+                documents += len(result["resources"])
+                cursor = result.get("nextCursor")
+                if not cursor:
+                    break
+            found, _ = peer.call("search_corpus", {"query": synthetic_queries(1, f"resources-{label}")[0]})
+            hit = tool_payload(found)["results"][0]
+            _, read_s = peer.request("resources/read", {"uri": f"{hit['uri']}?start_line={hit['start_line']}"
+                                                               f"&end_line={hit['end_line']}"})
+        self.details.setdefault("resources", {})[label] = {"documents": documents, "page_s": pages, "read_s": read_s}
+        page = summarize_ms(pages)
+        self.add(Figure(f"resources.list_page_ms@{label}", f"resources/list, {documents} documents ({label} chunks): "
+                        f"one page, p95 of {len(pages)}", page["p95_ms"], "ms", "<= 100 ms",
+                        passed=page["p95_ms"] <= 100, size=size,
+                        note=f"every page: {sum(pages):.2f} s; a hit's lines by resources/read: {read_s * 1000:.1f} ms"))
+
     # 3 + 6. warm searches, server memory --------------------------------------------------------
     def warm_searches(self, size: int, queries: dict[str, list[str]], raw: dict[str, float]) -> None:
         samples: dict[str, list[float]] = {"hybrid": [], "vector": [], "keyword": []}
@@ -2157,6 +2182,7 @@ class Bench:
                 raw = self.raw_queries(size, queries["raw"])
                 self.cold_search(size, queries["cold"])
                 self.warm_searches(size, queries, raw)
+                self.resource_listing(size)
                 if size == self.reference_size():
                     self.http_doors(size, raw)
                 if self.args.chroma_url and size == self.reference_size():
@@ -2169,7 +2195,7 @@ class Bench:
 
 
 def order_figures(figures: Sequence[Figure]) -> list[Figure]:
-    order = ["handshake", "stdio", "cold", "search", "http", "cli", "ingest", "reingest", "reuse", "watch", "slow",
+    order = ["handshake", "stdio", "cold", "search", "resources", "http", "cli", "ingest", "reingest", "reuse", "watch", "slow",
              "chroma_server", "memory"]
     return sorted(figures, key=lambda f: (order.index(f.id.split(".")[0]) if f.id.split(".")[0] in order else 99,
                                           f.size or 0))
