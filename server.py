@@ -337,6 +337,9 @@ class Staleness(BaseModel):
 
 
 class SearchHit(BaseModel):
+    # The fields with a default are always sent too: the schema marks them required.
+    model_config = ConfigDict(json_schema_serialization_defaults_required=True)
+
     path: str
     title: str
     heading: str = Field(description="Heading path of the passage, e.g. 'Deploy > Rollback > Database'.")
@@ -354,6 +357,12 @@ class SearchHit(BaseModel):
     exact_matches: list[str] = Field(description="The query's identifiers this passage contains whole.")
     text: str
     truncated: bool = Field(description="True when text was cut; read the lines with get_file.")
+    changed_on_disk: bool = Field(False, description="True when the file's size or mtime differ from what was "
+                                                     "indexed, or it is gone: the passage may be out of date and "
+                                                     "its lines may have moved; re-read it with get_file.")
+    freshness: Literal["unchanged", "modified", "deleted"] = Field(
+        "unchanged", description="The file on disk against the index: modified, or deleted (get_file then "
+                                 "serves the indexed passages).")
 
 
 class SearchResponse(BaseModel):
@@ -1178,6 +1187,14 @@ class OpenIndex:
         rows = self._sql(f"SELECT {rules.DOCUMENT_COLUMNS} FROM documents WHERE path = ?", [path])
         return rules.DocumentRow(*rows[0]) if rows else None
 
+    def documents_at(self, paths: Iterable[str]) -> dict[str, rules.DocumentRow]:
+        out: dict[str, rules.DocumentRow] = {}
+        for batch in rules.batched(list(paths), 500):  # SQLite's host-parameter limit
+            rows = self._sql(f"SELECT {rules.DOCUMENT_COLUMNS} FROM documents WHERE path IN "
+                             f"({','.join('?' * len(batch))})", batch)
+            out.update((str(r[0]), rules.DocumentRow(*r)) for r in rows)
+        return out
+
     def documents(self, prefix: str | None = None, offset: int = 0, limit: int | None = None) -> list[rules.DocumentRow]:
         where, params = prefix_sql("path", prefix)
         tail = " LIMIT ? OFFSET ?" if limit is not None else ""
@@ -1849,6 +1866,7 @@ class RetrievalService:
         ranked = self._with_rows(index, rank(candidates, args.mode)[:args.k], candidates)
         # 8. hits
         hits = self._hits(index, ranked, candidates, facts, phrasings)
+        hits = self._with_freshness(index, hits)
         # 9. confidence
         confidence = (self._confidence(index, candidates.rows[ranked[0][0]], hits[0], candidates, facts, phrasings)
                       if hits else None)
@@ -2036,6 +2054,15 @@ class RetrievalService:
                                   text=row.text, truncated=False))
         return hits
 
+    def _with_freshness(self, index: OpenIndex, hits: list[SearchHit]) -> list[SearchHit]:
+        """The hits, each saying whether its file changed on disk since ingest (Claude Code shows the
+        model structured content only, so every hit carries it): one stat per distinct path."""
+        corpus = self._corpus_dir(index.current)
+        states = {path: disk_state(corpus, doc) for path, doc in index.documents_at({h.path for h in hits}).items()}
+        return [hit.model_copy(update={"changed_on_disk": states[hit.path] != "unchanged",
+                                       "freshness": states[hit.path]}) if hit.path in states else hit
+                for hit in hits]
+
     def _confidence(self, index: OpenIndex, row: rules.ChunkRow, top: SearchHit, candidates: ChannelCandidates,
                     facts: QueryFacts, phrasings: list[Phrasing]) -> Judgement:
         """How likely the first hit (its row and its hit) answers the query (see judge)."""
@@ -2172,18 +2199,20 @@ def _lifecycle(value: str) -> Literal["active", "superseded"]:
     return "superseded" if value == "superseded" else "active"
 
 
+def disk_state(corpus_dir: Path, doc: rules.DocumentRow) -> Literal["unchanged", "modified", "deleted"]:
+    """An indexed file on disk against the size and mtime ingest recorded: one stat, never a read."""
+    try:
+        st = os.stat(corpus_dir / doc.disk_path)
+    except (FileNotFoundError, NotADirectoryError):
+        return "deleted"
+    except OSError:
+        return "modified"  # there but unreadable: not the file that was indexed, as far as anyone can tell
+    return "unchanged" if rules.looks_unchanged(st.st_size, st.st_mtime_ns, doc.size, doc.mtime_ns) else "modified"
+
+
 def count_changed_files(corpus_dir: Path, docs: Sequence[rules.DocumentRow]) -> int:
     """Indexed files whose size or mtime differ on disk, or that are gone (a cheap stat each)."""
-    changed = 0
-    for doc in docs:
-        try:
-            st = os.stat(corpus_dir / doc.disk_path)
-        except OSError:
-            changed += 1
-            continue
-        if not rules.looks_unchanged(st.st_size, st.st_mtime_ns, doc.size, doc.mtime_ns):
-            changed += 1
-    return changed
+    return sum(disk_state(corpus_dir, doc) != "unchanged" for doc in docs)
 
 
 def _reject(path: str, why: str) -> RagError:
@@ -3495,6 +3524,8 @@ def human_view(tool: str, payload: Mapping[str, Any]) -> str:
                          f"  {rules.metadata_text(hit['heading'])}  (score {score}){superseded}")
             shown = (rules.metadata_text(line, HUMAN_VIEW_WIDTH) for line in hit["text"].splitlines())
             lines.extend(f"   {line}" for line in [line for line in shown if line][:HUMAN_VIEW_LINES])
+            if hit.get("changed_on_disk"):
+                lines.append(f"   [{hit['freshness']} on disk since the index was built]")
         if payload.get("confidence") in ("high", "medium"):
             lines.append(f"(confidence {payload['confidence']}: {payload.get('confidence_score')})")
         lines.extend(f"({rules.metadata_text(note, HUMAN_VIEW_NOTE_MAX)})" for note in notes_of(payload))
