@@ -125,9 +125,15 @@ CONFIDENCE_MEDIUM = 0.1
 # a term is not discriminative and the keyword channel keeps to the rarer terms (see keyword_plan).
 KEYWORD_MATCH_BUDGET = 1000
 HIT_TEXT_MAX_CHARS = 2000
-# Clients cut tool output around 25k tokens; characters are a safe, cheap proxy.
+# Clients cut tool output around 25k tokens; characters are a safe, cheap proxy. Each budget counts
+# the compact JSON, and is declared to clients as the tool's anthropic/maxResultSizeChars
+# (RESULT_MAX_CHARS), so Claude Code shows it whole instead of spilling it to a file.
 SEARCH_RESPONSE_MAX_CHARS = 20_000
+# get_file's text, counted as JSON carries it (max_chars' default and ceiling), and its whole
+# response: the text plus room for the path (up to PATH_MAX), the title, the message and numbers.
 FILE_TEXT_MAX_CHARS = 50_000
+FILE_RESPONSE_MAX_CHARS = FILE_TEXT_MAX_CHARS + 10_000
+RESULT_MAX_CHARS = {"search_corpus": SEARCH_RESPONSE_MAX_CHARS, "get_file": FILE_RESPONSE_MAX_CHARS}
 LIST_LIMIT_DEFAULT = 100
 LIST_LIMIT_MAX = 500
 QUERY_EMBED_TIMEOUT_S = 30.0
@@ -286,6 +292,10 @@ class GetFileInput(_ToolInput):
     path: str = Field(description="Corpus-relative path as returned by search_corpus or list_documents.")
     start_line: int | None = Field(None, ge=1, description="First line to return (1-based, inclusive).")
     end_line: int | None = Field(None, ge=1, description="Last line to return (inclusive).")
+    max_chars: int = Field(FILE_TEXT_MAX_CHARS, ge=1, le=FILE_TEXT_MAX_CHARS,
+                           description=f"At most this many characters of text, 1-{FILE_TEXT_MAX_CHARS}, counted as "
+                                       "JSON sends them (a quote or a line break counts 2); the text is cut at a "
+                                       "line end and next_start_line says where to continue.")
 
     @field_validator("path")
     @classmethod
@@ -740,11 +750,13 @@ class LineSlice:
     end_line: int
     truncated: bool
     next_start_line: int | None
+    cut_inside: bool = False  # the one line returned is longer than max_chars and was cut
 
 
 def slice_lines(lines: Sequence[str], start_line: int | None, end_line: int | None,
                 max_chars: int = FILE_TEXT_MAX_CHARS) -> LineSlice:
-    """Lines start..end (1-based, inclusive, clamped to the file) within `max_chars`.
+    """Lines start..end (1-based, inclusive, clamped to the file) whose text costs at most
+    `max_chars` as a JSON string body (what the response budget counts).
 
     Raises RagError(invalid_argument) for a start past the end (GetFileInput has already refused
     an end before the start). A cut keeps whole lines; only a single line longer than the cap is
@@ -766,18 +778,30 @@ def slice_lines(lines: Sequence[str], start_line: int | None, end_line: int | No
     last = start - 1
     for number in range(start, end + 1):
         line = lines[number - 1]
-        cost = len(line) + (1 if pieces else 0)
+        cost = json_len(line) - 2 + (2 if pieces else 0)  # the joining line break is \n in JSON
         if used + cost > max_chars:
             if not pieces:  # one enormous line: cut inside it rather than return nothing
-                pieces.append(line[:max_chars])
+                pieces.append(prefix_within(line, max_chars))
                 last = number
             break
         pieces.append(line)
         used += cost
         last = number
-    truncated = last < end or (len(pieces) == 1 and len(lines[start - 1]) > max_chars)
+    cut_inside = len(pieces) == 1 and len(pieces[0]) < len(lines[start - 1])
     next_start = last + 1 if last < end else None
-    return LineSlice("\n".join(pieces), start, last, truncated, next_start)
+    return LineSlice("\n".join(pieces), start, last, last < end or cut_inside, next_start, cut_inside)
+
+
+def cut_note(part: LineSlice, total_lines: int, max_chars: int) -> str | None:
+    """What get_file says when it cut the text: where, and how to read on."""
+    if part.cut_inside:
+        note = (f"line {part.end_line} is longer than max_chars={max_chars} and was cut inside it; pass a larger "
+                f"max_chars (up to {FILE_TEXT_MAX_CHARS}) to read more of it")
+        return note + (f", or continue with start_line={part.next_start_line}" if part.next_start_line else "")
+    if part.truncated:
+        return (f"text cut at max_chars={max_chars}: lines {part.start_line}-{part.end_line} of {total_lines}; "
+                f"continue with start_line={part.next_start_line}")
+    return None
 
 
 def iso_from_ns(mtime_ns: int) -> str:
@@ -2160,16 +2184,16 @@ class RetrievalService:
         if raw is None:
             with manager.lock:
                 chunks = manager.open().chunks_of(doc.path)
-            return file_from_chunks(doc, chunks, args.start_line, args.end_line).model_dump(mode="json")
+            return file_from_chunks(doc, chunks, args.start_line, args.end_line,
+                                    args.max_chars).model_dump(mode="json")
         text = raw.decode("utf-8-sig", errors="replace")
         lines = rules.split_lines(text)
-        part = slice_lines(lines, args.start_line, args.end_line)
+        part = slice_lines(lines, args.start_line, args.end_line, args.max_chars)
         return FileResponse(path=doc.path, title=rules.metadata_text(doc.title), lifecycle=_lifecycle(doc.lifecycle),
                             text=part.text, start_line=part.start_line, end_line=part.end_line, total_lines=len(lines),
                             source="disk", truncated=part.truncated, next_start_line=part.next_start_line,
                             changed_since_ingest=rules.content_hash(raw) != doc.content_hash,
-                            message=("text cut at the size limit; continue with start_line="
-                                     f"{part.next_start_line}") if part.truncated and part.next_start_line else None,
+                            message=cut_note(part, len(lines), args.max_chars),
                             ).model_dump(mode="json")
 
     # list_documents ---------------------------------------------------------------------------
@@ -2264,8 +2288,9 @@ def read_indexed_file(corpus_dir: Path, doc: rules.DocumentRow, corpus_id: tuple
 
 
 def file_from_chunks(doc: rules.DocumentRow, chunks: Sequence[rules.ChunkRow], start_line: int | None,
-                     end_line: int | None) -> FileResponse:
-    """The indexed passages of a file that is gone from disk, in chunk order."""
+                     end_line: int | None, max_chars: int = FILE_TEXT_MAX_CHARS) -> FileResponse:
+    """The indexed passages of a file that is gone from disk, in chunk order, within `max_chars`
+    as JSON counts them (as slice_lines)."""
     lo, hi = start_line or 1, end_line or max(doc.line_count, 1)
     picked = [c for c in chunks if c.end_line >= lo and c.start_line <= hi]
     pieces: list[str] = []
@@ -2275,11 +2300,13 @@ def file_from_chunks(doc: rules.DocumentRow, chunks: Sequence[rules.ChunkRow], s
     last_end = lo - 1
     for chunk in picked:
         block = f"[lines {chunk.start_line}-{chunk.end_line}]\n{chunk.text}"
-        if used + len(block) > FILE_TEXT_MAX_CHARS and pieces:
+        cost = json_len(block) - 2 + (4 if pieces else 0)  # the joining blank line is \n\n in JSON
+        if used + cost > max_chars and pieces:
             truncated, next_start = True, chunk.start_line
             break
-        pieces.append(block[:FILE_TEXT_MAX_CHARS])
-        used += len(block) + 2
+        pieces.append(prefix_within(block, max_chars))
+        truncated = truncated or len(pieces[-1]) < len(block)
+        used += cost
         last_end = chunk.end_line
     return FileResponse(
         path=doc.path, title=rules.metadata_text(doc.title), lifecycle=_lifecycle(doc.lifecycle), text="\n\n".join(pieces),
@@ -2287,7 +2314,9 @@ def file_from_chunks(doc: rules.DocumentRow, chunks: Sequence[rules.ChunkRow], s
         total_lines=doc.line_count, source="index", truncated=truncated, next_start_line=next_start,
         changed_since_ingest=None,
         message="the file is no longer on disk (corpus moved or deleted); these are its indexed passages, "
-                "frontmatter and blank lines between passages are not included")
+                "frontmatter and blank lines between passages are not included"
+                + (f"; text cut at max_chars={max_chars}" if truncated else "")
+                + (f": continue with start_line={next_start}" if next_start else ""))
 
 
 # ===========================================================================
@@ -2456,7 +2485,8 @@ def mcp_result(outcome: Outcome) -> Any:
     from mcp.types import CallToolResult, TextContent
 
     if outcome.error is None:
-        text = json.dumps(outcome.payload, ensure_ascii=False)
+        # Compact, as the response budgets count it (RESULT_MAX_CHARS): the text is no longer than declared.
+        text = json.dumps(outcome.payload, ensure_ascii=False, separators=(",", ":"))
         return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=outcome.payload)
     text = json.dumps(outcome.error.payload(), ensure_ascii=False)
     return CallToolResult(is_error=True, content=[TextContent(type="text", text=text)])
@@ -2469,7 +2499,9 @@ def tool_definitions() -> list[Any]:
                                   destructive_hint=False)
     return [Tool(name=spec.name, title=spec.title, description=spec.description,
                  input_schema=spec.input_model.model_json_schema(),
-                 output_schema=spec.output_model.model_json_schema(mode="serialization"), annotations=annotations)
+                 output_schema=spec.output_model.model_json_schema(mode="serialization"), annotations=annotations,
+                 meta={"anthropic/maxResultSizeChars": RESULT_MAX_CHARS[spec.name]}
+                 if spec.name in RESULT_MAX_CHARS else None)
             for spec in TOOLS.values()]
 
 
