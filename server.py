@@ -42,6 +42,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import math
@@ -134,6 +135,8 @@ SEARCH_RESPONSE_MAX_CHARS = 20_000
 FILE_TEXT_MAX_CHARS = 50_000
 FILE_RESPONSE_MAX_CHARS = FILE_TEXT_MAX_CHARS + 10_000
 RESULT_MAX_CHARS = {"search_corpus": SEARCH_RESPONSE_MAX_CHARS, "get_file": FILE_RESPONSE_MAX_CHARS}
+# get_file tells a client that sent a progress token what it reads from a file too long for one answer.
+FILE_PROGRESS_MIN_BYTES = FILE_TEXT_MAX_CHARS
 LIST_LIMIT_DEFAULT = 100
 LIST_LIMIT_MAX = 500
 QUERY_EMBED_TIMEOUT_S = 30.0
@@ -997,6 +1000,7 @@ class OpenIndex:
         self.keyword_path = layout.keyword_db(current.index)
         self.db = self._open_keywords()
         self.vectors = vectors  # opened on first need, on the Chroma thread
+        self.vectors_loaded = False  # a read of the vectors has answered (the HNSW index is in memory)
         # A generation's counts never change; they go with it (a new generation opens afresh).
         self._passage_counts: LRU[str, int] = LRU(PASSAGE_COUNT_CACHE_SIZE)
 
@@ -1095,13 +1099,15 @@ class OpenIndex:
 
     def _read_reopening(self, read: Callable[[rules.VectorStore], Any]) -> Any:
         try:
-            return read(self.vectors)
+            answer = read(self.vectors)
         except RagError as first:
             if first.code not in STORE_FAILURES:
                 raise
             log.info("vector store read failed (%s); reopening the Chroma client", first.message[:200])
-        self.vectors.close()
-        return read(self.vectors)
+            self.vectors.close()
+            answer = read(self.vectors)
+        self.vectors_loaded = True
+        return answer
 
     def vector_query(self, lifecycle: str, vector: Sequence[float], n: int,
                      paths: Sequence[str] | None) -> list[tuple[str, float]]:
@@ -1286,6 +1292,12 @@ class StoreManager:
             self._open.close()
             self._open = None
 
+    def vectors_cold(self) -> bool:
+        """Whether a vector search would first have to load the vector index: nothing is open yet, or
+        the open generation has vectors no read has loaded (callable without the lock: one read)."""
+        index = self._open
+        return index is None or not (index.vectors_loaded or without_vectors(index.current))
+
     def is_live(self, index: OpenIndex) -> bool:
         """Whether `index` is still the open generation (callable without the lock: one read)."""
         return self._open is index
@@ -1384,6 +1396,19 @@ class QueryEmbeddings:
 
 def _raise(error: BaseException) -> Any:
     raise error
+
+
+# Progress: a short message for the client while a call runs, from the call's worker thread. A
+# door that can deliver it (MCP, when the client sent a progress token) sets PROGRESS for the call;
+# elsewhere (the bridge, the CLI, a client without a token) telling it does nothing.
+Progress = Callable[[str], None]
+PROGRESS: contextvars.ContextVar[Progress | None] = contextvars.ContextVar("rag_progress", default=None)
+
+
+def tell_progress(message: str) -> None:
+    report = PROGRESS.get()
+    if report is not None:
+        report(message)
 
 
 # ---------------------------------------------------------------------------
@@ -1818,6 +1843,9 @@ class RetrievalService:
             raise RagError(ErrorCode.INVALID_ARGUMENT, "min_score needs similarity scores, which keyword mode "
                            "does not compute", "drop min_score, or use mode 'hybrid' or 'vector'")
         manager = self.manager
+        if args.mode != "keyword" and manager.vectors_cold():
+            # Said before waiting for the lock: a warm-up still loading holds it.
+            tell_progress("loading the vector index (the first search since the server started)")
         texts = args.phrasings()
         vectors: list[Any] | None = None
         embedded_for: Any = None
@@ -2180,6 +2208,9 @@ class RetrievalService:
                 raise RagError(ErrorCode.NOT_INDEXED, f"{rules.shown(args.path)} is not in the index",
                                "only indexed documents can be read: call list_documents (or search_corpus) "
                                "for the exact path")
+        if doc.size >= FILE_PROGRESS_MIN_BYTES:
+            tell_progress(f"reading {rules.shown(doc.path)}: {doc.line_count} lines, {doc.size // 1024} KB, "
+                          f"at most {args.max_chars} characters of it")
         raw = read_indexed_file(corpus, doc, index.current.corpus_id)
         if raw is None:
             with manager.lock:
@@ -2505,6 +2536,25 @@ def tool_definitions() -> list[Any]:
             for spec in TOOLS.values()]
 
 
+def progress_reporter(context: Any) -> Progress | None:
+    """The call's progress messages as notifications/progress to the client's progress token, or
+    None when the request carries none (then nothing is sent). The service tells them on the call's
+    worker thread; each goes out through the event loop before the thread goes on."""
+    import anyio
+
+    if (context.meta or {}).get("progress_token") is None:  # the SDK's RequestParamsMeta: _meta.progressToken
+        return None
+    steps = itertools.count(1)
+
+    def report(message: str) -> None:
+        try:
+            anyio.from_thread.run(context.session.report_progress, next(steps), None, message)
+        except Exception:  # noqa: BLE001 - progress is a courtesy: the call goes on without it
+            log.debug("progress not sent:\n%s", traceback.format_exc())
+
+    return report
+
+
 def _lenient_int(digits: str) -> int | None:
     # Python refuses int() of more than 4300 digits; such a number is never a usable request id.
     return int(digits) if len(digits) <= 100 else None
@@ -2570,6 +2620,8 @@ def build_server(service: RetrievalService, instructions: str, warmup: WarmUp, *
         return ListToolsResult(tools=definitions)
 
     async def call_tool(context: Any, params: Any) -> Any:
+        # Each request runs in a task of its own, so this lasts for the call; its worker thread inherits it.
+        PROGRESS.set(progress_reporter(context))
         if timeout_s is None:
             outcome = await anyio.to_thread.run_sync(dispatch, service, params.name, params.arguments)
         else:
