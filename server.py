@@ -43,6 +43,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import math
@@ -127,9 +128,17 @@ CONFIDENCE_MEDIUM = 0.1
 # a term is not discriminative and the keyword channel keeps to the rarer terms (see keyword_plan).
 KEYWORD_MATCH_BUDGET = 1000
 HIT_TEXT_MAX_CHARS = 2000
-# Clients cut tool output around 25k tokens; characters are a safe, cheap proxy.
+# Clients cut tool output around 25k tokens; characters are a safe, cheap proxy. Each budget counts
+# the compact JSON, and is declared to clients as the tool's anthropic/maxResultSizeChars
+# (RESULT_MAX_CHARS), so Claude Code shows it whole instead of spilling it to a file.
 SEARCH_RESPONSE_MAX_CHARS = 20_000
+# get_file's text, counted as JSON carries it (max_chars' default and ceiling), and its whole
+# response: the text plus room for the path (up to PATH_MAX), the title, the message and numbers.
 FILE_TEXT_MAX_CHARS = 50_000
+FILE_RESPONSE_MAX_CHARS = FILE_TEXT_MAX_CHARS + 10_000
+RESULT_MAX_CHARS = {"search_corpus": SEARCH_RESPONSE_MAX_CHARS, "get_file": FILE_RESPONSE_MAX_CHARS}
+# get_file tells a client that sent a progress token what it reads from a file too long for one answer.
+FILE_PROGRESS_MIN_BYTES = FILE_TEXT_MAX_CHARS
 LIST_LIMIT_DEFAULT = 100
 LIST_LIMIT_MAX = 500
 RESOURCES_PAGE = 500  # documents per resources/list page
@@ -310,6 +319,10 @@ class GetFileInput(_ToolInput):
     path: str = Field(description="Corpus-relative path as returned by search_corpus or list_documents.")
     start_line: int | None = Field(None, ge=1, description="First line to return (1-based, inclusive).")
     end_line: int | None = Field(None, ge=1, description="Last line to return (inclusive).")
+    max_chars: int = Field(FILE_TEXT_MAX_CHARS, ge=1, le=FILE_TEXT_MAX_CHARS,
+                           description=f"At most this many characters of text, 1-{FILE_TEXT_MAX_CHARS}, counted as "
+                                       "JSON sends them (a quote or a line break counts 2); the text is cut at a "
+                                       "line end and next_start_line says where to continue.")
 
     @field_validator("path")
     @classmethod
@@ -361,6 +374,9 @@ class Staleness(BaseModel):
 
 
 class SearchHit(BaseModel):
+    # The fields with a default are always sent too: the schema marks them required.
+    model_config = ConfigDict(json_schema_serialization_defaults_required=True)
+
     path: str
     uri: str = Field(description="The document as an MCP resource (resources/read); its lines: "
                                  "?start_line=N&end_line=M after it.")
@@ -380,6 +396,12 @@ class SearchHit(BaseModel):
     exact_matches: list[str] = Field(description="The query's identifiers this passage contains whole.")
     text: str
     truncated: bool = Field(description="True when text was cut; read the lines with get_file.")
+    changed_on_disk: bool = Field(False, description="True when the file's size or mtime differ from what was "
+                                                     "indexed, or it is gone: the passage may be out of date and "
+                                                     "its lines may have moved; re-read it with get_file.")
+    freshness: Literal["unchanged", "modified", "deleted"] = Field(
+        "unchanged", description="The file on disk against the index: modified, or deleted (get_file then "
+                                 "serves the indexed passages).")
 
 
 class SearchResponse(BaseModel):
@@ -757,11 +779,13 @@ class LineSlice:
     end_line: int
     truncated: bool
     next_start_line: int | None
+    cut_inside: bool = False  # the one line returned is longer than max_chars and was cut
 
 
 def slice_lines(lines: Sequence[str], start_line: int | None, end_line: int | None,
                 max_chars: int = FILE_TEXT_MAX_CHARS) -> LineSlice:
-    """Lines start..end (1-based, inclusive, clamped to the file) within `max_chars`.
+    """Lines start..end (1-based, inclusive, clamped to the file) whose text costs at most
+    `max_chars` as a JSON string body (what the response budget counts).
 
     Raises RagError(invalid_argument) for a start past the end (GetFileInput has already refused
     an end before the start). A cut keeps whole lines; only a single line longer than the cap is
@@ -783,18 +807,30 @@ def slice_lines(lines: Sequence[str], start_line: int | None, end_line: int | No
     last = start - 1
     for number in range(start, end + 1):
         line = lines[number - 1]
-        cost = len(line) + (1 if pieces else 0)
+        cost = json_len(line) - 2 + (2 if pieces else 0)  # the joining line break is \n in JSON
         if used + cost > max_chars:
             if not pieces:  # one enormous line: cut inside it rather than return nothing
-                pieces.append(line[:max_chars])
+                pieces.append(prefix_within(line, max_chars))
                 last = number
             break
         pieces.append(line)
         used += cost
         last = number
-    truncated = last < end or (len(pieces) == 1 and len(lines[start - 1]) > max_chars)
+    cut_inside = len(pieces) == 1 and len(pieces[0]) < len(lines[start - 1])
     next_start = last + 1 if last < end else None
-    return LineSlice("\n".join(pieces), start, last, truncated, next_start)
+    return LineSlice("\n".join(pieces), start, last, last < end or cut_inside, next_start, cut_inside)
+
+
+def cut_note(part: LineSlice, total_lines: int, max_chars: int) -> str | None:
+    """What get_file says when it cut the text: where, and how to read on."""
+    if part.cut_inside:
+        note = (f"line {part.end_line} is longer than max_chars={max_chars} and was cut inside it; pass a larger "
+                f"max_chars (up to {FILE_TEXT_MAX_CHARS}) to read more of it")
+        return note + (f", or continue with start_line={part.next_start_line}" if part.next_start_line else "")
+    if part.truncated:
+        return (f"text cut at max_chars={max_chars}: lines {part.start_line}-{part.end_line} of {total_lines}; "
+                f"continue with start_line={part.next_start_line}")
+    return None
 
 
 def iso_from_ns(mtime_ns: int) -> str:
@@ -990,6 +1026,7 @@ class OpenIndex:
         self.keyword_path = layout.keyword_db(current.index)
         self.db = self._open_keywords()
         self.vectors = vectors  # opened on first need, on the Chroma thread
+        self.vectors_loaded = False  # a read of the vectors has answered (the HNSW index is in memory)
         # A generation's counts never change; they go with it (a new generation opens afresh).
         self._passage_counts: LRU[str, int] = LRU(PASSAGE_COUNT_CACHE_SIZE)
 
@@ -1088,13 +1125,15 @@ class OpenIndex:
 
     def _read_reopening(self, read: Callable[[rules.VectorStore], Any]) -> Any:
         try:
-            return read(self.vectors)
+            answer = read(self.vectors)
         except RagError as first:
             if first.code not in STORE_FAILURES:
                 raise
             log.info("vector store read failed (%s); reopening the Chroma client", first.message[:200])
-        self.vectors.close()
-        return read(self.vectors)
+            self.vectors.close()
+            answer = read(self.vectors)
+        self.vectors_loaded = True
+        return answer
 
     def vector_query(self, lifecycle: str, vector: Sequence[float], n: int,
                      paths: Sequence[str] | None) -> list[tuple[str, float]]:
@@ -1204,6 +1243,14 @@ class OpenIndex:
         rows = self._sql(f"SELECT {rules.DOCUMENT_COLUMNS} FROM documents WHERE path = ?", [path])
         return rules.DocumentRow(*rows[0]) if rows else None
 
+    def documents_at(self, paths: Iterable[str]) -> dict[str, rules.DocumentRow]:
+        out: dict[str, rules.DocumentRow] = {}
+        for batch in rules.batched(list(paths), 500):  # SQLite's host-parameter limit
+            rows = self._sql(f"SELECT {rules.DOCUMENT_COLUMNS} FROM documents WHERE path IN "
+                             f"({','.join('?' * len(batch))})", batch)
+            out.update((str(r[0]), rules.DocumentRow(*r)) for r in rows)
+        return out
+
     def documents(self, prefix: str | None = None, offset: int = 0, limit: int | None = None) -> list[rules.DocumentRow]:
         where, params = prefix_sql("path", prefix)
         tail = " LIMIT ? OFFSET ?" if limit is not None else ""
@@ -1284,6 +1331,12 @@ class StoreManager:
         if self._open is not None:
             self._open.close()
             self._open = None
+
+    def vectors_cold(self) -> bool:
+        """Whether a vector search would first have to load the vector index: nothing is open yet, or
+        the open generation has vectors no read has loaded (callable without the lock: one read)."""
+        index = self._open
+        return index is None or not (index.vectors_loaded or without_vectors(index.current))
 
     def is_live(self, index: OpenIndex) -> bool:
         """Whether `index` is still the open generation (callable without the lock: one read)."""
@@ -1383,6 +1436,19 @@ class QueryEmbeddings:
 
 def _raise(error: BaseException) -> Any:
     raise error
+
+
+# Progress: a short message for the client while a call runs, from the call's worker thread. A
+# door that can deliver it (MCP, when the client sent a progress token) sets PROGRESS for the call;
+# elsewhere (the bridge, the CLI, a client without a token) telling it does nothing.
+Progress = Callable[[str], None]
+PROGRESS: contextvars.ContextVar[Progress | None] = contextvars.ContextVar("rag_progress", default=None)
+
+
+def tell_progress(message: str) -> None:
+    report = PROGRESS.get()
+    if report is not None:
+        report(message)
 
 
 # ---------------------------------------------------------------------------
@@ -1817,6 +1883,9 @@ class RetrievalService:
             raise RagError(ErrorCode.INVALID_ARGUMENT, "min_score needs similarity scores, which keyword mode "
                            "does not compute", "drop min_score, or use mode 'hybrid' or 'vector'")
         manager = self.manager
+        if args.mode != "keyword" and manager.vectors_cold():
+            # Said before waiting for the lock: a warm-up still loading holds it.
+            tell_progress("loading the vector index (the first search since the server started)")
         texts = args.phrasings()
         vectors: list[Any] | None = None
         embedded_for: Any = None
@@ -1889,6 +1958,7 @@ class RetrievalService:
         ranked = self._with_rows(index, rank(candidates, args.mode)[:args.k], candidates)
         # 8. hits
         hits = self._hits(index, ranked, candidates, facts, phrasings)
+        hits = self._with_freshness(index, hits)
         # 9. confidence
         confidence = (self._confidence(index, candidates.rows[ranked[0][0]], hits[0], candidates, facts, phrasings)
                       if hits else None)
@@ -2076,6 +2146,15 @@ class RetrievalService:
                                   text=row.text, truncated=False))
         return hits
 
+    def _with_freshness(self, index: OpenIndex, hits: list[SearchHit]) -> list[SearchHit]:
+        """The hits, each saying whether its file changed on disk since ingest (Claude Code shows the
+        model structured content only, so every hit carries it): one stat per distinct path."""
+        corpus = self._corpus_dir(index.current)
+        states = {path: disk_state(corpus, doc) for path, doc in index.documents_at({h.path for h in hits}).items()}
+        return [hit.model_copy(update={"changed_on_disk": states[hit.path] != "unchanged",
+                                       "freshness": states[hit.path]}) if hit.path in states else hit
+                for hit in hits]
+
     def _confidence(self, index: OpenIndex, row: rules.ChunkRow, top: SearchHit, candidates: ChannelCandidates,
                     facts: QueryFacts, phrasings: list[Phrasing]) -> Judgement:
         """How likely the first hit (its row and its hit) answers the query (see judge)."""
@@ -2169,20 +2248,23 @@ class RetrievalService:
                 raise RagError(ErrorCode.NOT_INDEXED, f"{rules.shown(args.path)} is not in the index",
                                "only indexed documents can be read: call list_documents (or search_corpus) "
                                "for the exact path")
+        if doc.size >= FILE_PROGRESS_MIN_BYTES:
+            tell_progress(f"reading {rules.shown(doc.path)}: {doc.line_count} lines, {doc.size // 1024} KB, "
+                          f"at most {args.max_chars} characters of it")
         raw = read_indexed_file(corpus, doc, index.current.corpus_id)
         if raw is None:
             with manager.lock:
                 chunks = manager.open().chunks_of(doc.path)
-            return file_from_chunks(doc, chunks, args.start_line, args.end_line).model_dump(mode="json")
+            return file_from_chunks(doc, chunks, args.start_line, args.end_line,
+                                    args.max_chars).model_dump(mode="json")
         text = raw.decode("utf-8-sig", errors="replace")
         lines = rules.split_lines(text)
-        part = slice_lines(lines, args.start_line, args.end_line)
+        part = slice_lines(lines, args.start_line, args.end_line, args.max_chars)
         return FileResponse(path=doc.path, title=rules.metadata_text(doc.title), lifecycle=_lifecycle(doc.lifecycle),
                             text=part.text, start_line=part.start_line, end_line=part.end_line, total_lines=len(lines),
                             source="disk", truncated=part.truncated, next_start_line=part.next_start_line,
                             changed_since_ingest=rules.content_hash(raw) != doc.content_hash,
-                            message=("text cut at the size limit; continue with start_line="
-                                     f"{part.next_start_line}") if part.truncated and part.next_start_line else None,
+                            message=cut_note(part, len(lines), args.max_chars),
                             ).model_dump(mode="json")
 
     # list_documents ---------------------------------------------------------------------------
@@ -2236,18 +2318,20 @@ def _lifecycle(value: str) -> Literal["active", "superseded"]:
     return "superseded" if value == "superseded" else "active"
 
 
+def disk_state(corpus_dir: Path, doc: rules.DocumentRow) -> Literal["unchanged", "modified", "deleted"]:
+    """An indexed file on disk against the size and mtime ingest recorded: one stat, never a read."""
+    try:
+        st = os.stat(corpus_dir / doc.disk_path)
+    except (FileNotFoundError, NotADirectoryError):
+        return "deleted"
+    except OSError:
+        return "modified"  # there but unreadable: not the file that was indexed, as far as anyone can tell
+    return "unchanged" if rules.looks_unchanged(st.st_size, st.st_mtime_ns, doc.size, doc.mtime_ns) else "modified"
+
+
 def count_changed_files(corpus_dir: Path, docs: Sequence[rules.DocumentRow]) -> int:
     """Indexed files whose size or mtime differ on disk, or that are gone (a cheap stat each)."""
-    changed = 0
-    for doc in docs:
-        try:
-            st = os.stat(corpus_dir / doc.disk_path)
-        except OSError:
-            changed += 1
-            continue
-        if not rules.looks_unchanged(st.st_size, st.st_mtime_ns, doc.size, doc.mtime_ns):
-            changed += 1
-    return changed
+    return sum(disk_state(corpus_dir, doc) != "unchanged" for doc in docs)
 
 
 def _reject(path: str, why: str) -> RagError:
@@ -2299,8 +2383,9 @@ def read_indexed_file(corpus_dir: Path, doc: rules.DocumentRow, corpus_id: tuple
 
 
 def file_from_chunks(doc: rules.DocumentRow, chunks: Sequence[rules.ChunkRow], start_line: int | None,
-                     end_line: int | None) -> FileResponse:
-    """The indexed passages of a file that is gone from disk, in chunk order."""
+                     end_line: int | None, max_chars: int = FILE_TEXT_MAX_CHARS) -> FileResponse:
+    """The indexed passages of a file that is gone from disk, in chunk order, within `max_chars`
+    as JSON counts them (as slice_lines)."""
     lo, hi = start_line or 1, end_line or max(doc.line_count, 1)
     picked = [c for c in chunks if c.end_line >= lo and c.start_line <= hi]
     pieces: list[str] = []
@@ -2310,11 +2395,13 @@ def file_from_chunks(doc: rules.DocumentRow, chunks: Sequence[rules.ChunkRow], s
     last_end = lo - 1
     for chunk in picked:
         block = f"[lines {chunk.start_line}-{chunk.end_line}]\n{chunk.text}"
-        if used + len(block) > FILE_TEXT_MAX_CHARS and pieces:
+        cost = json_len(block) - 2 + (4 if pieces else 0)  # the joining blank line is \n\n in JSON
+        if used + cost > max_chars and pieces:
             truncated, next_start = True, chunk.start_line
             break
-        pieces.append(block[:FILE_TEXT_MAX_CHARS])
-        used += len(block) + 2
+        pieces.append(prefix_within(block, max_chars))
+        truncated = truncated or len(pieces[-1]) < len(block)
+        used += cost
         last_end = chunk.end_line
     return FileResponse(
         path=doc.path, title=rules.metadata_text(doc.title), lifecycle=_lifecycle(doc.lifecycle), text="\n\n".join(pieces),
@@ -2322,7 +2409,9 @@ def file_from_chunks(doc: rules.DocumentRow, chunks: Sequence[rules.ChunkRow], s
         total_lines=doc.line_count, source="index", truncated=truncated, next_start_line=next_start,
         changed_since_ingest=None,
         message="the file is no longer on disk (corpus moved or deleted); these are its indexed passages, "
-                "frontmatter and blank lines between passages are not included")
+                "frontmatter and blank lines between passages are not included"
+                + (f"; text cut at max_chars={max_chars}" if truncated else "")
+                + (f": continue with start_line={next_start}" if next_start else ""))
 
 
 # ===========================================================================
@@ -2596,7 +2685,8 @@ def mcp_result(outcome: Outcome) -> Any:
     from mcp.types import CallToolResult, TextContent
 
     if outcome.error is None:
-        text = json.dumps(outcome.payload, ensure_ascii=False)
+        # Compact, as the response budgets count it (RESULT_MAX_CHARS): the text is no longer than declared.
+        text = json.dumps(outcome.payload, ensure_ascii=False, separators=(",", ":"))
         return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=outcome.payload)
     text = json.dumps(outcome.error.payload(), ensure_ascii=False)
     return CallToolResult(is_error=True, content=[TextContent(type="text", text=text)])
@@ -2609,8 +2699,29 @@ def tool_definitions() -> list[Any]:
                                   destructive_hint=False)
     return [Tool(name=spec.name, title=spec.title, description=spec.description,
                  input_schema=spec.input_model.model_json_schema(),
-                 output_schema=spec.output_model.model_json_schema(mode="serialization"), annotations=annotations)
+                 output_schema=spec.output_model.model_json_schema(mode="serialization"), annotations=annotations,
+                 meta={"anthropic/maxResultSizeChars": RESULT_MAX_CHARS[spec.name]}
+                 if spec.name in RESULT_MAX_CHARS else None)
             for spec in TOOLS.values()]
+
+
+def progress_reporter(context: Any) -> Progress | None:
+    """The call's progress messages as notifications/progress to the client's progress token, or
+    None when the request carries none (then nothing is sent). The service tells them on the call's
+    worker thread; each goes out through the event loop before the thread goes on."""
+    import anyio
+
+    if (context.meta or {}).get("progress_token") is None:  # the SDK's RequestParamsMeta: _meta.progressToken
+        return None
+    steps = itertools.count(1)
+
+    def report(message: str) -> None:
+        try:
+            anyio.from_thread.run(context.session.report_progress, next(steps), None, message)
+        except Exception:  # noqa: BLE001 - progress is a courtesy: the call goes on without it
+            log.debug("progress not sent:\n%s", traceback.format_exc())
+
+    return report
 
 
 def _lenient_int(digits: str) -> int | None:
@@ -2711,6 +2822,8 @@ def build_server(service: RetrievalService, instructions: str, warmup: WarmUp, *
     async def call_tool(context: Any, params: Any) -> Any:
         if params.name not in TOOLS:  # the spec puts an unknown tool among the protocol's errors
             raise protocol_error(INVALID_PARAMS, told(unknown_tool(params.name)))
+        # Each request runs in a task of its own, so this lasts for the call; its worker thread inherits it.
+        PROGRESS.set(progress_reporter(context))
         if timeout_s is None:
             outcome = await anyio.to_thread.run_sync(dispatch, service, params.name, params.arguments)
         else:
@@ -3728,6 +3841,8 @@ def human_view(tool: str, payload: Mapping[str, Any]) -> str:
                          f"  {rules.metadata_text(hit['heading'])}  (score {score}){superseded}")
             shown = (rules.metadata_text(line, HUMAN_VIEW_WIDTH) for line in hit["text"].splitlines())
             lines.extend(f"   {line}" for line in [line for line in shown if line][:HUMAN_VIEW_LINES])
+            if hit.get("changed_on_disk"):
+                lines.append(f"   [{hit['freshness']} on disk since the index was built]")
         if payload.get("confidence") in ("high", "medium"):
             lines.append(f"(confidence {payload['confidence']}: {payload.get('confidence_score')})")
         lines.extend(f"({rules.metadata_text(note, HUMAN_VIEW_NOTE_MAX)})" for note in notes_of(payload))

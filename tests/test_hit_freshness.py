@@ -1,0 +1,90 @@
+"""Freshness on every search hit (issue 29, section 6), in process: each hit says whether its file
+changed on disk since ingest, from one stat per distinct path against the size and mtime the index
+recorded. Through the real service over a real index of (a copy of) sample-corpus built by the
+real ingest, every result checked against the tool's outputSchema; tests/test_progress_e2e.py
+checks the same through the real `python server.py` over stdio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fake_ollama import FakeOllama
+from helpers import Built, edit, tool_payload
+
+import corpus_rules as rules
+import server
+from corpus_rules import load_settings
+
+
+def service(built: Built) -> server.RetrievalService:
+    values = {"OLLAMA_HOST": built.host, "RAG_CORPUS_DIR": str(built.corpus), "RAG_STORE_DIR": str(built.store)}
+    return server.RetrievalService(settings_loader=lambda: load_settings(values))
+
+
+def call(svc: server.RetrievalService, tool: str, **args: Any) -> tuple[bool, dict[str, Any]]:
+    return tool_payload(tool, server.mcp_result(server.dispatch(svc, tool, args)))
+
+
+@pytest.fixture
+def fresh(fake: FakeOllama, sample_index: tuple[Path, Path]) -> Built:
+    return Built(*sample_index, fake.host)
+
+
+def test_each_hit_says_whether_its_file_changed_on_disk(fresh: Built) -> None:
+    svc = service(fresh)
+    query = "deploy rollback database escalation"
+    _, before = call(svc, "search_corpus", query=query, k=10)
+    paths = {hit["path"] for hit in before["results"]}
+    assert {"oncall/escalation.md", "runbooks/deploy.md"} <= paths and len(paths) >= 3, paths
+    assert all(not hit["changed_on_disk"] and hit["freshness"] == "unchanged" for hit in before["results"])
+    target = fresh.corpus / "oncall" / "escalation.md"
+    edit(target, target.read_text(encoding="utf-8") + "\nA line added after ingest.\n")
+    (fresh.corpus / "runbooks" / "deploy.md").unlink()
+    _, after = call(svc, "search_corpus", query=query, k=10)
+    states = {hit["path"]: (hit["changed_on_disk"], hit["freshness"]) for hit in after["results"]}
+    assert states.pop("oncall/escalation.md") == (True, "modified")
+    assert states.pop("runbooks/deploy.md") == (True, "deleted")
+    assert states and all(state == (False, "unchanged") for state in states.values()), states
+    view = server.human_view("search_corpus", after)
+    assert "[modified on disk since the index was built" in view and "[deleted on disk since" in view
+    assert view.count("on disk since the index was built") == sum(hit["changed_on_disk"] for hit in after["results"])
+
+
+def test_freshness_stats_the_hits_files_once_each(fresh: Built, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never the whole corpus per search: one stat per distinct path of the hits."""
+    svc = service(fresh)
+    call(svc, "search_corpus", query="sev-1 paging", k=10)  # the staleness count's first pass is done
+    seen: list[str] = []
+    real_stat = os.stat
+
+    def counting(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if threading.current_thread() is threading.main_thread():  # not the background staleness recount
+            seen.append(str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(server.os, "stat", counting)
+    _, found = call(svc, "search_corpus", query="sev-1 paging", k=10)
+    corpus_stats = [p for p in seen if p.startswith(str(fresh.corpus))]
+    assert sorted(corpus_stats) == sorted({str(fresh.corpus / hit["path"]) for hit in found["results"]})
+
+
+def test_disk_state_names_what_happened(tmp_path: Path) -> None:
+    (tmp_path / "a.md").write_text("hello\n", encoding="utf-8")
+    st = (tmp_path / "a.md").stat()
+    doc = rules.DocumentRow("a.md", "A", "active", "markdown", "h", st.st_size, st.st_mtime_ns, "a.md",
+                            str(tmp_path / "a.md"), 1, 1)
+    assert server.disk_state(tmp_path, doc) == "unchanged"
+    edit(tmp_path / "a.md", "hello, changed\n")
+    assert server.disk_state(tmp_path, doc) == "modified"
+    (tmp_path / "a.md").unlink()
+    assert server.disk_state(tmp_path, doc) == "deleted"
+    (tmp_path / "a.md").write_text("x", encoding="utf-8")
+    inside = dataclasses.replace(doc, path="a.md/b.md", disk_path="a.md/b.md", real_path=str(tmp_path / "a.md/b.md"))
+    assert server.disk_state(tmp_path, inside) == "deleted"  # a file where its folder was
+    assert server.count_changed_files(tmp_path, [doc, inside]) == 2

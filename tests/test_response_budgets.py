@@ -1,0 +1,164 @@
+"""get_file's max_chars and the response budgets the tools declare (issue 29, section 7), in process.
+
+The pure parts directly (the line cut and its notes, hypothesis where inputs vary); the rest
+through the real service over a real index of (a copy of) sample-corpus built by the real ingest,
+every result checked against the tool's outputSchema. tests/test_progress_e2e.py drives the same
+through the real `python server.py` over stdio, with progress.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fake_ollama import FakeOllama
+from helpers import Built, build, tool_payload
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import server
+from corpus_rules import load_settings
+
+
+def service(built: Built) -> server.RetrievalService:
+    values = {"OLLAMA_HOST": built.host, "RAG_CORPUS_DIR": str(built.corpus), "RAG_STORE_DIR": str(built.store)}
+    return server.RetrievalService(settings_loader=lambda: load_settings(values))
+
+
+def call(svc: server.RetrievalService, tool: str, **args: Any) -> tuple[bool, dict[str, Any]]:
+    return tool_payload(tool, server.mcp_result(server.dispatch(svc, tool, args)))
+
+
+@pytest.fixture
+def fresh(fake: FakeOllama, sample_index: tuple[Path, Path]) -> Built:
+    return Built(*sample_index, fake.host)
+
+
+def json_cost(text: str) -> int:
+    """What a text costs inside a JSON string (what the budgets count)."""
+    return len(json.dumps(text, ensure_ascii=False)) - 2
+
+
+
+# ---------------------------------------------------------------------------
+# The cut (pure).
+
+# Lines with what JSON escapes (quotes, backslashes, tabs, control characters) and wide characters.
+escapable_lines = st.lists(st.text(alphabet=st.sampled_from(['a', 'b', ' ', '"', '\\', '\t', '\x01', 'é', '日', '😀']),
+                                   max_size=80), max_size=40)
+
+
+@settings(max_examples=300)
+@given(escapable_lines, st.integers(min_value=1, max_value=400), st.integers(min_value=1, max_value=45))
+def test_a_cut_plus_its_continuations_reassemble_the_file(lines: list[str], cap: int, first: int) -> None:
+    """Read from any start line, page after page from next_start_line: every page costs at most
+    max_chars as JSON, keeps whole lines unless one line alone is longer (then it says so), and the
+    pages put together are the file from that line on, exactly, when every line fits."""
+    if not lines:
+        return
+    start: int | None = min(first, len(lines))
+    begin = start
+    got: list[str] = []
+    pages = 0
+    while start is not None:
+        part = server.slice_lines(lines, start, None, max_chars=cap)
+        assert json_cost(part.text) <= cap and part.start_line == start
+        note = server.cut_note(part, len(lines), cap)
+        assert (note is not None) == part.truncated
+        if part.cut_inside:
+            assert part.end_line == start and lines[start - 1].startswith(part.text) and part.text != lines[start - 1]
+            assert note is not None and f"line {start} is longer than max_chars={cap}" in note
+        else:
+            assert part.text.split("\n") == lines[start - 1:part.end_line]
+            got.extend(lines[start - 1:part.end_line])
+        if part.next_start_line is not None:
+            assert note is not None and f"start_line={part.next_start_line}" in note
+        assert part.truncated == (part.next_start_line is not None or part.cut_inside)
+        start = part.next_start_line
+        pages += 1
+        assert pages <= len(lines)
+    if all(json_cost(line) <= cap for line in lines):
+        assert got == lines[begin - 1:]
+
+
+def test_the_cut_counts_what_json_escapes() -> None:
+    lines = ['say "hi"', "plain"]
+    # 'say "hi"' costs 10 in JSON (two quotes escaped): with 9, only a cut inside fits.
+    part = server.slice_lines(lines, 1, None, max_chars=9)
+    assert part.cut_inside and part.text == 'say "hi' and part.next_start_line == 2
+    whole = server.slice_lines(lines, 1, None, max_chars=17)  # 10 + 2 for the line break + 5
+    assert not whole.truncated and whole.text == 'say "hi"\nplain'
+    assert server.slice_lines(lines, 1, None, max_chars=16).next_start_line == 2
+
+
+# ---------------------------------------------------------------------------
+# get_file's max_chars.
+
+
+def test_max_chars_is_validated_at_the_boundary(fresh: Built) -> None:
+    svc = service(fresh)
+    for bad in (0, -1, server.FILE_TEXT_MAX_CHARS + 1, 2.5, True, "many"):
+        is_error, payload = call(svc, "get_file", path="oncall/escalation.md", max_chars=bad)
+        assert is_error and payload["error"]["code"] == "invalid_argument", bad
+        assert "max_chars" in payload["error"]["message"] and "max_chars: integer 1..50000" in payload["error"]["hint"]
+    default = server.GetFileInput(path="x.md").max_chars
+    assert default == server.FILE_TEXT_MAX_CHARS and not call(svc, "get_file", path="oncall/escalation.md",
+                                                              max_chars="300")[0]
+
+
+def test_get_file_cuts_at_max_chars_and_says_where_to_continue(fresh: Built) -> None:
+    svc = service(fresh)
+    on_disk = (fresh.corpus / "oncall" / "escalation.md").read_text(encoding="utf-8").split("\n")[:-1]
+    got: list[str] = []
+    start: int | None = 1
+    while start is not None:
+        is_error, page = call(svc, "get_file", path="oncall/escalation.md", start_line=start, max_chars=700)
+        assert not is_error and json_cost(page["text"]) <= 700 and page["source"] == "disk"
+        if page["truncated"]:
+            assert page["message"] == (f"text cut at max_chars=700: lines {start}-{page['end_line']} of "
+                                       f"{page['total_lines']}; continue with start_line={page['next_start_line']}")
+        else:
+            assert page["message"] is None and page["next_start_line"] is None
+        got.extend(page["text"].split("\n"))
+        start = page["next_start_line"]
+    assert got == on_disk
+
+
+def test_get_file_within_max_chars_from_the_index_when_the_file_is_gone(fresh: Built) -> None:
+    svc = service(fresh)
+    (fresh.corpus / "oncall" / "escalation.md").unlink()
+    _, whole = call(svc, "get_file", path="oncall/escalation.md")
+    _, part = call(svc, "get_file", path="oncall/escalation.md", max_chars=800)
+    assert part["source"] == "index" and part["truncated"] and json_cost(part["text"]) <= 800
+    assert whole["text"].startswith(part["text"]) and len(part["text"]) < len(whole["text"])
+    assert f"cut at max_chars=800: continue with start_line={part['next_start_line']}" in part["message"]
+    _, rest = call(svc, "get_file", path="oncall/escalation.md", start_line=part["next_start_line"])
+    assert rest["source"] == "index" and rest["text"] in whole["text"]
+
+
+def test_a_whole_get_file_response_fits_its_declared_budget(fake: FakeOllama, tmp_path: Path) -> None:
+    """The worst a file can do to the budget: every character escaped, under a long path."""
+    src = tmp_path / "src" / ("deep-folder-name-" * 12) / ("another-long-folder-" * 10)
+    src.mkdir(parents=True)
+    name = "notes-" + "x" * 200 + ".md"
+    lines = ['"quoted" \\ back\tslash ' * 8] * 600
+    (src / name).write_text("# A title \"quoted\"\n\n" + "\n".join(lines) + "\n", encoding="utf-8")
+    built = build(tmp_path, fake.host, tmp_path / "src")
+    svc = service(built)
+    path = next(d["path"] for d in call(svc, "list_documents")[1]["documents"])
+    is_error, page = call(svc, "get_file", path=path)
+    assert not is_error and page["truncated"] and json_cost(page["text"]) <= server.FILE_TEXT_MAX_CHARS
+    text = server.mcp_result(server.dispatch(svc, "get_file", {"path": path})).content[0].text
+    assert len(text) <= server.FILE_RESPONSE_MAX_CHARS and json.loads(text) == page
+
+
+def test_the_budgets_are_declared_on_the_tools() -> None:
+    declared = {tool.name: (tool.meta or {}).get("anthropic/maxResultSizeChars") for tool in server.tool_definitions()}
+    assert declared == {"search_corpus": server.SEARCH_RESPONSE_MAX_CHARS, "get_file": server.FILE_RESPONSE_MAX_CHARS,
+                        "list_documents": None}
+    wire = {tool.name: tool.model_dump(by_alias=True, mode="json", exclude_none=True)
+            for tool in server.tool_definitions()}
+    assert wire["get_file"]["_meta"] == {"anthropic/maxResultSizeChars": server.FILE_RESPONSE_MAX_CHARS}
+    assert wire["get_file"]["inputSchema"]["properties"]["max_chars"]["maximum"] == server.FILE_TEXT_MAX_CHARS
