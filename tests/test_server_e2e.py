@@ -348,10 +348,11 @@ def test_stdout_is_pure_jsonrpc_including_error_paths(built: Built, fake: FakeOl
             ("search_corpus", {"query": "q", "surprise": True}, "invalid_argument"),
             ("get_file", {"path": "../../etc/passwd"}, "path_rejected"),
             ("get_file", {"path": "private/offsite-backup.md"}, "not_indexed"),
-            ("nope", {}, "invalid_argument"),
         ]:
             is_error, payload = tool_payload(name, raw.call(name, arguments))
             assert is_error and payload["error"]["code"] == code
+        unknown = raw.request("tools/call", {"name": "nope", "arguments": {}})["error"]  # a protocol error
+        assert unknown["code"] == -32602 and unknown["data"]["error"]["code"] == "invalid_argument"
         assert not raw.call("get_file", {"path": "reference/api.md"})["isError"]
         assert not raw.call("list_documents", {})["isError"]
         raw.send(b"this is not json\n")
