@@ -11,12 +11,16 @@ says why.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +51,19 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path
         yield corpus, store, fake.host
 
 
-def inspector(version: str, env: dict[str, str], method: str, *extra: str) -> dict[str, Any]:
-    """One request through `npx @modelcontextprotocol/inspector@VERSION --cli --method METHOD`;
-    the parsed result it prints. Tool errors exit 0 (0.x) or 5 (2.x) with the result on stdout;
-    a protocol or schema failure exits 1 with the message on stderr (that is the bug this
-    guards against)."""
+def inspector(version: str, env: dict[str, str], method: str, *extra: str, url: str | None = None) -> dict[str, Any]:
+    """One request through `npx @modelcontextprotocol/inspector@VERSION --cli --method METHOD`, to
+    a `python server.py` it starts over stdio, or to the HTTP server at `url`; the parsed result it
+    prints. Tool errors exit 0 (0.x) or 5 (2.x) with the result on stdout; a protocol or schema
+    failure exits 1 with the message on stderr (that is the bug this guards against)."""
     command = ["npx", "--prefer-offline", "-y", f"@modelcontextprotocol/inspector@{version}", "--cli"]
-    for key, value in env.items():  # 2.x does not pass its own environment on to the server
-        command += ["-e", f"{key}={value}"]
-    command += [sys.executable, str(SERVER), "--method", method, *extra]
+    if url is None:
+        for key, value in env.items():  # 2.x does not pass its own environment on to the server
+            command += ["-e", f"{key}={value}"]
+        command += [sys.executable, str(SERVER)]
+    else:
+        command += [url, "--transport", "http"]
+    command += ["--method", method, *extra]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
                           env={**os.environ, **env, "npm_config_update_notifier": "false"})
     if done.returncode not in (0, 5) and any(word in done.stderr for word in NETWORK_FAILURES):
@@ -111,18 +119,47 @@ def test_results_and_errors_are_readable_in_the_inspector(built: tuple[Path, Pat
     assert not phrased.get("isError") and phrased["structuredContent"]["results"], phrased
 
 
+@contextmanager
+def http_server(env: dict[str, str]) -> Iterator[str]:
+    """`python server.py --http` on a free loopback port; its /mcp URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, str(SERVER), "--http", "--port", str(port)], env={**os.environ, **env},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+            assert proc.poll() is None and time.monotonic() < deadline, "the HTTP server did not start"
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 @pytest.mark.parametrize("version", INSPECTORS)
-def test_documents_are_resources_in_the_inspector(built: tuple[Path, Path, str], version: str) -> None:
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+def test_documents_are_resources_in_the_inspector(built: tuple[Path, Path, str], version: str, transport: str) -> None:
     corpus, store, host = built
     env = {"RAG_CORPUS_DIR": str(corpus), "RAG_STORE_DIR": str(store), "OLLAMA_HOST": host,
            "ANONYMIZED_TELEMETRY": "False", "RAG_SERVER_WARMUP": "0"}
-    listed = inspector(version, env, "resources/list")
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(http_server(env)) if transport == "http" else None
+        check_resources(version, env, corpus, url)
+
+
+def check_resources(version: str, env: dict[str, str], corpus: Path, url: str | None) -> None:
+    def ask(method: str, *extra: str) -> dict[str, Any]:
+        return inspector(version, env, method, *extra, url=url)
+
+    listed = ask("resources/list")
     by_name = {r["name"]: r for r in listed["resources"]}
     assert len(by_name) == 6 and "private/offsite-backup.md" not in by_name
     deploy = by_name["runbooks/deploy.md"]
     assert deploy["mimeType"] == "text/markdown" and deploy["annotations"]["lastModified"]
-    read = inspector(version, env, "resources/read", "--uri", deploy["uri"] + "?start_line=1&end_line=3")
+    read = ask("resources/read", "--uri", deploy["uri"] + "?start_line=1&end_line=3")
     (contents,) = read["contents"]
     assert contents["text"].splitlines() == (corpus / "runbooks/deploy.md").read_text().splitlines()[:3]
-    templates = inspector(version, env, "resources/templates/list")
+    templates = ask("resources/templates/list")
     assert [t["uriTemplate"] for t in templates["resourceTemplates"]] == ["local-rag://doc/{+path}{?start_line,end_line}"]
