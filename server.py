@@ -336,6 +336,10 @@ class Staleness(BaseModel):
     hint: str | None = None
 
 
+SUPERSEDED_BY = ("Indexed documents that replace this superseded one (its frontmatter's superseded_by): "
+                 "prefer them; empty when none is named.")
+
+
 class SearchHit(BaseModel):
     path: str
     title: str
@@ -348,6 +352,7 @@ class SearchHit(BaseModel):
                                           "holding the query's identifiers whole); results are in rank order, "
                                           "which also spreads them over documents, so it can rise down the list.")
     lifecycle: Literal["active", "superseded"]
+    superseded_by: list[str] = Field(default_factory=list, description=SUPERSEDED_BY)
     matched: list[Literal["vector", "keyword"]]
     phrasings: list[int] = Field(description="Which phrasings found this passage: 0 is query, 1.. the entries "
                                              "of queries in order.")
@@ -403,6 +408,7 @@ class DocumentEntry(BaseModel):
     path: str
     title: str
     lifecycle: Literal["active", "superseded"]
+    superseded_by: list[str] = Field(default_factory=list, description=SUPERSEDED_BY)
     chunks: int
     lines: int
     mtime: str
@@ -1008,6 +1014,28 @@ class OpenIndex:
         return {str(path): float(share) for path, share in
                 self._sql("SELECT path, cjk_share FROM documents WHERE cjk_share IS NOT NULL")}
 
+    @functools.cached_property
+    def _documents_table(self) -> frozenset[str]:
+        """The documents table's columns (a store an older ingest wrote lacks the newer ones)."""
+        return frozenset(str(row[1]) for row in self._sql("PRAGMA table_info(documents)"))
+
+    @functools.cached_property
+    def successors(self) -> dict[str, tuple[str, ...]]:
+        """Per document that names successors, those of them that are indexed. Only indexed ones:
+        a path the frontmatter names may be excluded (`rag: false`, ignore rules), and nothing of
+        an excluded file may reach a client, not even that its name exists."""
+        if "superseded_by" not in self._documents_table:
+            return {}
+        named = {str(path): rules.successors_from_column(raw) for path, raw in self._sql(
+            "SELECT path, superseded_by FROM documents WHERE superseded_by IS NOT NULL AND superseded_by != '[]'")}
+        wanted = sorted({successor for successors in named.values() for successor in successors})
+        indexed: set[str] = set()
+        for batch in rules.batched(wanted, 500):
+            indexed.update(str(p) for (p,) in self._sql(
+                f"SELECT path FROM documents WHERE path IN ({','.join('?' * len(batch))})", batch))
+        return {path: kept for path, successors in named.items()
+                if (kept := tuple(s for s in successors if s in indexed))}
+
     def passages_with(self, terms: Sequence[str]) -> dict[str, int]:
         """How many passages contain each term (as the keyword index holds it). Cached: a
         generation's counts never change, and queries share most of their words."""
@@ -1175,14 +1203,14 @@ class OpenIndex:
         return [rules.ChunkRow(*r) for r in rows]
 
     def document(self, path: str) -> rules.DocumentRow | None:
-        rows = self._sql(f"SELECT {rules.DOCUMENT_COLUMNS} FROM documents WHERE path = ?", [path])
+        rows = self._sql(f"SELECT {rules.document_columns(self._documents_table)} FROM documents WHERE path = ?", [path])
         return rules.DocumentRow(*rows[0]) if rows else None
 
     def documents(self, prefix: str | None = None, offset: int = 0, limit: int | None = None) -> list[rules.DocumentRow]:
         where, params = prefix_sql("path", prefix)
         tail = " LIMIT ? OFFSET ?" if limit is not None else ""
         extra = [limit, offset] if limit is not None else []
-        return [rules.DocumentRow(*r) for r in self._sql(f"SELECT {rules.DOCUMENT_COLUMNS} FROM documents WHERE {where} "
+        return [rules.DocumentRow(*r) for r in self._sql(f"SELECT {rules.document_columns(self._documents_table)} FROM documents WHERE {where} "
                                                    f"ORDER BY path{tail}", [*params, *extra])]
 
     def count_documents(self, prefix: str | None = None) -> int:
@@ -2031,7 +2059,7 @@ class RetrievalService:
             hits.append(SearchHit(path=row.path, title=row.title, heading=row.heading, start_line=row.start_line,
                                   end_line=row.end_line, score=None if score is None else round(score, 6),
                                   rank_score=round(rank_score, 6), lifecycle=_lifecycle(row.lifecycle),
-                                  matched=matched, phrasings=sorted({p for _, p in by}),
+                                  superseded_by=list(index.successors.get(row.path, ())), matched=matched, phrasings=sorted({p for _, p in by}),
                                   exact_matches=[i for i, _ in facts.identifiers if item in candidates.whole.get(i, ())],
                                   text=row.text, truncated=False))
         return hits
@@ -2154,8 +2182,10 @@ class RetrievalService:
             docs = index.documents(args.path_prefix, args.offset, args.limit)
             info = self._index_info(index.current)
             staleness = self._staleness(index)
+            successors = index.successors
         entries = [DocumentEntry(path=d.path, title=rules.metadata_text(d.title), lifecycle=_lifecycle(d.lifecycle),
-                                 chunks=d.chunk_count, lines=d.line_count, mtime=iso_from_ns(d.mtime_ns)) for d in docs]
+                                 superseded_by=list(successors.get(d.path, ())), chunks=d.chunk_count,
+                                 lines=d.line_count, mtime=iso_from_ns(d.mtime_ns)) for d in docs]
         end = args.offset + len(entries)
         message = None
         if total == 0:

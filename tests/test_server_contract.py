@@ -750,6 +750,45 @@ def test_include_superseded_queries_both_collections(base: Built) -> None:
     assert payload["results"][0]["lifecycle"] == "superseded"
 
 
+def test_superseded_hits_and_listing_name_their_successor(base: Built) -> None:
+    svc = service(base)
+    is_error, payload = call(svc, "search_corpus", query="kubectl-deploy push --all-at-once", include_superseded=True)
+    assert not is_error
+    by_lifecycle = {hit["lifecycle"]: hit for hit in payload["results"]}
+    assert by_lifecycle["superseded"]["superseded_by"] == ["runbooks/deploy.md"]
+    assert by_lifecycle["active"]["superseded_by"] == []
+    _, listing = call(svc, "list_documents")
+    named = {doc["path"]: doc["superseded_by"] for doc in listing["documents"]}
+    assert named.pop("runbooks/deploy-2023.md") == ["runbooks/deploy.md"]
+    assert set(map(tuple, named.values())) == {()}
+
+
+def test_a_successor_that_is_not_indexed_is_never_named(fresh: Built, fake: FakeOllama) -> None:
+    old = fresh.corpus / "runbooks/deploy-2023.md"
+    old.write_text(old.read_text(encoding="utf-8").replace(
+        "superseded_by: runbooks/deploy.md", "superseded_by: [private/offsite-backup.md, runbooks/deploy.md, gone.md]"),
+        encoding="utf-8")
+    assert ingest_in_process(fake, fresh.corpus, fresh.store).code == 0
+    svc = service(fresh)
+    _, listing = call(svc, "list_documents", path_prefix="runbooks")
+    hits = call(svc, "search_corpus", query="kubectl-deploy push --all-at-once", include_superseded=True)[1]["results"]
+    for named in ([d["superseded_by"] for d in listing["documents"]] + [h["superseded_by"] for h in hits]):
+        assert named in ([], ["runbooks/deploy.md"])
+
+
+def test_a_store_from_before_successors_is_served_without_them(fresh: Built) -> None:
+    con = sqlite3.connect(fresh.index_dir / rules.KEYWORD_DB)
+    with con:
+        con.execute("ALTER TABLE documents DROP COLUMN superseded_by")
+    con.close()
+    svc = service(fresh)
+    assert not call(svc, "get_file", path="runbooks/deploy-2023.md")[0]
+    _, listing = call(svc, "list_documents")
+    assert listing["documents"] and all(doc["superseded_by"] == [] for doc in listing["documents"])
+    _, payload = call(svc, "search_corpus", query="kubectl-deploy push --all-at-once", include_superseded=True)
+    assert payload["results"][0]["lifecycle"] == "superseded" and payload["results"][0]["superseded_by"] == []
+
+
 def test_path_prefix_is_a_where_clause_on_the_store(base: Built) -> None:
     svc = service(base)
     calls = recorded(svc)
