@@ -838,8 +838,9 @@ def successors_of(value: Any, path: str, lifecycle: str) -> tuple[tuple[str, ...
                     f"{shown(value, 80)}; ignored",)
     kept: list[str] = []
     warnings: list[str] = []
-    for item in items[:SUCCESSORS_MAX + 1]:
-        if len(kept) == SUCCESSORS_MAX:
+    for position, item in enumerate(items):
+        # Bounded whatever the list holds: no more than SUCCESSORS_MAX kept, 2x that looked at.
+        if len(kept) == SUCCESSORS_MAX or position == 2 * SUCCESSORS_MAX:
             warnings.append(f"{path}: superseded_by names more than {SUCCESSORS_MAX} paths; the rest are ignored")
             break
         try:

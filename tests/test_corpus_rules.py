@@ -511,6 +511,9 @@ def test_a_long_successor_list_is_cut_with_a_warning() -> None:
     doc = _doc(f"---\nlifecycle: superseded\nsuperseded_by: {names}\n---\n", "old.md")
     assert doc.superseded_by == tuple(names[:rules.SUCCESSORS_MAX])
     assert len(doc.warnings) == 1 and "more than" in doc.warnings[0]
+    garbage = _doc(f"---\nlifecycle: superseded\nsuperseded_by: {['../x.md'] * 50 + ['late.md']}\n---\n", "old.md")
+    assert garbage.superseded_by == () and len(garbage.warnings) == 2 * rules.SUCCESSORS_MAX + 1
+    assert "more than" in garbage.warnings[-1], "what was not looked at is said"
 
 
 @HYPOTHESIS
