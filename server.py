@@ -1293,14 +1293,16 @@ class OpenIndex:
         return [rules.ChunkRow(*r) for r in rows]
 
     def document(self, path: str) -> rules.DocumentRow | None:
-        rows = self._sql(f"SELECT {rules.document_columns(self._documents_table)} FROM documents WHERE path = ?", [path])
+        columns = rules.document_columns(self._documents_table)
+        rows = self._sql(f"SELECT {columns} FROM documents WHERE path = ?", [path])
         return rules.DocumentRow(*rows[0]) if rows else None
 
     def documents(self, prefix: str | None = None, offset: int = 0, limit: int | None = None) -> list[rules.DocumentRow]:
         where, params = prefix_sql("path", prefix)
         tail = " LIMIT ? OFFSET ?" if limit is not None else ""
         extra = [limit, offset] if limit is not None else []
-        return [rules.DocumentRow(*r) for r in self._sql(f"SELECT {rules.document_columns(self._documents_table)} FROM documents WHERE {where} "
+        columns = rules.document_columns(self._documents_table)
+        return [rules.DocumentRow(*r) for r in self._sql(f"SELECT {columns} FROM documents WHERE {where} "
                                                    f"ORDER BY path{tail}", [*params, *extra])]
 
     def count_documents(self, prefix: str | None = None) -> int:
@@ -2151,7 +2153,8 @@ class RetrievalService:
             hits.append(SearchHit(path=row.path, title=row.title, heading=row.heading, start_line=row.start_line,
                                   end_line=row.end_line, score=None if score is None else round(score, 6),
                                   rank_score=round(rank_score, 6), lifecycle=_lifecycle(row.lifecycle),
-                                  superseded_by=list(index.successors.get(row.path, ())), matched=matched, phrasings=sorted({p for _, p in by}),
+                                  superseded_by=list(index.successors.get(row.path, ())), matched=matched,
+                                  phrasings=sorted({p for _, p in by}),
                                   exact_matches=[i for i, _ in facts.identifiers if item in candidates.whole.get(i, ())],
                                   text=row.text, truncated=False))
         return hits
