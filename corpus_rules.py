@@ -848,7 +848,7 @@ def successors_of(value: Any, path: str, lifecycle: str) -> tuple[tuple[str, ...
         except RagError as exc:
             warnings.append(f"{path}: superseded_by entry ignored: {exc.message}")
             continue
-        if successor is None:
+        if not successor:  # not text, or only "." segments (the corpus root is no document)
             warnings.append(f"{path}: superseded_by entry {shown(item, 80)} is not a path; ignored")
         elif successor == path:
             warnings.append(f"{path}: superseded_by names the document itself; ignored")

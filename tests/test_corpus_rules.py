@@ -491,7 +491,7 @@ def test_superseded_by_takes_a_path_or_a_list_normalised_like_a_clients() -> Non
 
 @pytest.mark.parametrize(("value", "why"), [
     ("../outside.md", "..'"), ("/etc/passwd.md", "absolute"), ("a\\\\b.md", "backslash"), ("''", "empty"),
-    ("old.md", "itself"), ("{a: 1}", "a dict"), ("12", "a corpus-relative path or a list"), ("[7]", "not a path"),
+    ("old.md", "itself"), ("./.", "not a path"), ("{a: 1}", "a dict"), ("12", "a corpus-relative path or a list"), ("[7]", "not a path"),
 ])
 def test_bad_successors_are_left_out_with_a_warning_and_the_file_is_indexed(value: str, why: str) -> None:
     doc = _doc(f"---\nlifecycle: superseded\nsuperseded_by: {value}\n---\n# Old\n", "old.md")
@@ -517,6 +517,7 @@ def test_a_long_successor_list_is_cut_with_a_warning() -> None:
 
 
 @HYPOTHESIS
+@example(["."])
 @given(st.one_of(st.none(), st.text(max_size=60), st.lists(st.one_of(st.text(max_size=30), st.integers()), max_size=15),
                  st.integers(), st.booleans(), st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3)))
 def test_successors_are_valid_corpus_paths_whatever_the_value(value: object) -> None:
