@@ -631,6 +631,7 @@ def read_beneath(root_fd: int, parts: Sequence[str], *, identity: tuple[int, int
 
 CHUNK_MODES = ("whole", "headings")
 LIFECYCLES = ("active", "superseded")
+SUCCESSORS_MAX = 10  # paths one superseded_by keeps; a longer list is a mistake, not a reading list
 
 
 @dataclass(frozen=True)
@@ -644,6 +645,9 @@ class SourceDocument:
     lifecycle: str
     lines: tuple[str, ...]  # every physical line of the file, without line terminators
     body_start: int  # 1-based line where the body starts (after the frontmatter)
+    superseded_by: tuple[str, ...] = ()  # corpus-relative paths of the documents that replace it
+    # What parse_document ignored and the user should hear about (ingest logs it).
+    warnings: tuple[str, ...] = field(default=(), compare=False)
     # The body's CommonMark structure when parse_document already parsed it (for the title), so
     # chunk_document does not parse a large file twice.
     structure: BodyStructure | None = field(default=None, compare=False, repr=False)
@@ -808,13 +812,64 @@ def parse_document(raw: bytes, path: str) -> SourceDocument:
     if not (isinstance(lifecycle, str) and lifecycle in LIFECYCLES):
         raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: lifecycle must be one of {LIFECYCLES}, got "
                        f"{shown(lifecycle, 80)}", "write `lifecycle: superseded` or remove the key")
+    successors, warnings = successors_of(meta.get("superseded_by"), path, lifecycle)
     title = meta.get("title")
     structure = None
     if not (isinstance(title, str) and title.strip()):
         structure = body_structure(lines[body_start - 1:])
         title = _first_h1(structure) or PurePosixPath(path).stem
     return SourceDocument(path=path, title=metadata_text(nfc(str(title))), rag=rag, chunk_mode=chunk_mode,
-                          lifecycle=lifecycle, lines=tuple(lines), body_start=body_start, structure=structure)
+                          lifecycle=lifecycle, lines=tuple(lines), body_start=body_start,
+                          superseded_by=successors, warnings=warnings, structure=structure)
+
+
+def successors_of(value: Any, path: str, lifecycle: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(successors, warnings) of a `superseded_by` value: a corpus-relative path or a list of them,
+    each normalised as a client's path is. Unlike the other keys, a bad value is not an error
+    for the file: a successor is a pointer for readers, so what cannot be used is left out with a
+    warning and the document is indexed as it says otherwise."""
+    if value is None:
+        return (), ()
+    if lifecycle != "superseded":
+        return (), (f"{path}: superseded_by is ignored: the document is not `lifecycle: superseded`",)
+    items = [value] if isinstance(value, str) else value if isinstance(value, list) else None
+    if items is None:
+        return (), (f"{path}: superseded_by must be a corpus-relative path or a list of them, got "
+                    f"{shown(value, 80)}; ignored",)
+    kept: list[str] = []
+    warnings: list[str] = []
+    for position, item in enumerate(items):
+        # Bounded whatever the list holds: no more than SUCCESSORS_MAX kept, 2x that looked at.
+        if len(kept) == SUCCESSORS_MAX or position == 2 * SUCCESSORS_MAX:
+            warnings.append(f"{path}: superseded_by names more than {SUCCESSORS_MAX} paths; the rest are ignored")
+            break
+        try:
+            successor = normalize_relative_path(item) if isinstance(item, str) else None
+        except RagError as exc:
+            warnings.append(f"{path}: superseded_by entry ignored: {exc.message}")
+            continue
+        if not successor:  # not text, or only "." segments (the corpus root is no document)
+            warnings.append(f"{path}: superseded_by entry {shown(item, 80)} is not a path; ignored")
+        elif successor == path:
+            warnings.append(f"{path}: superseded_by names the document itself; ignored")
+        elif successor not in kept:
+            kept.append(successor)
+    return tuple(kept), tuple(warnings)
+
+
+def successors_column(successors: Sequence[str]) -> str:
+    """How the keyword index's documents.superseded_by holds a document's successors."""
+    return json.dumps(list(successors), ensure_ascii=False)
+
+
+def successors_from_column(raw: str | None) -> tuple[str, ...]:
+    """The successors documents.superseded_by holds; none for NULL (not recorded) or a value
+    this module did not write."""
+    try:
+        value = json_value(raw) if raw else []
+    except ValueError:
+        return ()
+    return tuple(item for item in value if isinstance(item, str)) if isinstance(value, list) else ()
 
 
 def _first_h1(structure: BodyStructure) -> str | None:
@@ -1477,11 +1532,13 @@ CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 -- real_path: its resolved absolute path at ingest. get_file re-resolves disk_path and insists on
 -- real_path, which is how a file swapped for a symlink after ingest is caught. cjk_share: of the
 -- body's letters (NULL only in stores written before it existed, until ingest fills it).
+-- superseded_by: successors_column() of the frontmatter's successors; NULL: not recorded (a store
+-- written before it existed: ingest reads such superseded documents again to record it).
 CREATE TABLE IF NOT EXISTS documents(
     path TEXT PRIMARY KEY, title TEXT NOT NULL, lifecycle TEXT NOT NULL, chunk_mode TEXT NOT NULL,
     content_hash TEXT NOT NULL, size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL,
     disk_path TEXT NOT NULL, real_path TEXT NOT NULL, line_count INTEGER NOT NULL, chunk_count INTEGER NOT NULL,
-    cjk_share REAL);
+    cjk_share REAL, superseded_by TEXT);
 -- embed_key: embed_key() of the exact text embedded for the chunk (ingest reuses its vector for any
 -- chunk with the same key); NULL only in stores written before it existed, until ingest fills it.
 CREATE TABLE IF NOT EXISTS chunks(
@@ -1501,7 +1558,7 @@ FTS_WEIGHTS = (2.0, 3.0, 1.0)
 
 @dataclass(frozen=True)
 class DocumentRow:
-    """A row of `documents` (DOCUMENT_COLUMNS, in this order)."""
+    """A row of `documents` (document_columns(), in this order)."""
 
     path: str
     title: str
@@ -1514,9 +1571,20 @@ class DocumentRow:
     real_path: str
     line_count: int
     chunk_count: int
+    superseded_by: str | None  # as stored (successors_from_column reads it); None: not recorded
+
+    def successors_unrecorded(self) -> bool:
+        """A superseded document of a store written before successors were recorded."""
+        return self.lifecycle == "superseded" and self.superseded_by is None
 
 
-DOCUMENT_COLUMNS = ", ".join(DocumentRow.__dataclass_fields__)
+def document_columns(present: Iterable[str]) -> str:
+    """DocumentRow's columns as a select list for a documents table with these columns: a store
+    written before superseded_by existed reads NULL (not recorded) for it, so the server reads it
+    without a migration (it never writes) and ingest adds the column when it opens the store."""
+    have = set(present)
+    return ", ".join(f"NULL AS {name}" if name == "superseded_by" and name not in have else name
+                     for name in DocumentRow.__dataclass_fields__)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Collection, Generator, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -324,7 +324,8 @@ def transaction(con: sqlite3.Connection) -> Iterator[None]:
 
 
 def load_registry(con: sqlite3.Connection) -> dict[str, DocumentRow]:
-    rows = con.execute(f"SELECT {rules.DOCUMENT_COLUMNS} FROM documents")
+    present = [str(row[1]) for row in con.execute("PRAGMA table_info(documents)")]
+    rows = con.execute(f"SELECT {rules.document_columns(present)} FROM documents")
     return {r[0]: DocumentRow(*r) for r in rows}
 
 
@@ -923,6 +924,7 @@ class Store:
         self.scheme = rules.PREFIX_SCHEMES.get(manifest.prefix_scheme, rules.PREFIX_SCHEMES["none"])
         self._fill_embed_keys(self.scheme)
         self._fill_cjk_shares()
+        self._add_successors_column()
         self._vector_writes_marked = False
         # Vectors sent to the store whose rows are not committed yet, by embed key: reusable
         # by the next group before the rows that make them findable are committed.
@@ -954,6 +956,31 @@ class Store:
                     "SELECT text FROM chunks WHERE path = ? ORDER BY chunk_index", (path,)))
                 self.db.execute("UPDATE documents SET cjk_share = ? WHERE path = ?",
                                 (round(rules.cjk_share(text), 4), path))
+
+    def _add_successors_column(self) -> None:
+        """Stores written before documents carried their successors get the column: none for
+        active documents (successors count only on superseded ones), NULL (not recorded) for
+        superseded ones, whose rows cannot tell: plan_changes reads those files again."""
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(documents)")}
+        if "superseded_by" not in columns:
+            with transaction(self.db):
+                self.db.execute("ALTER TABLE documents ADD COLUMN superseded_by TEXT")
+                self.db.execute("UPDATE documents SET superseded_by = ? WHERE lifecycle != 'superseded'",
+                                (rules.successors_column(()),))
+
+    def record_successors(self, successors: Mapping[str, Sequence[str]]) -> None:
+        """Successors read from unchanged superseded files (see successors_unrecorded)."""
+        with transaction(self.db):
+            self.db.executemany("UPDATE documents SET superseded_by = ? WHERE path = ?",
+                                [(rules.successors_column(named), path) for path, named in successors.items()])
+            self._mark_unpublished()
+
+    def unindexed_successors(self) -> list[tuple[str, str]]:
+        """(document, successor) for every successor a document names that is not indexed."""
+        indexed = {path for (path,) in self.db.execute("SELECT path FROM documents")}
+        return [(str(path), successor) for path, raw in self.db.execute(
+                    "SELECT path, superseded_by FROM documents WHERE superseded_by IS NOT NULL ORDER BY path")
+                for successor in rules.successors_from_column(raw) if successor not in indexed]
 
     def _active_chunks(self) -> int:
         return int(self.db.execute("SELECT count(*) FROM chunks WHERE lifecycle = 'active'").fetchone()[0])
@@ -1189,10 +1216,11 @@ class Store:
                              " ".join(rules.indexed_terms(chunk.text))))
         self.db.execute(
             "INSERT INTO documents(path, title, lifecycle, chunk_mode, content_hash, size, mtime_ns, disk_path, "
-            "real_path, line_count, chunk_count, cjk_share) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "real_path, line_count, chunk_count, cjk_share, superseded_by) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (path, doc.title, doc.lifecycle, doc.chunk_mode, pf.content_hash, pf.file.size, pf.file.mtime_ns,
              pf.file.disk_path, pf.file.real_path, doc.line_count, len(pf.chunks),
-             round(rules.cjk_share(rules.searchable_text("\n".join(doc.lines[doc.body_start - 1:]))), 4)))
+             round(rules.cjk_share(rules.searchable_text("\n".join(doc.lines[doc.body_start - 1:]))), 4),
+             rules.successors_column(doc.superseded_by)))
 
     def _delete_vectors(self, ids: dict[str, str]) -> None:
         for lifecycle in rules.LIFECYCLES:
@@ -1435,6 +1463,9 @@ class Plan:
     # that can be indexed for keyword search first. `waiting_as_they_were`: waiting, content the same.
     without_vectors: set[str] = field(default_factory=set)
     waiting_as_they_were: set[str] = field(default_factory=set)
+    # Unchanged superseded files read again because the store had not recorded their successors.
+    successors: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # of the files parsed (SourceDocument.warnings)
 
     def writes_vectors(self) -> bool:
         """Whether carrying out the plan writes to the vector store."""
@@ -1470,7 +1501,9 @@ def _compare_files(plan: Plan, seen: set[str], walk: Walk, registry: dict[str, D
         seen.add(file.path)
         row = registry.get(file.path)
         waits = file.path in waiting
-        if row and not full and not waits and rules.looks_unchanged(file.size, file.mtime_ns, row.size, row.mtime_ns):
+        stat_unchanged = row is not None and rules.looks_unchanged(file.size, file.mtime_ns, row.size, row.mtime_ns)
+        unrecorded = row is not None and row.successors_unrecorded()
+        if row and not full and not waits and stat_unchanged and not unrecorded:
             plan.unchanged.append(file)
             if (file.disk_path, file.real_path) != (row.disk_path, row.real_path):
                 plan.relocated.append(file)
@@ -1487,7 +1520,18 @@ def _compare_files(plan: Plan, seen: set[str], walk: Walk, registry: dict[str, D
             continue
         digest = rules.content_hash(raw)
         if row and not full and not waits and row.content_hash == digest:
-            plan.mtime_only.append((file, row))
+            if unrecorded:
+                try:
+                    doc = rules.parse_document(raw, file.path)
+                except RagError as exc:
+                    plan.failed[file.path] = exc.message
+                    continue
+                plan.successors[file.path] = doc.superseded_by
+                plan.warnings.extend(doc.warnings)
+            if stat_unchanged:
+                plan.unchanged.append(file)
+            else:
+                plan.mtime_only.append((file, row))
             if (file.disk_path, file.real_path) != (row.disk_path, row.real_path):
                 plan.relocated.append(file)
             continue
@@ -1496,6 +1540,7 @@ def _compare_files(plan: Plan, seen: set[str], walk: Walk, registry: dict[str, D
         except RagError as exc:
             plan.failed[file.path] = exc.message
             continue
+        plan.warnings.extend(doc.warnings)
         if not doc.rag:
             plan.excluded.append(file.path)
             continue
@@ -1665,6 +1710,8 @@ def dry_run(args: argparse.Namespace, settings: rules.Settings, layout: rules.St
     plan = plan_changes(walk, registry, args.full, waiting)
     chunk_files(plan.changed, Budget(context, settings.chunk_max_tokens, settings.chunk_min_tokens, scheme))
     _fill_summary(summary, plan)
+    for warning in plan.warnings:
+        log.warning("%s", warning)
     summary.estimated_chunks = sum(len(pf.chunks) for pf in plan.changed)
     summary.listing = dry_run_listing(walk, plan, settings.corpus_dir)
     return summary
@@ -1890,6 +1937,8 @@ def _report_prepared(run: Run, prepared: Prepared) -> None:
     if prepared.repaired:
         log.info("removed %d vectors left by an interrupted run", prepared.repaired)
     _fill_summary(summary, prepared.plan, embeds=run.unembeddable is None)
+    for warning in prepared.plan.warnings:
+        log.warning("%s", warning)
 
 
 def _open_and_plan(run: Run, dims: int, vectors: rules.Vectors, look: Look | None) -> Prepared:
@@ -1927,6 +1976,9 @@ def _write(run: Run, prepared: Prepared) -> bool:
     if plan.relocated:
         store.relocate(plan.relocated)
         changed_anything = True
+    if plan.successors:
+        store.record_successors(plan.successors)
+        changed_anything = True
     # --full is the way to force every chunk through the embedder: no reuse then (and
     # new weights under the model's name make every stored vector unusable).
     embedding = Embedding(run.embedder, run.scheme, store.manifest.dims,
@@ -1940,6 +1992,10 @@ def _write(run: Run, prepared: Prepared) -> bool:
         store.remove(plan.removed)
         changed_anything = True
     store.end_vector_writes()  # every vector written this run is owned by a committed row
+    for path, successor in store.unindexed_successors():
+        # The server names only indexed successors: this one is named to nobody until it is indexed.
+        log.warning("%s: superseded_by names %s, which is not indexed (missing, excluded or not Markdown)",
+                    path, rules.shown(successor))
     if run.model is not None and store.needs_calibration():
         changed_anything = _calibrate(store, embedding) or changed_anything
     summary.embedding_calls = embedding.calls

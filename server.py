@@ -42,6 +42,7 @@ import base64
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 import functools
 import itertools
 import json
@@ -373,6 +374,10 @@ class Staleness(BaseModel):
     hint: str | None = None
 
 
+SUPERSEDED_BY = ("Indexed documents that replace this superseded one (its frontmatter's superseded_by): "
+                 "prefer them; empty when none is named.")
+
+
 class SearchHit(BaseModel):
     # The fields with a default are always sent too: the schema marks them required.
     model_config = ConfigDict(json_schema_serialization_defaults_required=True)
@@ -390,6 +395,7 @@ class SearchHit(BaseModel):
                                           "holding the query's identifiers whole); results are in rank order, "
                                           "which also spreads them over documents, so it can rise down the list.")
     lifecycle: Literal["active", "superseded"]
+    superseded_by: list[str] = Field(default_factory=list, description=SUPERSEDED_BY)
     matched: list[Literal["vector", "keyword"]]
     phrasings: list[int] = Field(description="Which phrasings found this passage: 0 is query, 1.. the entries "
                                              "of queries in order.")
@@ -451,6 +457,7 @@ class DocumentEntry(BaseModel):
     path: str
     title: str
     lifecycle: Literal["active", "superseded"]
+    superseded_by: list[str] = Field(default_factory=list, description=SUPERSEDED_BY)
     chunks: int
     lines: int
     mtime: str
@@ -710,6 +717,82 @@ def best_margin(similarities: Mapping[int, Mapping[str, float]], item: str) -> f
     margins = [m for found in similarities.values() if found
                and (m := rules.margin(list(found.values()), found.get(item, min(found.values())))) is not None]
     return max(margins, default=None)
+
+
+HIDDEN_COUNT_MAX = 20  # hidden superseded passages counted for a thin search's message; more: "more than"
+NEAREST_FOLDERS = 3  # indexed folders a path_prefix that matches none is pointed to
+SUCCESSORS_SHOWN = 5  # successors a message names
+
+
+@dataclass(frozen=True)
+class ThinEvidence:
+    """What a search found out about why it came back thin (no hits, or low confidence):
+    thin_result_message reads it. `empty` is the pre-filter's reason nothing could match;
+    `plan_kind` keyword mode's plan; `hidden` the passages of superseded documents the query's
+    words match (counted up to HIDDEN_COUNT_MAX + 1) and `successors` what replaces those
+    documents; `stale` the staleness hint when indexed files changed on disk since ingest."""
+
+    hits: int
+    low: bool
+    empty: str | None = None
+    dropped: int = 0
+    min_score: float | None = None
+    plan_kind: str | None = None
+    missing: tuple[str, ...] = ()
+    hidden: int = 0
+    successors: tuple[str, ...] = ()
+    stale: str | None = None
+
+
+def thin_result_message(evidence: ThinEvidence) -> str | None:
+    """Which case a thin search is, each with what to do: the agent is shown this, not the
+    evidence. None when the search is not thin."""
+    e = evidence
+    if e.empty:
+        parts = [e.empty]
+    elif not e.hits:
+        if e.dropped:
+            parts = [f"nothing scored at least min_score={e.min_score}; {e.dropped} hit(s) dropped"]
+        elif e.plan_kind == "no_terms":
+            parts = ["the query has no searchable keywords (only stop words or punctuation)"]
+        elif e.plan_kind == "too_common":
+            parts = ["every word of the query is too common in this corpus for keyword search; add a "
+                     "distinctive term (a name, identifier or error code) or use mode 'hybrid'"]
+        else:
+            parts = ["no matching passages"]
+    elif e.low:
+        parts = ["no passage matches closely (confidence low): the documents may not cover this"]
+    else:
+        return None
+    if e.missing:
+        parts.append(f"no indexed passage contains {', '.join(e.missing)}")
+    if e.hidden:
+        count = f"more than {HIDDEN_COUNT_MAX}" if e.hidden > HIDDEN_COUNT_MAX else str(e.hidden)
+        parts.append(f"{count} passage(s) of superseded (outdated) documents match the query's words and are hidden: "
+                     "pass include_superseded=true to see them" + replaced_by(e.successors))
+    if e.stale:
+        parts.append(e.stale)
+    return "; ".join(parts)
+
+
+def replaced_by(successors: Sequence[str]) -> str:
+    """', replaced by ...' naming the successors (a few), or nothing without any."""
+    if not successors:
+        return ""
+    more = len(successors) - SUCCESSORS_SHOWN
+    return (", replaced by " + ", ".join(rules.shown(path) for path in successors[:SUCCESSORS_SHOWN])
+            + (f" and {more} more" if more > 0 else ""))
+
+
+def nearest_folders(prefix: str, folders: Iterable[str], n: int = NEAREST_FOLDERS) -> list[str]:
+    """The indexed folders closest to a path_prefix that matches none: its deepest indexed
+    ancestor first (a typo in the last segment), then the most similar names."""
+    known = sorted(set(folders))
+    parts = prefix.split("/")
+    ancestor = next((a for i in range(len(parts) - 1, 0, -1) if (a := "/".join(parts[:i])) in known), None)
+    wanted = prefix.casefold()
+    similar = sorted(known, key=lambda folder: -difflib.SequenceMatcher(None, wanted, folder.casefold()).ratio())
+    return list(dict.fromkeys([*([ancestor] if ancestor else []), *similar]))[:n]
 
 
 def json_len(value: Any) -> int:
@@ -1071,6 +1154,41 @@ class OpenIndex:
         return {str(path): float(share) for path, share in
                 self._sql("SELECT path, cjk_share FROM documents WHERE cjk_share IS NOT NULL")}
 
+    @functools.cached_property
+    def _documents_table(self) -> frozenset[str]:
+        """The documents table's columns (a store an older ingest wrote lacks the newer ones)."""
+        return frozenset(str(row[1]) for row in self._sql("PRAGMA table_info(documents)"))
+
+    @functools.cached_property
+    def successors(self) -> dict[str, tuple[str, ...]]:
+        """Per document that names successors, those of them that are indexed. Only indexed ones:
+        a path the frontmatter names may be excluded (`rag: false`, ignore rules), and nothing of
+        an excluded file may reach a client, not even that its name exists."""
+        if "superseded_by" not in self._documents_table:
+            return {}
+        named = {str(path): rules.successors_from_column(raw) for path, raw in self._sql(
+            "SELECT path, superseded_by FROM documents WHERE superseded_by IS NOT NULL AND superseded_by != '[]'")}
+        wanted = sorted({successor for successors in named.values() for successor in successors})
+        indexed: set[str] = set()
+        for batch in rules.batched(wanted, 500):
+            indexed.update(str(p) for (p,) in self._sql(
+                f"SELECT path FROM documents WHERE path IN ({','.join('?' * len(batch))})", batch))
+        return {path: kept for path, successors in named.items()
+                if (kept := tuple(s for s in successors if s in indexed))}
+
+    def successors_of(self, paths: Iterable[str]) -> tuple[str, ...]:
+        """The indexed successors of these documents, in order, once each."""
+        return tuple(dict.fromkeys(s for path in paths for s in self.successors.get(path, ())))
+
+    def folders(self) -> set[str]:
+        """Every folder holding an indexed document, at any depth (what a path_prefix can name).
+        From the index only: a folder of excluded files is not one of them."""
+        out: set[str] = set()
+        for (path,) in self._sql("SELECT path FROM documents"):
+            parts = str(path).split("/")[:-1]
+            out.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+        return out
+
     def passages_with(self, terms: Sequence[str]) -> dict[str, int]:
         """How many passages contain each term (as the keyword index holds it). Cached: a
         generation's counts never change, and queries share most of their words."""
@@ -1240,7 +1358,8 @@ class OpenIndex:
         return [rules.ChunkRow(*r) for r in rows]
 
     def document(self, path: str) -> rules.DocumentRow | None:
-        rows = self._sql(f"SELECT {rules.DOCUMENT_COLUMNS} FROM documents WHERE path = ?", [path])
+        columns = rules.document_columns(self._documents_table)
+        rows = self._sql(f"SELECT {columns} FROM documents WHERE path = ?", [path])
         return rules.DocumentRow(*rows[0]) if rows else None
 
     def documents_at(self, paths: Iterable[str]) -> dict[str, rules.DocumentRow]:
@@ -1255,7 +1374,8 @@ class OpenIndex:
         where, params = prefix_sql("path", prefix)
         tail = " LIMIT ? OFFSET ?" if limit is not None else ""
         extra = [limit, offset] if limit is not None else []
-        return [rules.DocumentRow(*r) for r in self._sql(f"SELECT {rules.DOCUMENT_COLUMNS} FROM documents WHERE {where} "
+        columns = rules.document_columns(self._documents_table)
+        return [rules.DocumentRow(*r) for r in self._sql(f"SELECT {columns} FROM documents WHERE {where} "
                                                    f"ORDER BY path{tail}", [*params, *extra])]
 
     def documents_after(self, path: str, limit: int) -> list[rules.DocumentRow]:
@@ -1974,10 +2094,12 @@ class RetrievalService:
             return SearchScope(lifecycles, None, {lc: None for lc in lifecycles})
         by_lc = index.paths_by_lifecycle(prefix)
         if not any(by_lc.get(lc) for lc in lifecycles):
-            hidden = "" if args.include_superseded or not by_lc.get("superseded") else (
-                " (only superseded documents are there: pass include_superseded=true)")
-            return SearchScope(lifecycles, prefix, {}, empty=f"no indexed document under path_prefix {rules.shown(prefix)}"
-                               f"{hidden}; see list_documents for the indexed paths")
+            if args.include_superseded or not by_lc.get("superseded"):
+                empty = no_documents_under(index, prefix)
+            else:
+                empty = (f"no indexed document under path_prefix {rules.shown(prefix)} (only superseded documents are "
+                         f"there: pass include_superseded=true{replaced_by(index.successors_of(by_lc['superseded']))})")
+            return SearchScope(lifecycles, prefix, {}, empty=f"{empty}; see list_documents for the indexed paths")
         totals = index.counts_by_lifecycle()
         # A prefix covering every document of a collection needs no where clause (the fast path).
         return SearchScope(lifecycles, prefix, {lc: None if len(by_lc.get(lc, [])) == totals.get(lc, 0)
@@ -2141,7 +2263,8 @@ class RetrievalService:
             hits.append(SearchHit(path=row.path, uri=document_uri(row.path), title=row.title, heading=row.heading, start_line=row.start_line,
                                   end_line=row.end_line, score=None if score is None else round(score, 6),
                                   rank_score=round(rank_score, 6), lifecycle=_lifecycle(row.lifecycle),
-                                  matched=matched, phrasings=sorted({p for _, p in by}),
+                                  superseded_by=list(index.successors.get(row.path, ())), matched=matched,
+                                  phrasings=sorted({p for _, p in by}),
                                   exact_matches=[i for i, _ in facts.identifiers if item in candidates.whole.get(i, ())],
                                   text=row.text, truncated=False))
         return hits
@@ -2186,26 +2309,34 @@ class RetrievalService:
             extra.update(confidence=confidence.level, confidence_score=confidence.score,
                          confidence_reason=confidence.reason)
         plan = facts.keyword_plan
-        message = None
-        if scope.empty:
-            message = scope.empty
-        elif not hits:
-            if candidates.dropped:
-                message = f"nothing scored at least min_score={args.min_score}; {len(candidates.dropped)} hit(s) dropped"
-            elif args.mode == "keyword" and plan is not None and plan.kind == "no_terms":
-                message = "the query has no searchable keywords (only stop words or punctuation)"
-            elif args.mode == "keyword" and plan is not None and plan.kind == "too_common":
-                message = ("every word of the query is too common in this corpus for keyword search; add a "
-                           "distinctive term (a name, identifier or error code) or use mode 'hybrid'")
-            else:
-                message = "no matching passages"
-        if facts.missing and not hits:
-            message = f"{message}; no indexed passage contains {', '.join(facts.missing)}"
+        staleness = self._staleness(index)
+        low = confidence is not None and confidence.level == "low"
+        hidden, successors = self._hidden_superseded(index, args, scope) if low or not hits else (0, ())
+        message = thin_result_message(ThinEvidence(
+            hits=len(hits), low=low, empty=scope.empty, dropped=len(candidates.dropped), min_score=args.min_score,
+            plan_kind=plan.kind if args.mode == "keyword" and plan is not None else None, missing=tuple(facts.missing),
+            hidden=hidden, successors=successors, stale=staleness.hint if staleness.changed_files else None))
         response = SearchResponse(query=args.query, mode=args.mode, results=hits,
                                   dropped_below_min_score=len(candidates.dropped), message=message,
                                   missing_identifiers=list(facts.missing), index=self._index_info(index.current),
-                                  staleness=self._staleness(index), **extra)
+                                  staleness=staleness, **extra)
         return fit_hits(response.model_dump(mode="json"))
+
+    @staticmethod
+    def _hidden_superseded(index: OpenIndex, args: SearchCorpusInput, scope: SearchScope) -> tuple[int, tuple[str, ...]]:
+        """For a thin search's message: the passages of superseded documents in scope that the
+        phrasings' words match (the keyword channel's plan, up to HIDDEN_COUNT_MAX + 1), and the
+        documents replacing them. Only for a thin search: one FTS query per phrasing."""
+        if args.include_superseded or scope.empty:
+            return 0, ()
+        found: dict[str, None] = {}
+        for text in args.phrasings():
+            ranked, _ = index.keyword_ranking(text, ("superseded",), scope.prefix, HIDDEN_COUNT_MAX + 1)
+            found.update(dict.fromkeys(item for item, _ in ranked))
+        if not found:
+            return 0, ()
+        paths = sorted({row.path for row in index.chunks_by_id(list(found)).values()})
+        return min(len(found), HIDDEN_COUNT_MAX + 1), index.successors_of(paths)
 
     def _stored_scores(self, index: OpenIndex, phrasings: Sequence[Phrasing], ids: Sequence[str],
                        lifecycles: Mapping[str, str]) -> dict[str, float | None]:
@@ -2276,13 +2407,15 @@ class RetrievalService:
             docs = index.documents(args.path_prefix, args.offset, args.limit)
             info = self._index_info(index.current)
             staleness = self._staleness(index)
+            successors = index.successors
+            nothing_under = no_documents_under(index, args.path_prefix) if args.path_prefix and not total else None
         entries = [DocumentEntry(path=d.path, title=rules.metadata_text(d.title), lifecycle=_lifecycle(d.lifecycle),
-                                 chunks=d.chunk_count, lines=d.line_count, mtime=iso_from_ns(d.mtime_ns)) for d in docs]
+                                 superseded_by=list(successors.get(d.path, ())), chunks=d.chunk_count,
+                                 lines=d.line_count, mtime=iso_from_ns(d.mtime_ns)) for d in docs]
         end = args.offset + len(entries)
         message = None
         if total == 0:
-            message = (f"no indexed document under path_prefix {rules.shown(args.path_prefix)}" if args.path_prefix
-                       else f"the index is empty: {rules.INGEST_HINT}")
+            message = nothing_under or f"the index is empty: {rules.INGEST_HINT}"
         elif not entries:
             message = f"offset {args.offset} is past the end ({total} documents)"
         return ListDocumentsResponse(documents=entries, total=total, offset=args.offset,
@@ -2312,6 +2445,13 @@ class RetrievalService:
         with manager.lock:
             paths = manager.open().paths_starting(typed, COMPLETIONS_MAX + 1)
         return paths[:COMPLETIONS_MAX], len(paths) > COMPLETIONS_MAX
+
+
+def no_documents_under(index: OpenIndex, prefix: str) -> str:
+    """A path_prefix under which nothing is indexed, and the indexed folders nearest to it."""
+    nearest = nearest_folders(prefix, index.folders())
+    return (f"no indexed document under path_prefix {rules.shown(prefix)}"
+            + (f"; nearest indexed folders: {', '.join(rules.shown(f) for f in nearest)}" if nearest else ""))
 
 
 def _lifecycle(value: str) -> Literal["active", "superseded"]:
@@ -3836,7 +3976,9 @@ def human_view(tool: str, payload: Mapping[str, Any]) -> str:
         lines = [f"({rules.metadata_text(warning, HUMAN_VIEW_NOTE_MAX)})" for warning in doubts_of(payload)]
         for rank, hit in enumerate(payload["results"], start=1):
             score = "-" if hit["score"] is None else f"{hit['score']:.3f}"
-            superseded = " [superseded]" if hit["lifecycle"] == "superseded" else ""
+            successors = ", ".join(rules.metadata_text(path, PATH_SHOWN_MAX) for path in hit.get("superseded_by") or [])
+            superseded = (f" [superseded{f' by {successors}' if successors else ''}]"
+                          if hit["lifecycle"] == "superseded" else "")
             lines.append(f"{rank}. {rules.metadata_text(hit['path'], PATH_SHOWN_MAX)}:{hit['start_line']}-{hit['end_line']}"
                          f"  {rules.metadata_text(hit['heading'])}  (score {score}){superseded}")
             shown = (rules.metadata_text(line, HUMAN_VIEW_WIDTH) for line in hit["text"].splitlines())

@@ -246,3 +246,18 @@ def test_a_store_of_another_corpus_is_a_warning_and_the_hint_names_a_command_tha
     assert done.stderr.startswith("warning: RAG_CORPUS_DIR") and "was built from" in done.stderr, done.stderr
     hint = json_answer(done, "search_corpus")["staleness"]["hint"]
     assert "--replace-corpus" in hint and "changed on disk" not in hint, hint
+
+
+def test_the_human_view_says_why_a_search_is_thin_and_what_replaces_a_superseded_hit(
+        built: Built, fake: FakeOllama) -> None:
+    env = built.server_env(fake.host)
+    query = "kubectl-deploy push --all-at-once"
+    hidden = run_cli(env, "search", query)
+    assert hidden.returncode == 0, hidden.stderr
+    message = json_answer(run_cli(env, "search", query, "--json"), "search_corpus")["message"]
+    assert hidden.stdout.splitlines()[-1] == f"({message})"
+    assert "pass include_superseded=true to see them, replaced by 'runbooks/deploy.md')" in hidden.stdout
+    shown = run_cli(env, "search", query, "--include-superseded").stdout
+    assert "[superseded by runbooks/deploy.md]" in shown.splitlines()[0], shown
+    listed = run_cli(env, "list", "--path-prefix", "oncal")
+    assert listed.stdout.startswith("(no indexed document under path_prefix 'oncal'; nearest indexed folders: 'oncall'")

@@ -476,7 +476,57 @@ def test_sample_corpus_conventions() -> None:
     private, _ = _sample("private/offsite-backup.md")
     old, _ = _sample("runbooks/deploy-2023.md")
     assert private.rag is False
-    assert (old.lifecycle, old.chunk_mode) == ("superseded", "headings")
+    assert (old.lifecycle, old.chunk_mode, old.superseded_by) == ("superseded", "headings", ("runbooks/deploy.md",))
+
+
+def test_superseded_by_takes_a_path_or_a_list_normalised_like_a_clients() -> None:
+    one = _doc("---\nlifecycle: superseded\nsuperseded_by: ./runbooks//deploy.md\n---\n# Old\n", "old.md")
+    assert (one.superseded_by, one.warnings) == (("runbooks/deploy.md",), ())
+    many = _doc('+++\nlifecycle = "superseded"\nsuperseded_by = ["a.md", "b/c.md", "a.md"]\n+++\n# Old\n', "old.md")
+    assert (many.superseded_by, many.warnings) == (("a.md", "b/c.md"), ())
+    composed = _doc("---\nlifecycle: superseded\nsuperseded_by: \"cafe\u0301.md\"\n---\n", "old.md")
+    assert composed.superseded_by == ("caf\u00e9.md",)  # NFC, as the index spells paths
+    assert _doc("# No frontmatter\n").superseded_by == ()
+
+
+@pytest.mark.parametrize(("value", "why"), [
+    ("../outside.md", "..'"), ("/etc/passwd.md", "absolute"), ("a\\\\b.md", "backslash"), ("''", "empty"),
+    ("old.md", "itself"), ("./.", "not a path"), ("{a: 1}", "a dict"), ("12", "a corpus-relative path or a list"), ("[7]", "not a path"),
+])
+def test_bad_successors_are_left_out_with_a_warning_and_the_file_is_indexed(value: str, why: str) -> None:
+    doc = _doc(f"---\nlifecycle: superseded\nsuperseded_by: {value}\n---\n# Old\n", "old.md")
+    assert doc.rag and doc.lifecycle == "superseded" and doc.superseded_by == ()
+    assert len(doc.warnings) == 1 and doc.warnings[0].startswith("old.md: superseded_by"), doc.warnings
+    assert why in doc.warnings[0], doc.warnings
+
+
+def test_superseded_by_counts_only_on_a_superseded_document() -> None:
+    doc = _doc("---\nsuperseded_by: new.md\n---\n# Still active\n", "old.md")
+    assert (doc.lifecycle, doc.superseded_by) == ("active", ())
+    assert doc.warnings == ("old.md: superseded_by is ignored: the document is not `lifecycle: superseded`",)
+
+
+def test_a_long_successor_list_is_cut_with_a_warning() -> None:
+    names = [f"n{i}.md" for i in range(rules.SUCCESSORS_MAX + 5)]
+    doc = _doc(f"---\nlifecycle: superseded\nsuperseded_by: {names}\n---\n", "old.md")
+    assert doc.superseded_by == tuple(names[:rules.SUCCESSORS_MAX])
+    assert len(doc.warnings) == 1 and "more than" in doc.warnings[0]
+    garbage = _doc(f"---\nlifecycle: superseded\nsuperseded_by: {['../x.md'] * 50 + ['late.md']}\n---\n", "old.md")
+    assert garbage.superseded_by == () and len(garbage.warnings) == 2 * rules.SUCCESSORS_MAX + 1
+    assert "more than" in garbage.warnings[-1], "what was not looked at is said"
+
+
+@HYPOTHESIS
+@example(["."])
+@given(st.one_of(st.none(), st.text(max_size=60), st.lists(st.one_of(st.text(max_size=30), st.integers()), max_size=15),
+                 st.integers(), st.booleans(), st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3)))
+def test_successors_are_valid_corpus_paths_whatever_the_value(value: object) -> None:
+    successors, warnings = rules.successors_of(value, "old.md", "superseded")
+    assert len(successors) <= rules.SUCCESSORS_MAX and len(set(successors)) == len(successors)
+    assert all(rules.normalize_relative_path(s) == s != "old.md" for s in successors)
+    assert rules.successors_from_column(rules.successors_column(successors)) == successors
+    assert all(isinstance(w, str) and w.startswith("old.md: ") for w in warnings)
+    assert value in (None, []) or successors or warnings, "what is left out is said"
 
 
 # ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import inspect
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -378,6 +379,53 @@ def test_full_re_embeds_everything_to_the_same_state(tmp_path: Path, fake_ollama
     assert run.summary["chunks_written"] == first.summary["chunks_written"]
     assert len(fake_ollama_env.embedded_inputs) == first.summary["chunks_written"]
     assert snapshot(store) == before
+
+
+def test_successors_are_recorded_and_those_not_indexed_are_warned_about(tmp_path: Path,
+                                                                        fake_ollama_env: FakeOllama) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    run = ingest_run(corpus, store)
+    assert run.code == 0 and "superseded_by" not in run.err, run.err
+    recorded = dict(keyword_db(store).execute("SELECT path, superseded_by FROM documents"))
+    assert recorded.pop("runbooks/deploy-2023.md") == '["runbooks/deploy.md"]'
+    assert set(recorded.values()) == {"[]"}
+    old = corpus / "runbooks/deploy-2023.md"
+    text = old.read_text(encoding="utf-8")
+    # An excluded file (rag: false), a missing one, and garbage: warnings, never a failed file.
+    edit(old, text.replace("superseded_by: runbooks/deploy.md",
+                           "superseded_by: [runbooks/deploy.md, private/offsite-backup.md, runbooks/gone.md, ../up.md]"))
+    run = ingest_run(corpus, store)
+    assert run.code == 0 and (run.summary["updated"], run.summary["failed"]) == (1, 0), run.err
+    assert "runbooks/deploy-2023.md: superseded_by entry ignored: path '../up.md'" in run.err
+    for unindexed in ("private/offsite-backup.md", "runbooks/gone.md"):
+        assert f"runbooks/deploy-2023.md: superseded_by names '{unindexed}', which is not indexed" in run.err
+    assert keyword_db(store).execute("SELECT superseded_by FROM documents WHERE path = 'runbooks/deploy-2023.md'"
+                                     ).fetchone() == ('["runbooks/deploy.md", "private/offsite-backup.md", '
+                                                      '"runbooks/gone.md"]',)
+    # Still dangling on a run that changes nothing (the successor may have been the file removed).
+    again = ingest_run(corpus, store)
+    assert again.code == 0 and again.summary["unchanged"] == again.summary["scanned"] - 1
+    assert "'runbooks/gone.md', which is not indexed" in again.err
+    assert "../up.md" not in again.err, "a file's own warnings come when it is read"
+
+
+def test_a_store_from_before_successors_records_them_without_embedding(tmp_path: Path,
+                                                                       fake_ollama_env: FakeOllama) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    assert ingest_run(corpus, store).code == 0
+    con = sqlite3.connect(store / current_of(store)["index"] / rules.KEYWORD_DB)
+    with con:
+        con.execute("ALTER TABLE documents DROP COLUMN superseded_by")  # as an older ingest wrote it
+    con.close()
+    generation = current_of(store)["generation"]
+    run = ingest_run(corpus, store)
+    assert run.code == 0, run.err
+    s = run.summary
+    assert (s["unchanged"], s["updated"], s["embedding_calls"], s["chunks_written"], s["rebuilt"]) == (
+        s["scanned"] - 1, 0, 0, 0, False)
+    assert current_of(store)["generation"] == generation + 1, "the server sees the successors"
+    assert snapshot(store) == clean_snapshot(corpus, tmp_path)
+    assert ingest_run(corpus, store).summary["embedding_calls"] == 0
 
 
 def test_changes_deletions_rag_false_and_lifecycle_flips(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:

@@ -325,6 +325,7 @@ def test_superseded_runbook_frontmatter(files: dict[str, str]) -> None:
     assert meta == {
         "title": "Deploy runbook (2023, superseded)",
         "lifecycle": "superseded",
+        "superseded_by": "runbooks/deploy.md",
         "rag_chunk": "headings",
     }
     others = [rel for rel, text in files.items() if split_frontmatter(text)[0].get("lifecycle") == "superseded"]

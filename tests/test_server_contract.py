@@ -750,6 +750,150 @@ def test_include_superseded_queries_both_collections(base: Built) -> None:
     assert payload["results"][0]["lifecycle"] == "superseded"
 
 
+def test_superseded_hits_and_listing_name_their_successor(base: Built) -> None:
+    svc = service(base)
+    is_error, payload = call(svc, "search_corpus", query="kubectl-deploy push --all-at-once", include_superseded=True)
+    assert not is_error
+    by_lifecycle = {hit["lifecycle"]: hit for hit in payload["results"]}
+    assert by_lifecycle["superseded"]["superseded_by"] == ["runbooks/deploy.md"]
+    assert by_lifecycle["active"]["superseded_by"] == []
+    _, listing = call(svc, "list_documents")
+    named = {doc["path"]: doc["superseded_by"] for doc in listing["documents"]}
+    assert named.pop("runbooks/deploy-2023.md") == ["runbooks/deploy.md"]
+    assert set(map(tuple, named.values())) == {()}
+
+
+def test_a_successor_that_is_not_indexed_is_never_named(fresh: Built, fake: FakeOllama) -> None:
+    old = fresh.corpus / "runbooks/deploy-2023.md"
+    old.write_text(old.read_text(encoding="utf-8").replace(
+        "superseded_by: runbooks/deploy.md", "superseded_by: [private/offsite-backup.md, runbooks/deploy.md, gone.md]"),
+        encoding="utf-8")
+    assert ingest_in_process(fake, fresh.corpus, fresh.store).code == 0
+    svc = service(fresh)
+    _, listing = call(svc, "list_documents", path_prefix="runbooks")
+    hits = call(svc, "search_corpus", query="kubectl-deploy push --all-at-once", include_superseded=True)[1]["results"]
+    for named in ([d["superseded_by"] for d in listing["documents"]] + [h["superseded_by"] for h in hits]):
+        assert named in ([], ["runbooks/deploy.md"])
+    _, hidden = call(svc, "search_corpus", query="kubectl-deploy push --all-at-once")
+    assert "replaced by 'runbooks/deploy.md'" in hidden["message"] and "offsite" not in hidden["message"]
+    assert "gone.md" not in json.dumps([listing, hits, hidden])
+
+
+def test_a_store_from_before_successors_is_served_without_them(fresh: Built) -> None:
+    con = sqlite3.connect(fresh.index_dir / rules.KEYWORD_DB)
+    with con:
+        con.execute("ALTER TABLE documents DROP COLUMN superseded_by")
+    con.close()
+    svc = service(fresh)
+    assert not call(svc, "get_file", path="runbooks/deploy-2023.md")[0]
+    _, listing = call(svc, "list_documents")
+    assert listing["documents"] and all(doc["superseded_by"] == [] for doc in listing["documents"])
+    _, payload = call(svc, "search_corpus", query="kubectl-deploy push --all-at-once", include_superseded=True)
+    assert payload["results"][0]["lifecycle"] == "superseded" and payload["results"][0]["superseded_by"] == []
+
+
+# Commands only the superseded runbook holds, each a low-confidence search of the active documents.
+@pytest.mark.parametrize(("mode", "query"), [("hybrid", "kubectl-deploy push --all-at-once"),
+                                             ("vector", "kubectl-deploy push --all-at-once"),
+                                             ("keyword", "kubectl-deploy revert")])
+def test_a_thin_search_says_passages_of_superseded_documents_are_hidden_and_what_replaces_them(
+        base: Built, mode: str, query: str) -> None:
+    svc = service(base)
+    _, payload = call(svc, "search_corpus", query=query, mode=mode)
+    assert payload["confidence"] == "low" and {h["lifecycle"] for h in payload["results"]} == {"active"}
+    assert "superseded (outdated) documents match the query's words and are hidden: pass include_superseded=true" \
+        in payload["message"] and payload["message"].endswith("replaced by 'runbooks/deploy.md'"), payload["message"]
+    _, shown = call(svc, "search_corpus", query=query, mode=mode, include_superseded=True)
+    assert "hidden" not in (shown["message"] or "")
+    _, confident = call(svc, "search_corpus", query="who gets paged for a sev-1", mode=mode)
+    assert confident["confidence"] != "low" and confident["message"] is None
+
+
+def test_a_thin_search_says_which_case_it_is(base: Built) -> None:
+    svc = service(base)
+    _, off_topic = call(svc, "search_corpus", query="how long should sourdough bread proof overnight")
+    assert off_topic["message"] == "no passage matches closely (confidence low): the documents may not cover this"
+    _, absent = call(svc, "search_corpus", query="OLLAMA_KEEP_ALIVE")
+    assert absent["message"].endswith("; no indexed passage contains OLLAMA_KEEP_ALIVE")
+    _, nothing = call(svc, "search_corpus", query="qqqzzzxxy", mode="keyword")
+    assert nothing["message"] == "no matching passages"
+    _, typo = call(svc, "search_corpus", query="rollback", path_prefix="runbook/deploy.md")
+    assert typo["message"].startswith("no indexed document under path_prefix 'runbook/deploy.md'; nearest indexed "
+                                      "folders: 'runbooks', ")
+    _, old = call(svc, "search_corpus", query="rollback", path_prefix="runbooks/deploy-2023.md")
+    assert "pass include_superseded=true, replaced by 'runbooks/deploy.md')" in old["message"]
+    _, listed = call(svc, "list_documents", path_prefix="oncal")
+    assert listed["message"].startswith("no indexed document under path_prefix 'oncal'; nearest indexed folders: "
+                                        "'oncall'")
+
+
+def test_a_thin_search_says_files_changed_since_ingest(swappable: Built) -> None:
+    page = swappable.corpus / "oncall/escalation.md"
+    page.write_text(page.read_text(encoding="utf-8") + "\nA line added after ingest.\n", encoding="utf-8")
+    _, payload = call(service(swappable), "search_corpus", query="how long should sourdough bread proof overnight")
+    assert payload["staleness"]["changed_files"] == 1
+    assert payload["message"].endswith("; " + payload["staleness"]["hint"])
+    assert "1 indexed file(s) changed on disk since the last ingest" in payload["message"]
+
+
+def _thin(**fields: Any) -> server.ThinEvidence:
+    return server.ThinEvidence(**{"hits": 0, "low": False, **fields})
+
+
+def test_thin_result_message_names_each_case() -> None:
+    assert server.thin_result_message(_thin(hits=3)) is None
+    assert server.thin_result_message(_thin(hits=3, missing=("X_Y",), hidden=2, stale="4 changed")) is None, \
+        "a confident search needs no explanation: its fields say the rest"
+    assert server.thin_result_message(_thin(dropped=2, min_score=0.9)) == \
+        "nothing scored at least min_score=0.9; 2 hit(s) dropped"
+    assert "too common" in server.thin_result_message(_thin(plan_kind="too_common"))
+    assert "no searchable keywords" in server.thin_result_message(_thin(plan_kind="no_terms"))
+    assert server.thin_result_message(_thin(empty="no indexed document under path_prefix 'x'")) == \
+        "no indexed document under path_prefix 'x'"
+    many = server.thin_result_message(_thin(hits=5, low=True, hidden=server.HIDDEN_COUNT_MAX + 1,
+                                            successors=tuple(f"new/{i}.md" for i in range(7))))
+    assert f"more than {server.HIDDEN_COUNT_MAX} passage(s) of superseded" in many
+    assert many.endswith("replaced by 'new/0.md', 'new/1.md', 'new/2.md', 'new/3.md', 'new/4.md' and 2 more")
+
+
+@settings(max_examples=200, deadline=None)
+@given(hits=st.integers(0, 20), low=st.booleans(), empty=st.none() | st.just("no indexed document under x"),
+       dropped=st.integers(0, 5), plan_kind=st.sampled_from([None, "rare", "no_terms", "too_common"]),
+       missing=st.lists(st.from_regex(r"[A-Z]{2,8}_[A-Z]{2,8}", fullmatch=True), max_size=3).map(tuple),
+       hidden=st.integers(0, 40), successors=st.lists(st.from_regex(r"[a-z]{1,8}\.md", fullmatch=True),
+                                                      max_size=8, unique=True).map(tuple),
+       changed=st.integers(0, 3))
+def test_a_thin_search_always_says_why_and_a_confident_one_never_does(
+        hits: int, low: bool, empty: str | None, dropped: int, plan_kind: str | None, missing: tuple[str, ...],
+        hidden: int, successors: tuple[str, ...], changed: int) -> None:
+    evidence = server.ThinEvidence(hits=hits, low=low, empty=empty, dropped=dropped, min_score=0.5,
+                                   plan_kind=plan_kind, missing=missing, hidden=hidden,
+                                   successors=successors if hidden else (),
+                                   stale=f"{changed} indexed file(s) changed on disk since the last ingest" if changed else None)
+    message = server.thin_result_message(evidence)
+    if hits and not low and not empty:
+        assert message is None
+        return
+    assert message
+    assert all(name in message for name in missing)
+    assert ("include_superseded=true" in message) == bool(hidden)
+    assert all(f"'{path}'" in message for path in successors[:server.SUCCESSORS_SHOWN] if hidden)
+    assert ("since the last ingest" in message) == bool(changed)
+
+
+@settings(max_examples=200, deadline=None)
+@given(prefix=st.from_regex(r"[a-z]{1,6}(/[a-z]{1,6}){0,2}", fullmatch=True),
+       folders=st.lists(st.from_regex(r"[a-z]{1,6}(/[a-z]{1,6}){0,2}", fullmatch=True), max_size=12))
+def test_nearest_folders_are_indexed_folders_the_deepest_ancestor_first(prefix: str, folders: list[str]) -> None:
+    nearest = server.nearest_folders(prefix, folders)
+    assert len(nearest) == len(set(nearest)) == min(server.NEAREST_FOLDERS, len(set(folders)))
+    assert set(nearest) <= set(folders)
+    parts = prefix.split("/")
+    ancestors = [a for i in range(len(parts) - 1, 0, -1) if (a := "/".join(parts[:i])) in folders]
+    if ancestors:
+        assert nearest[0] == ancestors[0]
+
+
 def test_path_prefix_is_a_where_clause_on_the_store(base: Built) -> None:
     svc = service(base)
     calls = recorded(svc)
@@ -1025,13 +1169,21 @@ def test_the_rag_false_token_is_never_served(base: Built) -> None:
     outputs = [call(svc, "list_documents", limit=500)[1], call(svc, "get_file", path="private/offsite-backup.md")[1]]
     for mode in ("hybrid", "vector", "keyword"):
         for query in (token, "offsite backup restore escrow reference", "SECRET OFFSITE TOKEN"):
-            answer = call(svc, "search_corpus", query=query, mode=mode, k=20, include_superseded=True)[1]
-            assert answer.pop("query") == query  # the echo of the caller's own query is not a leak
-            outputs.append(without_echoed_identifier(answer, token))
+            for superseded in (True, False):  # without: the thin-result message speaks of hidden passages
+                answer = call(svc, "search_corpus", query=query, mode=mode, k=20, include_superseded=superseded)[1]
+                assert answer.pop("query") == query  # the echo of the caller's own query is not a leak
+                outputs.append(without_echoed_identifier(answer, token))
     for path in [d["path"] for d in outputs[0]["documents"]]:
         outputs.append(call(svc, "get_file", path=path)[1])
     assert token not in json.dumps(outputs, ensure_ascii=False)
     assert not any("offsite-backup" in json.dumps(o) for o in outputs[2:])
+    # private/ holds only the excluded file: no nearest-folder suggestion names it.
+    for prefix in ("privat", "private/offsite", "Private"):
+        said = [call(svc, "search_corpus", query="offsite backup", path_prefix=prefix)[1]["message"],
+                call(svc, "list_documents", path_prefix=prefix)[1]["message"]]
+        for message in said:
+            nearest = message.split("nearest indexed folders: ", 1)[1]
+            assert "rivate" not in nearest and "offsite" not in nearest, message
 
 
 # ---------------------------------------------------------------------------

@@ -107,8 +107,25 @@ def test_superseded_runbook_only_with_include_superseded(built: Built, fake: Fak
                                          include_superseded=True)
                 old = [hit for hit in included["results"] if hit["path"] == "runbooks/deploy-2023.md"]
                 assert old and all(hit["lifecycle"] == "superseded" for hit in old), mode
+                assert all(hit["superseded_by"] == ["runbooks/deploy.md"] for hit in old), mode
             _, listed = await tool(client, "list_documents")
-            assert {d["path"]: d["lifecycle"] for d in listed["documents"]}["runbooks/deploy-2023.md"] == "superseded"
+            entry = {d["path"]: d for d in listed["documents"]}["runbooks/deploy-2023.md"]
+            assert (entry["lifecycle"], entry["superseded_by"]) == ("superseded", ["runbooks/deploy.md"])
+
+    run(scenario)
+
+
+def test_a_thin_search_says_why_over_stdio(built: Built, fake: FakeOllama) -> None:
+    """What the model is shown (structured content only, in Claude Code) says why a search is thin."""
+    async def scenario() -> None:
+        async with connect(built.server_env(fake.host)) as client:
+            _, hidden = await tool(client, "search_corpus", query="kubectl-deploy push --all-at-once")
+            assert hidden["confidence"] == "low" and "pass include_superseded=true" in hidden["message"]
+            assert hidden["message"].endswith("replaced by 'runbooks/deploy.md'")
+            _, typo = await tool(client, "search_corpus", query="rollback", path_prefix="runbook")
+            assert typo["results"] == [] and "nearest indexed folders: 'runbooks'" in typo["message"]
+            _, private = await tool(client, "search_corpus", query="offsite backup", path_prefix="privat")
+            assert "rivate" not in private["message"].split("nearest indexed folders: ")[1]
 
     run(scenario)
 

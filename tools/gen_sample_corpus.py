@@ -8,7 +8,8 @@ exercise every corpus convention the server understands:
 * frontmatter ``title`` versus first-H1 versus file-name titles,
 * ``rag: false`` (file excluded from the index),
 * ``rag_chunk: headings`` (split at headings; the default is one chunk per file),
-* ``lifecycle: superseded`` (indexed, but hidden from default search),
+* ``lifecycle: superseded`` (indexed, but hidden from default search) and its
+  ``superseded_by`` successor,
 * fenced code blocks (``` and ~~~) containing ``#`` shell comments,
 * a setext heading, Markdown tables, nested headings,
 * one section longer than the 2048-token embedding budget,
@@ -540,6 +541,7 @@ DEPLOY_2023_MD = """\
 ---
 title: Deploy runbook (2023, superseded)
 lifecycle: superseded
+superseded_by: runbooks/deploy.md
 rag_chunk: headings
 ---
 
