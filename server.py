@@ -1364,9 +1364,9 @@ class OpenIndex:
 
     def documents_at(self, paths: Iterable[str]) -> dict[str, rules.DocumentRow]:
         out: dict[str, rules.DocumentRow] = {}
+        columns = rules.document_columns(self._documents_table)
         for batch in rules.batched(list(paths), 500):  # SQLite's host-parameter limit
-            rows = self._sql(f"SELECT {rules.DOCUMENT_COLUMNS} FROM documents WHERE path IN "
-                             f"({','.join('?' * len(batch))})", batch)
+            rows = self._sql(f"SELECT {columns} FROM documents WHERE path IN ({','.join('?' * len(batch))})", batch)
             out.update((str(r[0]), rules.DocumentRow(*r)) for r in rows)
         return out
 
@@ -1381,8 +1381,9 @@ class OpenIndex:
     def documents_after(self, path: str, limit: int) -> list[rules.DocumentRow]:
         """Documents in path order after `path` (keyset paging: a page never shifts when an
         ingest adds or removes documents before it)."""
-        return [rules.DocumentRow(*r) for r in self._sql(f"SELECT {rules.DOCUMENT_COLUMNS} FROM documents "
-                                                         "WHERE path > ? ORDER BY path LIMIT ?", [path, limit])]
+        columns = rules.document_columns(self._documents_table)
+        return [rules.DocumentRow(*r) for r in self._sql(f"SELECT {columns} FROM documents WHERE path > ? "
+                                                         "ORDER BY path LIMIT ?", [path, limit])]
 
     def paths_starting(self, typed: str, limit: int) -> list[str]:
         """Indexed paths that start with `typed`, then those with a segment that does (case

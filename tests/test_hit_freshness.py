@@ -78,7 +78,7 @@ def test_disk_state_names_what_happened(tmp_path: Path) -> None:
     (tmp_path / "a.md").write_text("hello\n", encoding="utf-8")
     st = (tmp_path / "a.md").stat()
     doc = rules.DocumentRow("a.md", "A", "active", "markdown", "h", st.st_size, st.st_mtime_ns, "a.md",
-                            str(tmp_path / "a.md"), 1, 1)
+                            str(tmp_path / "a.md"), 1, 1, rules.successors_column(()))
     assert server.disk_state(tmp_path, doc) == "unchanged"
     edit(tmp_path / "a.md", "hello, changed\n")
     assert server.disk_state(tmp_path, doc) == "modified"
