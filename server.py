@@ -2424,15 +2424,17 @@ class RetrievalService:
                                      index=info, staleness=staleness).model_dump(mode="json")
 
     # documents as MCP resources ---------------------------------------------------------------
-    def resource_page(self, after: str) -> tuple[list[rules.DocumentRow], str | None]:
-        """One page of resources/list: the documents after `after` in path order, and the path the
-        next page starts after (None on the last page)."""
+    def resource_page(self, after: str) -> tuple[list[tuple[rules.DocumentRow, tuple[str, ...]]], str | None]:
+        """One page of resources/list: the documents after `after` in path order with their indexed
+        successors, and the path the next page starts after (None on the last page)."""
         manager = self.manager
         with manager.lock:
-            docs = manager.open().documents_after(after, RESOURCES_PAGE + 1)
+            index = manager.open()
+            docs = index.documents_after(after, RESOURCES_PAGE + 1)
+            successors = index.successors
         more = len(docs) > RESOURCES_PAGE
         docs = docs[:RESOURCES_PAGE]
-        return docs, docs[-1].path if more else None
+        return [(doc, successors.get(doc.path, ())) for doc in docs], docs[-1].path if more else None
 
     def read_resource(self, uri: str) -> dict[str, Any]:
         """resources/read: get_file of the path (and line range) the URI names, with get_file's
@@ -2773,16 +2775,18 @@ def file_arguments(uri: str) -> GetFileInput:
         raise RagError(ErrorCode.INVALID_ARGUMENT, describe_validation_error(exc), usage) from None
 
 
-def document_resource(doc: rules.DocumentRow) -> Any:
+def document_resource(doc: rules.DocumentRow, successors: Sequence[str] = ()) -> Any:
     from mcp.types import Annotations, Resource
 
     superseded = doc.lifecycle == "superseded"
     return Resource.model_validate({
         "uri": document_uri(doc.path), "name": doc.path, "title": rules.metadata_text(doc.title) or doc.path,
         "mimeType": "text/markdown", "size": doc.size,
-        "description": "superseded (outdated): prefer an active document" if superseded else None,
+        "description": f"superseded (outdated){replaced_by(successors)}: prefer an active document" if superseded
+                       else None,
         "annotations": Annotations(last_modified=iso_from_ns(doc.mtime_ns)),
-        "_meta": {"lifecycle": _lifecycle(doc.lifecycle), "lines": doc.line_count, "chunks": doc.chunk_count}})
+        "_meta": {"lifecycle": _lifecycle(doc.lifecycle), "lines": doc.line_count, "chunks": doc.chunk_count,
+                  **({"superseded_by": list(successors)} if successors else {})}})
 
 
 def lines_template() -> Any:
@@ -2978,7 +2982,8 @@ def build_server(service: RetrievalService, instructions: str, warmup: WarmUp, *
         except RagError as exc:  # no index yet, or none readable: no documents to offer, the session goes on
             log.warning("resources/list answered with no documents: %s", exc)
             return ListResourcesResult(resources=[])
-        return ListResourcesResult(resources=[document_resource(doc) for doc in docs], next_cursor=encoded_cursor(last))
+        return ListResourcesResult(resources=[document_resource(doc, successors) for doc, successors in docs],
+                                   next_cursor=encoded_cursor(last))
 
     async def list_resource_templates(context: Any, params: Any) -> Any:
         return ListResourceTemplatesResult(resource_templates=[lines_template()])

@@ -141,7 +141,7 @@ def test_pages_cover_every_indexed_document_once_in_path_order(base: Built, monk
         while True:
             docs, after_next = svc.resource_page(after)
             assert len(docs) <= 2
-            seen += [doc.path for doc in docs]
+            seen += [doc.path for doc, _ in docs]
             pages += 1
             if after_next is None:
                 break
@@ -204,7 +204,10 @@ def test_every_indexed_document_is_a_resource_that_reads_as_get_file_does(base: 
         assert contents.text == as_get_file.pop("text") and contents.text
         assert contents.meta == {key: value for key, value in as_get_file.items() if value is not None}
         assert contents.meta["source"] == "disk" and contents.meta["path"] == resource.name
-    assert any(r.meta["lifecycle"] == "superseded" for r in listed.resources)
+    superseded = {r.name: r for r in listed.resources if r.meta["lifecycle"] == "superseded"}
+    # The sample's superseded runbook names its successor, as list_documents does.
+    assert "runbooks/deploy.md" in superseded["runbooks/deploy-2023.md"].description
+    assert superseded["runbooks/deploy-2023.md"].meta["superseded_by"] == ["runbooks/deploy.md"]
 
 
 @pytest.mark.parametrize("mode", MODES)
