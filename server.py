@@ -907,8 +907,9 @@ def slice_lines(lines: Sequence[str], start_line: int | None, end_line: int | No
 def cut_note(part: LineSlice, total_lines: int, max_chars: int) -> str | None:
     """What get_file says when it cut the text: where, and how to read on."""
     if part.cut_inside:
-        note = (f"line {part.end_line} is longer than max_chars={max_chars} and was cut inside it; pass a larger "
-                f"max_chars (up to {FILE_TEXT_MAX_CHARS}) to read more of it")
+        more = (f"pass a larger max_chars (up to {FILE_TEXT_MAX_CHARS}) to read more of it" if max_chars < FILE_TEXT_MAX_CHARS
+                else "get_file cannot return more of one line")
+        note = f"line {part.end_line} is longer than max_chars={max_chars} and was cut inside it; {more}"
         return note + (f", or continue with start_line={part.next_start_line}" if part.next_start_line else "")
     if part.truncated:
         return (f"text cut at max_chars={max_chars}: lines {part.start_line}-{part.end_line} of {total_lines}; "
@@ -1386,8 +1387,8 @@ class OpenIndex:
                                                          "ORDER BY path LIMIT ?", [path, limit])]
 
     def paths_starting(self, typed: str, limit: int) -> list[str]:
-        """Indexed paths that start with `typed`, then those with a segment that does (case
-        folded), in path order: what a typeahead offers."""
+        """Indexed paths that start with `typed`, then those with a segment that does (ASCII
+        letters in either case, as SQLite's LIKE compares), in path order: what a typeahead offers."""
         pattern = typed.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         return [str(r[0]) for r in self._sql(
             "SELECT path FROM documents WHERE path LIKE ? ESCAPE '\\' OR path LIKE ? ESCAPE '\\' "
@@ -2528,24 +2529,35 @@ def read_indexed_file(corpus_dir: Path, doc: rules.DocumentRow, corpus_id: tuple
 def file_from_chunks(doc: rules.DocumentRow, chunks: Sequence[rules.ChunkRow], start_line: int | None,
                      end_line: int | None, max_chars: int = FILE_TEXT_MAX_CHARS) -> FileResponse:
     """The indexed passages of a file that is gone from disk, in chunk order, within `max_chars`
-    as JSON counts them (as slice_lines)."""
+    as JSON counts them (as slice_lines). A passage is the unit: one too long for max_chars alone
+    is cut inside (and said so), and next_start_line always moves past what was shown, so paging
+    ends even through passages that share their lines (the parts of one long line)."""
     lo, hi = start_line or 1, end_line or max(doc.line_count, 1)
     picked = [c for c in chunks if c.end_line >= lo and c.start_line <= hi]
     pieces: list[str] = []
     used = 0
-    truncated = False
+    cut: str | None = None  # what of the shown passages is not shown
     next_start: int | None = None
     last_end = lo - 1
     for chunk in picked:
         block = f"[lines {chunk.start_line}-{chunk.end_line}]\n{chunk.text}"
         cost = json_len(block) - 2 + (4 if pieces else 0)  # the joining blank line is \n\n in JSON
         if used + cost > max_chars and pieces:
-            truncated, next_start = True, chunk.start_line
+            next_start = max(chunk.start_line, last_end + 1)
+            if chunk.start_line <= last_end:
+                cut = f"the rest of lines {chunk.start_line}-{chunk.end_line} is in passages not shown"
             break
         pieces.append(prefix_within(block, max_chars))
-        truncated = truncated or len(pieces[-1]) < len(block)
         used += cost
         last_end = chunk.end_line
+        if len(pieces[-1]) < len(block):
+            cut = (f"the passage of lines {chunk.start_line}-{chunk.end_line} is longer than max_chars and was cut "
+                   f"inside; pass a larger max_chars (up to {FILE_TEXT_MAX_CHARS}) to read it whole")
+            next_start = chunk.end_line + 1 if chunk.end_line < hi else None
+            break
+    if next_start is not None and not any(c.end_line >= next_start for c in picked):
+        next_start = None  # nothing of the range is left
+    truncated = cut is not None or next_start is not None
     return FileResponse(
         path=doc.path, title=rules.metadata_text(doc.title), lifecycle=_lifecycle(doc.lifecycle), text="\n\n".join(pieces),
         start_line=picked[0].start_line if picked else lo, end_line=last_end if picked else lo - 1,
@@ -2554,6 +2566,7 @@ def file_from_chunks(doc: rules.DocumentRow, chunks: Sequence[rules.ChunkRow], s
         message="the file is no longer on disk (corpus moved or deleted); these are its indexed passages, "
                 "frontmatter and blank lines between passages are not included"
                 + (f"; text cut at max_chars={max_chars}" if truncated else "")
+                + (f" ({cut})" if cut else "")
                 + (f": continue with start_line={next_start}" if next_start else ""))
 
 
@@ -2765,6 +2778,9 @@ def file_arguments(uri: str) -> GetFileInput:
         raise RagError(ErrorCode.INVALID_ARGUMENT, f"the URI {rules.shown(uri)} cannot be read: {exc}",
                        f"percent-encode the path as UTF-8; {usage}") from None
     for name, values in fields.items():
+        if name not in ("start_line", "end_line"):  # the path is the URI's own; nothing else is a resource's
+            raise RagError(ErrorCode.INVALID_ARGUMENT, f"{rules.shown(name)} is not a parameter of a document URI",
+                           usage)
         if len(values) > 1:
             raise RagError(ErrorCode.INVALID_ARGUMENT, f"{rules.shown(name)} appears {len(values)} times in the URI",
                            f"give it once; {usage}")
@@ -2998,7 +3014,11 @@ def build_server(service: RetrievalService, instructions: str, warmup: WarmUp, *
         if (ref.type != "ref/resource" or ref.uri != LINES_TEMPLATE or argument.name != "path"
                 or rules.has_lone_surrogates(typed) or len(typed) > COMPLETION_TYPED_MAX):
             return CompleteResult(completion=Completion(values=[]))
-        paths, more = await answer("completion/complete", lambda: service.complete_path(typed.removeprefix("./")))
+        try:
+            paths, more = await anyio.to_thread.run_sync(service.complete_path, typed.removeprefix("./"))
+        except RagError as exc:  # no index yet, or none readable: nothing to offer, as resources/list
+            log.warning("completion/complete answered with no paths: %s", exc)
+            return CompleteResult(completion=Completion(values=[]))
         return CompleteResult(completion=Completion(values=paths, has_more=more))
 
     # 2026-07-28 clients may reuse list results this long: the tables are fixed while the server

@@ -102,6 +102,8 @@ def test_a_document_uri_reads_back_as_its_path_and_lines(path: str, start: int |
     ("local-rag://doc/a.md?start_line=9&end_line=3", ErrorCode.INVALID_ARGUMENT),
     ("local-rag://doc/a.md?start_line=1&start_line=2", ErrorCode.INVALID_ARGUMENT),
     ("local-rag://doc/a.md?lines=1-3", ErrorCode.INVALID_ARGUMENT),
+    ("local-rag://doc/a.md?path=b.md", ErrorCode.INVALID_ARGUMENT),  # the path is the URI's own
+    ("local-rag://doc/a.md?max_chars=5", ErrorCode.INVALID_ARGUMENT),
     ("local-rag://doc/a.md?start_line=x", ErrorCode.INVALID_ARGUMENT),
 ])
 def test_a_uri_that_names_no_readable_document_is_refused_with_what_to_do(uri: str, code: ErrorCode) -> None:

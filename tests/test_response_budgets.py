@@ -18,6 +18,7 @@ from helpers import Built, build, tool_payload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import corpus_rules as rules
 import server
 from corpus_rules import load_settings
 
@@ -162,3 +163,40 @@ def test_the_budgets_are_declared_on_the_tools() -> None:
             for tool in server.tool_definitions()}
     assert wire["get_file"]["_meta"] == {"anthropic/maxResultSizeChars": server.FILE_RESPONSE_MAX_CHARS}
     assert wire["get_file"]["inputSchema"]["properties"]["max_chars"]["maximum"] == server.FILE_TEXT_MAX_CHARS
+
+
+@st.composite
+def passages(draw: st.DrawFn) -> list[rules.ChunkRow]:
+    """A gone file's passages as the index holds them: in line order, some sharing their lines
+    (the parts of one long line), of any length."""
+    rows, line = [], 1
+    for index in range(draw(st.integers(1, 8))):
+        shared = bool(rows) and draw(st.booleans())
+        start = rows[-1].start_line if shared else line
+        end = rows[-1].end_line if shared else start + draw(st.integers(0, 5))
+        text = draw(st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=300))
+        rows.append(rules.ChunkRow(f"c{index}", "gone.md", index, start, end, "H", "active", text, "Gone"))
+        line = end + 1
+    return rows
+
+
+@given(passages(), st.integers(1, 400))
+def test_paging_a_gone_file_moves_forward_and_stays_within_max_chars(rows: list[rules.ChunkRow], max_chars: int) -> None:
+    doc = rules.DocumentRow("gone.md", "Gone", "active", "markdown", "h", 1, 1, "gone.md", "/gone.md",
+                            rows[-1].end_line, len(rows), rules.successors_column(()))
+    start: int | None = None
+    for _ in range(len(rows) + rows[-1].end_line + 1):
+        page = server.file_from_chunks(doc, rows, start, None, max_chars)
+        assert json_cost(page.text) <= max_chars
+        if page.next_start_line is None:
+            break
+        assert page.truncated and page.next_start_line > (start or 1) and f"start_line={page.next_start_line}" in page.message
+        start = page.next_start_line
+    else:
+        raise AssertionError("paging never ended")
+
+
+def test_a_line_longer_than_the_ceiling_says_get_file_cannot_return_more() -> None:
+    part = server.slice_lines(["x" * (server.FILE_TEXT_MAX_CHARS + 10), "next"], None, None, server.FILE_TEXT_MAX_CHARS)
+    note = server.cut_note(part, 2, server.FILE_TEXT_MAX_CHARS)
+    assert part.cut_inside and "larger max_chars" not in note and "start_line=2" in note
