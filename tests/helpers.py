@@ -151,6 +151,22 @@ def tool_payload(tool: str, result: Any) -> tuple[bool, dict[str, Any]]:
 # Corpus copies and edits.
 
 
+def in_process_service(built: Built, **env: str) -> Any:
+    """The server's service layer in this process over a built index, with the settings a server
+    given these variables would run with."""
+    import server
+
+    values = {"OLLAMA_HOST": built.host, "RAG_CORPUS_DIR": str(built.corpus), "RAG_STORE_DIR": str(built.store), **env}
+    return server.RetrievalService(settings_loader=lambda: rules.load_settings(values))
+
+
+def dispatched(svc: Any, tool: str, **args: Any) -> tuple[bool, dict[str, Any]]:
+    """One tool call through the dispatcher and its MCP result, checked as every client reads it."""
+    import server
+
+    return tool_payload(tool, server.mcp_result(server.dispatch(svc, tool, args)))
+
+
 def without_echoed_identifier(payload: dict[str, Any], token: str) -> dict[str, Any]:
     """A search payload without the caller's own identifier said back as missing from the index
     (missing_identifiers, and "no indexed passage contains it" in the reason and message): that

@@ -15,20 +15,10 @@ from typing import Any
 
 import pytest
 from fake_ollama import FakeOllama
-from helpers import Built, edit, tool_payload
+from helpers import Built, dispatched, edit, in_process_service
 
 import corpus_rules as rules
 import server
-from corpus_rules import load_settings
-
-
-def service(built: Built) -> server.RetrievalService:
-    values = {"OLLAMA_HOST": built.host, "RAG_CORPUS_DIR": str(built.corpus), "RAG_STORE_DIR": str(built.store)}
-    return server.RetrievalService(settings_loader=lambda: load_settings(values))
-
-
-def call(svc: server.RetrievalService, tool: str, **args: Any) -> tuple[bool, dict[str, Any]]:
-    return tool_payload(tool, server.mcp_result(server.dispatch(svc, tool, args)))
 
 
 @pytest.fixture
@@ -37,16 +27,16 @@ def fresh(fake: FakeOllama, sample_index: tuple[Path, Path]) -> Built:
 
 
 def test_each_hit_says_whether_its_file_changed_on_disk(fresh: Built) -> None:
-    svc = service(fresh)
+    svc = in_process_service(fresh)
     query = "deploy rollback database escalation"
-    _, before = call(svc, "search_corpus", query=query, k=10)
+    _, before = dispatched(svc, "search_corpus", query=query, k=10)
     paths = {hit["path"] for hit in before["results"]}
     assert {"oncall/escalation.md", "runbooks/deploy.md"} <= paths and len(paths) >= 3, paths
     assert all(not hit["changed_on_disk"] and hit["freshness"] == "unchanged" for hit in before["results"])
     target = fresh.corpus / "oncall" / "escalation.md"
     edit(target, target.read_text(encoding="utf-8") + "\nA line added after ingest.\n")
     (fresh.corpus / "runbooks" / "deploy.md").unlink()
-    _, after = call(svc, "search_corpus", query=query, k=10)
+    _, after = dispatched(svc, "search_corpus", query=query, k=10)
     states = {hit["path"]: (hit["changed_on_disk"], hit["freshness"]) for hit in after["results"]}
     assert states.pop("oncall/escalation.md") == (True, "modified")
     assert states.pop("runbooks/deploy.md") == (True, "deleted")
@@ -58,8 +48,8 @@ def test_each_hit_says_whether_its_file_changed_on_disk(fresh: Built) -> None:
 
 def test_freshness_stats_the_hits_files_once_each(fresh: Built, monkeypatch: pytest.MonkeyPatch) -> None:
     """Never the whole corpus per search: one stat per distinct path of the hits."""
-    svc = service(fresh)
-    call(svc, "search_corpus", query="sev-1 paging", k=10)  # the staleness count's first pass is done
+    svc = in_process_service(fresh)
+    dispatched(svc, "search_corpus", query="sev-1 paging", k=10)  # the staleness count's first pass is done
     seen: list[str] = []
     real_stat = os.stat
 
@@ -69,7 +59,7 @@ def test_freshness_stats_the_hits_files_once_each(fresh: Built, monkeypatch: pyt
         return real_stat(path, *args, **kwargs)
 
     monkeypatch.setattr(server.os, "stat", counting)
-    _, found = call(svc, "search_corpus", query="sev-1 paging", k=10)
+    _, found = dispatched(svc, "search_corpus", query="sev-1 paging", k=10)
     corpus_stats = [p for p in seen if p.startswith(str(fresh.corpus))]
     assert sorted(corpus_stats) == sorted({str(fresh.corpus / hit["path"]) for hit in found["results"]})
 

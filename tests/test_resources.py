@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import anyio
 import pytest
 from fake_ollama import FakeOllama
-from helpers import Built, sample_built, tool_payload
+from helpers import Built, dispatched, in_process_service, sample_built, tool_payload
 from hypothesis import given
 from hypothesis import strategies as st
 from mcp import Client
@@ -25,7 +25,7 @@ from mcp.shared.exceptions import MCPError
 from mcp.types import INVALID_PARAMS, ResourceTemplateReference
 
 import server
-from corpus_rules import ErrorCode, RagError, load_settings
+from corpus_rules import ErrorCode, RagError
 
 T = TypeVar("T")
 MODES = ("legacy", "2026-07-28")
@@ -36,13 +36,8 @@ def base(fake: FakeOllama, indexed_sample: tuple[Path, Path], tmp_path_factory: 
     return sample_built(indexed_sample, tmp_path_factory.mktemp("resources"), fake.host)
 
 
-def service(built: Built) -> server.RetrievalService:
-    values = {"OLLAMA_HOST": built.host, "RAG_CORPUS_DIR": str(built.corpus), "RAG_STORE_DIR": str(built.store)}
-    return server.RetrievalService(settings_loader=lambda: load_settings(values))
-
-
 def talk(built: Built, mode: str, scenario: Callable[[Client], Awaitable[T]]) -> T:
-    svc = service(built)
+    svc = in_process_service(built)
     mcp_server = server.build_server(svc, "instructions", server.WarmUp(svc))
 
     async def main() -> T:
@@ -56,9 +51,9 @@ def talk(built: Built, mode: str, scenario: Callable[[Client], Awaitable[T]]) ->
 
 
 def tool_call(built: Built, name: str, **args: Any) -> dict[str, Any]:
-    svc = service(built)
+    svc = in_process_service(built)
     try:
-        is_error, payload = tool_payload(name, server.mcp_result(server.dispatch(svc, name, args)))
+        is_error, payload = dispatched(svc, name, **args)
     finally:
         svc.close(5)
     assert not is_error, payload
@@ -137,7 +132,7 @@ def test_a_cursor_this_server_did_not_give_is_refused(cursor: str) -> None:
 
 def test_pages_cover_every_indexed_document_once_in_path_order(base: Built, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(server, "RESOURCES_PAGE", 2)
-    svc = service(base)
+    svc = in_process_service(base)
     try:
         seen, after, pages = [], "", 0
         while True:
@@ -154,7 +149,7 @@ def test_pages_cover_every_indexed_document_once_in_path_order(base: Built, monk
 
 
 def test_completion_offers_paths_that_start_with_what_was_typed_then_file_names(base: Built) -> None:
-    svc = service(base)
+    svc = in_process_service(base)
     try:
         assert svc.complete_path("run") == ([p for p in indexed_paths(base) if p.startswith("run")], False)
         by_name, _ = svc.complete_path("deploy")
@@ -169,7 +164,7 @@ def test_completion_offers_paths_that_start_with_what_was_typed_then_file_names(
 
 def test_completion_is_bounded(base: Built, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(server, "COMPLETIONS_MAX", 2)
-    svc = service(base)
+    svc = in_process_service(base)
     try:
         values, more = svc.complete_path("")
     finally:

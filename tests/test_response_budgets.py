@@ -10,26 +10,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 from fake_ollama import FakeOllama
-from helpers import Built, build, tool_payload
+from helpers import Built, build, dispatched, in_process_service
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import corpus_rules as rules
 import server
-from corpus_rules import load_settings
-
-
-def service(built: Built) -> server.RetrievalService:
-    values = {"OLLAMA_HOST": built.host, "RAG_CORPUS_DIR": str(built.corpus), "RAG_STORE_DIR": str(built.store)}
-    return server.RetrievalService(settings_loader=lambda: load_settings(values))
-
-
-def call(svc: server.RetrievalService, tool: str, **args: Any) -> tuple[bool, dict[str, Any]]:
-    return tool_payload(tool, server.mcp_result(server.dispatch(svc, tool, args)))
 
 
 @pytest.fixture
@@ -40,7 +29,6 @@ def fresh(fake: FakeOllama, sample_index: tuple[Path, Path]) -> Built:
 def json_cost(text: str) -> int:
     """What a text costs inside a JSON string (what the budgets count)."""
     return len(json.dumps(text, ensure_ascii=False)) - 2
-
 
 
 # ---------------------------------------------------------------------------
@@ -99,23 +87,23 @@ def test_the_cut_counts_what_json_escapes() -> None:
 
 
 def test_max_chars_is_validated_at_the_boundary(fresh: Built) -> None:
-    svc = service(fresh)
+    svc = in_process_service(fresh)
     for bad in (0, -1, server.FILE_TEXT_MAX_CHARS + 1, 2.5, True, "many"):
-        is_error, payload = call(svc, "get_file", path="oncall/escalation.md", max_chars=bad)
+        is_error, payload = dispatched(svc, "get_file", path="oncall/escalation.md", max_chars=bad)
         assert is_error and payload["error"]["code"] == "invalid_argument", bad
         assert "max_chars" in payload["error"]["message"] and "max_chars: integer 1..50000" in payload["error"]["hint"]
     default = server.GetFileInput(path="x.md").max_chars
-    assert default == server.FILE_TEXT_MAX_CHARS and not call(svc, "get_file", path="oncall/escalation.md",
+    assert default == server.FILE_TEXT_MAX_CHARS and not dispatched(svc, "get_file", path="oncall/escalation.md",
                                                               max_chars="300")[0]
 
 
 def test_get_file_cuts_at_max_chars_and_says_where_to_continue(fresh: Built) -> None:
-    svc = service(fresh)
+    svc = in_process_service(fresh)
     on_disk = (fresh.corpus / "oncall" / "escalation.md").read_text(encoding="utf-8").split("\n")[:-1]
     got: list[str] = []
     start: int | None = 1
     while start is not None:
-        is_error, page = call(svc, "get_file", path="oncall/escalation.md", start_line=start, max_chars=700)
+        is_error, page = dispatched(svc, "get_file", path="oncall/escalation.md", start_line=start, max_chars=700)
         assert not is_error and json_cost(page["text"]) <= 700 and page["source"] == "disk"
         if page["truncated"]:
             assert page["message"] == (f"text cut at max_chars=700: lines {start}-{page['end_line']} of "
@@ -128,14 +116,14 @@ def test_get_file_cuts_at_max_chars_and_says_where_to_continue(fresh: Built) -> 
 
 
 def test_get_file_within_max_chars_from_the_index_when_the_file_is_gone(fresh: Built) -> None:
-    svc = service(fresh)
+    svc = in_process_service(fresh)
     (fresh.corpus / "oncall" / "escalation.md").unlink()
-    _, whole = call(svc, "get_file", path="oncall/escalation.md")
-    _, part = call(svc, "get_file", path="oncall/escalation.md", max_chars=800)
+    _, whole = dispatched(svc, "get_file", path="oncall/escalation.md")
+    _, part = dispatched(svc, "get_file", path="oncall/escalation.md", max_chars=800)
     assert part["source"] == "index" and part["truncated"] and json_cost(part["text"]) <= 800
     assert whole["text"].startswith(part["text"]) and len(part["text"]) < len(whole["text"])
     assert f"cut at max_chars=800: continue with start_line={part['next_start_line']}" in part["message"]
-    _, rest = call(svc, "get_file", path="oncall/escalation.md", start_line=part["next_start_line"])
+    _, rest = dispatched(svc, "get_file", path="oncall/escalation.md", start_line=part["next_start_line"])
     assert rest["source"] == "index" and rest["text"] in whole["text"]
 
 
@@ -147,9 +135,9 @@ def test_a_whole_get_file_response_fits_its_declared_budget(fake: FakeOllama, tm
     lines = ['"quoted" \\ back\tslash ' * 8] * 600
     (src / name).write_text("# A title \"quoted\"\n\n" + "\n".join(lines) + "\n", encoding="utf-8")
     built = build(tmp_path, fake.host, tmp_path / "src")
-    svc = service(built)
-    path = next(d["path"] for d in call(svc, "list_documents")[1]["documents"])
-    is_error, page = call(svc, "get_file", path=path)
+    svc = in_process_service(built)
+    path = next(d["path"] for d in dispatched(svc, "list_documents")[1]["documents"])
+    is_error, page = dispatched(svc, "get_file", path=path)
     assert not is_error and page["truncated"] and json_cost(page["text"]) <= server.FILE_TEXT_MAX_CHARS
     text = server.mcp_result(server.dispatch(svc, "get_file", {"path": path})).content[0].text
     assert len(text) <= server.FILE_RESPONSE_MAX_CHARS and json.loads(text) == page

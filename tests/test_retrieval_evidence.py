@@ -15,10 +15,10 @@ from typing import Any
 import anyio
 import pytest
 from fake_ollama import FakeOllama
-from helpers import Built, connect, ingest_index, keyword_db, sample_built, tool_payload
+from helpers import Built, connect, in_process_service, ingest_index, keyword_db, sample_built, tool_payload
 
 import server
-from corpus_rules import CJK_DOCUMENT, Calibration, CorpusFacts, StoreLayout, cjk_share, load_settings
+from corpus_rules import CJK_DOCUMENT, Calibration, CorpusFacts, StoreLayout, cjk_share
 
 pytestmark = pytest.mark.process  # real processes (servers, ingest, Chroma): only in `pytest --all` (tests/README.md)
 
@@ -26,11 +26,6 @@ pytestmark = pytest.mark.process  # real processes (servers, ingest, Chroma): on
 @pytest.fixture(scope="module")
 def built(fake: FakeOllama, indexed_sample: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Built:
     return sample_built(indexed_sample, tmp_path_factory.mktemp("evidence"), fake.host)
-
-
-def service(built: Built, **env: str) -> server.RetrievalService:
-    values = {"OLLAMA_HOST": built.host, "RAG_CORPUS_DIR": str(built.corpus), "RAG_STORE_DIR": str(built.store), **env}
-    return server.RetrievalService(settings_loader=lambda: load_settings(values))
 
 
 def search(svc: server.RetrievalService, **args: Any) -> dict[str, Any]:
@@ -50,7 +45,7 @@ def search_error(svc: server.RetrievalService, **args: Any) -> dict[str, Any]:
 
 
 def test_identifier_present_is_found_whole_and_said_so(built: Built) -> None:
-    svc = service(built)
+    svc = in_process_service(built)
     payload = search(svc, query="What does error E4091 mean for my PUT request?")
     top = payload["results"][0]
     assert top["path"] == "reference/api.md" and "E4091" in top["exact_matches"]
@@ -62,7 +57,7 @@ def test_identifier_present_is_found_whole_and_said_so(built: Built) -> None:
 
 
 def test_identifier_absent_is_reported_and_confidence_is_low(built: Built) -> None:
-    svc = service(built)
+    svc = in_process_service(built)
     payload = search(svc, query="OLLAMA_KEEP_ALIVE")
     assert payload["missing_identifiers"] == ["OLLAMA_KEEP_ALIVE"]
     assert payload["confidence"] == "low" and "OLLAMA_KEEP_ALIVE" in payload["confidence_reason"]
@@ -73,7 +68,7 @@ def test_identifier_absent_is_reported_and_confidence_is_low(built: Built) -> No
 
 def test_a_phrasings_missing_guess_is_listed_but_does_not_make_an_answer_low(built: Built) -> None:
     """The agent's phrasing guesses a setting the documents do not name; the question is answered."""
-    svc = service(built)
+    svc = in_process_service(built)
     alone = search(svc, query="How do I roll back a deploy?")
     guessed = search(svc, query="How do I roll back a deploy?", queries=["DEPLOYCTL_ROLLBACK_TARGET"])
     assert guessed["missing_identifiers"] == ["DEPLOYCTL_ROLLBACK_TARGET"]
@@ -104,7 +99,7 @@ def parts_corpus(fake: FakeOllama, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def test_whole_identifier_ranks_above_passages_with_only_its_parts(parts_corpus: Built) -> None:
-    svc = service(parts_corpus)
+    svc = in_process_service(parts_corpus)
     for mode in ("hybrid", "keyword"):
         payload = search(svc, query="how long does ollama keep a model alive? OLLAMA_KEEP_ALIVE", mode=mode, k=6)
         paths = [hit["path"] for hit in payload["results"]]
@@ -115,7 +110,7 @@ def test_whole_identifier_ranks_above_passages_with_only_its_parts(parts_corpus:
 
 
 def test_identifier_present_only_as_parts_is_missing(parts_corpus: Built) -> None:
-    svc = service(parts_corpus)
+    svc = in_process_service(parts_corpus)
     payload = search(svc, query="OLLAMA_KEEP_ALIVE_SESSIONS default")
     assert payload["missing_identifiers"] == ["OLLAMA_KEEP_ALIVE_SESSIONS"]
     assert payload["results"], "the parts still find passages: the best the corpus has"
@@ -179,7 +174,7 @@ def test_a_code_section_of_a_japanese_document_is_japanese(japanese: Built) -> N
     """Read on its own the 設定例 passage is English (its letters are code); the Japanese terms
     it holds are evidence for a Japanese question all the same. (Keyword mode: BM25 decides the
     top hit; the confidence reads the same term evidence as in hybrid mode.)"""
-    svc = service(japanese)
+    svc = in_process_service(japanese)
     payload = search(svc, query="設定例", mode="keyword", k=2)
     top = payload["results"][0]
     assert top["heading"].endswith("設定例"), payload["results"]
@@ -191,7 +186,7 @@ def test_an_english_question_over_japanese_documents_is_ranked_by_its_meaning(ja
     """The question's words meet only the code of the Japanese passages (restart, status): the
     keyword channel has no evidence and adds nothing to any hit's fused score. An identifier
     named as written is evidence across languages."""
-    svc = service(japanese)
+    svc = in_process_service(japanese)
     question = "How do I restart the log shipper and check the status of its queue?"
     hybrid = search(svc, query=question, k=4)["results"]
     vector = search(svc, query=question, k=4, mode="vector")["results"]
@@ -208,7 +203,7 @@ def test_an_english_question_over_japanese_documents_is_ranked_by_its_meaning(ja
 
 
 def test_extra_phrasings_find_what_the_query_alone_misses(built: Built) -> None:
-    svc = service(built)
+    svc = in_process_service(built)
     question = "ステージングのロールバック手順は？"  # "the staging rollback procedure?" over English runbooks
     alone = search(svc, query=question, k=3)
     assert "runbooks/deploy.md" not in [h["path"] for h in alone["results"][:1]]
@@ -222,7 +217,7 @@ def test_extra_phrasings_find_what_the_query_alone_misses(built: Built) -> None:
 
 
 def test_phrasings_are_embedded_in_one_call(built: Built, fake: FakeOllama) -> None:
-    svc = service(built)
+    svc = in_process_service(built)
     before = fake.calls()["embed_calls"]
     search(svc, query="first phrasing about canary gates", queries=["second about bake time", "third about waves"])
     assert fake.calls()["embed_calls"] == before + 1
@@ -234,7 +229,7 @@ def test_phrasings_are_embedded_in_one_call(built: Built, fake: FakeOllama) -> N
 
 
 def test_queries_are_validated(built: Built) -> None:
-    svc = service(built)
+    svc = in_process_service(built)
     assert search_error(svc, query="x", queries=["a", "b", "c", "d", "e"])["code"] == "invalid_argument"
     assert search_error(svc, query="x", queries=["  "])["code"] == "invalid_argument"
     assert search_error(svc, query="x", queries="not a list")["code"] == "invalid_argument"
@@ -243,7 +238,7 @@ def test_queries_are_validated(built: Built) -> None:
 
 
 def test_a_phrasing_does_not_change_the_meaning_of_score(built: Built) -> None:
-    svc = service(built)
+    svc = in_process_service(built)
     payload = search(svc, query="rotation schedule", queries=["who is on call this week"], k=5,
                      min_score=0.2)
     assert all(hit["score"] is not None and hit["score"] >= 0.2 for hit in payload["results"])
@@ -265,7 +260,7 @@ def test_ingest_measures_a_calibration_once(built: Built, fake: FakeOllama) -> N
 
 
 def test_confidence_separates_answerable_from_off_topic(built: Built) -> None:
-    svc = service(built)
+    svc = in_process_service(built)
     answered = search(svc, query="who gets paged for a sev-1 and how fast must they acknowledge")
     assert answered["confidence"] in ("high", "medium"), answered["confidence_reason"]
     assert "unrelated" in answered["confidence_reason"]
@@ -282,7 +277,7 @@ def test_old_index_gains_calibration_and_language_shares_on_the_next_ingest(fake
     with sqlite3.connect(path) as db:  # as a store written before either existed
         db.execute("ALTER TABLE documents DROP COLUMN cjk_share")
         db.execute("DELETE FROM meta WHERE key IN ('calibration', 'calibrated_at_chunks', 'corpus_facts')")
-    svc = service(built)
+    svc = in_process_service(built)
     payload = search(svc, query="who gets paged for a sev-1")
     assert "no calibration" in payload["confidence_reason"]
     svc.close(timeout=10)
