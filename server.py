@@ -2992,7 +2992,10 @@ def build_server(service: RetrievalService, instructions: str, warmup: WarmUp, *
         return mcp_result(told_remotely(outcome) if hide_paths else outcome)
 
     async def list_resources(context: Any, params: Any) -> Any:
-        after = await answer("resources/list", lambda: decoded_cursor(params.cursor if params else None))
+        try:
+            after = decoded_cursor(params.cursor if params else None)
+        except RagError as exc:
+            raise protocol_error(INVALID_PARAMS, told(exc)) from None
         try:
             docs, last = await anyio.to_thread.run_sync(service.resource_page, after)
         except RagError as exc:  # no index yet, or none readable: no documents to offer, the session goes on

@@ -240,11 +240,15 @@ def test_unreadable_uris_answer_invalid_params_with_the_structured_error(base: B
             with pytest.raises(MCPError) as refused:
                 await client.read_resource(uri)
             errors[uri] = refused.value
+        with pytest.raises(MCPError) as bad_cursor:
+            await client.list_resources(cursor="%%%")
+        errors["cursor"] = bad_cursor.value
         return errors
 
+    expected = {**uris, "cursor": "invalid_argument"}
     for uri, error in talk(base, mode, scenario).items():
         assert error.code == INVALID_PARAMS, (uri, error)
-        assert error.data["error"]["code"] == uris[uri] and error.data["error"]["hint"] in error.message
+        assert error.data["error"]["code"] == expected[uri] and error.data["error"]["hint"] in error.message
         assert "offsite" not in json.dumps(error.data).replace("offsite-backup.md", "")  # echoes the path only
 
 
