@@ -9,6 +9,7 @@ genuine lexical similarity, and can be told to misbehave in-process or through
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -19,6 +20,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
@@ -230,9 +232,13 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if not path.startswith("/_fake/"):
             fake._record(method, path, body)
-        if path == "/api/embed" and not fake._work_per_text(body, self.connection):
-            return  # the client hung up while its texts were being "embedded"
-        status, payload = fake._handle(method, path, body)
+        if path == "/api/embed":
+            with fake._embedding():
+                if not fake._work_per_text(body, self.connection):
+                    return  # the client hung up while its texts were being "embedded"
+                status, payload = fake._handle(method, path, body)
+        else:
+            status, payload = fake._handle(method, path, body)
         if isinstance(payload, _Trickle):
             self._send_trickling(status, payload)
         elif isinstance(payload, str):
@@ -306,9 +312,10 @@ class FakeOllama:
         # seconds; put NaN into the vectors of inputs containing this text ("" = every input).
         self.trickle_seconds: float | None = None
         self.nan_for: str | None = None
-        # A CPU-only embedder: this many seconds per input text, one call at a time (a single
-        # runner), and the work dropped when the client gives up and disconnects.
+        # A CPU-only embedder: this many seconds per input text, `slots` calls at a time (Ollama's
+        # OLLAMA_NUM_PARALLEL; more wait their turn), the work dropped when the client disconnects.
         self.delay_per_text_seconds: float = 0.0
+        self.slots = 1
         self.weights = ""  # folded into the model digest
         # Cleared by configure(hold=True): embed calls wait until configure(hold=False), so a test
         # can act while a call is in flight however slow the machine is.
@@ -317,9 +324,12 @@ class FakeOllama:
         # configure(hold_carrying=TEXT): calls carrying TEXT wait until it is cleared, so a test can
         # act while one chosen file's chunks are in flight, whatever the calls' sizes and numbers.
         self.hold_carrying: str | None = None
-        self._runner = threading.Lock()
+        self._runner = threading.BoundedSemaphore(self.slots)
+        self.embeds_in_flight = 0
+        self.most_embeds_in_flight = 0  # embed calls being handled at once, at most so far
         self.embed_calls = 0
         self.embedded_inputs: list[str] = []
+        self.answered_inputs: list[str] = []  # the inputs of the embed calls answered with vectors
         self.call_inputs: list[list[str]] = []  # the inputs of each embed call, in arrival order
         self._carried: set[str] = set()  # the content-keyed faults' texts some call has carried
         self.requests: list[tuple[str, str, Any]] = []
@@ -392,6 +402,9 @@ class FakeOllama:
                     self.delay_seconds = float(value)
                 elif key == "delay_per_text_seconds":
                     self.delay_per_text_seconds = float(value)
+                elif key == "slots":
+                    self.slots = int(value)
+                    self._runner = threading.BoundedSemaphore(self.slots)
                 elif key == "trickle_seconds":
                     self.trickle_seconds = None if value is None else float(value)
                 elif key == "nan_for":
@@ -432,6 +445,7 @@ class FakeOllama:
             "trickle_seconds": self.trickle_seconds,
             "nan_for": self.nan_for,
             "delay_per_text_seconds": self.delay_per_text_seconds,
+            "slots": self.slots,
             "weights": self.weights,
             "hold": not self._released.is_set(),
             "hold_carrying": self.hold_carrying,
@@ -458,9 +472,13 @@ class FakeOllama:
         self._released.set()
         self.hold_carrying = None
         self.delay_per_text_seconds = 0.0
+        self.slots = 1
+        self._runner = threading.BoundedSemaphore(1)
         self.weights = ""
+        self.most_embeds_in_flight = 0
         self.embed_calls = 0
         self.embedded_inputs = []
+        self.answered_inputs = []
         self.call_inputs = []
         self._carried = set()
         self.requests = []
@@ -470,6 +488,8 @@ class FakeOllama:
             return {
                 "embed_calls": self.embed_calls,
                 "embedded_inputs": list(self.embedded_inputs),
+                "answered_inputs": list(self.answered_inputs),
+                "most_embeds_in_flight": self.most_embeds_in_flight,
                 "call_inputs": [list(inputs) for inputs in self.call_inputs],
                 "requests": [[m, p, b] for m, p, b in self.requests],
             }
@@ -571,8 +591,19 @@ class FakeOllama:
             "modified_at": "2025-09-01T00:00:00Z",
         }
 
+    @contextlib.contextmanager
+    def _embedding(self) -> Iterator[None]:
+        with self._lock:
+            self.embeds_in_flight += 1
+            self.most_embeds_in_flight = max(self.most_embeds_in_flight, self.embeds_in_flight)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.embeds_in_flight -= 1
+
     def _work_per_text(self, body: Any, connection: socket.socket) -> bool:
-        """Spend delay_per_text_seconds per input text, one call at a time; False when the client
+        """Spend delay_per_text_seconds per input text, `slots` calls at a time; False when the client
         disconnected meanwhile (its work is dropped, as a runner does when the request is cancelled)."""
         with self._lock:
             per_text = self.delay_per_text_seconds
@@ -644,6 +675,8 @@ class FakeOllama:
             nan_for, trickle = self.nan_for, self.trickle_seconds
         if nan_for is not None:
             vectors = [[math.nan] * len(v) if nan_for in text else v for v, text in zip(vectors, inputs, strict=True)]
+        with self._lock:
+            self.answered_inputs.extend(inputs)
         payload = {
             "model": name,
             "embeddings": vectors,
