@@ -204,6 +204,7 @@ DEFAULT_OLLAMA_HOST = "http://127.0.0.1:11434"
 DEFAULT_EMBED_MODEL = "embeddinggemma"
 DEFAULT_STORE_DIR = "~/.local-rag-mcp/store"
 DEFAULT_EMBED_TIMEOUT_S = 60.0
+MAX_EMBED_CONCURRENCY = 32  # RAG_EMBED_CONCURRENCY's ceiling, and the measured one's
 # Chunk size target, measured on the dev set (see README "Design decisions"); the hard cap is
 # always the model's context length read from Ollama.
 DEFAULT_CHUNK_MAX_TOKENS = 512
@@ -282,6 +283,8 @@ class Settings:
     # False when corpus_dir is the default: the server then prefers the folder the index records.
     corpus_dir_explicit: bool
     store_dir: Path
+    # The first host of OLLAMA_HOST: where the server embeds queries. Ingest spreads its calls over
+    # all of them (ollama_hosts, a comma list).
     ollama_host: str
     embed_model: str
     # True when RAG_EMBED_MODEL was set explicitly: the server then insists it matches the index.
@@ -290,6 +293,10 @@ class Settings:
     chunk_max_tokens: int
     chunk_min_tokens: int
     # Server: how long a call waits for the vector store; stderr log level; background warm-up.
+    ollama_hosts: tuple[str, ...] = ()
+    # Ingest: embedding calls in flight per host (RAG_EMBED_CONCURRENCY); None: found per host by
+    # measuring what it sustains (see ingest.ConcurrencyTuner).
+    embed_concurrency: int | None = None
     store_timeout_s: float = DEFAULT_STORE_TIMEOUT_S
     log_level: str = "INFO"
     server_warmup: bool = True
@@ -314,12 +321,13 @@ class Settings:
     http_max_connections: int = 1000
 
     def describe(self) -> str:
-        return (f"corpus={self.corpus_dir} store={self.store_dir} ollama={self.ollama_host} "
+        return (f"corpus={self.corpus_dir} store={self.store_dir} ollama={','.join(self.ollama_hosts) or self.ollama_host} "
                 f"model={self.embed_model}")
 
 
 # Every variable load_settings reads, in the README's order (a test holds the three together).
 ENVIRONMENT = ("RAG_CORPUS_DIR", "RAG_STORE_DIR", "OLLAMA_HOST", "RAG_EMBED_MODEL", "RAG_EMBED_TIMEOUT",
+               "RAG_EMBED_CONCURRENCY",
                "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS", "RAG_STORE_TIMEOUT", "RAG_LOG_LEVEL",
                "RAG_SERVER_WARMUP", "RAG_CHROMA_URL", "RAG_CHROMA_HEADERS", "RAG_RESPECT_GITIGNORE", "RAG_HTTP_HOST",
                "RAG_HTTP_PORT", "RAG_HTTP_TOKEN", "RAG_HTTP_ALLOWED_HOSTS", "RAG_HTTP_ALLOWED_ORIGINS",
@@ -341,12 +349,14 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
         raise _setting_error("RAG_CHUNK_MIN_TOKENS", str(min_tokens),
                              f"a whole number up to RAG_CHUNK_MAX_TOKENS ({max_tokens})")
     corpus_choice = corpus_dir or env.get("RAG_CORPUS_DIR", "").strip()
-    host = _ollama_host_env(env, "OLLAMA_HOST")
+    hosts = _ollama_hosts_env(env, "OLLAMA_HOST")
     return Settings(
         corpus_dir=_abs_path(corpus_choice or PROJECT_DIR / "sample-corpus"),
         corpus_dir_explicit=bool(corpus_choice),
         store_dir=_abs_path(store_dir or env.get("RAG_STORE_DIR", "").strip() or DEFAULT_STORE_DIR),
-        ollama_host=host,
+        ollama_host=hosts[0],
+        ollama_hosts=hosts,
+        embed_concurrency=_int_env(env, "RAG_EMBED_CONCURRENCY", 0, 1, MAX_EMBED_CONCURRENCY) or None,
         embed_model=model or DEFAULT_EMBED_MODEL,
         embed_model_explicit=bool(model),
         embed_timeout_s=_seconds_env(env, "RAG_EMBED_TIMEOUT", DEFAULT_EMBED_TIMEOUT_S),
@@ -405,15 +415,25 @@ def _addresses_env(env: Mapping[str, str], name: str, pattern: re.Pattern[str], 
     return entries
 
 
-def _ollama_host_env(env: Mapping[str, str], name: str) -> str:
-    """OLLAMA_HOST in the forms Ollama's own clients read (`host`, `host:port`,
+def _ollama_hosts_env(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    """OLLAMA_HOST: one Ollama address, or a comma list of them (ingest spreads its calls over
+    them; the server embeds queries with the first). Each is checked as _ollama_host reads it; the
+    same host twice is one host."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return (DEFAULT_OLLAMA_HOST,)
+    hosts = [_ollama_host(name, item.strip()) for item in raw.split(",") if item.strip()]
+    if not hosts:
+        raise _setting_error(name, raw, "an Ollama address such as 127.0.0.1:11434 or http://gpu-box:11434")
+    return tuple(dict.fromkeys(hosts))
+
+
+def _ollama_host(name: str, raw: str) -> str:
+    """One address in the forms Ollama's own clients read (`host`, `host:port`,
     `scheme://host[:port][/path]`; no port: Ollama's default), checked here: a value that does not
     parse is a configuration error naming the variable, never a traceback from inside the client."""
     from urllib.parse import urlsplit
 
-    raw = env.get(name, "").strip()
-    if not raw:
-        return DEFAULT_OLLAMA_HOST
     url = raw if "://" in raw else f"http://{raw}"
     try:
         parts = urlsplit(url)
@@ -2446,7 +2466,7 @@ def import_heavy(name: str) -> Any:
         if name != "ollama" or name in sys.modules or raw is None:
             return importlib.import_module(name)
         with contextlib.suppress(RagError):  # an invalid value is said by load_settings, not here
-            os.environ["OLLAMA_HOST"] = _ollama_host_env(os.environ, "OLLAMA_HOST")
+            os.environ["OLLAMA_HOST"] = _ollama_hosts_env(os.environ, "OLLAMA_HOST")[0]
         try:
             return importlib.import_module(name)
         finally:

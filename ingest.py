@@ -16,10 +16,12 @@ import collections
 import contextlib
 import errno
 import fcntl
+import functools
 import itertools
 import json
 import logging
 import os
+import queue
 import shutil
 import signal
 import sqlite3
@@ -435,26 +437,163 @@ class BatchSizer:
         self.ceiling = max(1, size // 2)
 
 
+# Calls in flight per host, when RAG_EMBED_CONCURRENCY does not fix it (see ConcurrencyTuner):
+# a doubling is kept when the host's throughput grows by at least this factor.
+CONCURRENCY_GAIN = 1.25
+CONCURRENCY_SAMPLES = 2  # calls answered at a level (and at least CALLS_PER_SLOT x the level) to judge it
+# A commit group's texts go out in at least this many calls per call slot: when a host serves
+# fewer calls at once than it is sent, its runners still stay busy while the rest wait their turn.
+CALLS_PER_SLOT = 2
+
+
+@dataclass
+class ConcurrencyTuner:
+    """How many embedding calls one host works on at a time. Ollama embeds OLLAMA_NUM_PARALLEL
+    calls at once; a CPU-only one often gains nothing from a second call, a GPU or a bigger machine
+    several times as much. RAG_EMBED_CONCURRENCY fixes the level (`fixed`); otherwise it is found
+    by measuring.
+
+    A level's throughput is the tokens its calls carried per second of the host's busy time (time
+    with at least one call in flight): calls beyond what the host serves at once wait in its queue,
+    so the busy time grows with them and the throughput stays flat. From one call at a time, the
+    level doubles while its throughput is at least CONCURRENCY_GAIN times the level before's; the
+    first doubling that gains less settles one step back. A timed-out call halves the level and
+    settles it."""
+
+    fixed: int | None = None
+    level: int = 1
+    settled: bool = False
+    best: float = 0.0  # the throughput of the level before
+    epoch: int = 0  # counts the level's changes: calls sent at an earlier level do not count for this one
+    window_busy_s: float | None = None  # the host's busy time when this level's first call went out
+    window_tokens: int = 0
+    window_calls: int = 0
+
+    def __post_init__(self) -> None:
+        if self.fixed is not None:
+            self.level, self.settled = self.fixed, True
+
+    def sent(self, busy_s: float) -> int:
+        """A call goes out (the host's busy time so far); returns the epoch it belongs to."""
+        if self.window_busy_s is None:
+            self.window_busy_s = busy_s
+        return self.epoch
+
+    def measured(self, tokens: float, busy_s: float, epoch: int) -> None:
+        """A call of `epoch` answered: its tokens, and the host's busy time so far."""
+        if self.settled or epoch != self.epoch or self.window_busy_s is None:
+            return
+        self.window_tokens += tokens
+        self.window_calls += 1
+        if self.window_calls < max(CONCURRENCY_SAMPLES, CALLS_PER_SLOT * self.level):
+            return
+        rate = self.window_tokens / max(busy_s - self.window_busy_s, 1e-6)
+        self.window_busy_s, self.window_tokens, self.window_calls = None, 0, 0
+        self.epoch += 1
+        log.debug("%d call(s) at a time: %.0f tokens/s (the level before: %.0f)", self.level, rate, self.best)
+        if self.level > 1 and rate < self.best * CONCURRENCY_GAIN:
+            self.level //= 2
+            self.settled = True
+        elif self.level * 2 > rules.MAX_EMBED_CONCURRENCY:
+            self.settled = True
+        else:
+            self.best = rate
+            self.level *= 2
+
+    def timed_out(self) -> None:
+        if self.fixed is None:
+            self.level, self.settled = max(1, self.level // 2), True
+
+
+@dataclass
+class Host:
+    """One Ollama host of the run as Embedding uses it: its own batch sizes and calls in flight
+    (a GPU box and a laptop embed at different paces), and why it left the rotation, if it did."""
+
+    embedder: rules.OllamaEmbedder
+    sizer: BatchSizer
+    tuner: ConcurrencyTuner
+    in_flight: int = 0
+    out: RagError | None = None
+    calls: int = 0
+    chunks: int = 0
+    most_in_flight: int = 0
+    busy_s: float = 0.0  # time with at least one call in flight, up to `since`
+    since: float = field(default_factory=time.monotonic)
+
+    def free(self) -> int:
+        return 0 if self.out is not None else max(0, self.tuner.level - self.in_flight)
+
+    def moved(self, by: int) -> None:
+        """Count a call sent (+1) or answered (-1)."""
+        now = time.monotonic()
+        if self.in_flight:
+            self.busy_s += now - self.since
+        self.since = now
+        self.in_flight += by
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+
+    def report(self) -> dict[str, Any]:
+        return {"host": self.embedder.host, "calls": self.calls, "chunks": self.chunks,
+                "most_in_flight": self.most_in_flight, "level": self.tuner.level,
+                "left_rotation": None if self.out is None else self.out.message}
+
+
+@dataclass
+class _Answer:
+    """An embedding call's outcome, as its thread hands it to the dispatching one."""
+
+    host: Host
+    batch: list[int]  # positions of its texts in the texts being embedded
+    vectors: Any
+    error: BaseException | None
+    seconds: float
+    epoch: int  # the host's concurrency level it was sent at (ConcurrencyTuner.epoch)
+
+
+@dataclass
+class FilesJob:
+    """A commit group's files on their way through Embedding (begin_files, then finish_files)."""
+
+    files: Sequence[PreparedFile]
+    known: dict[str, Any] = field(default_factory=dict)  # embed key -> vector, for this group
+    fresh: set[str] = field(default_factory=set)  # the keys Ollama embedded for this group
+    keys: list[str] = field(default_factory=list)  # the keys of the texts in flight
+    call: rules.BoundedCall | None = None  # their vectors, in keys' order
+
+
+def _wait(call: rules.BoundedCall) -> Any:
+    # Woken now and then, so Ctrl-C is seen while the calls are in flight (each one is bounded).
+    while not call.finished(0.5):
+        pass
+    return call.result()
+
+
 class Embedding:
     """Gives every chunk of a commit group its vector, embedding each distinct text once.
 
     A chunk whose exact embedded text (title, heading path, text, under this index's manifest)
     already has a vector in the index reuses it, wherever it came from: the same file after an edit
-    elsewhere, a renamed or copied file. Only new texts go to Ollama, in calls sized by BatchSizer;
-    a call that times out is retried with half as many chunks before the embedder is declared
-    unavailable. A chunk Ollama refuses as too long is split and its pieces embedded; nothing is
-    ever truncated."""
+    elsewhere, a renamed or copied file. Only new texts go to Ollama, in calls sized by each host's
+    BatchSizer, as many in flight on each host as its ConcurrencyTuner allows, spread over the
+    hosts of OLLAMA_HOST. A call that times out is retried with half as many chunks; with other
+    hosts in the rotation, the host that timed out (or failed) leaves it for the run and its texts
+    go to the others, and only when no host is left is the embedder unavailable. No text is sent
+    to two hosts at once. A chunk Ollama refuses as too long is split and its pieces embedded;
+    nothing is ever truncated."""
 
-    def __init__(self, embedder: rules.OllamaEmbedder, scheme: rules.PrefixScheme, dims: int,
-                 reuse: Callable[[Sequence[str]], dict[str, Any]]) -> None:
-        self.embedder = embedder
+    def __init__(self, embedders: Sequence[rules.OllamaEmbedder], scheme: rules.PrefixScheme, dims: int,
+                 reuse: Callable[[Sequence[str]], dict[str, Any]], concurrency: int | None = None) -> None:
+        self.hosts = [Host(embedder, BatchSizer(target_s=min(EMBED_CALL_TARGET_S,
+                                                             embedder.timeout_s * EMBED_CALL_SHARE_OF_TIMEOUT)),
+                           ConcurrencyTuner(fixed=concurrency)) for embedder in embedders]
+        self.model = embedders[0].model
         self.scheme = scheme
         self.dims = dims
         self.reuse = reuse  # embed keys -> stored vectors of those keys (those that exist)
-        self.sizer = BatchSizer(target_s=min(EMBED_CALL_TARGET_S, embedder.timeout_s * EMBED_CALL_SHARE_OF_TIMEOUT))
         self.calls = 0
         self.embedded = 0  # chunks whose vector Ollama computed in this run
-        self.embedding_s = 0.0  # the time those calls took
+        self.embedding_s = 0.0  # wall time spent with chunks' calls in flight
         self.reused = 0  # chunks that took a vector the index already had
         self.on_embedded: Callable[[int], None] = lambda chunks: None  # progress, after every call
         self.on_reused: Callable[[int], None] = lambda chunks: None  # progress, after every group
@@ -470,36 +609,53 @@ class Embedding:
         return rules.embedded_document_text(self.scheme, doc.title, chunk.heading, chunk.text)
 
     def embed_files(self, files: Sequence[PreparedFile]) -> None:
-        known: dict[str, Any] = {}  # embed key -> vector, for this group
-        fresh: set[str] = set()  # the keys Ollama embedded for this group
-        while True:
-            items = [(pf, chunk, self.text(pf.doc, chunk)) for pf in files for chunk in pf.chunks]
-            keys = [rules.embed_key(text) for _, _, text in items]
-            wanted = {key: text for key, (_, _, text) in zip(keys, items, strict=True) if key not in known}
-            if not wanted:
-                break
-            stored = self.reuse(list(wanted))
-            known.update(stored)
-            texts = {key: text for key, text in wanted.items() if key not in stored}
+        self.finish_files(self.begin_files(files))
+
+    def begin_files(self, files: Sequence[PreparedFile]) -> FilesJob:
+        """Look up the vectors the index already has and send the rest to Ollama; the calls go on
+        while the caller works (ingest commits the group before): finish_files waits for them."""
+        job = FilesJob(files)
+        self._begin_round(job)
+        return job
+
+    def finish_files(self, job: FilesJob) -> None:
+        """Every chunk of the job's files with its vector (pf.keys, pf.vectors). A chunk Ollama
+        refused as too long is split, and its pieces go through another round."""
+        while job.call is not None:
+            vectors = _wait(job.call)
             too_long = set()
-            for key, vector in zip(texts, self._embed_texts(list(texts.values())), strict=True):
+            for key, vector in zip(job.keys, vectors, strict=True):
                 if vector is None:
                     too_long.add(key)
                 else:
-                    known[key] = vector
-                    fresh.add(key)
-            for pf, chunk, text in items:
-                if rules.embed_key(text) in too_long:
+                    job.known[key] = vector
+                    job.fresh.add(key)
+            for pf in job.files:
+                for chunk in [c for c in pf.chunks if rules.embed_key(self.text(pf.doc, c)) in too_long]:
                     at = pf.chunks.index(chunk)
                     pf.chunks[at:at + 1] = parts = self._split(pf.doc, chunk)
                     self.on_split(len(parts) - 1)
-        for pf in files:
+            self._begin_round(job)
+        for pf in job.files:
             pf.keys = [rules.embed_key(self.text(pf.doc, chunk)) for chunk in pf.chunks]
-            pf.vectors = [known[key] for key in pf.keys]
+            pf.vectors = [job.known[key] for key in pf.keys]
         # Every chunk that did not take a vector Ollama computed for it: stored ones, and copies.
-        reused = sum(len(pf.keys) for pf in files) - len(fresh)
+        reused = sum(len(pf.keys) for pf in job.files) - len(job.fresh)
         self.reused += reused
         self.on_reused(reused)
+
+    def _begin_round(self, job: FilesJob) -> None:
+        """The texts of the job's chunks that have no vector yet: those the index has are taken,
+        the others sent (job.call; None when nothing is left to embed)."""
+        texts = {rules.embed_key(text): text for text in
+                 (self.text(pf.doc, chunk) for pf in job.files for chunk in pf.chunks)}
+        wanted = {key: text for key, text in texts.items() if key not in job.known}
+        stored = self.reuse(list(wanted)) if wanted else {}
+        job.known.update(stored)
+        missing = {key: text for key, text in wanted.items() if key not in stored}
+        job.keys = list(missing)
+        job.call = rules.on_call_thread(functools.partial(self._embed_texts, list(missing.values()))) if missing \
+            else None
 
     def _split(self, doc: rules.SourceDocument, chunk: rules.Chunk) -> list[rules.Chunk]:
         parts = split_chunk(doc, chunk)
@@ -519,50 +675,125 @@ class Embedding:
         return vectors
 
     def _embed_texts(self, texts: list[str], chunks: bool = True) -> list[Any]:
-        """A vector per text, or None for a text Ollama refused as longer than the model's context."""
-        tokens = [rules.estimate_tokens(text) for text in texts]
-        out: list[Any] = []
-        at = 0
-        while at < len(texts):
-            size = self.sizer.size(tokens[at:])
-            batch = texts[at:at + size]
-            started = time.monotonic()
-            try:
-                vectors = self._call(batch, chunks)
-            except rules.EmbedderTimeout:
-                if size == 1:
-                    raise
-                log.info("an embedding call of %d chunks timed out; retrying with fewer", size)
-                self.sizer.timed_out(size)
-                continue
-            except rules.InputTooLong:
-                if size > 1:  # find the one: the same texts one at a time
-                    self.sizer.ceiling = 1
-                    continue
-                vectors = [None]
-            else:
-                self.sizer.measured(sum(tokens[at:at + size]), time.monotonic() - started)
-            out.extend(vectors)
-            at += size
-        return out
+        """A vector per text, or None for a text Ollama refused as longer than the model's context.
 
-    def _call(self, texts: Sequence[str], chunks: bool = True) -> Any:
-        self.calls += 1
+        1. Fill every free call slot of every host in the rotation: texts to resend first, then
+           the next texts, as many as the host's sizer says, and no more than an even share of
+           CALLS_PER_SLOT calls per slot (a small group still keeps every slot busy).
+        2. Wait for any call's answer, and take it (see _take): vectors kept, texts to resend
+           queued, a failed host out of the rotation.
+        3. Until every text has its answer; when no host is left, the last host's failure."""
+        tokens = [rules.estimate_tokens(text) for text in texts]
+        vectors: list[Any] = [None] * len(texts)
+        resend: collections.deque[list[int]] = collections.deque()
+        answers: queue.SimpleQueue[_Answer] = queue.SimpleQueue()
+        slots = sum(host.free() for host in self.hosts)
+        share = -(-len(texts) // max(1, CALLS_PER_SLOT * slots))
+        at = in_flight = 0
+        failure: RagError | None = None
         started = time.monotonic()
-        vectors = self.embedder.embed(texts)
-        seconds = time.monotonic() - started
-        wrong = {len(v) for v in vectors if len(v) != self.dims}
+        try:
+            while at < len(texts) or resend or in_flight:
+                # 1. fill the free slots
+                for host in self.hosts:
+                    while host.free() and (resend or at < len(texts)):
+                        if resend:
+                            batch = resend.popleft()
+                            if len(batch) > host.sizer.ceiling:
+                                resend.appendleft(batch[host.sizer.ceiling:])
+                                batch = batch[:host.sizer.ceiling]
+                        else:
+                            size = min(host.sizer.size(tokens[at:]), share)
+                            batch, at = list(range(at, at + size)), at + size
+                        self._send(host, batch, [texts[i] for i in batch], answers)
+                        in_flight += 1
+                if not in_flight:  # 3. every host left the rotation
+                    raise failure or RagError(ErrorCode.EMBEDDER_UNAVAILABLE, "no Ollama host to embed with")
+                # 2. take the next answer
+                answer = _next_answer(answers)
+                in_flight -= 1
+                failure = self._take(answer, tokens, vectors, resend, chunks) or failure
+        finally:
+            if chunks:
+                self.embedding_s += time.monotonic() - started
+        return vectors
+
+    def _send(self, host: Host, batch: list[int], texts: list[str], answers: queue.SimpleQueue[_Answer]) -> None:
+        self.calls += 1
+        host.calls += 1
+        host.moved(+1)
+        epoch = host.tuner.sent(host.busy_s)
+        sent_at = time.monotonic()
+
+        def call() -> None:
+            try:
+                vectors, error = host.embedder.embed(texts), None
+            except BaseException as exc:  # noqa: BLE001 - handed to the dispatching thread
+                vectors, error = None, exc
+            answers.put(_Answer(host, batch, vectors, error, time.monotonic() - sent_at, epoch))
+
+        rules.on_call_thread(call)
+
+    def _take(self, answer: _Answer, tokens: Sequence[int], vectors: list[Any], resend: collections.deque[list[int]],
+              chunks: bool) -> RagError | None:
+        """Take one call's answer; returns the failure that took its host out of the rotation."""
+        host, batch, error = answer.host, answer.batch, answer.error
+        host.moved(-1)
+        if isinstance(error, rules.InputTooLong):
+            if len(batch) == 1:
+                return None  # vectors[batch[0]] stays None: the caller splits that chunk
+            resend.extendleft([i] for i in reversed(batch))  # find the one: the same texts one at a time
+            return None
+        if isinstance(error, rules.EmbedderTimeout) and not self._others_in_rotation(host):
+            if len(batch) == 1:
+                raise error
+            log.info("an embedding call of %d chunks timed out; retrying with fewer", len(batch))
+            host.sizer.timed_out(len(batch))
+            host.tuner.timed_out()
+            resend.appendleft(batch)
+            return None
+        if isinstance(error, RagError) and error.code in EMBEDDER_DOWN and not isinstance(error, rules.InvalidVectors):
+            if host.out is None:
+                host.out = error
+                if self._others_in_rotation(host):
+                    log.warning("%s: that host is left out of this run; its texts go to the other hosts (%s)",
+                                error.message, error.hint)
+            resend.appendleft(batch)
+            return error
+        if error is not None:
+            raise error
+        wrong = {len(v) for v in answer.vectors if len(v) != self.dims}
         if wrong:
             raise RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
-                           f"Ollama returned {sorted(wrong)[0]}-dimensional vectors for {self.embedder.model!r}; "
-                           f"the index holds {self.dims}-dimensional ones",
+                           f"Ollama at {host.embedder.host} returned {sorted(wrong)[0]}-dimensional vectors for "
+                           f"{self.model!r}; the index holds {self.dims}-dimensional ones",
                            "the model changed under the same name? run ingest again; it rebuilds when /api/show "
                            "reports the new size")
+        used = sum(tokens[i] for i in batch)
+        host.sizer.measured(used, answer.seconds)
+        host.tuner.measured(used, host.busy_s, answer.epoch)
+        for i, vector in zip(batch, answer.vectors, strict=True):
+            vectors[i] = vector
         if chunks:
-            self.embedded += len(texts)
-            self.embedding_s += seconds
-            self.on_embedded(len(texts))
-        return vectors
+            host.chunks += len(batch)
+            self.embedded += len(batch)
+            self.on_embedded(len(batch))
+        return None
+
+    def _others_in_rotation(self, host: Host) -> bool:
+        return any(other is not host and other.out is None for other in self.hosts)
+
+    def report(self) -> list[dict[str, Any]]:
+        return [host.report() for host in self.hosts]
+
+
+def _next_answer(answers: queue.SimpleQueue[_Answer]) -> _Answer:
+    # Woken now and then, so Ctrl-C is seen while calls are in flight (each call is bounded).
+    while True:
+        try:
+            return answers.get(timeout=0.5)
+        except queue.Empty:
+            continue
 
 
 def renumber(chunks: Sequence[rules.Chunk]) -> list[rules.Chunk]:
@@ -1418,6 +1649,8 @@ class Summary:
     chunks_without_vectors: int = 0  # written for keyword search only in this run (not in chunks_written)
     vectors_pending: int = 0  # chunks of the index that wait for their vectors, after this run
     embedding_calls: int = 0
+    # Per Ollama host: calls, chunks, most calls in flight, the level it settled at, why it left the rotation.
+    embedders: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     commit: str | None = None
     dirty: bool | None = None
@@ -1601,11 +1834,55 @@ def weights_changed(current: rules.CurrentIndex | None, index_name: str, model: 
             and None not in (model.digest, current.stamp.model_digest) and model.digest != current.stamp.model_digest)
 
 
+def probe_hosts(embedders: Sequence[rules.OllamaEmbedder], scheme: rules.PrefixScheme,
+                settings: rules.Settings) -> tuple[ModelFacts, list[rules.OllamaEmbedder]]:
+    """The model's facts and the hosts that embed with it in this run. One host: probe_model's
+    facts, or its error. Several: asked at once; a host that is down or lacks the model is left
+    out of the run (a warning), and the error is raised only when no host answers. Hosts that
+    serve other weights or dimensions under the model's name are refused: vectors from them could
+    not be compared with each other."""
+    if len(embedders) == 1:
+        return probe_model(embedders[0], scheme, settings), list(embedders)
+    calls = [rules.on_call_thread(functools.partial(probe_model, embedder, scheme, settings)) for embedder in embedders]
+    facts: dict[str, ModelFacts] = {}
+    failures: list[RagError] = []
+    for embedder, call in zip(embedders, calls, strict=True):
+        try:
+            facts[embedder.host] = call.result()
+        except RagError as exc:
+            if exc.code not in EMBEDDER_DOWN:
+                raise
+            failures.append(exc)
+    if not facts:
+        raise failures[0]
+    for exc in failures:
+        log.warning("%s: that host is left out of this run (%s)", exc.message, exc.hint)
+    check_same_model(settings.embed_model, facts)
+    first = next(iter(facts.values()))
+    return (ModelFacts(dims=first.dims, context_length=min(f.context_length for f in facts.values()),
+                       digest=first.digest), [embedder for embedder in embedders if embedder.host in facts])
+
+
+def check_same_model(model: str, facts: Mapping[str, ModelFacts]) -> None:
+    """Refuse hosts whose model differs (digest as /api/tags lists it, or dimensions): one index
+    holds vectors of one model's weights only. A host that does not list its digest cannot be
+    checked, so it is refused too."""
+    digests, dims = {f.digest for f in facts.values()}, {f.dims for f in facts.values()}
+    if len(facts) < 2 or (len(digests) == len(dims) == 1 and None not in digests):
+        return
+    each = "; ".join(f"{host}: {(f.digest or 'no digest listed')[:12]}, {f.dims} dimensions"
+                     for host, f in facts.items())
+    raise RagError(ErrorCode.INVALID_ARGUMENT,
+                   f"configuration error: the hosts of OLLAMA_HOST do not serve the same {model!r} ({each})",
+                   f"run `ollama pull {model}` on every host so they list the same digest, or leave the others "
+                   "out of OLLAMA_HOST")
+
+
 def probe_model_if_reachable(settings: rules.Settings, scheme: rules.PrefixScheme) -> ModelFacts | None:
-    quick = rules.OllamaEmbedder(settings.ollama_host, settings.embed_model,
-                                 min(settings.embed_timeout_s, OPTIONAL_PROBE_TIMEOUT_S))
+    quick = [rules.OllamaEmbedder(host, settings.embed_model, min(settings.embed_timeout_s, OPTIONAL_PROBE_TIMEOUT_S))
+             for host in settings.ollama_hosts or (settings.ollama_host,)]
     try:
-        return probe_model(quick, scheme, settings)
+        return probe_hosts(quick, scheme, settings)[0]
     except RagError as exc:
         log.info("nothing to embed, so this run goes on without Ollama (%s)", exc.message)
         return None
@@ -1774,9 +2051,10 @@ class Run:
     summary: Summary
     walk: Walk
     scheme: rules.PrefixScheme
-    embedder: rules.OllamaEmbedder
+    embedders: list[rules.OllamaEmbedder]  # one per host of OLLAMA_HOST
     current: rules.CurrentIndex | None  # the live index; read again under the lock
     model: ModelFacts | None = None  # None: Ollama did not answer, or was not needed
+    hosts: list[rules.OllamaEmbedder] = field(default_factory=list)  # those that embed in this run (probed)
     # Why nothing can be embedded in this run (Ollama down, or without the model) when the run
     # goes on to index files for keyword search only.
     unembeddable: RagError | None = None
@@ -1831,9 +2109,9 @@ def _run_in(args: argparse.Namespace, summary: Summary, settings: rules.Settings
         dry_run(args, settings, layout, walk, current, summary)
         return
     assert vectors is not None
-    embedder = rules.OllamaEmbedder(settings.ollama_host, settings.embed_model, settings.embed_timeout_s,
-                                    keep_alive=KEEP_ALIVE)
-    run = Run(args, settings, layout, summary, walk, scheme_for(settings.embed_model), embedder, current)
+    embedders = [rules.OllamaEmbedder(host, settings.embed_model, settings.embed_timeout_s, keep_alive=KEEP_ALIVE)
+                 for host in settings.ollama_hosts or (settings.ollama_host,)]
+    run = Run(args, settings, layout, summary, walk, scheme_for(settings.embed_model), embedders, current)
     look = _look_before_the_lock(run, vectors)
     with ingest_lock(layout):
         prepared = _prepare(run, vectors, look)
@@ -1860,7 +2138,7 @@ def _look_before_the_lock(run: Run, vectors: rules.Vectors) -> Look | None:
     if look is None or look.plan.changed:
         vectors.start()  # Chroma's import overlaps the probe, planning and chunking
         try:
-            run.model = probe_model(run.embedder, run.scheme, run.settings)
+            run.model, run.hosts = probe_hosts(run.embedders, run.scheme, run.settings)
         except RagError as exc:
             if exc.code not in EMBEDDER_DOWN or not keyword_first_possible(run, look):
                 raise
@@ -1894,7 +2172,7 @@ def _prepare(run: Run, vectors: rules.Vectors, look: Look | None) -> Prepared:
     try:
         if prepared.plan.changed and run.model is None and run.unembeddable is None:
             # Another ingest or an editor changed files since the look before the lock.
-            run.model = probe_model(run.embedder, run.scheme, run.settings)
+            run.model, run.hosts = probe_hosts(run.embedders, run.scheme, run.settings)
             if run.model.dims != dims:
                 prepared.store.close()
                 prepared = _open_and_plan(run, run.model.dims, vectors, None)
@@ -1981,8 +2259,9 @@ def _write(run: Run, prepared: Prepared) -> bool:
         changed_anything = True
     # --full is the way to force every chunk through the embedder: no reuse then (and
     # new weights under the model's name make every stored vector unusable).
-    embedding = Embedding(run.embedder, run.scheme, store.manifest.dims,
-                          reuse=(lambda keys: {}) if run.full else store.stored_vectors)
+    embedding = Embedding(run.hosts or run.embedders, run.scheme, store.manifest.dims,
+                          reuse=(lambda keys: {}) if run.full else store.stored_vectors,
+                          concurrency=run.settings.embed_concurrency)
     if run.unembeddable is not None:
         written, run_errors = _index_without_vectors(run, prepared, plan.changed, run.unembeddable)
     else:
@@ -1999,6 +2278,11 @@ def _write(run: Run, prepared: Prepared) -> bool:
     if run.model is not None and store.needs_calibration():
         changed_anything = _calibrate(store, embedding) or changed_anything
     summary.embedding_calls = embedding.calls
+    summary.embedders = embedding.report()
+    for host in summary.embedders:
+        if host["calls"]:
+            log.info("embedded %d chunks on %s in %d calls, at most %d at a time", host["chunks"], host["host"],
+                     host["calls"], host["most_in_flight"])
     summary.failed = len(plan.failed)
     summary.vectors_pending = store.waiting_chunks()
     summary.errors = [*sorted(plan.failed.values()), *run_errors]
@@ -2024,7 +2308,7 @@ def _calibrate(store: Store, embedding: Embedding) -> bool:
 
 def _embed_and_write(run: Run, prepared: Prepared, embedding: Embedding) -> tuple[set[str], list[str]]:
     """Embed the changed files a commit group at a time; each group's vectors go to the store as
-    soon as they are embedded, and its rows commit while the store writes the next group's.
+    soon as they are embedded, and its rows commit while the next group's embedding calls are in flight.
 
     Groups hold about COMMIT_EVERY_S of embedding at the measured pace (the first one call's
     worth), so an interrupted run keeps what it embedded. Once the pace says the files with no
@@ -2055,16 +2339,17 @@ def _embed_and_write(run: Run, prepared: Prepared, embedding: Embedding) -> tupl
         for group in _groups(plan.changed, lambda: _group_chunks(embedding, progress.chunks, first=not started)):
             started.update(pf.file.path for pf in group)
             try:
-                group = _embedded(embedding, group, plan)
+                job = embedding.begin_files(group)
+                if pending is not None:  # the group before commits while this one's calls are in flight
+                    commit(pending)
+                    pending = None
+                group = _embedded(embedding, job, plan)
             except RagError:
                 if pending is not None:  # embedded before the failure: it stays
                     commit(pending)
                     pending = None
                 raise
-            sent = store.send(group) if group else None
-            if pending is not None:
-                commit(pending)
-            pending = sent
+            pending = store.send(group) if group else None
             rest = [] if keywords_first else not_started_without_vectors()
             wait = embedding.seconds_for(sum(len(pf.chunks) for pf in rest))
             if rest and wait is not None and wait > KEYWORDS_FIRST_AFTER_S:
@@ -2142,11 +2427,12 @@ def _group_chunks(embedding: Embedding, total: int, first: bool) -> int:
     return max(START_CHUNKS, min(COMMIT_BATCH_CHUNKS, by_time, total // 10))
 
 
-def _embedded(embedding: Embedding, group: list[PreparedFile], plan: Plan) -> list[PreparedFile]:
+def _embedded(embedding: Embedding, job: FilesJob, plan: Plan) -> list[PreparedFile]:
     """A commit group's files with their vectors; when one file's own content fails, the others
     still go (the failing ones are recorded in plan.failed)."""
+    group = list(job.files)
     try:
-        embedding.embed_files(group)
+        embedding.finish_files(job)
     except RagError as exc:
         if not _fails_files_alone(exc):
             raise

@@ -50,7 +50,7 @@ SECRET = b"SECRET-OFFSITE-TOKEN-7731"
 GEMMA = rules.PREFIX_SCHEMES["embeddinggemma"]
 SUMMARY_KEYS = {"exit", "scanned", "added", "updated", "unchanged", "removed", "excluded", "ignored", "failed",
                 "chunks_written", "chunks_embedded", "chunks_reused", "left_for_next_run", "chunks_without_vectors", "vectors_pending",
-                "embedding_calls", "seconds",
+                "embedding_calls", "embedders", "seconds",
                 "commit", "dirty", "index", "rebuilt", "model_changed", "dry_run", "estimated_chunks", "errors",
                 "listing"}
 
@@ -589,14 +589,14 @@ def test_only_unwritten_files_are_reported_when_the_embedder_dies(
     edit(corpus / "c.md", "FAILPOINT here\n")
     edit(corpus / "d.md", "FAILPOINT new\n")  # new: indexed for keyword search until it can be embedded
     fake_ollama_env.configure(max_input_tokens=12)
-    original = ingest.Embedding._call
+    original = rules.OllamaEmbedder.embed
 
-    def dying_call(self: ingest.Embedding, texts: list[str], *rest: Any) -> list[list[float]]:
+    def dying_call(self: rules.OllamaEmbedder, texts: list[str]) -> Any:
         if any("FAILPOINT" in t for t in texts):
             raise rules.RagError(rules.ErrorCode.EMBEDDER_UNAVAILABLE, "Ollama went away", "start it")
-        return original(self, texts, *rest)
+        return original(self, texts)
 
-    monkeypatch.setattr(ingest.Embedding, "_call", dying_call)
+    monkeypatch.setattr(rules.OllamaEmbedder, "embed", dying_call)
     run = ingest_run(corpus, store)
     assert run.code == 1
     assert (run.summary["failed"], run.summary["left_for_next_run"]) == (1, 1)

@@ -1,0 +1,248 @@
+"""Embedding throughput across call slots and hosts (issue 30 §1).
+
+Ingest keeps several embedding calls in flight (RAG_EMBED_CONCURRENCY, or as many as each host
+is measured to sustain) and spreads them over the hosts of a comma-list OLLAMA_HOST. A host that
+fails or stalls leaves the rotation and its texts go to the others, no text is embedded twice,
+and hosts serving other weights under the model's name are refused. The loopback fake Ollama
+stands in for each host: its `slots` are Ollama's OLLAMA_NUM_PARALLEL, its per-text delay a CPU."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from fake_ollama import FakeOllama
+from faultlib import write_handbooks
+from helpers import copy_sample, ingest_in_process, snapshot
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import corpus_rules as rules
+import ingest
+
+CALIBRATION = "task: search result"
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """Several fakes as one OLLAMA_HOST value."""
+
+    fakes: tuple[FakeOllama, ...]
+
+    @property
+    def host(self) -> str:
+        return ",".join(fake.host for fake in self.fakes)
+
+
+@pytest.fixture
+def fakes() -> tuple[FakeOllama, FakeOllama]:
+    with FakeOllama() as first, FakeOllama() as second:
+        yield first, second
+
+
+def chunk_inputs(fake: FakeOllama, key: str = "answered_inputs") -> list[str]:
+    return [text for text in fake.calls()[key] if not text.startswith(CALIBRATION)]
+
+
+# ---------------------------------------------------------------------------
+# The settings.
+
+
+def test_ollama_host_takes_a_comma_list_and_the_server_uses_the_first() -> None:
+    settings_ = rules.load_settings({"OLLAMA_HOST": " gpu-box:11434 , http://laptop:11434/ ,gpu-box:11434"})
+    assert settings_.ollama_hosts == ("http://gpu-box:11434", "http://laptop:11434")
+    assert settings_.ollama_host == "http://gpu-box:11434"
+    with pytest.raises(rules.RagError, match="OLLAMA_HOST='gpu-box:xx'"):
+        rules.load_settings({"OLLAMA_HOST": "127.0.0.1:11434,gpu-box:xx"})
+    with pytest.raises(rules.RagError, match="OLLAMA_HOST"):
+        rules.load_settings({"OLLAMA_HOST": ",,"})
+
+
+def test_embed_concurrency_is_measured_unless_set() -> None:
+    assert rules.load_settings({}).embed_concurrency is None
+    assert rules.load_settings({"RAG_EMBED_CONCURRENCY": "4"}).embed_concurrency == 4
+    for bad in ("0", "many", str(rules.MAX_EMBED_CONCURRENCY + 1)):
+        with pytest.raises(rules.RagError, match="RAG_EMBED_CONCURRENCY"):
+            rules.load_settings({"RAG_EMBED_CONCURRENCY": bad})
+
+
+# ---------------------------------------------------------------------------
+# How many calls a host gets at a time: a pure function of what it was measured to sustain.
+
+
+def group_seconds(level: int, slots: int, per_group_s: float) -> float:
+    """How long a host with `slots` parallel runners takes over a commit group sent as
+    CALLS_PER_SLOT x level equal calls, `level` at a time (the runners take `slots` of them at once,
+    the others wait in its queue)."""
+    calls = ingest.CALLS_PER_SLOT * level
+    return -(-calls // min(level, slots)) * per_group_s / calls
+
+
+def settle(slots: int, per_group_s: float = 1.0, tokens: float = 1000.0) -> ingest.ConcurrencyTuner:
+    """Feed a tuner the answers of such a host, group after group, until it settles."""
+    tuner = ingest.ConcurrencyTuner()
+    busy = 0.0
+    for _ in range(200):
+        if tuner.settled:
+            break
+        calls = ingest.CALLS_PER_SLOT * tuner.level
+        group_s = group_seconds(tuner.level, slots, per_group_s)
+        epochs = [tuner.sent(busy) for _ in range(calls)]
+        for epoch in epochs:
+            busy += group_s / calls
+            tuner.measured(tokens / calls, busy, epoch)
+    return tuner
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(slots=st.integers(1, 40), per_group_s=st.floats(0.01, 30.0))
+def test_the_measured_level_reaches_the_hosts_throughput_without_flooding_it(slots: int, per_group_s: float) -> None:
+    tuner = settle(slots, per_group_s)
+    assert tuner.settled
+    level = tuner.level
+    assert 1 <= level <= rules.MAX_EMBED_CONCURRENCY
+    best = min(group_seconds(n, slots, per_group_s) for n in range(1, rules.MAX_EMBED_CONCURRENCY + 1))
+    # Levels are powers of two: at least two thirds of what the host can do at best (a host of 7
+    # runners gets 8 calls at a time, the eighth waiting its turn), and all of it for the usual
+    # OLLAMA_NUM_PARALLEL values.
+    assert best / group_seconds(level, slots, per_group_s) >= 2 / 3
+    if slots & (slots - 1) == 0:  # Ollama's usual OLLAMA_NUM_PARALLEL: all of it
+        assert level == min(slots, rules.MAX_EMBED_CONCURRENCY)
+    assert level < 2 * slots or level == 1  # never twice its runners or more
+
+
+def test_a_cpu_bound_host_stays_at_one_call() -> None:
+    assert settle(slots=1).level == 1
+
+
+def test_a_timeout_halves_the_level_and_a_fixed_level_stays() -> None:
+    tuner = ingest.ConcurrencyTuner()
+    tuner.level = 8
+    tuner.timed_out()
+    assert (tuner.level, tuner.settled) == (4, True)
+    fixed = ingest.ConcurrencyTuner(fixed=3)
+    fixed.timed_out()
+    for busy in range(1, 20):
+        fixed.measured(100, float(busy), fixed.sent(busy - 1.0))
+    assert (fixed.level, fixed.settled) == (3, True)
+
+
+# ---------------------------------------------------------------------------
+# One host, several slots.
+
+
+def test_several_calls_in_flight_index_exactly_what_one_at_a_time_does(tmp_path: Path) -> None:
+    corpus = copy_sample(tmp_path)
+    write_handbooks(corpus, {"handbook.md": 60}, "A")
+    with FakeOllama() as fake:
+        serial = ingest_in_process(fake, corpus, tmp_path / "serial", RAG_EMBED_CONCURRENCY="1")
+        assert serial.code == 0, serial.err
+        assert fake.calls()["most_embeds_in_flight"] == 1
+        fake.reset()
+        fake.configure(slots=4, delay_per_text_seconds=0.01)
+        parallel = ingest_in_process(fake, corpus, tmp_path / "parallel", RAG_EMBED_CONCURRENCY="4")
+        assert parallel.code == 0, parallel.err
+        assert fake.calls()["most_embeds_in_flight"] == 4
+        inputs = chunk_inputs(fake)
+    assert len(inputs) == len(set(inputs)) == parallel.summary["chunks_embedded"]
+    assert parallel.summary["embedders"][0]["most_in_flight"] == 4
+    assert snapshot(tmp_path / "parallel") == snapshot(tmp_path / "serial")
+
+
+@pytest.mark.heavy  # a measurement: calls long enough that a loaded machine's overhead does not hide the gain
+def test_unset_concurrency_is_raised_on_a_host_with_slots_to_spare(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    write_handbooks(corpus, {f"book{i}.md": 40 for i in range(4)}, "A")
+    with FakeOllama() as fake:
+        fake.configure(slots=8, delay_per_text_seconds=0.05)
+        done = ingest_in_process(fake, corpus, tmp_path / "store")
+        assert done.code == 0, done.err
+        assert fake.calls()["most_embeds_in_flight"] >= 2
+    assert done.summary["embedders"][0]["level"] >= 2
+
+
+# ---------------------------------------------------------------------------
+# Several hosts.
+
+
+def test_two_hosts_share_the_work_and_no_text_is_embedded_twice(fakes: tuple[FakeOllama, FakeOllama],
+                                                               tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    write_handbooks(corpus, {f"book{i}.md": 30 for i in range(4)}, "A")
+    for fake in fakes:
+        fake.configure(delay_per_text_seconds=0.01)
+    done = ingest_in_process(Hosts(fakes), corpus, tmp_path / "store", RAG_EMBED_CONCURRENCY="2")
+    assert done.code == 0, done.err
+    first, second = (chunk_inputs(fake) for fake in fakes)
+    assert first and second, "both hosts embedded"
+    assert not set(first) & set(second)
+    assert len(first) + len(second) == done.summary["chunks_embedded"] == done.summary["chunks_written"]
+    assert [host["host"] for host in done.summary["embedders"]] == [fake.host for fake in fakes]
+
+
+def test_hosts_serving_other_weights_are_refused(fakes: tuple[FakeOllama, FakeOllama], tmp_path: Path) -> None:
+    corpus = copy_sample(tmp_path)
+    fakes[1].configure(weights="re-pulled")
+    done = ingest_in_process(Hosts(fakes), corpus, tmp_path / "store")
+    assert done.code == 2
+    assert "do not serve the same 'embeddinggemma'" in done.err
+    assert fakes[0].host in done.err and fakes[1].host in done.err
+    assert "ollama pull embeddinggemma" in done.err
+    assert not chunk_inputs(fakes[0], "embedded_inputs") and not chunk_inputs(fakes[1], "embedded_inputs")
+
+
+def test_a_host_down_at_the_start_is_left_out(fakes: tuple[FakeOllama, FakeOllama], tmp_path: Path) -> None:
+    corpus = copy_sample(tmp_path)
+    fakes[1].stop()
+    hosts = Hosts(fakes)
+    done = ingest_in_process(hosts, corpus, tmp_path / "store")
+    assert done.code == 0, done.err
+    assert f"cannot reach Ollama at {hosts.fakes[1].host}" in done.err and "left out of this run" in done.err
+    assert done.summary["chunks_embedded"] == done.summary["chunks_written"] == len(chunk_inputs(fakes[0]))
+
+
+def test_a_host_that_fails_mid_run_hands_its_texts_to_the_other(fakes: tuple[FakeOllama, FakeOllama],
+                                                               tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    tokens = write_handbooks(corpus, {f"book{i}.md": 30 for i in range(4)}, "A")
+    for fake in fakes:
+        fake.configure(delay_per_text_seconds=0.01)
+    # The second host breaks once it has seen its first text of book1 (whatever the call sizes).
+    fakes[1].configure(fail_after_carrying=tokens["book0.md"])
+    done = ingest_in_process(Hosts(fakes), corpus, tmp_path / "store", RAG_EMBED_CONCURRENCY="2")
+    assert done.code == 0, done.err
+    assert (done.summary["failed"], done.summary["left_for_next_run"]) == (0, 0)
+    left = [host for host in done.summary["embedders"] if host["left_rotation"]]
+    assert [host["host"] for host in left] == [fakes[1].host], done.summary["embedders"]
+    assert "its texts go to the other hosts" in done.err
+    answered = chunk_inputs(fakes[0]) + chunk_inputs(fakes[1])
+    assert len(answered) == len(set(answered)) == done.summary["chunks_written"]
+
+
+def test_a_stalled_host_leaves_the_rotation_and_the_run_finishes(fakes: tuple[FakeOllama, FakeOllama],
+                                                                tmp_path: Path) -> None:
+    corpus = copy_sample(tmp_path)
+    fakes[1].configure(hold=True)  # accepts calls and never answers them
+    try:
+        done = ingest_in_process(Hosts(fakes), corpus, tmp_path / "store", RAG_EMBED_TIMEOUT="2")
+    finally:
+        fakes[1].configure(hold=False)
+    assert done.code == 0, done.err
+    assert f"Ollama at {fakes[1].host} did not answer within 2 s" in done.err
+    assert done.summary["chunks_written"] == len(chunk_inputs(fakes[0])) == done.summary["chunks_embedded"]
+
+
+def test_every_host_gone_is_the_embedder_gone(fakes: tuple[FakeOllama, FakeOllama], tmp_path: Path) -> None:
+    """With no host left, a run does what it does when its one Ollama goes away: what was
+    committed stays, new files are indexed for keyword search, and it says so."""
+    corpus = tmp_path / "corpus"
+    tokens = write_handbooks(corpus, {f"book{i}.md": 30 for i in range(4)}, "A")
+    for fake in fakes:
+        fake.configure(fail_after_carrying=tokens["book2.md"])
+    done = ingest_in_process(Hosts(fakes), corpus, tmp_path / "store", RAG_EMBED_CONCURRENCY="1")
+    assert done.code in (0, 1), done.err
+    assert done.summary["chunks_without_vectors"] > 0
+    counted = collections.Counter(chunk_inputs(fakes[0]) + chunk_inputs(fakes[1]))
+    assert max(counted.values()) == 1
