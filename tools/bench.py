@@ -87,6 +87,8 @@ EXTRA_DOCS_FROM = 500_000
 # the clients can overlap (a GPU embedding server, or Ollamas behind a proxy: one Ollama runs one
 # call at a time per embedding model, whatever OLLAMA_NUM_PARALLEL says).
 HTTP_CLIENTS = 8
+# Issue 30: the corpus of the embedding-slots figures (at SLOW_EMBED_PER_TEXT_S, 200 s for one slot).
+SLOTS_CHUNKS = 10000
 
 
 def log(message: str) -> None:
@@ -457,8 +459,7 @@ def serve_fake(port: int, delay_per_text_s: float = 0.0, slots: int = 1) -> int:
     original_dispatch = fake_ollama._Handler._dispatch
     fake_ollama._Handler._dispatch = dispatch  # this process only
     fake = BenchFake(models=(MODEL,), dims=DIMS, port=port)
-    fake.delay_per_text_seconds = delay_per_text_s
-    fake._runner = threading.BoundedSemaphore(slots)  # the fake's single runner, as SLOTS runners
+    fake.configure(delay_per_text_seconds=delay_per_text_s, slots=slots)
     fake._record = lambda *a, **k: None  # no per-request record: 100k chunks would pile up in memory
     return fake_ollama.serve_until_signalled(fake)
 
@@ -516,6 +517,24 @@ class FakeProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class FakeHosts:
+    """Several FakeProcesses as one comma-list OLLAMA_HOST, their stats summed (run_ingest reads
+    a fake's host, stats and call sizes)."""
+
+    def __init__(self, fakes: Sequence[FakeProcess]) -> None:
+        self.fakes = list(fakes)
+        self.host = ",".join(fake.host for fake in self.fakes)
+
+    def stats(self) -> dict[str, Any]:
+        each = [fake.stats() for fake in self.fakes]
+        return {key: sum(stats[key] for stats in each) for key in each[0]}
+
+    def call_sizes(self, since: int) -> list[int]:
+        # `since` counts the calls of all hosts; each host's own calls before the run are skipped
+        # by run_ingest's before/after stats, so all sizes are returned (a maximum is taken).
+        return [size for fake in self.fakes for size in fake.call_sizes(0)]
 
 
 def _readline_with_timeout(stream: Any, timeout: float) -> str | None:
@@ -1863,7 +1882,58 @@ class Bench:
                         "(ingest and its vector process together, sampled)", detail["peak_rss_mb"], "MB", "report",
                         size=size))
 
-    # 8. a slow embedder (issue 11) ---------------------------------------------------------------
+    # 8. a slow embedder (issue 11), and embedders that serve several calls at once (issue 30) --------
+    def embed_slots(self) -> None:
+        """Fresh builds against embedders that take SLOW_EMBED_PER_TEXT_S per text and serve S calls
+        at once (Ollama's OLLAMA_NUM_PARALLEL: S = 1, 2, 4, 8 on one host), and against two one-slot
+        hosts, with RAG_EMBED_CONCURRENCY unset (ingest measures what each host sustains). Goal: at
+        least 0.8 x S x the one-slot rate of this run, until the machine is the bound (the instant
+        embedder's ingest rate of this run, reported beside it)."""
+        size = 200 if self.quick else SLOTS_CHUNKS
+        label = size_label(size)
+        corpus, _ = self.corpus_of(size)
+        per_text_ms = SLOW_EMBED_PER_TEXT_S * 1000
+        rates: dict[str, float] = {}
+        instant = self.details.get("ingest", {}).get(label, {})
+        cpu_bound = size / instant["wall_s"] if instant.get("wall_s") else None
+        self.details["embed_slots"] = {"chunks": size, "per_text_s": SLOW_EMBED_PER_TEXT_S, "runs": {}}
+        for name, slots, hosts in (("1", 1, 1), ("2", 2, 1), ("4", 4, 1), ("8", 8, 1), ("2 hosts", 1, 2)):
+            store = self.work / f"store-slots-{label}"
+            shutil.rmtree(store, ignore_errors=True)
+            log(f"ingesting the {label} corpus against {hosts} host(s) of {slots} slot(s), {per_text_ms:.0f} ms per "
+                "text ...")
+            with contextlib.ExitStack() as stack:
+                fakes = [stack.enter_context(FakeProcess(self.python, self.work, delay_per_text_s=SLOW_EMBED_PER_TEXT_S,
+                                                         tag=f"fake-slots{slots}-{i}", slots=slots))
+                         for i in range(hosts)]
+                run = self.ingest_once(corpus, store, fake=fakes[0] if hosts == 1 else FakeHosts(fakes), check=False,
+                                       extra_env={"RAG_EMBED_TIMEOUT": str(SLOW_EMBED_TIMEOUT_S)},
+                                       timeout_s=max(self.args.ingest_timeout, 3 * size * SLOW_EMBED_PER_TEXT_S))
+            shutil.rmtree(store, ignore_errors=True)
+            chunks = int(run.summary.get("chunks_written", 0))
+            rates[name] = chunks / run.wall_s if run.exit == 0 and run.wall_s else 0.0
+            embedders = run.summary.get("embedders", [])
+            self.details["embed_slots"]["runs"][name] = {
+                "slots": slots, "hosts": hosts, "exit": run.exit, "wall_s": run.wall_s, "chunks": chunks,
+                "calls": run.fake_calls, "cpu_s": run.cpu_s, "embedders": embedders}
+            parallel = slots * hosts
+            one = rates["1"]
+            goal = 0.8 * parallel * one
+            levels = ", ".join(f"{e.get('most_in_flight')} at a time" for e in embedders) or "no report"
+            self.add(Figure(f"slots.chunks_per_s_{name.replace(' ', '_')}@{label}",
+                            f"Ingest, {label} chunks, embedder {per_text_ms:.0f} ms per text: {hosts} host(s) serving "
+                            f"{slots} call(s) at once, RAG_EMBED_CONCURRENCY unset", rates[name], "chunks/s",
+                            ">= 0.8 x S x the one-slot rate" if parallel > 1 else "report",
+                            limit=parallel * one if parallel > 1 else 1 / SLOW_EMBED_PER_TEXT_S,
+                            limit_what=f"{parallel} x the one-slot rate, this run" if parallel > 1
+                            else "the embedder's pace",
+                            ratio=rates[name] / (parallel * one) if one else None,
+                            passed=(rates[name] >= goal) if parallel > 1 else run.exit == 0, size=size,
+                            note=f"exit {run.exit}; {run.fake_calls} calls, {levels}; ingest CPU {run.cpu_s:.0f} s "
+                                 f"of {run.wall_s:.0f} s wall; the instant embedder's ingest rate this run: "
+                                 + (f"{cpu_bound:.0f} chunks/s" if cpu_bound else "not measured")))
+
+    # a slow embedder (issue 11) --------------------------------------------------------------------
     def slow_embedder(self) -> None:
         """A fresh build against a second fake that takes 20 ms per text, one call at a time, with
         RAG_EMBED_TIMEOUT=60: every chunk must arrive (no call near the timeout, nothing left for the
@@ -2190,13 +2260,14 @@ class Bench:
             self.reuse()
             self.watch_latency()
             self.slow_embedder()
+            self.embed_slots()
             self.noop_with_rules()  # last: it adds files to the largest corpus
             self.details["fake_total"] = fake.stats()
 
 
 def order_figures(figures: Sequence[Figure]) -> list[Figure]:
     order = ["handshake", "stdio", "cold", "search", "resources", "http", "cli", "ingest", "reingest", "reuse", "watch", "slow",
-             "chroma_server", "memory"]
+             "slots", "chroma_server", "memory"]
     return sorted(figures, key=lambda f: (order.index(f.id.split(".")[0]) if f.id.split(".")[0] in order else 99,
                                           f.size or 0))
 
