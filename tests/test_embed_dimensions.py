@@ -9,11 +9,15 @@ In process, against the loopback fake Ollama (which truncates and renormalises a
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
+import numpy
 import pytest
 from fake_ollama import FakeOllama
 from helpers import (
+    ROOT,
     Built,
     chroma_state,
     copy_sample,
@@ -232,3 +236,27 @@ def test_the_server_says_when_ollama_ignores_dimensions(tmp_path: Path, fake: Fa
     assert error["code"] == "invalid_argument"
     assert "returned 768-dimensional vectors" in error["message"] and "when asked for 256" in error["message"]
     assert "upgrade Ollama" in error["hint"]
+
+
+# ---------------------------------------------------------------------------
+# tools/bench.py --dims: its fake answers `dimensions` as Ollama does.
+
+_bench_spec = importlib.util.spec_from_file_location("rag_bench", ROOT / "tools" / "bench.py")
+assert _bench_spec is not None and _bench_spec.loader is not None
+rag_bench = importlib.util.module_from_spec(_bench_spec)
+sys.modules["rag_bench"] = rag_bench  # its dataclasses look their module up
+_bench_spec.loader.exec_module(rag_bench)
+
+
+@pytest.mark.parametrize("dimensions", [None, 768, 1024, 256, 32])
+def test_the_bench_fake_cuts_and_renormalises_to_the_dimensions_asked(dimensions: int | None) -> None:
+    vectors = rag_bench.FastVectors(rag_bench.DIMS)
+    texts = ["search result | query: sev-1 paging", "title: none | text: the fire drill", ""]
+    full = vectors.matrix(texts)
+    cut = vectors.matrix(texts, dimensions)
+    size = dimensions if dimensions is not None and dimensions < rag_bench.DIMS else rag_bench.DIMS
+    assert cut.shape == (3, size)
+    assert numpy.allclose(numpy.linalg.norm(cut, axis=1), 1.0)
+    for row, whole in zip(cut, full, strict=True):  # the same direction as the first `size` values
+        prefix = whole[:size]
+        assert numpy.allclose(row * numpy.linalg.norm(prefix), prefix)
