@@ -209,6 +209,9 @@ MAX_EMBED_CONCURRENCY = 32  # RAG_EMBED_CONCURRENCY's ceiling, and the measured 
 # always the model's context length read from Ollama.
 DEFAULT_CHUNK_MAX_TOKENS = 512
 DEFAULT_CHUNK_MIN_TOKENS = 64
+# RAG_EMBED_DIMENSIONS' range: fewer than 32 dimensions keep too little to rank by, and no
+# embedding model Ollama serves has more than 8192.
+EMBED_DIMENSIONS_MIN, EMBED_DIMENSIONS_MAX = 32, 8192
 
 
 def _abs_path(value: str | os.PathLike[str]) -> Path:
@@ -292,11 +295,15 @@ class Settings:
     embed_timeout_s: float
     chunk_max_tokens: int
     chunk_min_tokens: int
-    # Server: how long a call waits for the vector store; stderr log level; background warm-up.
+    # Ingest: the `dimensions` asked of Ollama for every vector (RAG_EMBED_DIMENSIONS; a
+    # Matryoshka model's vectors truncated and renormalised); None: the model's native size. The
+    # server asks what the live index records, whatever this says.
+    embed_dimensions: int | None = None
     ollama_hosts: tuple[str, ...] = ()
     # Ingest: embedding calls in flight per host (RAG_EMBED_CONCURRENCY); None: found per host by
     # measuring what it sustains (see ingest.ConcurrencyTuner).
     embed_concurrency: int | None = None
+    # Server: how long a call waits for the vector store; stderr log level; background warm-up.
     store_timeout_s: float = DEFAULT_STORE_TIMEOUT_S
     log_level: str = "INFO"
     server_warmup: bool = True
@@ -327,8 +334,8 @@ class Settings:
 
 # Every variable load_settings reads, in the README's order (a test holds the three together).
 ENVIRONMENT = ("RAG_CORPUS_DIR", "RAG_STORE_DIR", "OLLAMA_HOST", "RAG_EMBED_MODEL", "RAG_EMBED_TIMEOUT",
-               "RAG_EMBED_CONCURRENCY",
-               "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS", "RAG_STORE_TIMEOUT", "RAG_LOG_LEVEL",
+               "RAG_EMBED_CONCURRENCY", "RAG_EMBED_DIMENSIONS", "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS",
+               "RAG_STORE_TIMEOUT", "RAG_LOG_LEVEL",
                "RAG_SERVER_WARMUP", "RAG_CHROMA_URL", "RAG_CHROMA_HEADERS", "RAG_RESPECT_GITIGNORE", "RAG_HTTP_HOST",
                "RAG_HTTP_PORT", "RAG_HTTP_TOKEN", "RAG_HTTP_ALLOWED_HOSTS", "RAG_HTTP_ALLOWED_ORIGINS",
                "RAG_HTTP_MAX_IN_FLIGHT", "RAG_HTTP_READ_TIMEOUT", "RAG_HTTP_MAX_CONNECTIONS", "RAG_TOOL_TIMEOUT")
@@ -362,6 +369,7 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
         embed_timeout_s=_seconds_env(env, "RAG_EMBED_TIMEOUT", DEFAULT_EMBED_TIMEOUT_S),
         chunk_max_tokens=max_tokens,
         chunk_min_tokens=min_tokens,
+        embed_dimensions=_int_env(env, "RAG_EMBED_DIMENSIONS", 0, EMBED_DIMENSIONS_MIN, EMBED_DIMENSIONS_MAX) or None,
         store_timeout_s=_seconds_env(env, "RAG_STORE_TIMEOUT", DEFAULT_STORE_TIMEOUT_S),
         log_level=_choice_env(env, "RAG_LOG_LEVEL", "INFO", LOG_LEVELS),
         server_warmup=_flag_env(env, "RAG_SERVER_WARMUP", True),
@@ -1795,11 +1803,14 @@ class IndexManifest:
     chunker_version: str
     chunk_max_tokens: int
     chunk_min_tokens: int
+    # The `dimensions` every vector was asked for (RAG_EMBED_DIMENSIONS at ingest), which the
+    # server asks for its query vectors too; None: the model's native size, nothing asked.
+    embed_dimensions: int | None = None
     tool_version: str = TOOL_VERSION
 
     def fingerprint(self) -> str:
         """What decides whether an index can be updated in place (tool version does not)."""
-        key = {k: v for k, v in asdict(self).items() if k != "tool_version"}
+        key = {k: v for k, v in self.to_dict().items() if k != "tool_version"}
         key["model"] = canonical_model_name(self.model)
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -1807,7 +1818,9 @@ class IndexManifest:
         return f"idx-{self.fingerprint()}"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields, an embed_dimensions of None left out: indexes built before it existed keep
+        their names (the fingerprint) and their CURRENT.json, and a store's metadata takes no None."""
+        return {k: v for k, v in asdict(self).items() if not (k == "embed_dimensions" and v is None)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> IndexManifest:
@@ -1818,7 +1831,7 @@ def manifest_for(settings: Settings, prefix_scheme: str, dims: int) -> IndexMani
     """The manifest an index built with these settings has (the dry run and the real run alike)."""
     return IndexManifest(model=settings.embed_model, dims=dims, prefix_scheme=prefix_scheme,
                          chunker_version=CHUNKER_VERSION, chunk_max_tokens=settings.chunk_max_tokens,
-                         chunk_min_tokens=settings.chunk_min_tokens)
+                         chunk_min_tokens=settings.chunk_min_tokens, embed_dimensions=settings.embed_dimensions)
 
 
 @dataclass(frozen=True)
@@ -1887,6 +1900,8 @@ class CurrentIndex:
                 raise ValueError(f"manifest.{name} must be text")
         for name in ("dims", "chunk_max_tokens", "chunk_min_tokens"):
             _whole(getattr(parsed_manifest, name), f"manifest.{name}")
+        if parsed_manifest.embed_dimensions is not None:
+            _whole(parsed_manifest.embed_dimensions, "manifest.embed_dimensions")
         parsed_stamp = IndexStamp(**stamp)
         if parsed_stamp.model_digest is not None and not isinstance(parsed_stamp.model_digest, str):
             raise ValueError("stamp.model_digest must be text")
@@ -2616,6 +2631,9 @@ class OllamaEmbedder:
     # Asked of Ollama with every embed call: how long to keep the model loaded afterwards
     # (ingest keeps it for the run; None leaves Ollama's default).
     keep_alive: str | None = None
+    # Asked of Ollama with every embed call: vectors truncated and renormalised to this many
+    # dimensions (see Settings.embed_dimensions); None asks nothing, the model's native size.
+    dimensions: int | None = None
     _client: Any = field(default=None, init=False, repr=False)
 
     def _get_client(self) -> Any:
@@ -2702,6 +2720,8 @@ class OllamaEmbedder:
         runs on the thread that received the answer, as soon as it arrives: a search starts its
         vector queries from there rather than waking another thread to do it."""
         options: dict[str, Any] = {"keep_alive": self.keep_alive} if self.keep_alive is not None else {}
+        if self.dimensions is not None:
+            options["dimensions"] = self.dimensions
         client = self._get_client()  # outside the timed call, as in _call
 
         def fetch() -> Any:
@@ -2738,6 +2758,13 @@ class OllamaEmbedder:
         if not np.isfinite(matrix).all():
             raise InvalidVectors(ErrorCode.EMBEDDER_UNAVAILABLE, f"Ollama at {self.host} returned vectors with NaN or "
                                  "infinite values", f"check the model; re-pull it with `ollama pull {self.model}`")
+        if self.dimensions is not None and matrix.shape[1] != self.dimensions:
+            # Not a fault of the embedder to wait out: an Ollama too old for `dimensions` ignores it.
+            raise RagError(ErrorCode.INVALID_ARGUMENT,
+                           f"configuration error: Ollama at {self.host} returned {matrix.shape[1]}-dimensional vectors "
+                           f"for {self.model!r} when asked for {self.dimensions} (RAG_EMBED_DIMENSIONS): it ignores "
+                           "`dimensions`", "upgrade Ollama (versions before September 2025 ignore it), or unset "
+                           f"RAG_EMBED_DIMENSIONS and run {ingest_command()}")
         return matrix
 
 

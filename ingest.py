@@ -32,7 +32,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Collection, Generator, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -1816,9 +1816,21 @@ class ModelFacts:
 
 def probe_model(embedder: rules.OllamaEmbedder, scheme: rules.PrefixScheme, settings: rules.Settings) -> ModelFacts:
     """Ask Ollama for the model's dimensions and context length (RagError when it is down or lacks
-    the model). Called before the store is touched whenever anything may need embedding."""
+    the model). Called before the store is touched whenever anything may need embedding. With
+    RAG_EMBED_DIMENSIONS the dimensions are the ones asked for, once one vector shows that Ollama
+    honours them."""
     info = embedder.model_info()
-    dims = info.dims or len(embedder.embed([scheme.query_text("dimension probe")])[0])
+    probe = [scheme.query_text("dimension probe")]
+    native = info.dims or len(replace(embedder, dimensions=None).embed(probe)[0])
+    dims = native
+    if embedder.dimensions is not None:
+        if embedder.dimensions > native:
+            raise RagError(ErrorCode.INVALID_ARGUMENT,
+                           f"configuration error: RAG_EMBED_DIMENSIONS={embedder.dimensions} is more than the "
+                           f"{native} dimensions of {embedder.model!r}", f"set RAG_EMBED_DIMENSIONS to {native} or "
+                           "fewer (a size the model was trained for: EmbeddingGemma's are 768, 512, 256 and 128), "
+                           "or unset it for the model's own size")
+        dims = len(embedder.embed(probe)[0])  # the embedder checks it is the size asked for
     try:
         digest = embedder.model_digest()
     except RagError as exc:  # only a safeguard: an Ollama that cannot list its models still embeds
@@ -1879,7 +1891,8 @@ def check_same_model(model: str, facts: Mapping[str, ModelFacts]) -> None:
 
 
 def probe_model_if_reachable(settings: rules.Settings, scheme: rules.PrefixScheme) -> ModelFacts | None:
-    quick = [rules.OllamaEmbedder(host, settings.embed_model, min(settings.embed_timeout_s, OPTIONAL_PROBE_TIMEOUT_S))
+    quick = [rules.OllamaEmbedder(host, settings.embed_model, min(settings.embed_timeout_s, OPTIONAL_PROBE_TIMEOUT_S),
+                                  dimensions=settings.embed_dimensions)
              for host in settings.ollama_hosts or (settings.ollama_host,)]
     try:
         return probe_hosts(quick, scheme, settings)[0]
@@ -2109,7 +2122,8 @@ def _run_in(args: argparse.Namespace, summary: Summary, settings: rules.Settings
         dry_run(args, settings, layout, walk, current, summary)
         return
     assert vectors is not None
-    embedders = [rules.OllamaEmbedder(host, settings.embed_model, settings.embed_timeout_s, keep_alive=KEEP_ALIVE)
+    embedders = [rules.OllamaEmbedder(host, settings.embed_model, settings.embed_timeout_s, keep_alive=KEEP_ALIVE,
+                                      dimensions=settings.embed_dimensions)
                  for host in settings.ollama_hosts or (settings.ollama_host,)]
     run = Run(args, settings, layout, summary, walk, scheme_for(settings.embed_model), embedders, current)
     look = _look_before_the_lock(run, vectors)

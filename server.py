@@ -1500,22 +1500,24 @@ class QueryEmbeddings:
     def __init__(self, size: int = QUERY_CACHE_SIZE) -> None:
         self._cache: LRU[tuple[Any, ...], Any] = LRU(size)
         self._lock = threading.Lock()  # the embedders and the resting hosts
-        self._embedders: dict[tuple[str, str, float], rules.OllamaEmbedder] = {}
+        self._embedders: dict[tuple[str, str, float, int | None], rules.OllamaEmbedder] = {}
         self._resting: dict[tuple[str, str], tuple[float, RagError]] = {}
 
-    def embedder(self, host: str, model: str, timeout: float) -> rules.OllamaEmbedder:
-        key = (host, model, timeout)
+    def embedder(self, host: str, model: str, timeout: float, dimensions: int | None = None) -> rules.OllamaEmbedder:
+        key = (host, model, timeout, dimensions)
         with self._lock:
             if key not in self._embedders:
-                self._embedders[key] = rules.OllamaEmbedder(host, model, timeout)
+                self._embedders[key] = rules.OllamaEmbedder(host, model, timeout, dimensions=dimensions)
             return self._embedders[key]
 
     def begin(self, host: str, model: str, texts: Sequence[str], timeout: float, dims: int,
-              generation: Any, on_arrival: Callable[[list[Any]], None] | None = None) -> Callable[[], list[Any]]:
+              generation: Any, on_arrival: Callable[[list[Any]], None] | None = None,
+              dimensions: int | None = None) -> Callable[[], list[Any]]:
         """One vector per text, those not cached in one call to Ollama, sent now: the caller may
         work meanwhile and waits by calling the result, which raises any error. When a call goes
         out, on_arrival(vectors) runs as soon as they arrive, on the embedder's call thread that
-        received them (a search queues its Chroma queries from there, see Prefetch)."""
+        received them (a search queues its Chroma queries from there, see Prefetch). `dimensions`
+        is asked of Ollama (the index's embed_dimensions); the generation keys the cache apart."""
         keys = [(host, model, text, generation) for text in texts]
         vectors = self._cache.get_many(keys)
         with self._lock:
@@ -1543,7 +1545,7 @@ class QueryEmbeddings:
                 on_arrival(ordered)
             return ordered
 
-        answer = self.embedder(host, model, timeout).begin_embed([key[2] for key in missing], then=received)
+        answer = self.embedder(host, model, timeout, dimensions).begin_embed([key[2] for key in missing], then=received)
 
         def finish() -> list[Any]:
             try:
@@ -1977,7 +1979,8 @@ class RetrievalService:
         timeout = min(settings.embed_timeout_s, QUERY_EMBED_TIMEOUT_S)
         return self.queries.begin(settings.ollama_host, manifest.model, self._query_texts(phrasings, current),
                                   timeout, manifest.dims,
-                                  (current.index, current.generation, current.stamp.model_digest), on_arrival)
+                                  (current.index, current.generation, current.stamp.model_digest), on_arrival,
+                                  manifest.embed_dimensions)
 
     # search_corpus ----------------------------------------------------------------------------
     def search(self, args: SearchCorpusInput) -> dict[str, Any]:

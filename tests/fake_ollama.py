@@ -308,6 +308,7 @@ class FakeOllama:
         self.delay_seconds: float = 0.0
         self.max_input_tokens: int | None = None
         self.wrong_dims: int | None = None
+        self.ignore_dimensions = False  # an Ollama too old for /api/embed's `dimensions`
         # Faults of a broken or hostile endpoint: answer embed calls a byte every this many
         # seconds; put NaN into the vectors of inputs containing this text ("" = every input).
         self.trickle_seconds: float | None = None
@@ -407,6 +408,8 @@ class FakeOllama:
                     self._runner = threading.BoundedSemaphore(self.slots)
                 elif key == "trickle_seconds":
                     self.trickle_seconds = None if value is None else float(value)
+                elif key == "ignore_dimensions":
+                    self.ignore_dimensions = bool(value)
                 elif key == "nan_for":
                     self.nan_for = None if value is None else str(value)
                 elif key == "weights":  # a re-pull under the same name: another digest in /api/tags
@@ -442,6 +445,7 @@ class FakeOllama:
             "delay_seconds": self.delay_seconds,
             "max_input_tokens": self.max_input_tokens,
             "wrong_dims": self.wrong_dims,
+            "ignore_dimensions": self.ignore_dimensions,
             "trickle_seconds": self.trickle_seconds,
             "nan_for": self.nan_for,
             "delay_per_text_seconds": self.delay_per_text_seconds,
@@ -467,6 +471,7 @@ class FakeOllama:
         self.delay_seconds = 0.0
         self.max_input_tokens = None
         self.wrong_dims = None
+        self.ignore_dimensions = False
         self.trickle_seconds = None
         self.nan_for = None
         self._released.set()
@@ -661,6 +666,8 @@ class FakeOllama:
                 return self._not_found(name)
             limit = self.max_input_tokens if self.max_input_tokens is not None else self.context_length
             dims = self.wrong_dims if self.wrong_dims is not None else self.dims
+            if self.ignore_dimensions:
+                dimensions = None
 
         counts = [count_tokens(text) for text in inputs]
         if not truncate and any(c > limit for c in counts):

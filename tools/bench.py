@@ -382,8 +382,16 @@ class FastVectors:
             return vec
         return vec / norm
 
-    def matrix(self, texts: Sequence[str]) -> Any:
-        return self.np.stack([self.vector(t) for t in texts]) if texts else self.np.zeros((0, self.dims))
+    def matrix(self, texts: Sequence[str], dimensions: Any = None) -> Any:
+        """The texts' vectors; with `dimensions` (an /api/embed request's) fewer than DIMS, cut to
+        that many and renormalised, as Ollama does."""
+        np = self.np
+        matrix = np.stack([self.vector(t) for t in texts]) if texts else np.zeros((0, self.dims))
+        if isinstance(dimensions, int) and 0 < dimensions < self.dims:
+            matrix = matrix[:, :dimensions].copy()
+            matrix[np.linalg.norm(matrix, axis=1) == 0.0, 0] = 1.0  # as vector() does for a text of no words
+            matrix = matrix / np.linalg.norm(matrix, axis=1, keepdims=True)
+        return matrix
 
 
 def serve_fake(port: int, delay_per_text_s: float = 0.0, slots: int = 1) -> int:
@@ -419,7 +427,7 @@ def serve_fake(port: int, delay_per_text_s: float = 0.0, slots: int = 1) -> int:
                 self.embed_calls += 1
                 if not self._available(str(body.get("model") or "")):
                     return self._not_found(str(body.get("model") or ""))
-            matrix = vectors.matrix(inputs)
+            matrix = vectors.matrix(inputs, body.get("dimensions"))
             payload = dumps({"model": body.get("model"), "embeddings": matrix,
                              "total_duration": 0, "load_duration": 0, "prompt_eval_count": 0})
             with lock:
@@ -1354,7 +1362,8 @@ class Bench:
         sys.path.insert(0, str(PROJECT_DIR))
         import corpus_rules
 
-        return [float(x) for x in self.vectors.vector(corpus_rules.PREFIX_SCHEMES["embeddinggemma"].query_text(query))]
+        text = corpus_rules.PREFIX_SCHEMES["embeddinggemma"].query_text(query)
+        return [float(x) for x in self.vectors.matrix([text], self.args.dims)[0]]
 
     # 1. indexes ---------------------------------------------------------------------------------
     def build_indexes(self) -> None:
@@ -2296,6 +2305,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--scale-budget", type=float, default=3600.0, metavar="SECONDS",
                         help="--scale stops growing when the next size's projected time exceeds what is left of "
                              "this (default: %(default)s)")
+    parser.add_argument("--dims", type=int, metavar="N",
+                        help=f"build the indexes at N of the fake's {DIMS} dimensions (RAG_EMBED_DIMENSIONS=N for "
+                             "every ingest): the store size and search cost of smaller vectors")
     parser.add_argument("--write-readme", nargs="?", const=str(readme_section.README), metavar="PATH",
                         help="also write the report into the bench (--scale: bench-scale) section of tools/README.md "
                              "(or PATH), between its <!-- NAME:begin --> and <!-- NAME:end --> markers")
@@ -2348,6 +2360,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve_fake(int(argv[1]) if len(argv) > 1 else 0, float(argv[2]) if len(argv) > 2 else 0.0,
                           int(argv[3]) if len(argv) > 3 else 1)
     args = parse_args(argv)
+    # Every ingest inherits it (its range is ingest's to check); the servers follow the index.
+    if args.dims:
+        os.environ["RAG_EMBED_DIMENSIONS"] = str(args.dims)
+    else:
+        os.environ.pop("RAG_EMBED_DIMENSIONS", None)
     if not Path(args.server).is_file():
         print(f"bench: {args.server} does not exist", file=sys.stderr)
         return 2
@@ -2386,7 +2403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = {
         "format": 1, "quick": args.quick, "scale": args.scale, "sizes_chunks": bench.sizes, "duration_s": round(duration, 1),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine, "error": error,
-        "config": {"chunks_per_file": CHUNKS_PER_FILE, "superseded_share": 1 / SUPERSEDED_EVERY, "dims": DIMS,
+        "config": {"chunks_per_file": CHUNKS_PER_FILE, "superseded_share": 1 / SUPERSEDED_EVERY, "dims": args.dims or DIMS,
                    "model": MODEL, "protocol_version": PROTOCOL_VERSION, "n_results": bench.n_results,
                    "repetitions": bench.reps, "server": str(bench.server), "ingest": str(bench.ingest)},
         "figures": [f.as_json() for f in figures],
