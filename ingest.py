@@ -688,7 +688,7 @@ class Embedding:
         resend: collections.deque[list[int]] = collections.deque()
         answers: queue.SimpleQueue[_Answer] = queue.SimpleQueue()
         slots = sum(host.free() for host in self.hosts)
-        share = -(-len(texts) // max(1, CALLS_PER_SLOT * slots))
+        share = -(-len(texts) // (CALLS_PER_SLOT * slots)) if slots > 1 else len(texts)
         at = in_flight = 0
         failure: RagError | None = None
         started = time.monotonic()
@@ -2322,7 +2322,8 @@ def _calibrate(store: Store, embedding: Embedding) -> bool:
 
 def _embed_and_write(run: Run, prepared: Prepared, embedding: Embedding) -> tuple[set[str], list[str]]:
     """Embed the changed files a commit group at a time; each group's vectors go to the store as
-    soon as they are embedded, and its rows commit while the next group's embedding calls are in flight.
+    soon as they are embedded, and its rows commit once the next group's embedding calls are out
+    (the commit overlaps them, and the store writes those vectors meanwhile).
 
     Groups hold about COMMIT_EVERY_S of embedding at the measured pace (the first one call's
     worth), so an interrupted run keeps what it embedded. Once the pace says the files with no
@@ -2348,22 +2349,36 @@ def _embed_and_write(run: Run, prepared: Prepared, embedding: Embedding) -> tupl
     def not_started_without_vectors() -> list[PreparedFile]:
         return [pf for pf in plan.changed if pf.file.path not in started and pf.file.path in plan.without_vectors]
 
+    def begin(group: list[PreparedFile] | None) -> FilesJob | None:
+        if group is None:
+            return None
+        started.update(pf.file.path for pf in group)
+        return embedding.begin_files(group)
+
+    groups = _groups(plan.changed, lambda: _group_chunks(embedding, progress.chunks, first=not started))
     pending: Sent | None = None
     try:
-        for group in _groups(plan.changed, lambda: _group_chunks(embedding, progress.chunks, first=not started)):
-            started.update(pf.file.path for pf in group)
+        job = begin(next(groups, None))
+        while job is not None:
             try:
-                job = embedding.begin_files(group)
-                if pending is not None:  # the group before commits while this one's calls are in flight
-                    commit(pending)
-                    pending = None
                 group = _embedded(embedding, job, plan)
             except RagError:
                 if pending is not None:  # embedded before the failure: it stays
                     commit(pending)
                     pending = None
                 raise
-            pending = store.send(group) if group else None
+            sent = store.send(group) if group else None
+            try:  # the next group's calls go out first: the commit of the group before overlaps them
+                job = begin(next(groups, None))
+            except RagError:
+                for kept in (pending, sent):
+                    if kept is not None:
+                        commit(kept)
+                pending = None
+                raise
+            if pending is not None:
+                commit(pending)
+            pending = sent
             rest = [] if keywords_first else not_started_without_vectors()
             wait = embedding.seconds_for(sum(len(pf.chunks) for pf in rest))
             if rest and wait is not None and wait > KEYWORDS_FIRST_AFTER_S:
