@@ -22,7 +22,8 @@ A call's path: a door -> dispatch -> RetrievalService.<method> -> OpenIndex (key
 Chroma through rules.VectorStore / rules.ServerVectors) and rules.OllamaEmbedder for the query.
 
 Start-up stays cheap on purpose: chromadb and ollama are imported on the first call, or by a
-background warm-up after the client has listed the tools, never during the handshake.
+background warm-up after the client has listed the tools, never during the handshake; a hybrid
+search while the vector index still loads answers from keywords (degraded vector_index_loading).
 stdout carries JSON-RPC only (the MCP stdio transport points fd 1 at stderr while serving);
 everything else is logged to stderr.
 
@@ -1266,12 +1267,11 @@ class OpenIndex:
     def _waited(self, job: rules.BoundedCall, deadline: float | None) -> Any:
         """A vector job's answer. With a deadline (a hybrid search that met the index still
         loading), waited for only until then while the index has not loaded: VectorIndexLoading
-        after that (the job is dropped if it has not started; a load under way goes on)."""
+        after that, and the job is left to run (it may be what loads the index)."""
         with vector_store_failures():
             # A call past the store timeout is no load but a stuck store: CHROMA_WORKER.wait says so.
             if (deadline is not None and not CHROMA_WORKER.stuck(self.store_timeout_s)
                     and not job.finished(max(0.0, deadline - time.monotonic())) and not self.vectors_loaded):
-                job.abandon_if_queued()
                 loading = time.monotonic() - (self.vectors_asked_at or time.monotonic())
                 raise VectorIndexLoading(
                     ErrorCode.STORE_UNAVAILABLE,
@@ -1322,6 +1322,15 @@ class OpenIndex:
 
     def vector_answer(self, job: rules.BoundedCall, deadline: float | None = None) -> list[tuple[str, float]] | None:
         return self._waited(job, deadline)
+
+    def load_vectors(self, live: Callable[[], bool]) -> None:
+        """Load the vector index ahead of any search (the warm-up), on the Chroma thread as a
+        search's queries: chromadb's import, then one tiny query, which loads the HNSW segment (an
+        index with no vectors yet has none to load). Waits at most RAG_STORE_TIMEOUT for each."""
+        self._waited(self._submit(import_chromadb), None)
+        if not without_vectors(self.current):
+            probe = [1.0] + [0.0] * (self.current.manifest.dims - 1)
+            self.vector_answer(self.start_vector_query("active", probe, 1, None, live))
 
     def embeddings(self, lifecycle: str, ids: Sequence[str]) -> tuple[list[str], Any]:
         """Stored vectors of these ids: (ids found, matrix with one row each)."""
@@ -1688,13 +1697,7 @@ class WarmUp:
             with manager.lock:
                 index = manager.open()
                 service.staleness.begin(index, service.corpus_dir(index.current))
-            # On the Chroma thread, as a search's vector queries: the import, then one tiny query
-            # that loads the HNSW segment now rather than in the agent's first search (an index
-            # with no vectors yet has none to load).
-            CHROMA_WORKER.call(import_chromadb, index.vectors.where, index.store_timeout_s)
-            if not without_vectors(index.current):
-                probe = [1.0] + [0.0] * (index.current.manifest.dims - 1)
-                index.vector_answer(index.start_vector_query("active", probe, 1, None, lambda: manager.is_live(index)))
+            index.load_vectors(lambda: manager.is_live(index))
         except RagError as exc:
             log.info("warm-up: store not ready (%s)", exc.code)
         except Exception:  # noqa: BLE001 - a warm-up failure must never take the server down
@@ -1725,7 +1728,7 @@ class StalenessCheck:
         now = time.monotonic()
         cached = self._cache
         if cached is None or cached[0] != index.key:
-            first = self._first
+            first, self._first = self._first, None  # a count that failed is not read twice
             changed = (first[1].result() if first is not None and first[0] == index.key
                        else count_changed_files(corpus_dir, index.documents()))
             self._cache = (index.key, now, changed)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from fake_ollama import FakeOllama
-from helpers import Built, dispatched, in_process_service, sample_built
+from helpers import Built, dispatched, edit, in_process_service, sample_built
 
 import corpus_rules as rules
 import server
@@ -113,7 +113,7 @@ def test_a_first_search_that_starts_the_load_itself_degrades_and_the_load_goes_o
     assert not is_error, payload
     assert_keyword_only_while_loading(payload)
     assert "min_score was not applied" in payload["hint"]
-    assert held.entered.is_set()
+    assert held.entered.wait(60)  # the search's own query, left to run: it is the load
     held.release()
     assert server.CHROMA_WORKER.wait_idle(30)
     assert svc.manager.open().vectors_loaded  # the abandoned search's query finished the load
@@ -167,5 +167,22 @@ def test_without_a_loading_wait_hybrid_waits_for_the_load(base: Built, held: Hel
         held.release()
         searching.join(60)
         assert_hybrid(answers[0][1])
+    finally:
+        service.close(5)
+
+
+def test_the_staleness_count_the_warm_up_began_is_the_one_the_first_search_reports(
+        fake: FakeOllama, sample_index: tuple[Path, Path]) -> None:
+    built = Built(*sample_index, fake.host)
+    target = built.corpus / ESCALATION
+    edit(target, target.read_text(encoding="utf-8") + "\nA line added after ingest.\n")
+    service = in_process_service(built)
+    try:
+        warmup = server.WarmUp(service)
+        warmup.start(delay=0.0)
+        warmup.join(60)
+        is_error, payload = dispatched(service, "search_corpus", query=QUERY)
+        assert not is_error and payload["staleness"]["changed_files"] == 1, payload
+        assert "1 indexed file(s) changed on disk" in payload["staleness"]["hint"]
     finally:
         service.close(5)
