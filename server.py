@@ -22,7 +22,8 @@ A call's path: a door -> dispatch -> RetrievalService.<method> -> OpenIndex (key
 Chroma through rules.VectorStore / rules.ServerVectors) and rules.OllamaEmbedder for the query.
 
 Start-up stays cheap on purpose: chromadb and ollama are imported on the first call, or by a
-background warm-up after the client has listed the tools, never during the handshake.
+background warm-up after the client has listed the tools, never during the handshake; a hybrid
+search while the vector index still loads answers from keywords (degraded vector_index_loading).
 stdout carries JSON-RPC only (the MCP stdio transport points fd 1 at stderr while serving);
 everything else is logged to stderr.
 
@@ -44,6 +45,7 @@ import contextvars
 import dataclasses
 import difflib
 import functools
+import importlib
 import itertools
 import json
 import logging
@@ -161,6 +163,11 @@ SQLITE_BUSY_TIMEOUT_S = 5.0
 # lock just released lets it through, a frozen store does not cost every search a full timeout.
 STORE_STUCK_GRACE_S = 1.0
 WARMUP_DELAY_S = 0.2
+# How long a hybrid search in a server waits for a vector index that is still loading (the first
+# search after the server started, or after an ingest published a new index) before it answers
+# from the keyword channel alone, saying so: the goal is a first answer within 1.5 s of spawn, of
+# which the handshake takes about half, more on a busy machine. mode='vector' waits for the load.
+COLD_VECTOR_WAIT_S = 0.4
 # SQLite integers are signed 64-bit; a larger offset would crash the query instead of failing validation.
 SQLITE_MAX_INT = 2**63 - 1
 
@@ -417,9 +424,11 @@ class SearchResponse(BaseModel):
     dropped_below_min_score: int = 0
     message: str | None = None
     degraded: Literal["embedder_unavailable", "model_not_found", "vector_store_unavailable",
-                      "vectors_pending"] | None = Field(
+                      "vector_index_loading", "vectors_pending"] | None = Field(
         None, description="Set when hybrid search could not embed the query or read the vector store, and "
-                          "answered from the keyword channel alone (scores are null); vectors_pending: some "
+                          "answered from the keyword channel alone (scores are null); vector_index_loading: "
+                          "a cold start, the vector index was still loading (retry in a few seconds for "
+                          "hybrid results); vectors_pending: some "
                           "passages (index.vectors_pending) have no vectors yet, so only keyword search finds "
                           "them (all of them: keyword results only, scores null); see hint.")
     hint: str | None = Field(None, description="What happened and what to do, when degraded is set.")
@@ -994,13 +1003,26 @@ class LRU(typing.Generic[K, V]):
 # The store, as of one generation.
 
 
-def _chromadb() -> Any:
-    return rules.import_heavy("chromadb")  # the import costs ~1 s; never during the handshake
+def import_chromadb() -> None:
+    """Import chromadb (it costs ~1 s; never during the handshake) without holding import_heavy's
+    lock, numpy first under it: that lock is there for numpy's half-initialized state, and held for
+    the whole chromadb import it would keep a search's embedder (it needs numpy) waiting as long."""
+    rules.import_heavy("numpy")
+    importlib.import_module("chromadb")
 
 
 class VectorStoreUnavailable(RagError):
     """A read of the vector store failed (a Chroma server down or frozen, a database locked or
     damaged): hybrid search answers from the keyword channel, as when the embedder is down."""
+
+    degraded = "vector_store_unavailable"  # the response's `degraded`
+
+
+class VectorIndexLoading(VectorStoreUnavailable):
+    """The vector index was still loading when a hybrid search's wait for it ran out (see
+    RetrievalService.loading_wait_s): the search answers from the keyword channel, and the load goes on."""
+
+    degraded = "vector_index_loading"
 
 
 # A vector read failing with these may be mended by reopening the client, and hybrid search
@@ -1065,8 +1087,8 @@ class ChromaWorker:
         """A submitted job's result, waited for at most `timeout` seconds (then dropped if unstarted).
         While the worker is stuck on a call older than `timeout`, a queued job waits only
         STORE_STUCK_GRACE_S (hybrid search then degrades without a second full wait)."""
-        started, wait_s = self._running_since, timeout
-        stuck = started is not None and time.monotonic() - started > timeout and job.queued
+        wait_s = timeout
+        stuck = self.stuck(timeout) and job.queued
         if stuck:
             wait_s = min(timeout, STORE_STUCK_GRACE_S)
         if not job.finished(wait_s):
@@ -1077,6 +1099,11 @@ class ChromaWorker:
                            "another process may hold it locked (an ingest, a backup or a database browser); "
                            "retry in a moment. mode='keyword' does not need it")
         return job.result(0)
+
+    def stuck(self, timeout: float) -> bool:
+        """Whether the call the worker runs has run longer than `timeout`."""
+        started = self._running_since
+        return started is not None and time.monotonic() - started > timeout
 
     def _serve(self) -> None:
         while True:
@@ -1111,6 +1138,7 @@ class OpenIndex:
         self.db = self._open_keywords()
         self.vectors = vectors  # opened on first need, on the Chroma thread
         self.vectors_loaded = False  # a read of the vectors has answered (the HNSW index is in memory)
+        self.vectors_asked_at: float | None = None  # when the first read was sent (the load began)
         # A generation's counts never change; they go with it (a new generation opens afresh).
         self._passage_counts: LRU[str, int] = LRU(PASSAGE_COUNT_CACHE_SIZE)
 
@@ -1231,16 +1259,38 @@ class OpenIndex:
         CHROMA_WORKER.submit(self.vectors.close)
 
     # Vectors: every call runs on CHROMA_WORKER's thread ---------------------------------------
-    def _vector_read(self, read: Callable[[rules.VectorStore], Any]) -> Any:
+    def _submit(self, fn: Callable[[], Any]) -> rules.BoundedCall:
+        if self.vectors_asked_at is None:
+            self.vectors_asked_at = time.monotonic()
+        return CHROMA_WORKER.submit(fn)
+
+    def _waited(self, job: rules.BoundedCall, deadline: float | None) -> Any:
+        """A vector job's answer. With a deadline (a hybrid search that met the index still
+        loading), waited for only until then while the index has not loaded: VectorIndexLoading
+        after that, and the job is left to run (it may be what loads the index)."""
+        with vector_store_failures():
+            # A call past the store timeout is no load but a stuck store: CHROMA_WORKER.wait says so.
+            if (deadline is not None and not CHROMA_WORKER.stuck(self.store_timeout_s)
+                    and not job.finished(max(0.0, deadline - time.monotonic())) and not self.vectors_loaded):
+                loading = time.monotonic() - (self.vectors_asked_at or time.monotonic())
+                raise VectorIndexLoading(
+                    ErrorCode.STORE_UNAVAILABLE,
+                    f"the vector index is still loading into memory (for {loading:.1f} s so far: the first "
+                    "search since the server started, or since an ingest published a new index)",
+                    "retry in a few seconds for hybrid results (the load goes on meanwhile); mode='vector' "
+                    "waits for it")
+            return CHROMA_WORKER.wait(job, self.vectors.where, self.store_timeout_s)
+
+    def _vector_read(self, read: Callable[[rules.VectorStore], Any], deadline: float | None = None) -> Any:
         """Run a read on the vector store; on failure reopen the client once and retry.
 
         While an ingest deletes vectors, this process's client still holds the previous HNSW
         state in memory and Chroma fails with "Error finding id" for labels whose ids are gone;
         a fresh client reads the current files. Measured: 23 of 185 searches failed during a
-        re-ingest before this retry, none after. The caller waits at most RAG_STORE_TIMEOUT.
+        re-ingest before this retry, none after. The caller waits at most RAG_STORE_TIMEOUT
+        (or until `deadline` while the index loads, see _waited).
         """
-        with vector_store_failures():
-            return CHROMA_WORKER.call(lambda: self._read_reopening(read), self.vectors.where, self.store_timeout_s)
+        return self._waited(self._submit(lambda: self._read_reopening(read)), deadline)
 
     def _read_reopening(self, read: Callable[[rules.VectorStore], Any]) -> Any:
         try:
@@ -1254,10 +1304,10 @@ class OpenIndex:
         self.vectors_loaded = True
         return answer
 
-    def vector_query(self, lifecycle: str, vector: Sequence[float], n: int,
-                     paths: Sequence[str] | None) -> list[tuple[str, float]]:
+    def vector_query(self, lifecycle: str, vector: Sequence[float], n: int, paths: Sequence[str] | None,
+                     deadline: float | None = None) -> list[tuple[str, float]]:
         """(id, cosine distance) best first. paths=None: unfiltered (the fast path)."""
-        return self._vector_read(lambda vectors: vectors.query(lifecycle, vector, n, paths))
+        return self._vector_read(lambda vectors: vectors.query(lifecycle, vector, n, paths), deadline)
 
     def start_vector_query(self, lifecycle: str, vector: Sequence[float], n: int, paths: Sequence[str] | None,
                            live: Callable[[], bool]) -> rules.BoundedCall:
@@ -1268,11 +1318,19 @@ class OpenIndex:
         def query(vectors: rules.VectorStore) -> list[tuple[str, float]]:
             return vectors.query(lifecycle, vector, n, paths)
 
-        return CHROMA_WORKER.submit(lambda: self._read_reopening(query) if live() else None)
+        return self._submit(lambda: self._read_reopening(query) if live() else None)
 
-    def vector_answer(self, job: rules.BoundedCall) -> list[tuple[str, float]] | None:
-        with vector_store_failures():
-            return CHROMA_WORKER.wait(job, self.vectors.where, self.store_timeout_s)
+    def vector_answer(self, job: rules.BoundedCall, deadline: float | None = None) -> list[tuple[str, float]] | None:
+        return self._waited(job, deadline)
+
+    def load_vectors(self, live: Callable[[], bool]) -> None:
+        """Load the vector index ahead of any search (the warm-up), on the Chroma thread as a
+        search's queries: chromadb's import, then one tiny query, which loads the HNSW segment (an
+        index with no vectors yet has none to load). Waits at most RAG_STORE_TIMEOUT for each."""
+        self._waited(self._submit(import_chromadb), None)
+        if not without_vectors(self.current):
+            probe = [1.0] + [0.0] * (self.current.manifest.dims - 1)
+            self.vector_answer(self.start_vector_query("active", probe, 1, None, live))
 
     def embeddings(self, lifecycle: str, ids: Sequence[str]) -> tuple[list[str], Any]:
         """Stored vectors of these ids: (ids found, matrix with one row each)."""
@@ -1600,8 +1658,10 @@ def without_vectors(current: rules.CurrentIndex) -> bool:
 
 
 class WarmUp:
-    """Pays the imports and the store opening in the background, once, after the handshake: the
-    client has what it needs to start, and the agent's first search does not pay ~2 s of imports."""
+    """Pays the imports, the store opening and the vector index load in the background, once,
+    after the handshake: the client has what it needs to start, and the agent's first search does
+    not pay ~2 s of imports. The store lock is held only to open the index: a search arriving
+    during the load answers from the keyword channel meanwhile (see COLD_VECTOR_WAIT_S)."""
 
     def __init__(self, service: RetrievalService) -> None:
         self.service = service
@@ -1634,15 +1694,12 @@ class WarmUp:
         started = time.perf_counter()
         try:
             rules.import_heavy("ollama")  # only to pay the imports now
-            _chromadb()
-            manager = self.service.manager
+            service = self.service
+            manager = service.manager
             with manager.lock:
                 index = manager.open()
-                # One tiny query loads the HNSW segment now rather than in the agent's first search
-                # (an index with no vectors yet has none to load).
-                if not without_vectors(index.current):
-                    probe = [1.0] + [0.0] * (index.current.manifest.dims - 1)
-                    index.vector_query("active", probe, 1, None)
+                service.staleness.begin(index, service.corpus_dir(index.current))
+            index.load_vectors(lambda: manager.is_live(index))
         except RagError as exc:
             log.info("warm-up: store not ready (%s)", exc.code)
         except Exception:  # noqa: BLE001 - a warm-up failure must never take the server down
@@ -1651,19 +1708,31 @@ class WarmUp:
 
 
 class StalenessCheck:
-    """How many indexed files changed on disk since ingest. Counted in the call once per
-    generation; after that a stale count is served while a background thread recounts every
-    STALENESS_TTL_S, so no search waits for thousands of stat calls."""
+    """How many indexed files changed on disk since ingest. Counted once per generation, by the
+    first call that needs it or ahead of it (begin); after that a stale count is served while a
+    background thread recounts every STALENESS_TTL_S, so no search waits for thousands of stat
+    calls. Callers hold the store lock (StoreManager.lock)."""
 
     def __init__(self) -> None:
         self._cache: tuple[tuple[str, int], float, int] | None = None
+        self._first: tuple[tuple[str, int], rules.BoundedCall] | None = None
         self._refreshing = False
+
+    def begin(self, index: OpenIndex, corpus_dir: Path) -> None:
+        """Start a generation's first count on a thread of its own, unless it is counted or being
+        counted: the warm-up and a generation's first search overlap it with the vector index load."""
+        known = self._cache is not None and self._cache[0] == index.key
+        if not known and not (self._first is not None and self._first[0] == index.key):
+            docs = index.documents()
+            self._first = (index.key, rules.on_call_thread(lambda: count_changed_files(corpus_dir, docs)))
 
     def of(self, index: OpenIndex, corpus_dir: Path, recount: Callable[[], tuple[tuple[str, int], int]]) -> Staleness:
         now = time.monotonic()
         cached = self._cache
         if cached is None or cached[0] != index.key:
-            changed = count_changed_files(corpus_dir, index.documents())
+            first, self._first = self._first, None  # a count that failed is not read twice
+            changed = (first[1].result() if first is not None and first[0] == index.key
+                       else count_changed_files(corpus_dir, index.documents()))
             self._cache = (index.key, now, changed)
         else:
             changed = cached[2]
@@ -1889,10 +1958,16 @@ def rank(candidates: ChannelCandidates, mode: str) -> list[tuple[str, float]]:
 
 
 class RetrievalService:
-    """The three tools as plain methods over the store; no MCP, HTTP or CLI types in here."""
+    """The three tools as plain methods over the store; no MCP, HTTP or CLI types in here.
 
-    def __init__(self, settings_loader: Callable[[], rules.Settings] = rules.load_settings) -> None:
+    `loading_wait_s`: how long a hybrid search waits for a vector index still loading before it
+    answers from the keyword channel (the servers: COLD_VECTOR_WAIT_S); None: for as long as the
+    store timeout (the CLI, one search per process: a retry would meet the same cold start)."""
+
+    def __init__(self, settings_loader: Callable[[], rules.Settings] = rules.load_settings,
+                 loading_wait_s: float | None = None) -> None:
         self._settings_loader = settings_loader
+        self.loading_wait_s = loading_wait_s
         self._settings: rules.Settings | None = None
         self._manager: StoreManager | None = None
         self._init_lock = threading.Lock()
@@ -1945,11 +2020,11 @@ class RetrievalService:
             with self.manager.lock:
                 latest = self.manager.open()
                 docs = latest.documents()
-            return latest.key, count_changed_files(self._corpus_dir(latest.current), docs)
+            return latest.key, count_changed_files(self.corpus_dir(latest.current), docs)
 
-        return self.staleness.of(index, self._corpus_dir(index.current), recount)
+        return self.staleness.of(index, self.corpus_dir(index.current), recount)
 
-    def _corpus_dir(self, current: rules.CurrentIndex) -> Path:
+    def corpus_dir(self, current: rules.CurrentIndex) -> Path:
         """RAG_CORPUS_DIR when set, else the folder the index was built from."""
         if self.settings.corpus_dir_explicit or not current.corpus_dir:
             return self.settings.corpus_dir
@@ -2003,14 +2078,18 @@ class RetrievalService:
         Stages 2, 3 and the Chroma queries of 4 overlap stage 1 (Prefetch says which thread does
         what); they are kept when the index did not move on meanwhile, else run again on the new
         generation. An embedder (1) or vector store (4) that is down degrades hybrid search to
-        the keyword channel's results; vector mode has nothing to fall back on."""
+        the keyword channel's results; vector mode has nothing to fall back on. So does, in hybrid
+        mode, a vector index still loading `loading_wait_s` after the search began (vector mode
+        waits for it)."""
         if args.mode == "keyword" and args.min_score is not None:
             raise RagError(ErrorCode.INVALID_ARGUMENT, "min_score needs similarity scores, which keyword mode "
                            "does not compute", "drop min_score, or use mode 'hybrid' or 'vector'")
         manager = self.manager
-        if args.mode != "keyword" and manager.vectors_cold():
-            # Said before waiting for the lock: a warm-up still loading holds it.
+        cold = args.mode != "keyword" and manager.vectors_cold()
+        if cold:
             tell_progress("loading the vector index (the first search since the server started)")
+        wait = self.loading_wait_s
+        loading_until = time.monotonic() + wait if cold and args.mode == "hybrid" and wait is not None else None
         texts = args.phrasings()
         vectors: list[Any] | None = None
         embedded_for: Any = None
@@ -2028,16 +2107,18 @@ class RetrievalService:
                         or (vectors is not None and embedded_for == index.current.manifest)):
                     # 2.-10. on this generation, with what was prefetched on it
                     phrasings = [Phrasing(text, vectors[i] if vectors else None) for i, text in enumerate(texts)]
+                    kept = prefetch if prefetch is not None and prefetch.key == index.key else None
                     try:
-                        return self._search_index(index, args, phrasings, degraded,
-                                                  prefetch if prefetch is not None and prefetch.key == index.key
-                                                  else None)
+                        return self._search_index(index, args, phrasings, degraded, kept, loading_until)
                     except VectorStoreUnavailable as exc:
                         if args.mode != "hybrid":
                             raise
                         log.warning("search degraded to keyword results: %s", exc.message)
-                        return self._search_index(index, args, [Phrasing(text, None) for text in texts], exc)
+                        # The keyword channel already run is kept (it reads no vectors).
+                        return self._search_index(index, args, [Phrasing(text, None) for text in texts], exc, kept)
                 current = index.current
+                # The response's staleness count, begun now if this generation has none yet.
+                self.staleness.begin(index, self.corpus_dir(current))
                 # 2. pre-filter, first: the Chroma queries the embedder's thread starts need it
                 prefetch = Prefetch(index.key, self._prefilter(index, args))
                 # 1. embed (sent now)
@@ -2062,8 +2143,10 @@ class RetrievalService:
                        "an ingest is publishing generations; retry in a moment")
 
     def _search_index(self, index: OpenIndex, args: SearchCorpusInput, phrasings: list[Phrasing],
-                      degraded: RagError | None, prefetch: Prefetch | None = None) -> dict[str, Any]:
-        """Stages 2-10 of search on one generation, each returning what the next one takes."""
+                      degraded: RagError | None, prefetch: Prefetch | None = None,
+                      loading_until: float | None = None) -> dict[str, Any]:
+        """Stages 2-10 of search on one generation, each returning what the next one takes
+        (`loading_until`: how long the vector channel waits for an index still loading)."""
         # 2. pre-filter
         scope = prefetch.scope if prefetch is not None else self._prefilter(index, args)
         facts, candidates = QueryFacts(), ChannelCandidates()
@@ -2074,7 +2157,7 @@ class RetrievalService:
             facts = keyword.facts
             # 4. vector channel
             candidates = self._vector_channel(index, args, scope, phrasings, keyword.candidates,
-                                              prefetch.queries if prefetch is not None else {})
+                                              prefetch.queries if prefetch is not None else {}, loading_until)
             # 5. min_score
             candidates = self._above_min_score(index, args, phrasings, candidates)
             # 6. identifiers
@@ -2147,10 +2230,11 @@ class RetrievalService:
 
     def _vector_channel(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope,
                         phrasings: list[Phrasing], keyword: ChannelCandidates,
-                        started: Mapping[tuple[int, str], rules.BoundedCall]) -> ChannelCandidates:
+                        started: Mapping[tuple[int, str], rules.BoundedCall],
+                        loading_until: float | None = None) -> ChannelCandidates:
         """The keyword candidates with each phrasing's vector candidates (hybrid and vector
         modes) and their similarities added; `started`: Chroma queries already sent, by
-        (phrasing, lifecycle)."""
+        (phrasing, lifecycle); VectorIndexLoading when the index is still loading at `loading_until`."""
         if args.mode not in ("hybrid", "vector"):
             return keyword
         lists: list[RankedList] = []
@@ -2160,7 +2244,8 @@ class RetrievalService:
             if phrasing.vector is None:
                 continue
             ids, scores = self._nearest_committed(index, phrasing.vector, scope,
-                                                  {lc: job for (q, lc), job in started.items() if q == p})
+                                                  {lc: job for (q, lc), job in started.items() if q == p},
+                                                  loading_until)
             lists.append(RankedList("vector", p, tuple(ids), 1.0 if p == 0 else EXTRA_PHRASING_WEIGHT))
             similarities[p] = {item: score for item, score in scores.items() if score is not None}
             for item, score in scores.items():
@@ -2204,7 +2289,8 @@ class RetrievalService:
         return distinctive_identifiers(seen, counts, index.current.stamp.chunks), missing, frozenset(own)
 
     def _nearest_committed(self, index: OpenIndex, vector: Sequence[float], scope: SearchScope,
-                           started: Mapping[str, rules.BoundedCall]) -> tuple[list[str], dict[str, float | None]]:
+                           started: Mapping[str, rules.BoundedCall],
+                           loading_until: float | None = None) -> tuple[list[str], dict[str, float | None]]:
         """Vector candidates whose chunk rows are committed, best first: (ids, similarities).
 
         Asks Chroma for VECTOR_FETCH and over-fetches until CHANNEL_CANDIDATES committed
@@ -2224,9 +2310,9 @@ class RetrievalService:
                 if paths is not None and not paths:
                     continue
                 job = started.get(lc)
-                got = index.vector_answer(job) if job is not None else None
+                got = index.vector_answer(job, loading_until) if job is not None else None
                 if got is None:
-                    got = index.vector_query(lc, vector, n, paths)
+                    got = index.vector_query(lc, vector, n, paths, loading_until)
                 exhausted = exhausted and len(got) < n
                 raw.extend(got)
             raw.sort(key=lambda pair: (pair[1], pair[0]))
@@ -2277,7 +2363,7 @@ class RetrievalService:
     def _with_freshness(self, index: OpenIndex, hits: list[SearchHit]) -> list[SearchHit]:
         """The hits, each saying whether its file changed on disk since ingest (Claude Code shows the
         model structured content only, so every hit carries it): one stat per distinct path."""
-        corpus = self._corpus_dir(index.current)
+        corpus = self.corpus_dir(index.current)
         states = {path: disk_state(corpus, doc) for path, doc in index.documents_at({h.path for h in hits}).items()}
         return [hit.model_copy(update={"changed_on_disk": states[hit.path] != "unchanged",
                                        "freshness": states[hit.path]}) if hit.path in states else hit
@@ -2303,7 +2389,7 @@ class RetrievalService:
         model (so it fits the declared outputSchema), then trimmed to the budget as JSON."""
         extra: dict[str, Any] = {}
         if degraded is not None:
-            extra = {"degraded": ("vector_store_unavailable" if isinstance(degraded, VectorStoreUnavailable)
+            extra = {"degraded": (degraded.degraded if isinstance(degraded, VectorStoreUnavailable)
                                   else str(degraded.code)),
                      "hint": f"{degraded.message}: keyword results only. {degraded.hint}"}
             if args.min_score is not None:
@@ -2378,7 +2464,7 @@ class RetrievalService:
         manager = self.manager
         with manager.lock:
             index = manager.open()
-            corpus = self._corpus_dir(index.current)
+            corpus = self.corpus_dir(index.current)
             doc = index.document(args.path)
             if doc is None:
                 raise RagError(ErrorCode.NOT_INDEXED, f"{rules.shown(args.path)} is not in the index",
@@ -4081,7 +4167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RagError:
         settings = None  # said at start (startup_problems) and by every tool call
     configure_logging(settings.log_level if settings else "INFO")
-    service = RetrievalService()
+    service = RetrievalService(loading_wait_s=None if args.command else COLD_VECTOR_WAIT_S)
     if args.command:
         logging.getLogger().setLevel(logging.ERROR)
         log.setLevel(logging.WARNING)  # the shell sees the answer; one line per call would be noise

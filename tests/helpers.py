@@ -660,6 +660,14 @@ async def tool(client: Client, name: str, **args: Any) -> tuple[bool, dict[str, 
     return tool_payload(name, await client.call_tool(name, args))
 
 
+async def vectors_loaded(client: Client) -> None:
+    """Once the server's vector index is loaded, for a test about what a warm server answers: a
+    vector search waits for the load, where a hybrid search answers from its keyword channel
+    meanwhile (degraded vector_index_loading: tests/test_cold_start.py)."""
+    is_error, payload = await tool(client, "search_corpus", query="the vector index is loaded", mode="vector")
+    assert not is_error, payload
+
+
 # ---------------------------------------------------------------------------
 # A real Chroma server.
 

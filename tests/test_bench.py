@@ -21,7 +21,11 @@ EXPECTED = (
     "handshake.median_s",
     "stdio.roundtrip_p50_ms",
     "cold.first_search_s@",
+    "cold.handshake_s@",
     "cold.first_call_s@",
+    "cold.keyword_only@",
+    "cold.hybrid_s@",
+    "cold.hnsw_load_s@",
     "search.hybrid.p50_ms@",
     "search.hybrid.p95_ms@",
     "search.vector.p50_ms@",
@@ -74,7 +78,7 @@ MUST_PASS = ("slow.failures@", "watch.sigint_exit@", "reuse.full_embedded@", "re
 POSITIVE = ("http.bare_roundtrip_p50_ms", "http.bridge.p50_ms@", "http.mcp_jsonrpc.p50_ms@",
             "http.mcp_jsonrpc_2026.p50_ms@", "http.mcp.p50_ms@",
             "http.health_p50_ms",
-            "http.throughput@", "cli.search_cold_s@")
+            "http.throughput@", "cli.search_cold_s@", "cold.hybrid_s@", "cold.hnsw_load_s@")
 
 
 def _number(value: object) -> bool:

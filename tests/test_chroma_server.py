@@ -92,6 +92,8 @@ def searches(store: Path, corpus: Path, host: str, url: str | None) -> list[Any]
     extra = {"RAG_CHROMA_URL": url} if url else {}
     answers = []
     with raw_server(store, corpus, host, **extra) as server:
+        # A vector search waits for the vector index to load (a hybrid one answers from keywords meanwhile).
+        assert not call(server, "search_corpus", {"query": QUERIES[0], "mode": "vector"})[0]
         for query in QUERIES:
             for mode in ("hybrid", "vector", "keyword"):
                 for superseded in (False, True):

@@ -29,7 +29,18 @@ import httpx
 import pytest
 from fake_ollama import FakeOllama
 from faultlib import write_lock
-from helpers import ROOT, SERVER, Built, connect, free_port, output_validators, sample_built, tool, wait_for_logged
+from helpers import (
+    ROOT,
+    SERVER,
+    Built,
+    connect,
+    free_port,
+    output_validators,
+    sample_built,
+    tool,
+    vectors_loaded,
+    wait_for_logged,
+)
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
@@ -237,8 +248,10 @@ def test_one_search_answers_identically_through_every_door(server: HttpServer, b
 
     async def over_mcp() -> tuple[dict[str, Any], dict[str, Any]]:
         async with connect(built.server_env(fake.host)) as client:
+            await vectors_loaded(client)  # as the CLI's search, which waits for the load
             stdio = (await tool(client, "search_corpus", **arguments))[1]
         async with await mcp_http_client(server.mcp_url, "legacy") as client:
+            await vectors_loaded(client)
             http = (await tool(client, "search_corpus", **arguments))[1]
         return stdio, http
 

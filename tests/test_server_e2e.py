@@ -31,6 +31,7 @@ from helpers import (
     server_env,
     tool,
     tool_payload,
+    vectors_loaded,
     without_echoed_identifier,
 )
 from mcp import Client
@@ -79,6 +80,7 @@ def test_sev1_question_finds_the_on_call_doc_first(built: Built, fake: FakeOllam
             for definition in listed.values():
                 assert definition.annotations and definition.annotations.read_only_hint is True
                 assert definition.output_schema is not None
+            await vectors_loaded(client)  # a search right after the handshake answers from keywords
             is_error, payload = await tool(client, "search_corpus", query="who gets paged for a sev-1")
             assert not is_error
             top = payload["results"][0]
@@ -119,6 +121,7 @@ def test_a_thin_search_says_why_over_stdio(built: Built, fake: FakeOllama) -> No
     """What the model is shown (structured content only, in Claude Code) says why a search is thin."""
     async def scenario() -> None:
         async with connect(built.server_env(fake.host)) as client:
+            await vectors_loaded(client)  # the confidence of a hybrid search, not of its keyword channel
             _, hidden = await tool(client, "search_corpus", query="kubectl-deploy push --all-at-once")
             assert hidden["confidence"] == "low" and "pass include_superseded=true" in hidden["message"]
             assert hidden["message"].endswith("replaced by 'runbooks/deploy.md'")
