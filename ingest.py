@@ -1260,8 +1260,10 @@ class Store:
         owners: dict[str, dict[str, str]] = {}  # lifecycle -> chunk id -> key
         for batch in rules.batched(keys, 500):
             marks = ",".join("?" * len(batch))
+            # Not the chunks that wait for their vectors (indexed for keyword search first): asking
+            # the vector process for what it does not hold would wait behind its writes for nothing.
             for chunk, lifecycle, key in self.db.execute(
-                    f"SELECT id, lifecycle, embed_key FROM chunks WHERE embed_key IN ({marks})", list(batch)):
+                    f"SELECT id, lifecycle, embed_key {WITH_VECTORS} AND embed_key IN ({marks})", list(batch)):
                 owners.setdefault(lifecycle, {}).setdefault(chunk, key)
         for lifecycle, by_id in owners.items():
             ids = [i for i, key in by_id.items() if key not in found]

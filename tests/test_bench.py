@@ -46,6 +46,12 @@ EXPECTED = (
     "slow.chunks_per_s@",
     "slow.embed_calls@",
     "slow.largest_call@",
+    # issue 30: embedding calls in flight, on one host of S slots and on two hosts
+    "slots.chunks_per_s_1@",
+    "slots.chunks_per_s_2@",
+    "slots.chunks_per_s_4@",
+    "slots.chunks_per_s_8@",
+    "slots.chunks_per_s_2_hosts@",
     "watch.latency_p50_s@",
     "watch.latency_p95_s@",
     "watch.sigint_exit@",
@@ -70,12 +76,13 @@ EXPECTED = (
 # Figures compared with a limit measured in the same run carry the limit and the ratio too.
 WITH_LIMIT = ("handshake.median_s", "search.hybrid.p50_ms@", "ingest.throughput@", "watch.latency_p50_s@",
               "reingest.noop_rules_s@", "reuse.full_embedded@", "http.bridge.p50_ms@", "http.mcp_jsonrpc.p50_ms@",
-              "http.mcp_jsonrpc_2026.p50_ms@", "http.throughput@")
+              "http.mcp_jsonrpc_2026.p50_ms@", "http.throughput@", "slots.chunks_per_s_2@", "slots.chunks_per_s_8@",
+              "slots.chunks_per_s_2_hosts@")
 # Goals about counts and outcomes, not speed: they hold on any machine.
 MUST_PASS = ("slow.failures@", "watch.sigint_exit@", "reuse.full_embedded@", "reuse.edit_embedded@",
              "reuse.rename_embedded@", "http.sigterm_exit")
 # Durations and rates: a zero would mean nothing was timed.
-POSITIVE = ("http.bare_roundtrip_p50_ms", "http.bridge.p50_ms@", "http.mcp_jsonrpc.p50_ms@",
+POSITIVE = ("slots.chunks_per_s_1@", "slots.chunks_per_s_2_hosts@", "http.bare_roundtrip_p50_ms", "http.bridge.p50_ms@", "http.mcp_jsonrpc.p50_ms@",
             "http.mcp_jsonrpc_2026.p50_ms@", "http.mcp.p50_ms@",
             "http.health_p50_ms",
             "http.throughput@", "cli.search_cold_s@", "cold.hybrid_s@", "cold.hnsw_load_s@")
