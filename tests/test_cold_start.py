@@ -9,7 +9,7 @@ Every result is checked against the tool's outputSchema (helpers.dispatched).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,19 +120,25 @@ def test_a_first_search_that_starts_the_load_itself_degrades_and_the_load_goes_o
     assert_hybrid(dispatched(svc, "search_corpus", query=QUERY)[1])
 
 
-def test_vector_mode_waits_for_the_load(svc: Any, held: HeldLoad) -> None:
+def answered_once_released(held: HeldLoad, search: Callable[[], tuple[bool, dict[str, Any]]]) -> dict[str, Any]:
+    """`search` on a thread: still waiting well past the hybrid wait while the load is held, then
+    answered (not an error) once it is released. Its payload."""
     answers: list[tuple[bool, dict[str, Any]]] = []
-    searching = threading.Thread(target=lambda: answers.append(
-        dispatched(svc, "search_corpus", query=QUERY, mode="vector")))
+    searching = threading.Thread(target=lambda: answers.append(search()))
     searching.start()
     assert held.entered.wait(60)
-    # Well past the hybrid wait: an explicit vector search is still waiting, not answered.
     searching.join(10 * LOADING_WAIT_S)
     assert searching.is_alive() and not answers
     held.release()
     searching.join(60)
     ((is_error, payload),) = answers
-    assert not is_error and payload["degraded"] is None, payload
+    assert not is_error, payload
+    return payload
+
+
+def test_vector_mode_waits_for_the_load(svc: Any, held: HeldLoad) -> None:
+    payload = answered_once_released(held, lambda: dispatched(svc, "search_corpus", query=QUERY, mode="vector"))
+    assert payload["degraded"] is None, payload
     assert payload["results"][0]["path"] == ESCALATION and payload["results"][0]["matched"] == ["vector"]
 
 
@@ -142,31 +148,15 @@ def test_a_loaded_index_is_never_called_loading(svc: Any, held: HeldLoad) -> Non
     assert not dispatched(svc, "search_corpus", query=QUERY, mode="vector")[0]  # loads the index
     assert_hybrid(dispatched(svc, "search_corpus", query=QUERY)[1])
     held.released.clear()  # the next query waits again, as a slow store would
-    answers: list[tuple[bool, dict[str, Any]]] = []
-    searching = threading.Thread(target=lambda: answers.append(
-        dispatched(svc, "search_corpus", query="rollback the database")))
-    searching.start()
-    searching.join(10 * LOADING_WAIT_S)
-    assert searching.is_alive() and not answers
-    held.release()
-    searching.join(60)
-    ((is_error, payload),) = answers
-    assert not is_error and payload["degraded"] is None, payload
+    payload = answered_once_released(held, lambda: dispatched(svc, "search_corpus", query="rollback the database"))
+    assert payload["degraded"] is None, payload
 
 
 def test_without_a_loading_wait_hybrid_waits_for_the_load(base: Built, held: HeldLoad) -> None:
     """The CLI's service (loading_wait_s=None): one search per process, so it waits for the load."""
     service = in_process_service(base)
     try:
-        answers: list[tuple[bool, dict[str, Any]]] = []
-        searching = threading.Thread(target=lambda: answers.append(dispatched(service, "search_corpus", query=QUERY)))
-        searching.start()
-        assert held.entered.wait(60)
-        searching.join(10 * LOADING_WAIT_S)
-        assert searching.is_alive() and not answers
-        held.release()
-        searching.join(60)
-        assert_hybrid(answers[0][1])
+        assert_hybrid(answered_once_released(held, lambda: dispatched(service, "search_corpus", query=QUERY)))
     finally:
         service.close(5)
 
