@@ -2155,9 +2155,12 @@ class RetrievalService:
             keyword = (prefetch.keyword if prefetch is not None and prefetch.keyword is not None
                        else self._keyword_channel(index, args, scope, phrasings))
             facts = keyword.facts
-            # 4. vector channel
+            # 4. vector channel (a keyword channel that found nothing is no answer to give while
+            # the vector index loads: the search waits for the load instead)
+            found = any(ranked.ids for ranked in keyword.candidates.lists)
             candidates = self._vector_channel(index, args, scope, phrasings, keyword.candidates,
-                                              prefetch.queries if prefetch is not None else {}, loading_until)
+                                              prefetch.queries if prefetch is not None else {},
+                                              loading_until if found else None)
             # 5. min_score
             candidates = self._above_min_score(index, args, phrasings, candidates)
             # 6. identifiers

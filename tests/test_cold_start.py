@@ -142,6 +142,13 @@ def test_vector_mode_waits_for_the_load(svc: Any, held: HeldLoad) -> None:
     assert payload["results"][0]["path"] == ESCALATION and payload["results"][0]["matched"] == ["vector"]
 
 
+def test_a_query_no_keyword_matches_waits_for_the_load(svc: Any, held: HeldLoad) -> None:
+    """An empty keyword answer is no answer to give while loading: the search waits for vectors."""
+    payload = answered_once_released(held, lambda: dispatched(svc, "search_corpus", query="qqzxv wwkrj"))
+    assert payload["degraded"] is None and payload["results"], payload
+    assert all(hit["matched"] == ["vector"] for hit in payload["results"])
+
+
 def test_a_loaded_index_is_never_called_loading(svc: Any, held: HeldLoad) -> None:
     """Once the vectors answered, a search waits for them as for any store (no cold wait)."""
     held.release()
