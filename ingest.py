@@ -1867,7 +1867,9 @@ def probe_hosts(embedders: Sequence[rules.OllamaEmbedder], scheme: rules.PrefixS
             if exc.code not in EMBEDDER_DOWN:
                 raise
             failures.append(exc)
-    if not facts:
+    if not facts:  # the first host's error is the run's; the others are said too
+        for exc in failures[1:]:
+            log.warning("%s (%s)", exc.message, exc.hint)
         raise failures[0]
     for exc in failures:
         log.warning("%s: that host is left out of this run (%s)", exc.message, exc.hint)

@@ -234,6 +234,17 @@ def test_a_stalled_host_leaves_the_rotation_and_the_run_finishes(fakes: tuple[Fa
     assert done.summary["chunks_written"] == len(chunk_inputs(fakes[0])) == done.summary["chunks_embedded"]
 
 
+def test_every_host_down_at_the_start_is_each_said(fakes: tuple[FakeOllama, FakeOllama], tmp_path: Path) -> None:
+    corpus = copy_sample(tmp_path)
+    hosts = Hosts(fakes)
+    for fake in fakes:
+        fake.stop()
+    done = ingest_in_process(hosts, corpus, tmp_path / "store")
+    assert done.code == 1, done.err  # indexed for keyword search, as with one Ollama down
+    assert done.summary["chunks_without_vectors"] == done.summary["vectors_pending"] > 0
+    assert all(f"cannot reach Ollama at {fake.host}" in done.err for fake in fakes), done.err
+
+
 def test_every_host_gone_is_the_embedder_gone(fakes: tuple[FakeOllama, FakeOllama], tmp_path: Path) -> None:
     """With no host left, a run does what it does when its one Ollama goes away: what was
     committed stays, new files are indexed for keyword search, and it says so."""
