@@ -440,7 +440,6 @@ class BatchSizer:
 # Calls in flight per host, when RAG_EMBED_CONCURRENCY does not fix it (see ConcurrencyTuner):
 # a doubling is kept when the host's throughput grows by at least this factor.
 CONCURRENCY_GAIN = 1.25
-CONCURRENCY_SAMPLES = 2  # calls answered at a level (and at least CALLS_PER_SLOT x the level) to judge it
 # A commit group's texts go out in at least this many calls per call slot: when a host serves
 # fewer calls at once than it is sent, its runners still stay busy while the rest wait their turn.
 CALLS_PER_SLOT = 2
@@ -485,7 +484,7 @@ class ConcurrencyTuner:
             return
         self.window_tokens += tokens
         self.window_calls += 1
-        if self.window_calls < max(CONCURRENCY_SAMPLES, CALLS_PER_SLOT * self.level):
+        if self.window_calls < CALLS_PER_SLOT * self.level:  # as many calls as a group of this level sends
             return
         rate = self.window_tokens / max(busy_s - self.window_busy_s, 1e-6)
         self.window_busy_s, self.window_tokens, self.window_calls = None, 0, 0
