@@ -286,9 +286,9 @@ class Settings:
     # False when corpus_dir is the default: the server then prefers the folder the index records.
     corpus_dir_explicit: bool
     store_dir: Path
-    # The first host of OLLAMA_HOST: where the server embeds queries. Ingest spreads its calls over
-    # all of them (ollama_hosts, a comma list).
-    ollama_host: str
+    # The hosts of OLLAMA_HOST (a comma list): ingest spreads its calls over them, the server embeds
+    # queries with the first (ollama_host).
+    ollama_hosts: tuple[str, ...]
     embed_model: str
     # True when RAG_EMBED_MODEL was set explicitly: the server then insists it matches the index.
     embed_model_explicit: bool
@@ -299,7 +299,6 @@ class Settings:
     # Matryoshka model's vectors truncated and renormalised); None: the model's native size. The
     # server asks what the live index records, whatever this says.
     embed_dimensions: int | None = None
-    ollama_hosts: tuple[str, ...] = ()
     # Ingest: embedding calls in flight per host (RAG_EMBED_CONCURRENCY); None: found per host by
     # measuring what it sustains (see ingest.ConcurrencyTuner).
     embed_concurrency: int | None = None
@@ -327,8 +326,12 @@ class Settings:
     http_read_timeout_s: float = 10.0
     http_max_connections: int = 1000
 
+    @property
+    def ollama_host(self) -> str:
+        return self.ollama_hosts[0]
+
     def describe(self) -> str:
-        return (f"corpus={self.corpus_dir} store={self.store_dir} ollama={','.join(self.ollama_hosts) or self.ollama_host} "
+        return (f"corpus={self.corpus_dir} store={self.store_dir} ollama={','.join(self.ollama_hosts)} "
                 f"model={self.embed_model}")
 
 
@@ -356,13 +359,11 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
         raise _setting_error("RAG_CHUNK_MIN_TOKENS", str(min_tokens),
                              f"a whole number up to RAG_CHUNK_MAX_TOKENS ({max_tokens})")
     corpus_choice = corpus_dir or env.get("RAG_CORPUS_DIR", "").strip()
-    hosts = _ollama_hosts_env(env, "OLLAMA_HOST")
     return Settings(
         corpus_dir=_abs_path(corpus_choice or PROJECT_DIR / "sample-corpus"),
         corpus_dir_explicit=bool(corpus_choice),
         store_dir=_abs_path(store_dir or env.get("RAG_STORE_DIR", "").strip() or DEFAULT_STORE_DIR),
-        ollama_host=hosts[0],
-        ollama_hosts=hosts,
+        ollama_hosts=_ollama_hosts_env(env, "OLLAMA_HOST"),
         embed_concurrency=_int_env(env, "RAG_EMBED_CONCURRENCY", 0, 1, MAX_EMBED_CONCURRENCY) or None,
         embed_model=model or DEFAULT_EMBED_MODEL,
         embed_model_explicit=bool(model),

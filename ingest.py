@@ -561,13 +561,6 @@ class FilesJob:
     call: rules.BoundedCall | None = None  # their vectors, in keys' order
 
 
-def _wait(call: rules.BoundedCall) -> Any:
-    # Woken now and then, so Ctrl-C is seen while the calls are in flight (each one is bounded).
-    while not call.finished(0.5):
-        pass
-    return call.result()
-
-
 class Embedding:
     """Gives every chunk of a commit group its vector, embedding each distinct text once.
 
@@ -586,7 +579,6 @@ class Embedding:
         self.hosts = [Host(embedder, BatchSizer(target_s=min(EMBED_CALL_TARGET_S,
                                                              embedder.timeout_s * EMBED_CALL_SHARE_OF_TIMEOUT)),
                            ConcurrencyTuner(fixed=concurrency)) for embedder in embedders]
-        self.model = embedders[0].model
         self.scheme = scheme
         self.dims = dims
         self.reuse = reuse  # embed keys -> stored vectors of those keys (those that exist)
@@ -621,7 +613,7 @@ class Embedding:
         """Every chunk of the job's files with its vector (pf.keys, pf.vectors). A chunk Ollama
         refused as too long is split, and its pieces go through another round."""
         while job.call is not None:
-            vectors = _wait(job.call)
+            vectors = job.call.result()  # each call in it is bounded; Ctrl-C interrupts the wait
             too_long = set()
             for key, vector in zip(job.keys, vectors, strict=True):
                 if vector is None:
@@ -709,7 +701,7 @@ class Embedding:
                 if not in_flight:  # 3. every host left the rotation
                     raise failure or RagError(ErrorCode.EMBEDDER_UNAVAILABLE, "no Ollama host to embed with")
                 # 2. take the next answer
-                answer = _next_answer(answers)
+                answer = answers.get()  # every call is bounded: one answers, or fails, in time
                 in_flight -= 1
                 failure = self._take(answer, tokens, vectors, resend, chunks) or failure
         finally:
@@ -765,7 +757,7 @@ class Embedding:
         if wrong:
             raise RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
                            f"Ollama at {host.embedder.host} returned {sorted(wrong)[0]}-dimensional vectors for "
-                           f"{self.model!r}; the index holds {self.dims}-dimensional ones",
+                           f"{host.embedder.model!r}; the index holds {self.dims}-dimensional ones",
                            "the model changed under the same name? run ingest again; it rebuilds when /api/show "
                            "reports the new size")
         used = sum(tokens[i] for i in batch)
@@ -784,15 +776,6 @@ class Embedding:
 
     def report(self) -> list[dict[str, Any]]:
         return [host.report() for host in self.hosts]
-
-
-def _next_answer(answers: queue.SimpleQueue[_Answer]) -> _Answer:
-    # Woken now and then, so Ctrl-C is seen while calls are in flight (each call is bounded).
-    while True:
-        try:
-            return answers.get(timeout=0.5)
-        except queue.Empty:
-            continue
 
 
 def renumber(chunks: Sequence[rules.Chunk]) -> list[rules.Chunk]:
@@ -1896,7 +1879,7 @@ def check_same_model(model: str, facts: Mapping[str, ModelFacts]) -> None:
 def probe_model_if_reachable(settings: rules.Settings, scheme: rules.PrefixScheme) -> ModelFacts | None:
     quick = [rules.OllamaEmbedder(host, settings.embed_model, min(settings.embed_timeout_s, OPTIONAL_PROBE_TIMEOUT_S),
                                   dimensions=settings.embed_dimensions)
-             for host in settings.ollama_hosts or (settings.ollama_host,)]
+             for host in settings.ollama_hosts]
     try:
         return probe_hosts(quick, scheme, settings)[0]
     except RagError as exc:
@@ -2127,7 +2110,7 @@ def _run_in(args: argparse.Namespace, summary: Summary, settings: rules.Settings
     assert vectors is not None
     embedders = [rules.OllamaEmbedder(host, settings.embed_model, settings.embed_timeout_s, keep_alive=KEEP_ALIVE,
                                       dimensions=settings.embed_dimensions)
-                 for host in settings.ollama_hosts or (settings.ollama_host,)]
+                 for host in settings.ollama_hosts]
     run = Run(args, settings, layout, summary, walk, scheme_for(settings.embed_model), embedders, current)
     look = _look_before_the_lock(run, vectors)
     with ingest_lock(layout):
