@@ -540,8 +540,8 @@ class FakeHosts:
         return {key: sum(stats[key] for stats in each) for key in each[0]}
 
     def call_sizes(self, since: int) -> list[int]:
-        # `since` counts the calls of all hosts; each host's own calls before the run are skipped
-        # by run_ingest's before/after stats, so all sizes are returned (a maximum is taken).
+        # Every host's calls from the first: embed_slots starts fresh hosts for each run, so all
+        # of their calls are the run's (`since`, a count over all hosts, names no host's own).
         return [size for fake in self.fakes for size in fake.call_sizes(0)]
 
 
