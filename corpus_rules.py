@@ -2469,24 +2469,30 @@ _HEAVY_IMPORTS = threading.Lock()
 
 
 def import_heavy(name: str) -> Any:
-    """numpy, ollama or chromadb, imported on first use by one thread at a time. The server warms
-    up (imports chromadb, hence numpy) in the background while the first call may be importing
-    numpy for the embedder; two threads importing numpy at once can see it half-initialized
-    ("partially initialized module 'numpy._typing'"), which CPython's per-module locks do not
-    prevent for numpy's circular imports.
+    """numpy, ollama or chromadb, imported on first use. numpy is imported by one thread at a time:
+    the server warms up (imports chromadb, hence numpy) in the background while the first call may
+    be importing numpy for the embedder, and two threads importing numpy at once can see it
+    half-initialized ("partially initialized module 'numpy._typing'"), which CPython's per-module
+    locks do not prevent for numpy's circular imports. The others are imported after numpy and
+    outside that lock, where the per-module locks suffice: a search's embedder never waits for
+    the warm-up's ~1 s chromadb import.
 
     Importing ollama builds a module-level client from the raw OLLAMA_HOST, which raises on a
-    value load_settings reads fine (a pasted trailing space): it sees the value as read."""
+    value load_settings reads fine (a pasted trailing space, a comma list): it sees the first
+    host as read, the variable swapped under the lock."""
     with _HEAVY_IMPORTS:
+        numpy = importlib.import_module("numpy")
+        if name == "numpy":
+            return numpy
         raw = os.environ.get("OLLAMA_HOST")
-        if name != "ollama" or name in sys.modules or raw is None:
-            return importlib.import_module(name)
-        with contextlib.suppress(RagError):  # an invalid value is said by load_settings, not here
-            os.environ["OLLAMA_HOST"] = _ollama_hosts_env(os.environ, "OLLAMA_HOST")[0]
-        try:
-            return importlib.import_module(name)
-        finally:
-            os.environ["OLLAMA_HOST"] = raw
+        if name == "ollama" and name not in sys.modules and raw is not None:
+            with contextlib.suppress(RagError):  # an invalid value is said by load_settings, not here
+                os.environ["OLLAMA_HOST"] = _ollama_hosts_env(os.environ, "OLLAMA_HOST")[0]
+            try:
+                return importlib.import_module(name)
+            finally:
+                os.environ["OLLAMA_HOST"] = raw
+    return importlib.import_module(name)
 
 
 class _CallThreads:

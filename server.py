@@ -45,7 +45,6 @@ import contextvars
 import dataclasses
 import difflib
 import functools
-import importlib
 import itertools
 import json
 import logging
@@ -1003,14 +1002,6 @@ class LRU(typing.Generic[K, V]):
 # The store, as of one generation.
 
 
-def import_chromadb() -> None:
-    """Import chromadb (it costs ~1 s; never during the handshake) without holding import_heavy's
-    lock, numpy first under it: that lock is there for numpy's half-initialized state, and held for
-    the whole chromadb import it would keep a search's embedder (it needs numpy) waiting as long."""
-    rules.import_heavy("numpy")
-    importlib.import_module("chromadb")
-
-
 class VectorStoreUnavailable(RagError):
     """A read of the vector store failed (a Chroma server down or frozen, a database locked or
     damaged): hybrid search answers from the keyword channel, as when the embedder is down."""
@@ -1327,7 +1318,7 @@ class OpenIndex:
         """Load the vector index ahead of any search (the warm-up), on the Chroma thread as a
         search's queries: chromadb's import, then one tiny query, which loads the HNSW segment (an
         index with no vectors yet has none to load). Waits at most RAG_STORE_TIMEOUT for each."""
-        self._waited(self._submit(import_chromadb), None)
+        self._waited(self._submit(lambda: rules.import_heavy("chromadb")), None)
         if not without_vectors(self.current):
             probe = [1.0] + [0.0] * (self.current.manifest.dims - 1)
             self.vector_answer(self.start_vector_query("active", probe, 1, None, live))
