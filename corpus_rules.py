@@ -2175,7 +2175,8 @@ class VectorStore:
         """Stored vectors of these ids: (ids found, one row each)."""
         if not ids:
             return [], []
-        got = self._do(lifecycle, lambda col: col.get(ids=list(ids), include=["embeddings"]))
+        got = self._do(lifecycle, lambda col: read_through_writes(
+            lambda: col.get(ids=list(ids), include=["embeddings"])))
         vectors = got.get("embeddings")
         if vectors is None or len(vectors) == 0:
             return [], []
@@ -2211,6 +2212,27 @@ class VectorStore:
                 col.modify(metadata=meta)
 
             self._do(lifecycle, merged)
+
+
+TORN_READ_PAUSES_S = (0.05, 0.1, 0.2, 0.4, 0.8)  # ~1.5 s in all: longer than one write batch takes to apply
+TORN_READS = ("error finding id", "error getting embedding")  # Chroma's words for a vector not (yet, or any more) there
+
+
+def read_through_writes(read: Callable[[], Any]) -> Any:
+    """A Chroma get that includes embeddings, retried while it meets a write half applied.
+
+    Chroma reads such a get's records from its metadata segment, then each one's vector from its
+    HNSW segment, without a snapshot between the two. A write landing in between fails the get
+    (TORN_READS). Ingest never reads while it writes, but a killed ingest's last request goes
+    on running on a Chroma server, and the next reader can meet it. Any other error is raised at once."""
+    for pause in TORN_READ_PAUSES_S:
+        try:
+            return read()
+        except Exception as exc:  # noqa: BLE001 - only the torn read is retried; the rest is re-raised
+            if not any(words in str(exc).lower() for words in TORN_READS):
+                raise
+        time.sleep(pause)
+    return read()
 
 
 COMPACTION_ROOM_BYTES = 256 << 20  # a compaction failing with less free space than this: the disk is full

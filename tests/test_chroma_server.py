@@ -63,7 +63,8 @@ def vector_snapshot(store: Path, url: str | None) -> dict[str, dict[str, Any]]:
     try:
         state = {}
         for lifecycle in rules.LIFECYCLES:
-            got = vectors.collection(lifecycle).get(include=["documents", "metadatas", "embeddings"])
+            collection = vectors.collection(lifecycle)
+            got = rules.read_through_writes(lambda c=collection: c.get(include=["documents", "metadatas", "embeddings"]))
             state[lifecycle] = {i: (d, dict(m), StoredVector(float(x) for x in e))
                                 for i, d, m, e in zip(got["ids"], got["documents"], got["metadatas"], got["embeddings"], strict=True)}
         return state
@@ -194,6 +195,56 @@ def test_kill_9_of_ingest_against_a_chroma_server_converges(fake: FakeOllama, ch
     assert on_server(fake, corpus, reference, chroma.url).code == 0
     assert vector_snapshot(store, chroma.url) == vector_snapshot(reference, chroma.url)
     assert committed(store) == committed(reference)
+
+
+def test_stored_vectors_are_read_whole_while_another_client_deletes_and_upserts(chroma: ChromaServer,
+                                                                              tmp_path: Path) -> None:
+    """Chroma's get(include embeddings) is no snapshot: a delete applied between its metadata read
+    and its vector read fails it ("Error finding id", "Error getting embedding"), a few reads in a
+    hundred under this churn.
+    That is what a killed ingest's last request, still running on the server, does to the next
+    reader; the reads retry it and answer every time."""
+    import random
+    import threading
+
+    store = tmp_path / "store"
+    store.mkdir()
+    settings, layout = settings_for(store, chroma.url), rules.StoreLayout(store)
+    lifecycle, dims = rules.LIFECYCLES[0], 64
+    kept = [f"kept-{n}" for n in range(2000)]
+
+    def rows(ids: list[str]) -> dict[str, Any]:
+        return {"ids": ids, "embeddings": [[random.random() for _ in range(dims)] for _ in ids]}
+
+    reader = rules.vector_store(settings, layout, "churn", create=True).open(create=True, metadata={"test": "churn"})
+    writer = rules.vector_store(settings, layout, "churn").open(create=False)
+    reader.collection(lifecycle).upsert(**rows(kept))
+    stop = threading.Event()
+
+    def churned(batch: int) -> list[str]:
+        return [f"churn-{batch}-{n}" for n in range(300)]
+
+    batch = 0
+
+    def churn() -> None:
+        nonlocal batch
+        while not stop.is_set():
+            writer.collection(lifecycle).upsert(**rows(churned(batch + 1)))
+            writer.collection(lifecycle).delete(ids=churned(batch))
+            batch += 1
+
+    churning = threading.Thread(target=churn)
+    churning.start()
+    try:
+        for _ in range(100):
+            # The kept ids, and the churned ones being deleted or written about now.
+            found, vectors = reader.embeddings(lifecycle, kept + churned(batch) + churned(batch + 1))
+            assert set(kept) <= set(found) and len(vectors) == len(found)
+    finally:
+        stop.set()
+        churning.join()
+        reader.close()
+        writer.close()
 
 
 def test_a_chroma_server_down_frozen_or_restarted_degrades_hybrid_search(fake: FakeOllama, tmp_path: Path) -> None:
