@@ -62,6 +62,10 @@ COMMIT_EVERY_S = 10.0
 # for keyword search and published first: a first answer does not wait for a slow embedder.
 KEYWORDS_FIRST_AFTER_S = 10.0
 UPSERT_BATCH = 1000  # records per Chroma upsert call
+# The keyword index is rewritten into one FTS5 segment once the rows written since its last
+# rewrite reach this share of it (see Store.compact_keywords); the count is kept in `meta`.
+KEYWORD_OPTIMIZE_SHARE = 0.1
+META_ROWS_SINCE_OPTIMIZE = "keyword_rows_since_optimize"
 
 
 # ---------------------------------------------------------------------------
@@ -1139,6 +1143,7 @@ class Store:
         self._fill_cjk_shares()
         self._add_successors_column()
         self._vector_writes_marked = False
+        self._rows_written = 0  # keyword rows inserted or deleted in this run, for compact_keywords
         # Vectors sent to the store whose rows are not committed yet, by embed key: reusable
         # by the next group before the rows that make them findable are committed.
         self._sent_vectors: dict[str, Any] = {}
@@ -1412,13 +1417,16 @@ class Store:
 
     def _delete_rows(self, paths: Sequence[str]) -> None:
         for path in paths:
-            self.db.execute("DELETE FROM chunks_fts WHERE rowid IN (SELECT rowid FROM chunks WHERE path = ?)", (path,))
+            gone = self.db.execute("DELETE FROM chunks_fts WHERE rowid IN (SELECT rowid FROM chunks WHERE path = ?)",
+                                   (path,))
+            self._rows_written += max(gone.rowcount, 0)
             self.db.execute("DELETE FROM chunks WHERE path = ?", (path,))
             self.db.execute("DELETE FROM documents WHERE path = ?", (path,))
             self.db.execute("DELETE FROM vectors_pending WHERE path = ?", (path,))
 
     def _insert_rows(self, pf: PreparedFile) -> None:
         doc, path = pf.doc, pf.file.path
+        self._rows_written += len(pf.chunks)
         title_terms = " ".join(rules.indexed_terms(doc.title))
         for chunk, key in zip(pf.chunks, pf.keys, strict=True):
             cur = self.db.execute(
@@ -1440,6 +1448,40 @@ class Store:
     def _delete_vectors(self, ids: dict[str, str]) -> None:
         for lifecycle in rules.LIFECYCLES:
             self.vectors.delete(lifecycle, [i for i, lc in ids.items() if lc == lifecycle])
+
+    def compact_keywords(self) -> bool:
+        """Rewrite the keyword index into one FTS5 segment once enough of it was written since the
+        last rewrite (KEYWORD_OPTIMIZE_SHARE); whether it did.
+
+        FTS5 writes a segment per transaction and merges them only part way, so after a build of
+        thousands of commit groups a query term is looked up in a dozen or more b-trees, and a
+        common word's matches are merged across all of them on every search. One transaction;
+        a server keeps reading the previous segments meanwhile (WAL). A failure (a full disk) leaves
+        the index as it was, correct and slower: a later run tries again."""
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (META_ROWS_SINCE_OPTIMIZE,)).fetchone()
+        written = (int(row[0]) if row else 0) + self._rows_written
+        if not written:
+            return False
+        due = written >= KEYWORD_OPTIMIZE_SHARE * max(self.counts()[1], 1)
+        started = time.monotonic()
+        try:
+            with transaction(self.db):
+                if due:
+                    self.db.execute("INSERT INTO chunks_fts(chunks_fts) VALUES ('optimize')")
+                self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                                (META_ROWS_SINCE_OPTIMIZE, "0" if due else str(written)))
+        except sqlite3.Error as exc:
+            log.warning("the keyword index was not compacted (%s); searches stay correct, and a later run "
+                        "tries again", rules.shown(exc, 200))
+            return False
+        self._rows_written = 0
+        if due:
+            # The WAL now holds the whole rewrite; give its space back when no reader needs it.
+            with contextlib.suppress(sqlite3.Error):
+                self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            log.info("keyword index compacted into one segment in %.1f s (%d rows written since the last time)",
+                     time.monotonic() - started, written)
+        return due
 
     def counts(self) -> tuple[int, int]:
         files = self.db.execute("SELECT count(*) FROM documents").fetchone()[0]
@@ -2475,6 +2517,7 @@ def _publish(run: Run, prepared: Prepared, changed_anything: bool) -> None:
     (running servers reopen on it; run.current becomes it). A rebuild with failures stays
     unpublished. Called again in a run that published its keyword index first."""
     summary, settings, current, store = run.summary, run.settings, run.current, prepared.store
+    store.compact_keywords()  # before the stamp: a new generation goes live compact
     summary.commit, summary.dirty = corpus_git_state(settings.corpus_dir)
     files, chunks = store.counts()
     stamp = rules.IndexStamp(commit=summary.commit, dirty=summary.dirty,

@@ -1159,3 +1159,57 @@ def test_progress_keeps_talking_while_a_slow_call_runs(tmp_path: Path, fake_olla
     assert "chunks/s" in lines[0] and "ETA" in lines[0]
     final = [line for line in run.err.splitlines() if line.startswith("ingest: 6/6 files")]
     assert final and f"{sample_chunk_count()}/{sample_chunk_count()} chunks embedded" in final[-1]
+
+
+def fts_segments(store: Path) -> int:
+    """How many FTS5 segments the live keyword index holds: the second varint of FTS5's structure
+    record (row 10 of %_data), after its 4-byte cookie and, from SQLite 3.44, a 4-byte version mark."""
+    db = keyword_db(store)
+    try:
+        record = bytes(db.execute("SELECT block FROM chunks_fts_data WHERE id = 10").fetchone()[0])
+    finally:
+        db.close()
+    at = 8 if record[4:8] == b"\xff\x00\x00\x01" else 4
+    values = []
+    while len(values) < 2:  # SQLite varints: 7 bits a byte, big-endian, the high bit says more follow
+        value = 0
+        while True:
+            byte, at = record[at], at + 1
+            value = (value << 7) | (byte & 0x7F)
+            if byte < 0x80:
+                break
+        values.append(value)
+    return values[1]
+
+
+def test_the_keyword_index_is_one_segment_after_a_build_and_again_once_a_tenth_is_rewritten(
+        tmp_path: Path, fake_ollama_env: FakeOllama, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ingest, "COMMIT_BATCH_CHUNKS", 1)  # one file per commit group: a segment each
+    monkeypatch.setattr(ingest, "START_CHUNKS", 1)
+    corpus, store = tmp_path / "corpus", tmp_path / "store"
+
+    def write_note(n: int, where: str) -> None:
+        edit(corpus / f"note-{n:02d}.md", f"# Note {n}\n\nThe relay{n} forwards queue item {n} to the {where}.\n")
+
+    def matches(term: str) -> int:
+        db = keyword_db(store)
+        try:
+            return int(db.execute("SELECT count(*) FROM chunks_fts WHERE chunks_fts MATCH ?", [term]).fetchone()[0])
+        finally:
+            db.close()
+
+    for n in range(100):
+        write_note(n, "archive")
+    assert ingest_run(corpus, store).code == 0
+    assert fts_segments(store) == 1
+    # Three files rewritten (6 rows: deleted and inserted) of 100: under a tenth, the segments stay.
+    for n in range(3):
+        write_note(n, "vault")
+    assert ingest_run(corpus, store).code == 0
+    assert fts_segments(store) > 1
+    # Two more: 10 rows since the rewrite, a tenth of 100: one segment again, the same matches.
+    for n in range(3, 5):
+        write_note(n, "vault")
+    assert ingest_run(corpus, store).code == 0
+    assert fts_segments(store) == 1
+    assert (matches("queue"), matches("vault"), matches("archive"), matches("relay7")) == (100, 5, 95, 1)
