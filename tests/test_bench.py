@@ -138,3 +138,19 @@ def test_quick_bench_runs_and_reports_every_figure(tmp_path: Path) -> None:
     assert "| Figure | Value | Limit | Ratio | Goal | Result |" in done.stdout
     assert "Machine:" in done.stdout
     assert done.stdout.count("\n| ") >= len(EXPECTED)
+
+
+def test_scale_goals_judge_the_largest_size_against_its_own_run() -> None:
+    sys.path.insert(0, str(ROOT / "tools"))
+    import bench
+
+    def row(chunks: int, p50: float, p95: float, rss: float) -> dict[str, float]:
+        return {"chunks": chunks, "hybrid_p50_ms": p50, "hybrid_p95_ms": p95, "keyword_p50_ms": p50 / 2,
+                "keyword_p95_ms": p95 / 2, "server_rss_mb": rss}
+
+    assert bench.scale_goals([row(100_000, 10, 20, 300)], 256) == []  # no 1M row: nothing to judge
+    judged = dict(bench.scale_goals([row(100_000, 10, 20, 300), row(1_000_000, 12, 50, 1400)], 256))
+    assert [met for _, met in judged.items()] == [False, True, True, True, True]
+    assert any("hybrid p95 at 1M: 50.0 ms" in what for what in judged)
+    flat = dict(bench.scale_goals([row(100_000, 10, 20, 300), row(1_000_000, 13, 30, 1600)], None))
+    assert [met for _, met in flat.items()] == [True, True, False, False]  # x1.3 is not flat; no RSS goal without --dims

@@ -1269,6 +1269,36 @@ def scale_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# Issue 30's goals for the largest size, each next to its limit from the same run.
+SCALE_GOAL_CHUNKS = 1_000_000
+SCALE_P95_GOALS_MS = {"hybrid": 40.0, "keyword": 30.0}
+SCALE_FLAT_FROM = 100_000  # p50 at the largest size within SCALE_FLAT_RATIO of this size's
+SCALE_FLAT_RATIO = 1.25
+SCALE_RSS_GOAL_MB = 1500.0  # with reduced dimensions (--dims)
+
+
+def scale_goals(rows: Sequence[dict[str, Any]], dims: int | None) -> list[tuple[str, bool]]:
+    """(what, met) for each goal the largest row can be judged on: only a row of at least
+    SCALE_GOAL_CHUNKS, and the flat-p50 goals only with a SCALE_FLAT_FROM row in the same run."""
+    top = max(rows, key=lambda r: r["chunks"], default=None)
+    if top is None or top["chunks"] < SCALE_GOAL_CHUNKS:
+        return []
+    label = size_label(top["chunks"])
+    goals = [(f"{mode} p95 at {label}: {top[f'{mode}_p95_ms']:.1f} ms (goal <= {limit:g} ms)",
+              top[f"{mode}_p95_ms"] <= limit) for mode, limit in SCALE_P95_GOALS_MS.items()]
+    base = next((r for r in rows if r["chunks"] == SCALE_FLAT_FROM), None)
+    if base is not None:
+        for mode in SCALE_P95_GOALS_MS:
+            ratio = top[f"{mode}_p50_ms"] / base[f"{mode}_p50_ms"]
+            goals.append((f"{mode} p50 at {label}: {top[f'{mode}_p50_ms']:.1f} ms, x{ratio:.2f} of "
+                          f"{size_label(SCALE_FLAT_FROM)}'s {base[f'{mode}_p50_ms']:.1f} ms "
+                          f"(goal: flat, <= x{SCALE_FLAT_RATIO:g})", ratio <= SCALE_FLAT_RATIO))
+    if dims:
+        goals.append((f"server RSS at {label} with {dims} dimensions: {top['server_rss_mb']:,.0f} MB "
+                      f"(goal <= {SCALE_RSS_GOAL_MB:,.0f} MB)", top["server_rss_mb"] <= SCALE_RSS_GOAL_MB))
+    return goals
+
+
 def projected_seconds(steps: Sequence[tuple[int, float]], size: int) -> tuple[float, float]:
     """(seconds, k): the time of the next size if time grows as size^k, k measured between the last
     two sizes (at least 1: a build cannot grow slower than the chunks it embeds and writes; at small
@@ -2381,9 +2411,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def print_scale(scale: dict[str, Any], out: str, error: str | None) -> int:
-    print(scale_table(scale.get("rows") or []))
+def print_scale(scale: dict[str, Any], out: str, error: str | None, dims: int | None) -> int:
+    rows = scale.get("rows") or []
+    print(scale_table(rows))
     print()
+    for what, met in scale_goals(rows, dims):
+        print(f"- {'met' if met else 'MISSED'}: {what}")
     if scale.get("stopped"):
         print(f"Not measured: {scale['stopped']}.")
     print("One row per size measured; a row named like 10k/1k is the growth factor of each column (the value at "
@@ -2404,7 +2437,7 @@ def print_report(args: argparse.Namespace, bench: Bench, figures: Sequence[Figur
     print(machine_line(machine))
     print()
     if args.scale:
-        return print_scale(bench.details.get("scale") or {}, args.out, error)
+        return print_scale(bench.details.get("scale") or {}, args.out, error, args.dims)
     print(markdown_table(figures))
     noted = [f for f in figures if f.note and (f.passed is not None or f.id.startswith(("search.", "memory.")))]
     if noted:
