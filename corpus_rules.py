@@ -1580,7 +1580,20 @@ CREATE INDEX IF NOT EXISTS chunks_by_path ON chunks(path, chunk_index);
 CREATE TABLE IF NOT EXISTS vectors_pending(path TEXT PRIMARY KEY, chunks INTEGER NOT NULL);
 CREATE VIRTUAL TABLE IF NOT EXISTS chunks_fts USING fts5(
     title, heading, body, tokenize="unicode61 remove_diacritics 0 tokenchars '{FTS_TOKENCHARS}'");
+-- How many passages hold each term that was in at least COMMON_TERM_PASSAGES of them when the
+-- keyword index was last compacted, kept exact by every write since (in the same transaction).
+-- FTS5 counts a term's passages by walking its whole posting list: a common word's count is read
+-- here instead. A term not listed is counted by FTS5 (fts5vocab).
+CREATE TABLE IF NOT EXISTS common_terms(term TEXT PRIMARY KEY, passages INTEGER NOT NULL) WITHOUT ROWID;
 """
+# See common_terms: at 100k chunks FTS5 took 9 ms to count a word in 32k passages, 0.6 ms for 2,500.
+COMMON_TERM_PASSAGES = 2000
+
+
+def row_terms(*columns: str) -> set[str]:
+    """The distinct FTS5 tokens of a chunks_fts row, from its columns as ingest writes them:
+    space-joined keyword terms, each one token, already case-folded."""
+    return {term for column in columns for term in column.split()}
 # bm25 column weights (title, heading, body): a heading or title hit says more than a body hit.
 FTS_WEIGHTS = (2.0, 3.0, 1.0)
 

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Collection, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -1144,6 +1144,7 @@ class Store:
         self._add_successors_column()
         self._vector_writes_marked = False
         self._rows_written = 0  # keyword rows inserted or deleted in this run, for compact_keywords
+        self._common_terms = {term for (term,) in self.db.execute("SELECT term FROM common_terms")}
         # Vectors sent to the store whose rows are not committed yet, by embed key: reusable
         # by the next group before the rows that make them findable are committed.
         self._sent_vectors: dict[str, Any] = {}
@@ -1415,8 +1416,23 @@ class Store:
             out.update(self.db.execute("SELECT id, lifecycle FROM chunks WHERE path = ?", (path,)))
         return out
 
+    def _count_common_terms(self, rows: Iterable[Sequence[str]], change: int) -> None:
+        """Keep common_terms exact: each row's common terms counted in (1) or out (-1), in the
+        caller's transaction."""
+        if not self._common_terms:
+            return
+        delta: collections.Counter[str] = collections.Counter()
+        for row in rows:
+            delta.update(rules.row_terms(*row) & self._common_terms)
+        self.db.executemany("UPDATE common_terms SET passages = passages + ? WHERE term = ?",
+                            [(change * n, term) for term, n in delta.items()])
+
     def _delete_rows(self, paths: Sequence[str]) -> None:
         for path in paths:
+            if self._common_terms:
+                self._count_common_terms(self.db.execute(
+                    "SELECT title, heading, body FROM chunks_fts WHERE rowid IN "
+                    "(SELECT rowid FROM chunks WHERE path = ?)", (path,)), -1)
             gone = self.db.execute("DELETE FROM chunks_fts WHERE rowid IN (SELECT rowid FROM chunks WHERE path = ?)",
                                    (path,))
             self._rows_written += max(gone.rowcount, 0)
@@ -1428,15 +1444,18 @@ class Store:
         doc, path = pf.doc, pf.file.path
         self._rows_written += len(pf.chunks)
         title_terms = " ".join(rules.indexed_terms(doc.title))
+        fts_rows = []
         for chunk, key in zip(pf.chunks, pf.keys, strict=True):
             cur = self.db.execute(
                 "INSERT INTO chunks(id, path, chunk_index, start_line, end_line, heading, lifecycle, text, embed_key) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (rules.chunk_id(path, pf.content_hash, chunk.index), path, chunk.index, chunk.start_line,
                  chunk.end_line, chunk.heading, doc.lifecycle, chunk.text, key))
+            fts_row = (title_terms, " ".join(rules.indexed_terms(chunk.heading)), " ".join(rules.indexed_terms(chunk.text)))
             self.db.execute("INSERT INTO chunks_fts(rowid, title, heading, body) VALUES (?, ?, ?, ?)",
-                            (cur.lastrowid, title_terms, " ".join(rules.indexed_terms(chunk.heading)),
-                             " ".join(rules.indexed_terms(chunk.text))))
+                            (cur.lastrowid, *fts_row))
+            fts_rows.append(fts_row)
+        self._count_common_terms(fts_rows, 1)
         self.db.execute(
             "INSERT INTO documents(path, title, lifecycle, chunk_mode, content_hash, size, mtime_ns, disk_path, "
             "real_path, line_count, chunk_count, cjk_share, superseded_by) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -1456,8 +1475,9 @@ class Store:
         FTS5 writes a segment per transaction and merges them only part way, so after a build of
         thousands of commit groups a query term is looked up in a dozen or more b-trees, and a
         common word's matches are merged across all of them on every search. One transaction;
-        a server keeps reading the previous segments meanwhile (WAL). A failure (a full disk) leaves
-        the index as it was, correct and slower: a later run tries again."""
+        a server keeps reading the previous segments meanwhile (WAL). common_terms is counted anew
+        with it. A failure (a full disk) leaves the index as it was, correct and slower: a later
+        run tries again."""
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (META_ROWS_SINCE_OPTIMIZE,)).fetchone()
         written = (int(row[0]) if row else 0) + self._rows_written
         if not written:
@@ -1468,6 +1488,7 @@ class Store:
             with transaction(self.db):
                 if due:
                     self.db.execute("INSERT INTO chunks_fts(chunks_fts) VALUES ('optimize')")
+                    self._recount_common_terms()
                 self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
                                 (META_ROWS_SINCE_OPTIMIZE, "0" if due else str(written)))
         except sqlite3.Error as exc:
@@ -1475,6 +1496,7 @@ class Store:
                         "tries again", rules.shown(exc, 200))
             return False
         self._rows_written = 0
+        self._common_terms = {term for (term,) in self.db.execute("SELECT term FROM common_terms")}
         if due:
             # The WAL now holds the whole rewrite; give its space back when no reader needs it.
             with contextlib.suppress(sqlite3.Error):
@@ -1482,6 +1504,13 @@ class Store:
             log.info("keyword index compacted into one segment in %.1f s (%d rows written since the last time)",
                      time.monotonic() - started, written)
         return due
+
+    def _recount_common_terms(self) -> None:
+        """common_terms anew from FTS5's own counts (one walk of the whole index, as 'optimize')."""
+        self.db.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.fts_rows USING fts5vocab(main, chunks_fts, 'row')")
+        self.db.execute("DELETE FROM common_terms")
+        self.db.execute("INSERT INTO common_terms(term, passages) SELECT term, doc FROM temp.fts_rows WHERE doc >= ?",
+                        (rules.COMMON_TERM_PASSAGES,))
 
     def counts(self) -> tuple[int, int]:
         files = self.db.execute("SELECT count(*) FROM documents").fetchone()[0]

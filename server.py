@@ -1127,6 +1127,9 @@ class OpenIndex:
         self.key = (current.index, current.generation)
         self.keyword_path = layout.keyword_db(current.index)
         self.db = self._open_keywords()
+        # An index written before common_terms existed: FTS5 counts every term.
+        self._has_common_terms = self.db.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'common_terms'").fetchone() is not None
         self.vectors = vectors  # opened on first need, on the Chroma thread
         self.vectors_loaded = False  # a read of the vectors has answered (the HNSW index is in memory)
         self.vectors_asked_at: float | None = None  # when the first read was sent (the load began)
@@ -1210,15 +1213,22 @@ class OpenIndex:
         return out
 
     def passages_with(self, terms: Sequence[str]) -> dict[str, int]:
-        """How many passages contain each term (as the keyword index holds it). Cached: a
-        generation's counts never change, and queries share most of their words."""
+        """How many passages contain each term (as the keyword index holds it): a common word's
+        from common_terms, the others from FTS5. Cached: a generation's counts never change, and
+        queries share most of their words."""
         counts = self._passage_counts.get_many(terms)
         unknown = [term for term in dict.fromkeys(terms) if term not in counts]
         if unknown:
             learnt = dict.fromkeys(unknown, 0)
             for batch in rules.batched(unknown, 500):
-                learnt.update((str(t), int(n)) for t, n in self._sql(
-                    f"SELECT term, doc FROM temp.term_counts WHERE term IN ({','.join('?' * len(batch))})", batch))
+                common = {str(t): int(n) for t, n in self._sql(
+                    f"SELECT term, passages FROM common_terms WHERE term IN ({','.join('?' * len(batch))})", batch)
+                } if self._has_common_terms else {}
+                learnt.update(common)
+                rest = [t for t in batch if t not in common]
+                if rest:
+                    learnt.update((str(t), int(n)) for t, n in self._sql(
+                        f"SELECT term, doc FROM temp.term_counts WHERE term IN ({','.join('?' * len(rest))})", rest))
             self._passage_counts.put_many(learnt)
             counts.update(learnt)
         return {term: counts[term] for term in terms if counts.get(term)}

@@ -1212,3 +1212,21 @@ def test_the_readme_error_table_lists_every_error_code() -> None:
     section = readme.split("## Errors", 1)[1].split("\n## ", 1)[0]
     table = re.findall(r"^\| `([a-z_]+)` \|", section, flags=re.M)
     assert sorted(table) == sorted(code.value for code in rules.ErrorCode)
+
+
+_ROW_TEXT = st.text(alphabet=st.sampled_from(list("abcXYZ019 _.-/:$@()`'\"\n\tÉéßİıﬁ日本語ログ収集のをカタカナ①Ⅻ")),
+                    max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(title=_ROW_TEXT, heading=_ROW_TEXT, body=_ROW_TEXT)
+@example(title="Ärger İstanbul", heading="ﬁle STRASSE", body="ログ収集 `OLLAMA_KEEP_ALIVE` defineProps()")
+def test_row_terms_are_the_tokens_fts5_indexes_for_the_row(title: str, heading: str, body: str) -> None:
+    """common_terms is kept exact from the rows ingest writes: its idea of a row's tokens must be
+    FTS5's own, case folding included."""
+    db = sqlite3.connect(":memory:")
+    db.executescript(rules.KEYWORD_SCHEMA)
+    columns = tuple(" ".join(rules.indexed_terms(text)) for text in (title, heading, body))
+    db.execute("INSERT INTO chunks_fts(rowid, title, heading, body) VALUES (1, ?, ?, ?)", columns)
+    db.execute("CREATE VIRTUAL TABLE temp.rows USING fts5vocab(main, chunks_fts, 'row')")
+    assert {term for (term,) in db.execute("SELECT term FROM temp.rows")} == rules.row_terms(*columns)

@@ -1213,3 +1213,34 @@ def test_the_keyword_index_is_one_segment_after_a_build_and_again_once_a_tenth_i
     assert ingest_run(corpus, store).code == 0
     assert fts_segments(store) == 1
     assert (matches("queue"), matches("vault"), matches("archive"), matches("relay7")) == (100, 5, 95, 1)
+
+
+def test_common_terms_stay_exact_through_edits_removals_and_lifecycle_flips(
+        tmp_path: Path, fake_ollama_env: FakeOllama, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rules, "COMMON_TERM_PASSAGES", 3)
+    corpus, store = tmp_path / "corpus", tmp_path / "store"
+    for n in range(12):
+        edit(corpus / f"doc-{n:02d}.md", f"# Relay {n % 3}\n\nThe relay forwards queue item {n} to the archive.\n")
+    assert ingest_run(corpus, store).code == 0  # a build: compacted, common_terms counted from FTS5
+
+    def counted() -> tuple[dict[str, int], dict[str, int]]:
+        """common_terms, and FTS5's own count of each term in it."""
+        db = keyword_db(store)
+        try:
+            db.execute("CREATE VIRTUAL TABLE temp.fts_rows USING fts5vocab(main, chunks_fts, 'row')")
+            kept = dict(db.execute("SELECT term, passages FROM common_terms"))
+            fts = dict(db.execute("SELECT term, doc FROM temp.fts_rows"))
+            return kept, {term: fts.get(term, 0) for term in kept}
+        finally:
+            db.close()
+
+    kept, fts = counted()
+    assert kept == fts and {"relay", "queue", "archive", "1"} <= set(kept) and kept["relay"] == 12
+    monkeypatch.setattr(ingest, "KEYWORD_OPTIMIZE_SHARE", 100.0)  # from here on, only the writes keep it exact
+    edit(corpus / "doc-00.md", "# Vault\n\nThe vault keeps queue items.\n")  # relay and archive out, vault in
+    (corpus / "doc-01.md").unlink()
+    edit(corpus / "doc-02.md", "---\nlifecycle: superseded\n---\n# Relay 2\n\nThe relay forwards to the archive.\n")
+    edit(corpus / "doc-12.md", "# Relay 0\n\nA new relay.\n")
+    assert ingest_run(corpus, store).code == 0
+    kept, fts = counted()
+    assert kept == fts and kept["relay"] == 11 and kept["archive"] == 10 and "vault" not in kept
