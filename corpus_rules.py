@@ -1429,7 +1429,16 @@ def query_terms(query: str) -> list[str]:
 def fts_any(terms: Sequence[str]) -> str | None:
     """An FTS5 MATCH expression that can only mean "any of these terms": every term is quoted, so
     user text is never FTS5 syntax (quotes, *, NEAR, -, column filters). None for no terms."""
-    return " OR ".join('"' + term.replace('"', '""') + '"' for term in terms) or None
+    return " OR ".join(_fts_quoted(term) for term in terms) or None
+
+
+def fts_every(terms: Sequence[str]) -> str | None:
+    """As fts_any, for "every one of these terms"."""
+    return " AND ".join(_fts_quoted(term) for term in terms) or None
+
+
+def _fts_quoted(term: str) -> str:
+    return '"' + term.replace('"', '""') + '"'
 
 
 # Identifier-like query tokens: what a user types when they mean one exact thing. Each is checked

@@ -941,7 +941,7 @@ def prefix_sql(column: str, prefix: str | None) -> tuple[str, list[Any]]:
 class KeywordPlan:
     expression: str | None
     terms: list[str]
-    kind: Literal["all", "rare", "too_common", "no_terms"]
+    kind: Literal["all", "rare", "every_term", "too_common", "no_terms"]
 
 
 def cosine_many(query: Sequence[float], matrix: Any) -> list[float | None]:
@@ -1343,12 +1343,14 @@ class OpenIndex:
         return int(self._sql("SELECT count(*) FROM (SELECT 1 FROM chunks_fts WHERE chunks_fts MATCH ? LIMIT ?)",
                              [expression, budget + 1])[0][0])
 
-    def keyword_plan(self, query: str, budget: int) -> KeywordPlan:
+    def keyword_plan(self, query: str, budget: int, every_term: bool = False) -> KeywordPlan:
         """The FTS5 expression to rank: every query term when they match at most `budget` chunks
         in all; else only the rarest terms that fit the budget (identifiers, names: what the
-        keyword channel is for); else nothing (no query term is discriminative here, and the
-        vector channel carries the query alone). Each term is one FTS5 token, so the index's own
-        vocabulary counts say how many chunks it matches, without ranking anything."""
+        keyword channel is for); else, with `every_term` (keyword mode: no vector channel carries
+        the query), the chunks holding every term, when at most `budget` do; else nothing (no
+        query term is discriminative here, and the vector channel carries the query alone). Each
+        term is one FTS5 token, so the index's own vocabulary counts say how many chunks it
+        matches, without ranking anything."""
         terms = rules.query_terms(query)
         if not terms:
             return KeywordPlan(None, terms, "no_terms")
@@ -1369,17 +1371,20 @@ class OpenIndex:
             total += counts[term]
         if picked:
             return KeywordPlan(rules.fts_any(picked), picked, "rare")
-        # Not "chunks holding all the terms": FTS5 intersects by walking every term's full
-        # posting list, so an AND of common words costs as much as ranking them (measured: p95
-        # 11 ms at 100k chunks). Common words are what the vector channel already covers.
+        # Common words are what the vector channel covers; without it, the passages holding them
+        # all, found lazily (a bounded probe) on the index ingest keeps in one segment.
+        every = rules.fts_every(terms)
+        if every_term and len(terms) > 1 and self._bounded_matches(every, budget) <= budget:
+            return KeywordPlan(every, terms, "every_term")
         return KeywordPlan(None, terms, "too_common")
 
     def keyword_ranking(self, query: str, lifecycles: Sequence[str], prefix: str | None, n: int,
-                        budget: int = KEYWORD_MATCH_BUDGET) -> tuple[list[tuple[str, str]], KeywordPlan]:
+                        budget: int = KEYWORD_MATCH_BUDGET,
+                        every_term: bool = False) -> tuple[list[tuple[str, str]], KeywordPlan]:
         """The best n committed chunks by BM25 as (id, lifecycle), lifecycle and prefix filtered
         inside the query (before the LIMIT), so a filtered-out chunk can never take a candidate
-        slot."""
-        plan = self.keyword_plan(query, budget)
+        slot. `every_term`: see keyword_plan."""
+        plan = self.keyword_plan(query, budget, every_term)
         if plan.expression is None:
             return [], plan
         return self.ranked_ids(plan.expression, lifecycles, prefix, n), plan
@@ -2219,7 +2224,7 @@ class RetrievalService:
             terms = rules.query_terms(phrasing.text)
             weights[p] = term_weights(terms, index.passages_with(terms), total)
             ranked, phrasing_plan = index.keyword_ranking(phrasing.text, scope.lifecycles, scope.prefix,
-                                                          CHANNEL_CANDIDATES)
+                                                          CHANNEL_CANDIDATES, every_term=args.mode == "keyword")
             if p == 0:
                 plan = phrasing_plan
             lifecycles.update(ranked)
@@ -2426,7 +2431,8 @@ class RetrievalService:
             return 0, ()
         found: dict[str, None] = {}
         for text in args.phrasings():
-            ranked, _ = index.keyword_ranking(text, ("superseded",), scope.prefix, HIDDEN_COUNT_MAX + 1)
+            ranked, _ = index.keyword_ranking(text, ("superseded",), scope.prefix, HIDDEN_COUNT_MAX + 1,
+                                              every_term=args.mode == "keyword")
             found.update(dict.fromkeys(item for item, _ in ranked))
         if not found:
             return 0, ()

@@ -1204,6 +1204,19 @@ def test_keyword_plan_keeps_rare_terms_when_common_ones_would_blow_the_budget(ba
     assert index.keyword_plan("zzqqxx-unknown", budget=0).kind == "too_common"
 
 
+def test_keyword_mode_ranks_the_passages_holding_every_common_word(base: Built) -> None:
+    index = service(base).manager.open()
+    # In the sample corpus each word is in 12 or more of the 50 passages, all three in 11.
+    query, words = "deploy rollout canary", ("deploy", "rollout", "canary")
+    assert index.keyword_plan(query, budget=11, every_term=True).kind == "every_term"
+    ranked, _ = index.keyword_ranking(query, ["active"], None, 20, budget=11, every_term=True)
+    rows = index.chunks_by_id([i for i, _ in ranked]).values()
+    assert rows and all(word in f"{row.title} {row.heading} {row.text}".lower() for row in rows for word in words)
+    # Hybrid leaves such a query to the vector channel; more such passages than the budget: too common.
+    assert index.keyword_plan(query, budget=11).kind == "too_common"
+    assert index.keyword_plan(query, budget=10, every_term=True).kind == "too_common"
+
+
 def test_keyword_mode_explains_when_every_word_is_too_common(base: Built, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(server, "KEYWORD_MATCH_BUDGET", 1)
     svc = service(base)
