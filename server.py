@@ -129,6 +129,10 @@ CONFIDENCE_MEDIUM = 0.1
 # an OR of common words matches most of a 100k-chunk corpus (~100 ms). Above this many matches
 # a term is not discriminative and the keyword channel keeps to the rarer terms (see keyword_plan).
 KEYWORD_MATCH_BUDGET = 1000
+# FTS5's bm25 also walks the whole posting list of every term it ranks, to count its passages
+# (~85 ns an entry measured at 100k chunks). Keyword mode's AND of common words (see keyword_plan)
+# ranks only terms whose posting lists fit this together, whatever the corpus size.
+KEYWORD_POSTINGS_BUDGET = 100_000
 HIT_TEXT_MAX_CHARS = 2000
 # Clients cut tool output around 25k tokens; characters are a safe, cheap proxy. Each budget counts
 # the compact JSON, and is declared to clients as the tool's anthropic/maxResultSizeChars
@@ -941,7 +945,7 @@ def prefix_sql(column: str, prefix: str | None) -> tuple[str, list[Any]]:
 class KeywordPlan:
     expression: str | None
     terms: list[str]
-    kind: Literal["all", "rare", "every_term", "too_common", "no_terms"]
+    kind: Literal["all", "rare", "together", "too_common", "no_terms"]
 
 
 def cosine_many(query: Sequence[float], matrix: Any) -> list[float | None]:
@@ -1343,14 +1347,15 @@ class OpenIndex:
         return int(self._sql("SELECT count(*) FROM (SELECT 1 FROM chunks_fts WHERE chunks_fts MATCH ? LIMIT ?)",
                              [expression, budget + 1])[0][0])
 
-    def keyword_plan(self, query: str, budget: int, every_term: bool = False) -> KeywordPlan:
+    def keyword_plan(self, query: str, budget: int, together: bool = False) -> KeywordPlan:
         """The FTS5 expression to rank: every query term when they match at most `budget` chunks
         in all; else only the rarest terms that fit the budget (identifiers, names: what the
-        keyword channel is for); else, with `every_term` (keyword mode: no vector channel carries
-        the query), the chunks holding every term, when at most `budget` do; else nothing (no
-        query term is discriminative here, and the vector channel carries the query alone). Each
-        term is one FTS5 token, so the index's own vocabulary counts say how many chunks it
-        matches, without ranking anything."""
+        keyword channel is for); else, with `together` (keyword mode: no vector channel carries
+        the query), the chunks holding the rarest terms together, the fewest terms that at most
+        `budget` chunks hold together, within KEYWORD_POSTINGS_BUDGET; else nothing (no query term
+        is discriminative here, and the vector channel carries the query alone). Each term is one
+        FTS5 token, so the index's own vocabulary counts say how many chunks it matches, without
+        ranking anything."""
         terms = rules.query_terms(query)
         if not terms:
             return KeywordPlan(None, terms, "no_terms")
@@ -1371,20 +1376,26 @@ class OpenIndex:
             total += counts[term]
         if picked:
             return KeywordPlan(rules.fts_any(picked), picked, "rare")
-        # Common words are what the vector channel covers; without it, the passages holding them
-        # all, found lazily (a bounded probe) on the index ingest keeps in one segment.
-        every = rules.fts_every(terms)
-        if every_term and len(terms) > 1 and self._bounded_matches(every, budget) <= budget:
-            return KeywordPlan(every, terms, "every_term")
+        # Common words are what the vector channel covers; without it, the passages holding the
+        # rarest of them together, each AND counted lazily (a bounded probe).
+        chosen: list[str] = []
+        postings = 0
+        for term in present if together else ():
+            postings += counts[term]
+            if postings > KEYWORD_POSTINGS_BUDGET:
+                break
+            chosen.append(term)
+            if len(chosen) > 1 and self._bounded_matches(rules.fts_every(chosen), budget) <= budget:
+                return KeywordPlan(rules.fts_every(chosen), chosen, "together")
         return KeywordPlan(None, terms, "too_common")
 
     def keyword_ranking(self, query: str, lifecycles: Sequence[str], prefix: str | None, n: int,
                         budget: int = KEYWORD_MATCH_BUDGET,
-                        every_term: bool = False) -> tuple[list[tuple[str, str]], KeywordPlan]:
+                        together: bool = False) -> tuple[list[tuple[str, str]], KeywordPlan]:
         """The best n committed chunks by BM25 as (id, lifecycle), lifecycle and prefix filtered
         inside the query (before the LIMIT), so a filtered-out chunk can never take a candidate
-        slot. `every_term`: see keyword_plan."""
-        plan = self.keyword_plan(query, budget, every_term)
+        slot. `together`: see keyword_plan."""
+        plan = self.keyword_plan(query, budget, together)
         if plan.expression is None:
             return [], plan
         return self.ranked_ids(plan.expression, lifecycles, prefix, n), plan
@@ -2224,7 +2235,7 @@ class RetrievalService:
             terms = rules.query_terms(phrasing.text)
             weights[p] = term_weights(terms, index.passages_with(terms), total)
             ranked, phrasing_plan = index.keyword_ranking(phrasing.text, scope.lifecycles, scope.prefix,
-                                                          CHANNEL_CANDIDATES, every_term=args.mode == "keyword")
+                                                          CHANNEL_CANDIDATES, together=args.mode == "keyword")
             if p == 0:
                 plan = phrasing_plan
             lifecycles.update(ranked)
@@ -2432,7 +2443,7 @@ class RetrievalService:
         found: dict[str, None] = {}
         for text in args.phrasings():
             ranked, _ = index.keyword_ranking(text, ("superseded",), scope.prefix, HIDDEN_COUNT_MAX + 1,
-                                              every_term=args.mode == "keyword")
+                                              together=args.mode == "keyword")
             found.update(dict.fromkeys(item for item, _ in ranked))
         if not found:
             return 0, ()

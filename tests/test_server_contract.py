@@ -1204,17 +1204,24 @@ def test_keyword_plan_keeps_rare_terms_when_common_ones_would_blow_the_budget(ba
     assert index.keyword_plan("zzqqxx-unknown", budget=0).kind == "too_common"
 
 
-def test_keyword_mode_ranks_the_passages_holding_every_common_word(base: Built) -> None:
+def test_keyword_mode_ranks_the_passages_holding_the_rarest_common_words_together(
+        base: Built, monkeypatch: pytest.MonkeyPatch) -> None:
     index = service(base).manager.open()
-    # In the sample corpus each word is in 12 or more of the 50 passages, all three in 11.
-    query, words = "deploy rollout canary", ("deploy", "rollout", "canary")
-    assert index.keyword_plan(query, budget=11, every_term=True).kind == "every_term"
-    ranked, _ = index.keyword_ranking(query, ["active"], None, 20, budget=11, every_term=True)
+    # In the sample corpus of 50 passages: canary 12, rollout 26, deploy 32; canary and rollout
+    # together 11, all three 11.
+    query = "deploy rollout canary"
+    plan = index.keyword_plan(query, budget=11, together=True)
+    assert (plan.kind, plan.terms) == ("together", ["canary", "rollout"])
+    ranked, _ = index.keyword_ranking(query, ["active"], None, 20, budget=11, together=True)
     rows = index.chunks_by_id([i for i, _ in ranked]).values()
-    assert rows and all(word in f"{row.title} {row.heading} {row.text}".lower() for row in rows for word in words)
-    # Hybrid leaves such a query to the vector channel; more such passages than the budget: too common.
+    assert rows and all(word in f"{row.title} {row.heading} {row.text}".lower() for row in rows
+                        for word in ("canary", "rollout"))
+    # Hybrid leaves such a query to the vector channel; more such passages than the budget, or
+    # posting lists longer than their budget: too common.
     assert index.keyword_plan(query, budget=11).kind == "too_common"
-    assert index.keyword_plan(query, budget=10, every_term=True).kind == "too_common"
+    assert index.keyword_plan(query, budget=10, together=True).kind == "too_common"
+    monkeypatch.setattr(server, "KEYWORD_POSTINGS_BUDGET", 37)  # canary and rollout hold 38
+    assert index.keyword_plan(query, budget=11, together=True).kind == "too_common"
 
 
 def test_keyword_mode_explains_when_every_word_is_too_common(base: Built, monkeypatch: pytest.MonkeyPatch) -> None:
