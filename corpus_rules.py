@@ -1595,7 +1595,8 @@ CREATE VIRTUAL TABLE IF NOT EXISTS chunks_fts USING fts5(
 -- here instead. A term not listed is counted by FTS5 (fts5vocab).
 CREATE TABLE IF NOT EXISTS common_terms(term TEXT PRIMARY KEY, passages INTEGER NOT NULL) WITHOUT ROWID;
 """
-# See common_terms: at 100k chunks FTS5 took 9 ms to count a word in 32k passages, 0.6 ms for 2,500.
+# A term in this many passages has its count kept by ingest (see common_terms): FTS5's own count
+# costs time in proportion to the passages, paid by a server for each new word of each generation.
 COMMON_TERM_PASSAGES = 2000
 
 
@@ -1603,6 +1604,8 @@ def row_terms(*columns: str) -> set[str]:
     """The distinct FTS5 tokens of a chunks_fts row, from its columns as ingest writes them:
     space-joined keyword terms, each one token, already case-folded."""
     return {term for column in columns for term in column.split()}
+
+
 # bm25 column weights (title, heading, body): a heading or title hit says more than a body hit.
 FTS_WEIGHTS = (2.0, 3.0, 1.0)
 

@@ -129,9 +129,9 @@ CONFIDENCE_MEDIUM = 0.1
 # an OR of common words matches most of a 100k-chunk corpus (~100 ms). Above this many matches
 # a term is not discriminative and the keyword channel keeps to the rarer terms (see keyword_plan).
 KEYWORD_MATCH_BUDGET = 1000
-# FTS5's bm25 also walks the whole posting list of every term it ranks, to count its passages
-# (~85 ns an entry measured at 100k chunks). Keyword mode's AND of common words (see keyword_plan)
-# ranks only terms whose posting lists fit this together, whatever the corpus size.
+# FTS5's bm25 also walks the whole posting list of every term it ranks, to count its passages.
+# Keyword mode's AND of common words (see keyword_plan) ranks only terms whose posting lists fit
+# this together, so its cost does not grow with the corpus.
 KEYWORD_POSTINGS_BUDGET = 100_000
 HIT_TEXT_MAX_CHARS = 2000
 # Clients cut tool output around 25k tokens; characters are a safe, cheap proxy. Each budget counts
