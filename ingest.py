@@ -1496,8 +1496,8 @@ class Store:
                         "tries again", rules.shown(exc, 200))
             return False
         self._rows_written = 0
-        self._common_terms = {term for (term,) in self.db.execute("SELECT term FROM common_terms")}
         if due:
+            self._common_terms = {term for (term,) in self.db.execute("SELECT term FROM common_terms")}
             # The WAL now holds the whole rewrite; give its space back when no reader needs it.
             with contextlib.suppress(sqlite3.Error):
                 self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")

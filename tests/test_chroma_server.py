@@ -199,11 +199,10 @@ def test_kill_9_of_ingest_against_a_chroma_server_converges(fake: FakeOllama, ch
 
 def test_stored_vectors_are_read_whole_while_another_client_deletes_and_upserts(chroma: ChromaServer,
                                                                               tmp_path: Path) -> None:
-    """Chroma's get(include embeddings) is no snapshot: a delete applied between its metadata read
+    """Chroma's get(include embeddings) is no snapshot: a write applied between its metadata read
     and its vector read fails it ("Error finding id", "Error getting embedding"), a few reads in a
-    hundred under this churn.
-    That is what a killed ingest's last request, still running on the server, does to the next
-    reader; the reads retry it and answer every time."""
+    hundred under this churn. That is what a killed ingest's last request, still running on the
+    server, does to the next reader; the reads retry it and answer every time."""
     import random
     import threading
 
