@@ -159,6 +159,7 @@ EMBEDDER_REST_S = 15.0
 CHUNK_VECTOR_CACHE_SIZE = 4096
 PASSAGE_COUNT_CACHE_SIZE = 50_000  # terms, per open index generation
 PASSAGE_TERMS_CACHE_SIZE = 4096  # passages
+DOCUMENT_LANGUAGE_CACHE_SIZE = 20_000  # documents, per open index generation
 # The staleness hint stats every indexed file; once every few seconds keeps searches cheap.
 STALENESS_TTL_S = 5.0
 SQLITE_BUSY_TIMEOUT_S = 5.0
@@ -169,8 +170,9 @@ WARMUP_DELAY_S = 0.2
 # How long a hybrid search in a server waits for a vector index that is still loading (the first
 # search after the server started, or after an ingest published a new index) before it answers
 # from the keyword channel alone, saying so: the goal is a first answer within 1.5 s of spawn, of
-# which the handshake takes about half, more on a busy machine. mode='vector' waits for the load.
-COLD_VECTOR_WAIT_S = 0.4
+# which the handshake takes more than half, and a search right after it shares the CPU with the
+# warm-up's imports. mode='vector' waits for the load, and so does a search keywords found nothing for.
+COLD_VECTOR_WAIT_S = 0.2
 # SQLite integers are signed 64-bit; a larger offset would crash the query instead of failing validation.
 SQLITE_MAX_INT = 2**63 - 1
 
@@ -1139,6 +1141,7 @@ class OpenIndex:
         self.vectors_asked_at: float | None = None  # when the first read was sent (the load began)
         # A generation's counts never change; they go with it (a new generation opens afresh).
         self._passage_counts: LRU[str, int] = LRU(PASSAGE_COUNT_CACHE_SIZE)
+        self._document_languages: LRU[str, tuple[float | None]] = LRU(DOCUMENT_LANGUAGE_CACHE_SIZE)
 
     def _open_keywords(self) -> sqlite3.Connection:
         path = self.keyword_path
@@ -1172,14 +1175,18 @@ class OpenIndex:
             log.warning("the index's similarity calibration is unreadable; confidence goes without it")
             return None
 
-    @functools.cached_property
-    def document_languages(self) -> dict[str, float]:
-        """Each document's cjk_share as ingest measured it, by path (none for a store written
-        before ingest measured it: passages then stand for themselves, see same_language)."""
-        if "cjk_share" not in {str(row[1]) for row in self._sql("PRAGMA table_info(documents)")}:
-            return {}
-        return {str(path): float(share) for path, share in
-                self._sql("SELECT path, cjk_share FROM documents WHERE cjk_share IS NOT NULL")}
+    def document_language(self, path: str) -> float | None:
+        """A document's cjk_share as ingest measured it (None for a store written before ingest
+        measured it: passages then stand for themselves, see same_language). Read per document as
+        its passages are read: a generation's first search reading every document's was most of
+        its time when it ran beside the warm-up's imports (each row's step gives up the GIL)."""
+        known = self._document_languages.get(path)
+        if known is None:
+            rows = (self._sql("SELECT cjk_share FROM documents WHERE path = ?", (path,))
+                    if "cjk_share" in self._documents_table else [])
+            known = (float(rows[0][0]) if rows and rows[0][0] is not None else None,)
+            self._document_languages.put(path, known)
+        return known[0]
 
     @functools.cached_property
     def _documents_table(self) -> frozenset[str]:
@@ -1390,12 +1397,12 @@ class OpenIndex:
         return KeywordPlan(None, terms, "too_common")
 
     def keyword_ranking(self, query: str, lifecycles: Sequence[str], prefix: str | None, n: int,
-                        budget: int = KEYWORD_MATCH_BUDGET,
+                        budget: int | None = None,
                         together: bool = False) -> tuple[list[tuple[str, str]], KeywordPlan]:
         """The best n committed chunks by BM25 as (id, lifecycle), lifecycle and prefix filtered
         inside the query (before the LIMIT), so a filtered-out chunk can never take a candidate
-        slot. `together`: see keyword_plan."""
-        plan = self.keyword_plan(query, budget, together)
+        slot. `budget`: KEYWORD_MATCH_BUDGET unless given; `together`: see keyword_plan."""
+        plan = self.keyword_plan(query, KEYWORD_MATCH_BUDGET if budget is None else budget, together)
         if plan.expression is None:
             return [], plan
         return self.ranked_ids(plan.expression, lifecycles, prefix, n), plan
@@ -1881,6 +1888,9 @@ class ChannelCandidates:
         """Every candidate still in a list (min_score may have dropped some), first seen first."""
         return list(dict.fromkeys(item for ranked in self.lists for item in ranked.ids))
 
+    def found(self) -> bool:
+        return any(ranked.ids for ranked in self.lists)
+
     def read_rows(self, index: OpenIndex, ids: Sequence[str]) -> list[rules.ChunkRow]:
         """The rows of these candidates, read once; a candidate whose row an ingest removed
         meanwhile has none."""
@@ -1905,11 +1915,11 @@ class KeywordChannel:
 @dataclass(frozen=True)
 class PassageReading:
     """How the passages of one index read against a phrasing's term weights (`passages`: the
-    service's cache of their terms; `languages`: each document's cjk_share, by path)."""
+    service's cache of their terms; `document_language`: a document's cjk_share, by path)."""
 
     passages: PassageTerms
     index_name: str
-    languages: Mapping[str, float]
+    document_language: Callable[[str], float | None]
 
     def term_evidence(self, weights: Mapping[str, float] | None, phrasing: Phrasing, row: rules.ChunkRow) -> float | None:
         """The share of a phrasing's term weight a passage holds, or None when the two are not in
@@ -1918,7 +1928,7 @@ class PassageReading:
         if weights is None:
             return None
         terms, text_cjk_share = self.passages.of(self.index_name, row)
-        if not same_language(phrasing.text, self.languages.get(row.path), text_cjk_share):
+        if not same_language(phrasing.text, self.document_language(row.path), text_cjk_share):
             return None
         return coverage(weights, terms)
 
@@ -1928,7 +1938,7 @@ class PassageReading:
         if weights is None:
             return 0.0
         terms, text_cjk_share = self.passages.of(self.index_name, row)
-        if same_language(phrasing.text, self.languages.get(row.path), text_cjk_share):
+        if same_language(phrasing.text, self.document_language(row.path), text_cjk_share):
             return coverage(weights, terms)
         return coverage(weights, terms, shared_terms(phrasing.text))
 
@@ -2130,9 +2140,13 @@ class RetrievalService:
                     except VectorStoreUnavailable as exc:
                         if args.mode != "hybrid":
                             raise
-                        log.warning("search degraded to keyword results: %s", exc.message)
                         # The keyword channel already run is kept (it reads no vectors).
-                        return self._search_index(index, args, [Phrasing(text, None) for text in texts], exc, kept)
+                        answer = self._search_index(index, args, [Phrasing(text, None) for text in texts], exc, kept)
+                        if isinstance(exc, VectorIndexLoading) and not answer["results"]:
+                            # Keywords found nothing to give while the index loads: wait for the load.
+                            return self._search_index(index, args, phrasings, degraded, kept)
+                        log.warning("search degraded to keyword results: %s", exc.message)
+                        return answer
                 current = index.current
                 # The response's staleness count, begun now if this generation has none yet.
                 self.staleness.begin(index, self.corpus_dir(current))
@@ -2144,7 +2158,7 @@ class RetrievalService:
                 # 3. keyword channel, while Ollama embeds
                 if args.mode == "hybrid" and not prefetch.scope.empty:
                     prefetch.keyword = self._keyword_channel(index, args, prefetch.scope,
-                                                             [Phrasing(text, None) for text in texts])
+                                                             [Phrasing(text, None) for text in texts], alone=False)
             # 1. embed (waited for)
             try:
                 vectors = embedding()
@@ -2168,16 +2182,16 @@ class RetrievalService:
         scope = prefetch.scope if prefetch is not None else self._prefilter(index, args)
         facts, candidates = QueryFacts(), ChannelCandidates()
         if not scope.empty:
-            # 3. keyword channel
-            keyword = (prefetch.keyword if prefetch is not None and prefetch.keyword is not None
-                       else self._keyword_channel(index, args, scope, phrasings))
+            # 3. keyword channel (the one prefetched for hybrid search ranks common words only
+            # with a vector channel beside it: without one, they are ranked again, together)
+            alone = args.mode == "keyword" or degraded is not None
+            keyword = prefetch.keyword if prefetch is not None else None
+            if keyword is None or (alone and not keyword.candidates.found()):
+                keyword = self._keyword_channel(index, args, scope, phrasings, alone)
             facts = keyword.facts
-            # 4. vector channel (a keyword channel that found nothing is no answer to give while
-            # the vector index loads: the search waits for the load instead)
-            found = any(ranked.ids for ranked in keyword.candidates.lists)
+            # 4. vector channel
             candidates = self._vector_channel(index, args, scope, phrasings, keyword.candidates,
-                                              prefetch.queries if prefetch is not None else {},
-                                              loading_until if found else None)
+                                              prefetch.queries if prefetch is not None else {}, loading_until)
             # 5. min_score
             candidates = self._above_min_score(index, args, phrasings, candidates)
             # 6. identifiers
@@ -2214,14 +2228,16 @@ class RetrievalService:
                                                 else by_lc.get(lc, []) for lc in lifecycles})
 
     def _passage_reading(self, index: OpenIndex) -> PassageReading:
-        return PassageReading(self._passage_terms, index.current.index, index.document_languages)
+        return PassageReading(self._passage_terms, index.current.index, index.document_language)
 
     def _keyword_channel(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope,
-                         phrasings: list[Phrasing]) -> KeywordChannel:
+                         phrasings: list[Phrasing], alone: bool) -> KeywordChannel:
         """Each phrasing's terms' weights and keyword candidates, weighted for fusion (the query
         above the extra phrasings; in hybrid mode by the evidence the ranking has, see
         keyword_weight), and the query's identifiers. Nothing in vector mode: it reads the
-        vectors only (it works without the keyword index)."""
+        vectors only (it works without the keyword index). `alone`: no vector channel carries the
+        query (keyword mode, or a hybrid search degraded to keywords), so a query of common words
+        is ranked by the passages holding them together (see keyword_plan)."""
         if args.mode == "vector":
             return KeywordChannel(ChannelCandidates(), QueryFacts())
         reading = self._passage_reading(index)
@@ -2235,7 +2251,7 @@ class RetrievalService:
             terms = rules.query_terms(phrasing.text)
             weights[p] = term_weights(terms, index.passages_with(terms), total)
             ranked, phrasing_plan = index.keyword_ranking(phrasing.text, scope.lifecycles, scope.prefix,
-                                                          CHANNEL_CANDIDATES, together=args.mode == "keyword")
+                                                          CHANNEL_CANDIDATES, together=alone)
             if p == 0:
                 plan = phrasing_plan
             lifecycles.update(ranked)

@@ -149,6 +149,23 @@ def test_a_query_no_keyword_matches_waits_for_the_load(svc: Any, held: HeldLoad)
     assert all(hit["matched"] == ["vector"] for hit in payload["results"])
 
 
+def test_a_query_of_common_words_answers_from_the_passages_holding_them_together_while_loading(
+        svc: Any, held: HeldLoad, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hybrid leaves common words to the vector channel; while it loads, the keyword channel
+    ranks them as keyword mode does (see keyword_plan) instead of the search waiting for the load."""
+    monkeypatch.setattr(server, "KEYWORD_MATCH_BUDGET", 11)  # canary and rollout together: 11 passages
+    warmup = server.WarmUp(svc)
+    warmup.start(delay=0.0)
+    assert held.entered.wait(60)
+    is_error, payload = dispatched(svc, "search_corpus", query="deploy rollout canary")
+    assert not is_error and payload["degraded"] == "vector_index_loading", payload
+    assert payload["results"] and all(hit["matched"] == ["keyword"] for hit in payload["results"])
+    assert all({"canary", "rollout"} <= set(rules.indexed_terms(f"{hit['heading']} {hit['text']}"))
+               for hit in payload["results"]), payload
+    held.release()
+    warmup.join(30)
+
+
 def test_a_loaded_index_is_never_called_loading(svc: Any, held: HeldLoad) -> None:
     """Once the vectors answered, a search waits for them as for any store (no cold wait)."""
     held.release()

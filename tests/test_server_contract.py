@@ -1236,6 +1236,22 @@ def test_keyword_mode_explains_when_every_word_is_too_common(base: Built, monkey
     assert not is_error and payload["results"]
 
 
+def test_hybrid_degraded_to_keywords_ranks_common_words_together_as_keyword_mode_does(
+        base: Built, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the embedder down no vector channel carries a query of common words, so hybrid
+    search answers what keyword mode would: the passages holding the rarest of them together."""
+    monkeypatch.setattr(server, "KEYWORD_MATCH_BUDGET", 11)  # canary and rollout together: 11 passages
+    query = "deploy rollout canary"
+    keyword = call(service(base), "search_corpus", query=query, mode="keyword", k=20)[1]
+    with FakeOllama() as other:
+        other.stop()
+        is_error, payload = call(service(base, host=other.host), "search_corpus", query=query, k=20)
+    assert not is_error and payload["degraded"] == "embedder_unavailable", payload
+    assert payload["results"] and all(hit["matched"] == ["keyword"] for hit in payload["results"])
+    assert [(hit["path"], hit["start_line"]) for hit in payload["results"]] == [
+        (hit["path"], hit["start_line"]) for hit in keyword["results"]]
+
+
 def test_embedder_timeout_is_embedder_unavailable_not_a_hang(base: Built) -> None:
     with FakeOllama() as slow:
         slow.configure(delay_seconds=5)
