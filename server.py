@@ -1461,6 +1461,12 @@ class OpenIndex:
         return [rules.DocumentRow(*r) for r in self._sql(f"SELECT {columns} FROM documents WHERE {where} "
                                                    f"ORDER BY path{tail}", [*params, *extra])]
 
+    def indexed_files(self) -> list[IndexedFile]:
+        """What the staleness count compares with the disk, for every document, read again at
+        each recount: a quarter of the memory of their DocumentRows (2.5 against 9.5 MB at 10k
+        documents; the bench's million chunks are 100k documents)."""
+        return [IndexedFile(*row) for row in self._sql("SELECT disk_path, size, mtime_ns FROM documents")]
+
     def documents_after(self, path: str, limit: int) -> list[rules.DocumentRow]:
         """Documents in path order after `path` (keyset paging: a page never shifts when an
         ingest adds or removes documents before it)."""
@@ -1747,8 +1753,8 @@ class StalenessCheck:
         counted: the warm-up and a generation's first search overlap it with the vector index load."""
         known = self._cache is not None and self._cache[0] == index.key
         if not known and not (self._first is not None and self._first[0] == index.key):
-            docs = index.documents()
-            self._first = (index.key, rules.on_call_thread(lambda: count_changed_files(corpus_dir, docs)))
+            files = index.indexed_files()
+            self._first = (index.key, rules.on_call_thread(lambda: count_changed_files(corpus_dir, files)))
 
     def of(self, index: OpenIndex, corpus_dir: Path, recount: Callable[[], tuple[tuple[str, int], int]]) -> Staleness:
         now = time.monotonic()
@@ -1756,7 +1762,7 @@ class StalenessCheck:
         if cached is None or cached[0] != index.key:
             first, self._first = self._first, None  # a count that failed is not read twice
             changed = (first[1].result() if first is not None and first[0] == index.key
-                       else count_changed_files(corpus_dir, index.documents()))
+                       else count_changed_files(corpus_dir, index.indexed_files()))
             self._cache = (index.key, now, changed)
         else:
             changed = cached[2]
@@ -2046,8 +2052,8 @@ class RetrievalService:
         def recount() -> tuple[tuple[str, int], int]:
             with self.manager.lock:
                 latest = self.manager.open()
-                docs = latest.documents()
-            return latest.key, count_changed_files(self.corpus_dir(latest.current), docs)
+                files = latest.indexed_files()
+            return latest.key, count_changed_files(self.corpus_dir(latest.current), files)
 
         return self.staleness.of(index, self.corpus_dir(index.current), recount)
 
@@ -2588,7 +2594,15 @@ def _lifecycle(value: str) -> Literal["active", "superseded"]:
     return "superseded" if value == "superseded" else "active"
 
 
-def disk_state(corpus_dir: Path, doc: rules.DocumentRow) -> Literal["unchanged", "modified", "deleted"]:
+class IndexedFile(typing.NamedTuple):
+    """An indexed file as ingest recorded it: where it is under the corpus folder, size and mtime."""
+
+    disk_path: str
+    size: int
+    mtime_ns: int
+
+
+def disk_state(corpus_dir: Path, doc: rules.DocumentRow | IndexedFile) -> Literal["unchanged", "modified", "deleted"]:
     """An indexed file on disk against the size and mtime ingest recorded: one stat, never a read."""
     try:
         st = os.stat(corpus_dir / doc.disk_path)
@@ -2599,7 +2613,7 @@ def disk_state(corpus_dir: Path, doc: rules.DocumentRow) -> Literal["unchanged",
     return "unchanged" if rules.looks_unchanged(st.st_size, st.st_mtime_ns, doc.size, doc.mtime_ns) else "modified"
 
 
-def count_changed_files(corpus_dir: Path, docs: Sequence[rules.DocumentRow]) -> int:
+def count_changed_files(corpus_dir: Path, docs: Sequence[rules.DocumentRow | IndexedFile]) -> int:
     """Indexed files whose size or mtime differ on disk, or that are gone (a cheap stat each)."""
     return sum(disk_state(corpus_dir, doc) != "unchanged" for doc in docs)
 

@@ -78,3 +78,6 @@ def test_disk_state_names_what_happened(tmp_path: Path) -> None:
     inside = dataclasses.replace(doc, path="a.md/b.md", disk_path="a.md/b.md", real_path=str(tmp_path / "a.md/b.md"))
     assert server.disk_state(tmp_path, inside) == "deleted"  # a file where its folder was
     assert server.count_changed_files(tmp_path, [doc, inside]) == 2
+    # What the staleness count reads of every document: its place, size and mtime.
+    assert server.count_changed_files(tmp_path, [server.IndexedFile(d.disk_path, d.size, d.mtime_ns)
+                                                 for d in (doc, inside)]) == 2
