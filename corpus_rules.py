@@ -287,7 +287,7 @@ class Settings:
     corpus_dir_explicit: bool
     store_dir: Path
     # The hosts of OLLAMA_HOST (a comma list): ingest spreads its calls over them, the server embeds
-    # queries with the first (ollama_host).
+    # queries with the first that answers (ollama_host is the first).
     ollama_hosts: tuple[str, ...]
     embed_model: str
     # True when RAG_EMBED_MODEL was set explicitly: the server then insists it matches the index.
@@ -426,7 +426,7 @@ def _addresses_env(env: Mapping[str, str], name: str, pattern: re.Pattern[str], 
 
 def _ollama_hosts_env(env: Mapping[str, str], name: str) -> tuple[str, ...]:
     """OLLAMA_HOST: one Ollama address, or a comma list of them (ingest spreads its calls over
-    them; the server embeds queries with the first). Each is checked as _ollama_host reads it; the
+    them; the server embeds queries with the first that answers). Each is checked as _ollama_host reads it; the
     same host twice is one host."""
     raw = env.get(name, "").strip()
     if not raw:
@@ -2702,19 +2702,23 @@ class OllamaEmbedder:
         # The client is built (ollama and httpx imported) before the clock starts: on a loaded
         # machine the imports alone can outlast a short RAG_EMBED_TIMEOUT.
         client = self._get_client()
-        return self._answer(on_call_thread(lambda: fn(client)))
+        return self.answer(on_call_thread(lambda: fn(client)))
 
-    def _answer(self, call: BoundedCall) -> Any:
+    def answer(self, call: BoundedCall, seconds: float | None = None) -> Any:
+        """What a call to this Ollama gave within `seconds` (timeout_s unless said), its failures
+        in the error vocabulary."""
+        seconds = self.timeout_s if seconds is None else seconds
         try:
-            return call.result(self.timeout_s)
+            return call.result(seconds)
         except TimeoutError:
-            raise self._timed_out() from None
+            raise self._timed_out(seconds) from None
         except Exception as exc:  # translated below
             raise self._translate(exc) from exc
 
-    def _timed_out(self) -> RagError:
-        return EmbedderTimeout(ErrorCode.EMBEDDER_UNAVAILABLE, f"Ollama at {self.host} did not answer within {self.timeout_s:g} s",
-                        "retry; if Ollama is loading the model, wait for it, or raise RAG_EMBED_TIMEOUT")
+    def _timed_out(self, seconds: float | None = None) -> RagError:
+        return EmbedderTimeout(ErrorCode.EMBEDDER_UNAVAILABLE, f"Ollama at {self.host} did not answer within "
+                               f"{self.timeout_s if seconds is None else seconds:g} s",
+                               "retry; if Ollama is loading the model, wait for it, or raise RAG_EMBED_TIMEOUT")
 
     def _translate(self, exc: BaseException) -> BaseException:
         import httpx

@@ -1576,20 +1576,28 @@ class StoreManager:
 
 
 class QueryEmbeddings:
-    """Query vectors through Ollama with a small LRU cache (agents repeat queries).
+    """Query vectors through Ollama with a small LRU cache (agents repeat queries), from the first
+    host of OLLAMA_HOST that answers.
 
     The cache is keyed by the index generation and the model digest the index was embedded with
     as well as the text: after a re-ingest (new weights pulled under the same name, say) a cached
-    vector could disagree with the index. Only vectors that passed every check are cached. After
-    a call that timed out, calls to that Ollama fail at once for EMBEDDER_REST_S, so a stalled
-    embedder costs one timeout, not one per search (hybrid search answers from the keyword
-    channel meanwhile)."""
+    vector could disagree with the index. Only vectors that passed every check are cached.
+
+    Hosts are asked in OLLAMA_HOST's order, one at a time: a host that fails (down, without the
+    model, timed out) passes the call to the next within the same search. After a call that timed
+    out, that host is skipped for EMBEDDER_REST_S, so a stalled embedder costs one timeout, not
+    one per search (hybrid search answers from the keyword channel while no host answers). A host
+    after the first is used only once it lists the digest the index was embedded with: ingest
+    refuses hosts that differ, and one re-pulled since would give vectors the index cannot be
+    compared with."""
 
     def __init__(self, size: int = QUERY_CACHE_SIZE) -> None:
         self._cache: LRU[tuple[Any, ...], Any] = LRU(size)
-        self._lock = threading.Lock()  # the embedders and the resting hosts
+        self._lock = threading.Lock()  # the embedders, the resting hosts and the weights verdicts
         self._embedders: dict[tuple[str, str, float, int | None], rules.OllamaEmbedder] = {}
         self._resting: dict[tuple[str, str], tuple[float, RagError]] = {}
+        # (host, model, the index's digest) -> None when the host lists that digest, else why not.
+        self._weights: dict[tuple[str, str, str], RagError | None] = {}
 
     def embedder(self, host: str, model: str, timeout: float, dimensions: int | None = None) -> rules.OllamaEmbedder:
         key = (host, model, timeout, dimensions)
@@ -1598,26 +1606,30 @@ class QueryEmbeddings:
                 self._embedders[key] = rules.OllamaEmbedder(host, model, timeout, dimensions=dimensions)
             return self._embedders[key]
 
-    def begin(self, host: str, model: str, texts: Sequence[str], timeout: float, dims: int,
-              generation: Any, on_arrival: Callable[[list[Any]], None] | None = None,
+    def begin(self, hosts: Sequence[str], model: str, texts: Sequence[str], timeout: float, dims: int,
+              generation: tuple[Any, ...], on_arrival: Callable[[list[Any]], None] | None = None,
               dimensions: int | None = None) -> Callable[[], list[Any]]:
         """One vector per text, those not cached in one call to Ollama, sent now: the caller may
-        work meanwhile and waits by calling the result, which raises any error. When a call goes
-        out, on_arrival(vectors) runs as soon as they arrive, on the embedder's call thread that
-        received them (a search queues its Chroma queries from there, see Prefetch). `dimensions`
-        is asked of Ollama (the index's embed_dimensions); the generation keys the cache apart."""
-        keys = [(host, model, text, generation) for text in texts]
+        work meanwhile and waits by calling the result, which raises any error (every host's, when
+        none answered). When a call answers, on_arrival(vectors) runs as soon as the vectors
+        arrive, on the embedder's call thread that received them (a search queues its Chroma
+        queries from there, see Prefetch). `dimensions` is asked of Ollama (the index's
+        embed_dimensions); the generation (index, generation, model digest) keys the cache apart."""
+        keys = [(model, text, generation) for text in texts]
         vectors = self._cache.get_many(keys)
-        with self._lock:
-            resting = self._resting.get((host, model))
         missing = list(dict.fromkeys(key for key in keys if key not in vectors))
         if not missing:
             return lambda: [vectors[key] for key in keys]
-        if resting is not None and time.monotonic() < resting[0]:
-            error = resting[1]
+        now = time.monotonic()
+        with self._lock:
+            resting = {host: self._resting[(host, model)][1] for host in hosts
+                       if (host, model) in self._resting and now < self._resting[(host, model)][0]}
+        ready = [host for host in hosts if host not in resting]
+        if not ready:
+            error = one_error([resting[host] for host in hosts])
             return lambda: _raise(error)
 
-        def received(matrix: Any) -> list[Any]:  # on the embedder's call thread
+        def received(host: str, matrix: Any) -> list[Any]:  # on the embedder's call thread
             if len(matrix[0]) != dims:
                 raise RagError(ErrorCode.INDEX_INCOMPATIBLE,
                                f"Ollama's {model!r} returns {len(matrix[0])}-dimensional vectors but the index "
@@ -1633,17 +1645,67 @@ class QueryEmbeddings:
                 on_arrival(ordered)
             return ordered
 
-        answer = self.embedder(host, model, timeout, dimensions).begin_embed([key[2] for key in missing], then=received)
+        missing_texts = [key[1] for key in missing]
+        digest = generation[-1]
+
+        def send(host: str) -> Callable[[], list[Any]]:
+            embedder = self.embedder(host, model, timeout, dimensions)
+            if host == hosts[0] or digest is None:
+                return embedder.begin_embed(missing_texts, then=functools.partial(received, host))
+
+            def checked_then_embedded() -> list[Any]:  # a later host: its weights first
+                self._check_weights(embedder, digest)
+                return received(host, embedder.embed(missing_texts))
+
+            call = rules.on_call_thread(checked_then_embedded)
+            return functools.partial(embedder.answer, call, 2 * timeout)  # the digest's call, then the embedding's
+
+        first = send(ready[0])
 
         def finish() -> list[Any]:
-            try:
-                return answer()
-            except rules.EmbedderTimeout as exc:
-                with self._lock:
-                    self._resting[(host, model)] = (time.monotonic() + EMBEDDER_REST_S, exc)
-                raise
+            failures: list[RagError] = []
+            for place, host in enumerate(ready):
+                try:
+                    return (send(host) if place else first)()
+                except RagError as exc:
+                    if exc.code not in DEGRADABLE_EMBEDDER_ERRORS:
+                        raise
+                    if isinstance(exc, rules.EmbedderTimeout):
+                        with self._lock:
+                            self._resting[(host, model)] = (time.monotonic() + EMBEDDER_REST_S, exc)
+                    failures.append(exc)
+                    if place + 1 < len(ready):
+                        log.warning("%s: asking %s for the query vectors", exc.message, ready[place + 1])
+            raise one_error([*failures, *resting.values()])
 
         return finish
+
+    def _check_weights(self, embedder: rules.OllamaEmbedder, digest: str) -> None:
+        """Raise unless the host lists the index's model digest (asked once per host and digest;
+        a host that cannot be asked is not judged, only failed for this call)."""
+        key = (embedder.host, embedder.model, digest)
+        with self._lock:
+            known = key in self._weights
+            verdict = self._weights.get(key)
+        if not known:
+            listed = embedder.model_digest()
+            verdict = None if listed == digest else RagError(
+                ErrorCode.EMBEDDER_UNAVAILABLE,
+                f"Ollama at {embedder.host} serves other weights under {embedder.model!r} than the index was embedded "
+                f"with (digest {(listed or 'not listed')[:12]}, the index's {digest[:12]}): its query vectors could "
+                "not be compared with the index", f"run `ollama pull {embedder.model}` on that host, or leave it out of "
+                "OLLAMA_HOST")
+            with self._lock:
+                self._weights[key] = verdict
+        if verdict is not None:
+            raise verdict
+
+
+def one_error(failures: Sequence[RagError]) -> RagError:
+    """The failures of several hosts as one error: the first one's code and hint, every message."""
+    if len(failures) == 1:
+        return failures[0]
+    return RagError(failures[0].code, "; ".join(dict.fromkeys(f.message for f in failures)), failures[0].hint)
 
 
 def _raise(error: BaseException) -> Any:
@@ -2085,7 +2147,7 @@ class RetrievalService:
         manifest = current.manifest
         self._check_model(current)
         timeout = min(settings.embed_timeout_s, QUERY_EMBED_TIMEOUT_S)
-        return self.queries.begin(settings.ollama_host, manifest.model, self._query_texts(phrasings, current),
+        return self.queries.begin(settings.ollama_hosts, manifest.model, self._query_texts(phrasings, current),
                                   timeout, manifest.dims,
                                   (current.index, current.generation, current.stamp.model_digest), on_arrival,
                                   manifest.embed_dimensions)
@@ -3471,16 +3533,24 @@ class HealthProbe:
                 return
 
     def _probe_embedder(self) -> RagError | None:
+        """None when a host of OLLAMA_HOST serves the model (searches embed with it), else every
+        host's failure."""
         try:
             settings = self.service.settings
             model = settings.embed_model
             current = rules.StoreLayout(settings.store_dir).read_current()
             if current is not None and not settings.embed_model_explicit:
                 model = current.manifest.model
-            rules.OllamaEmbedder(settings.ollama_host, model, HEALTH_PROBE_TIMEOUT_S).model_info()
         except RagError as exc:
             return exc
-        return None
+        failures = []
+        for host in settings.ollama_hosts:
+            try:
+                rules.OllamaEmbedder(host, model, HEALTH_PROBE_TIMEOUT_S).model_info()
+                return None
+            except RagError as exc:
+                failures.append(exc)
+        return one_error(failures)
 
     def _probe_vector_store(self) -> RagError | None:
         """The Chroma server's heartbeat, when there is one (the embedded store is files: the

@@ -203,7 +203,7 @@ def test_readme_ci_example_fails_the_job_when_the_passage_is_gone(sample_index: 
 @pytest.mark.parametrize("raw", ["{host} ", "{host},127.0.0.1:9"])
 def test_a_pasted_ollama_host_with_a_trailing_space_searches_as_written(built: Built, fake: FakeOllama, raw: str) -> None:
     """`import ollama` parses the raw variable itself and raised on the space inside every search
-    (and would on a comma list: the server embeds with its first host)."""
+    (and would on a comma list, whose hosts the server asks in order)."""
     done = run_cli({**built.server_env(fake.host), "OLLAMA_HOST": raw.format(host=fake.host)}, "search", "sev-1",
                    "--json")
     assert done.returncode == 0, done.stderr

@@ -11,16 +11,18 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fake_ollama import FakeOllama
 from faultlib import write_handbooks
-from helpers import copy_sample, ingest_in_process, snapshot
+from helpers import copy_sample, dispatched, in_process_service, ingest_in_process, sample_built, snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import corpus_rules as rules
 import ingest
+import server
 
 CALIBRATION = "task: search result"
 
@@ -50,7 +52,7 @@ def chunk_inputs(fake: FakeOllama, key: str = "answered_inputs") -> list[str]:
 # The settings.
 
 
-def test_ollama_host_takes_a_comma_list_and_the_server_uses_the_first() -> None:
+def test_ollama_host_takes_a_comma_list_the_first_named_first() -> None:
     settings_ = rules.load_settings({"OLLAMA_HOST": " gpu-box:11434 , http://laptop:11434/ ,gpu-box:11434"})
     assert settings_.ollama_hosts == ("http://gpu-box:11434", "http://laptop:11434")
     assert settings_.ollama_host == "http://gpu-box:11434"
@@ -257,3 +259,57 @@ def test_every_host_gone_is_the_embedder_gone(fakes: tuple[FakeOllama, FakeOllam
     assert done.summary["chunks_without_vectors"] > 0
     counted = collections.Counter(chunk_inputs(fakes[0]) + chunk_inputs(fakes[1]))
     assert max(counted.values()) == 1
+
+
+# ---------------------------------------------------------------------------
+# The server's query vectors: the first host of OLLAMA_HOST that answers.
+
+
+def searched_with(svc: Any, fakes: tuple[FakeOllama, ...], **args: Any) -> tuple[dict[str, Any], list[int]]:
+    """A search's payload, and how many embed calls each fake answered for it."""
+    before = [fake.calls()["embed_calls"] for fake in fakes]
+    is_error, payload = dispatched(svc, "search_corpus", **args)
+    assert not is_error, payload
+    return payload, [fake.calls()["embed_calls"] - count for fake, count in zip(fakes, before, strict=True)]
+
+
+def test_the_server_embeds_queries_with_the_first_host_that_answers(
+        fakes: tuple[FakeOllama, FakeOllama], indexed_sample: tuple[Path, Path], tmp_path: Path) -> None:
+    first, second = fakes
+    built = sample_built(indexed_sample, tmp_path, Hosts(fakes).host)
+    svc = in_process_service(built, RAG_EMBED_TIMEOUT="2")
+    payload, calls = searched_with(svc, fakes, query="who gets paged for a sev-1", mode="vector")
+    assert calls == [1, 0] and payload["results"], payload  # the first host, while it answers
+    first.stop()
+    payload, calls = searched_with(svc, fakes, query="rollback the database")
+    assert calls == [0, 1] and payload["degraded"] is None and payload["results"][0]["score"] is not None, payload
+    assert server.HealthProbe(svc)._probe_embedder() is None  # /health: a host serves the model
+    first.restart()
+    first.configure(hold=True)  # stalled: one timeout, then the second host; then it rests
+    try:
+        payload, calls = searched_with(svc, fakes, query="restore from backup")
+        assert calls[1] == 1 and payload["degraded"] is None, payload
+        payload, calls = searched_with(svc, fakes, query="escalation policy for outages")
+        assert calls == [0, 1] and payload["degraded"] is None, payload
+    finally:
+        first.configure(hold=False)
+    second.stop()  # the first still resting after its timeout: no host to ask, each said
+    payload = searched_with(svc, fakes, query="a question no host embeds")[0]
+    assert payload["degraded"] == "embedder_unavailable" and payload["results"], payload
+    assert f"{first.host} did not answer" in payload["hint"] and f"reach Ollama at {second.host}" in payload["hint"]
+    first.stop()
+    health = server.HealthProbe(svc)._probe_embedder()
+    assert health is not None and first.host in health.message and second.host in health.message, health
+
+
+def test_a_later_host_serving_other_weights_is_not_asked_to_embed(
+        fakes: tuple[FakeOllama, FakeOllama], indexed_sample: tuple[Path, Path], tmp_path: Path) -> None:
+    """Its vectors could not be compared with the index's: hybrid answers from keywords, saying why."""
+    first, second = fakes
+    second.configure(weights="re-pulled")
+    svc = in_process_service(sample_built(indexed_sample, tmp_path, Hosts(fakes).host))
+    assert not dispatched(svc, "search_corpus", query="warm the index", mode="vector")[0]
+    first.stop()
+    payload, calls = searched_with(svc, fakes, query="rollback the database")
+    assert calls == [0, 0] and payload["degraded"] == "embedder_unavailable", payload
+    assert "other weights" in payload["hint"] and f"cannot reach Ollama at {first.host}" in payload["hint"], payload
