@@ -1624,6 +1624,8 @@ class Progress:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.ticked = False
+        # [files done, files] while files are indexed for keyword search first (no call is waited for)
+        self._keyword_pass: list[int] | None = None
         self._ticker: threading.Thread | None = None
         if not self.tty and files:
             self._ticker = threading.Thread(target=self._tick, name="ingest-progress", daemon=True)
@@ -1647,8 +1649,31 @@ class Progress:
         if self.tty:
             self._print_if_due(0.2)
 
+    @contextlib.contextmanager
+    def keyword_pass(self, files: int) -> Iterator[Callable[[int], None]]:
+        """While `files` are indexed for keyword search first: the line says so and counts them
+        (a call Ollama answered before the pass is not being waited for)."""
+        with self._lock:
+            self._keyword_pass = [0, files]
+
+        def done(count: int) -> None:
+            with self._lock:
+                if self._keyword_pass is not None:
+                    self._keyword_pass[0] += count
+
+        try:
+            yield done
+        finally:
+            with self._lock:
+                self._keyword_pass = None
+                self.call_started = time.monotonic()
+
     def line(self) -> str:
         with self._lock:
+            if self._keyword_pass is not None:
+                done, files = self._keyword_pass
+                return (f"ingest: indexing {files} files for keyword search first, their vectors after: "
+                        f"{done}/{files} files")
             now = time.monotonic()
             elapsed = now - self.start
             rate = self.chunks_done / elapsed if elapsed > 0 else 0.0
@@ -2445,7 +2470,8 @@ def _embed_and_write(run: Run, prepared: Prepared, embedding: Embedding) -> tupl
                     pending = None
                 log.info("embedding %d file(s) new to the index will take about %.0f s: indexing them for keyword "
                          "search first", len(rest), wait)
-                _write_without_vectors(store, rest, summary)
+                with progress.keyword_pass(len(rest)) as done:
+                    _write_without_vectors(store, rest, summary, done)
                 keyword_only.update(pf.file.path for pf in rest)
                 _publish(run, prepared, changed_anything=True)
         if pending is not None:
@@ -2496,9 +2522,12 @@ def _index_without_vectors(run: Run, prepared: Prepared, files: Sequence[Prepare
     return indexed, [f"{why.message}; {len(left)} file(s) left for the next run: {named} ({why.hint})"]
 
 
-def _write_without_vectors(store: Store, files: Sequence[PreparedFile], summary: Summary) -> None:
+def _write_without_vectors(store: Store, files: Sequence[PreparedFile], summary: Summary,
+                           written: Callable[[int], None] | None = None) -> None:
     for group in rules.batched(files, COMMIT_BATCH_CHUNKS):
         store.commit_without_vectors(group)
+        if written is not None:
+            written(len(group))
     summary.chunks_without_vectors += sum(len(pf.chunks) for pf in files)
 
 

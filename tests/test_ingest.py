@@ -1161,6 +1161,22 @@ def test_progress_keeps_talking_while_a_slow_call_runs(tmp_path: Path, fake_olla
     assert final and f"{sample_chunk_count()}/{sample_chunk_count()} chunks embedded" in final[-1]
 
 
+def test_progress_says_when_files_are_indexed_for_keyword_search_first() -> None:
+    """The pass writes no vectors and waits for no call: its line says what it does and counts the
+    files (it said "waiting N s for Ollama" for the minutes a million-chunk pass took), and the wait
+    for Ollama is counted again from its end."""
+    progress = ingest.Progress(files=10, chunks=100)
+    try:
+        progress.call_started -= 60  # a call answered a minute ago
+        with progress.keyword_pass(8) as done:
+            done(3)
+            assert progress.line() == ("ingest: indexing 8 files for keyword search first, their vectors after: "
+                                       "3/8 files")
+        assert "for Ollama" not in progress.line() and "0/10 files" in progress.line()
+    finally:
+        progress.finish()
+
+
 def fts_segments(store: Path) -> int:
     """How many FTS5 segments the live keyword index holds: the second varint of FTS5's structure
     record (row 10 of %_data), after its 4-byte cookie and, from SQLite 3.44, a 4-byte version mark."""
