@@ -154,3 +154,6 @@ def test_scale_goals_judge_the_largest_size_against_its_own_run() -> None:
     assert any("hybrid p95 at 1M: 50.0 ms" in what for what in judged)
     flat = dict(bench.scale_goals([row(100_000, 10, 20, 300), row(1_000_000, 13, 30, 1600)], None))
     assert [met for _, met in flat.items()] == [True, True, False, False]  # x1.3 is not flat; no RSS goal without --dims
+    with_limits = [{**row(100_000, 10, 20, 300), "limit_p50_ms": 4.0}, {**row(1_000_000, 13, 30, 1600), "limit_p50_ms": 5.4}]
+    said = [what for what, _ in bench.scale_goals(with_limits, None) if "p50" in what]
+    assert all(what.endswith("(goal: flat, <= x1.25; the limit grew x1.35)") for what in said), said

@@ -1248,7 +1248,8 @@ SCALE_COLUMNS = (("build_s", "Build s"), ("chunks_per_s", "Chunks/s"), ("ingest_
                  ("server_rss_mb", "Server RSS after 100 searches MB"), ("hybrid_p50_ms", "Hybrid p50 ms"),
                  ("hybrid_p95_ms", "Hybrid p95 ms"), ("vector_p50_ms", "Vector p50 ms"),
                  ("vector_p95_ms", "Vector p95 ms"), ("keyword_p50_ms", "Keyword p50 ms"),
-                 ("keyword_p95_ms", "Keyword p95 ms"), ("noop_s", "No-op re-ingest s"), ("store_mb", "Store MB"))
+                 ("keyword_p95_ms", "Keyword p95 ms"), ("limit_p50_ms", "Search limit p50 ms"),
+                 ("noop_s", "No-op re-ingest s"), ("store_mb", "Store MB"))
 
 
 def scale_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -1288,11 +1289,16 @@ def scale_goals(rows: Sequence[dict[str, Any]], dims: int | None) -> list[tuple[
               top[f"{mode}_p95_ms"] <= limit) for mode, limit in SCALE_P95_GOALS_MS.items()]
     base = next((r for r in rows if r["chunks"] == SCALE_FLAT_FROM), None)
     if base is not None:
+        # The limit (a raw Chroma query and a bare round trip, between the searches) grows too:
+        # said beside each verdict, which is on the search's own time as the goal states it.
+        grown = (top["limit_p50_ms"] / base["limit_p50_ms"] if top.get("limit_p50_ms") and base.get("limit_p50_ms")
+                 else None)
         for mode in SCALE_P95_GOALS_MS:
             ratio = top[f"{mode}_p50_ms"] / base[f"{mode}_p50_ms"]
+            limit_said = "" if grown is None else f"; the limit grew x{grown:.2f}"
             goals.append((f"{mode} p50 at {label}: {top[f'{mode}_p50_ms']:.1f} ms, x{ratio:.2f} of "
                           f"{size_label(SCALE_FLAT_FROM)}'s {base[f'{mode}_p50_ms']:.1f} ms "
-                          f"(goal: flat, <= x{SCALE_FLAT_RATIO:g})", ratio <= SCALE_FLAT_RATIO))
+                          f"(goal: flat, <= x{SCALE_FLAT_RATIO:g}{limit_said})", ratio <= SCALE_FLAT_RATIO))
     if dims:
         goals.append((f"server RSS at {label} with {dims} dimensions: {top['server_rss_mb']:,.0f} MB "
                       f"(goal <= {SCALE_RSS_GOAL_MB:,.0f} MB)", top["server_rss_mb"] <= SCALE_RSS_GOAL_MB))
@@ -2314,20 +2320,39 @@ class Bench:
 
     def scale_row(self, size: int) -> dict[str, Any]:
         label = size_label(size)
-        build = self.build_index(size)
-        noop = self.ingest_once(self.corpora[size], self.stores[size])
+        row: dict[str, Any] = {"chunks": size}
+        if self.args.reuse_stores and self.reused_store(size):
+            log(f"searching the {label} index already in {self.work} (--reuse-stores: not built again)")
+        else:
+            build = self.build_index(size)
+            noop = self.ingest_once(self.corpora[size], self.stores[size])
+            chunks = int(build.summary.get("chunks_written", 0))
+            row.update(chunks_written=chunks, build_s=build.wall_s, chunks_per_s=chunks / build.wall_s,
+                       ingest_peak_rss_mb=build.peak_rss_mb, noop_s=noop.wall_s)
         queries = self.search_queries(size)
         log(f"searching the {label} index ...")
         self.warm_searches(size, queries, self.raw_queries(size, queries["raw"]))
         search = self.details["search"][label]
-        chunks = int(build.summary.get("chunks_written", 0))
-        row = {"chunks": size, "chunks_written": chunks, "build_s": build.wall_s, "chunks_per_s": chunks / build.wall_s,
-               "ingest_peak_rss_mb": build.peak_rss_mb, "server_rss_mb": search["server_vm_hwm_mb_after_100"],
-               "noop_s": noop.wall_s, "store_mb": disk_usage_mb(self.stores[size])}
+        row.update(server_rss_mb=search["server_vm_hwm_mb_after_100"], store_mb=disk_usage_mb(self.stores[size]),
+                   limit_p50_ms=search["limit_p50_ms"])
         for mode, stats in search["modes"].items():
             row[f"{mode}_p50_ms"], row[f"{mode}_p95_ms"] = stats["p50_ms"], stats["p95_ms"]
         log(f"{label}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items() if isinstance(v, float)))
         return row
+
+    def reused_store(self, size: int) -> bool:
+        """Whether --workdir holds this size's corpus and index from an earlier run, built at the
+        dimensions asked for now (a million chunks take an hour to build; their searches, a minute)."""
+        label = size_label(size)
+        corpus, store = self.work / f"corpus-{label}", self.work / f"store-{label}"
+        if not (store / "CURRENT.json").is_file() or not corpus.is_dir():
+            return False
+        built = json.loads((store / "CURRENT.json").read_text())["manifest"].get("embed_dimensions")
+        if built != self.args.dims:
+            raise SystemExit(f"bench: {store} was built with --dims {built}, not {self.args.dims}: pass the same "
+                             "--dims, or another --workdir")
+        self.corpora[size], self.stores[size] = corpus, store
+        return True
 
     # the run ---------------------------------------------------------------------------------
     def search_queries(self, size: int) -> dict[str, list[str]]:
@@ -2402,6 +2427,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--scale-budget", type=float, default=3600.0, metavar="SECONDS",
                         help="--scale stops growing when the next size's projected time exceeds what is left of "
                              "this (default: %(default)s)")
+    parser.add_argument("--reuse-stores", action="store_true",
+                        help="--scale with --workdir: search a size's index left there by an earlier run (built "
+                             "with the same --dims) instead of building it again; its build columns stay empty")
     parser.add_argument("--dims", type=int, metavar="N",
                         help=f"build the indexes at N of the fake's {DIMS} dimensions (RAG_EMBED_DIMENSIONS=N for "
                              "every ingest): the store size and search cost of smaller vectors")
