@@ -1687,11 +1687,13 @@ class Bench:
         return {**json.loads(done.stdout), "spawn_s": time.perf_counter() - started}
 
     def resource_listing(self, size: int) -> None:
-        """resources/list through every page on a warm stdio server (what a client's @-mention
-        menu asks for), then one resources/read of a hit's lines through the template."""
+        """resources/list through every page (what a client's @-mention menu asks for) right after
+        the handshake, while the warm-up imports chromadb and loads the vector index beside it
+        (reported), and again on the warm server (judged); then one resources/read of a hit's lines
+        through the template."""
         label = size_label(size)
-        with self.spawn_server(size, f"resources-{label}") as peer:
-            peer.handshake()
+
+        def every_page(peer: StdioPeer) -> tuple[list[float], int]:
             pages, cursor, documents = [], None, 0
             while True:
                 result, seconds = peer.request("resources/list", {"cursor": cursor} if cursor else {})
@@ -1699,17 +1701,29 @@ class Bench:
                 documents += len(result["resources"])
                 cursor = result.get("nextCursor")
                 if not cursor:
-                    break
-            found, _ = peer.call("search_corpus", {"query": synthetic_queries(1, f"resources-{label}")[0]})
+                    return pages, documents
+
+        with self.spawn_server(size, f"resources-{label}") as peer:
+            peer.handshake()
+            cold_pages, _ = every_page(peer)
+            queries = synthetic_queries(2, f"resources-{label}")
+            peer.call("search_corpus", {"query": queries[0], "mode": "vector"})  # waits for the vector index
+            pages, documents = every_page(peer)
+            found, _ = peer.call("search_corpus", {"query": queries[1]})
             hit = tool_payload(found)["results"][0]
             _, read_s = peer.request("resources/read", {"uri": f"{hit['uri']}?start_line={hit['start_line']}"
                                                                f"&end_line={hit['end_line']}"})
-        self.details.setdefault("resources", {})[label] = {"documents": documents, "page_s": pages, "read_s": read_s}
-        page = summarize_ms(pages)
+        self.details.setdefault("resources", {})[label] = {"documents": documents, "page_s": pages,
+                                                           "cold_page_s": cold_pages, "read_s": read_s}
+        page, cold = summarize_ms(pages), summarize_ms(cold_pages)
         self.add(Figure(f"resources.list_page_ms@{label}", f"resources/list, {documents} documents ({label} chunks): "
-                        f"one page, p95 of {len(pages)}", page["p95_ms"], "ms", "<= 100 ms",
+                        f"one page, p95 of {len(pages)}, warm server", page["p95_ms"], "ms", "<= 100 ms",
                         passed=page["p95_ms"] <= 100, size=size,
                         note=f"every page: {sum(pages):.2f} s; a hit's lines by resources/read: {read_s * 1000:.1f} ms"))
+        self.add(Figure(f"resources.cold_list_page_ms@{label}", f"resources/list, {documents} documents ({label} "
+                        f"chunks): one page, p95 of {len(cold_pages)}, right after the handshake (the warm-up "
+                        "beside it)", cold["p95_ms"], "ms", "report", size=size,
+                        note=f"every page: {sum(cold_pages):.2f} s; p50 {cold['p50_ms']:.1f} ms"))
 
     # 3 + 6. warm searches, server memory --------------------------------------------------------
     def warm_searches(self, size: int, queries: dict[str, list[str]], raw: dict[str, float]) -> None:
