@@ -1617,13 +1617,14 @@ class QueryEmbeddings:
 
     def begin(self, hosts: Sequence[str], model: str, texts: Sequence[str], timeout: float, dims: int,
               generation: tuple[Any, ...], on_arrival: Callable[[list[Any]], None] | None = None,
-              dimensions: int | None = None) -> Callable[[], list[Any]]:
+              dimensions: int | None = None, digest: str | None = None) -> Callable[[], list[Any]]:
         """One vector per text, those not cached in one call to Ollama, sent now: the caller may
         work meanwhile and waits by calling the result, which raises any error (every host's, when
         none answered). When a call answers, on_arrival(vectors) runs as soon as the vectors
         arrive, on the embedder's call thread that received them (a search queues its Chroma
         queries from there, see Prefetch). `dimensions` is asked of Ollama (the index's
-        embed_dimensions); the generation (index, generation, model digest) keys the cache apart."""
+        embed_dimensions); the generation keys the cache apart; `digest` is the model digest the
+        index was embedded with, which a host after the first must list."""
         keys = [(model, text, generation) for text in texts]
         vectors = self._cache.get_many(keys)
         missing = list(dict.fromkeys(key for key in keys if key not in vectors))
@@ -1655,7 +1656,6 @@ class QueryEmbeddings:
             return ordered
 
         missing_texts = [key[1] for key in missing]
-        digest = generation[-1]
 
         def send(host: str) -> Callable[[], list[Any]]:
             embedder = self.embedder(host, model, timeout, dimensions)
@@ -2162,7 +2162,7 @@ class RetrievalService:
         return self.queries.begin(settings.ollama_hosts, manifest.model, self._query_texts(phrasings, current),
                                   timeout, manifest.dims,
                                   (current.index, current.generation, current.stamp.model_digest), on_arrival,
-                                  manifest.embed_dimensions)
+                                  manifest.embed_dimensions, current.stamp.model_digest)
 
     # search_corpus ----------------------------------------------------------------------------
     def search(self, args: SearchCorpusInput) -> dict[str, Any]:
