@@ -1363,9 +1363,13 @@ class Store:
         paths = [pf.file.path for pf in sent.files]
         old = self._chunk_ids_of(paths)
         with transaction(self.db):
-            self._delete_rows(paths)
+            waited = {pf.file.path for pf in sent.files if self._waits_as_written(pf)}
+            self._delete_rows([path for path in paths if path not in waited])
             for pf in sent.files:
-                self._insert_rows(pf)
+                if pf.file.path in waited:  # its rows are these chunks already: they wait no more
+                    self.db.execute("DELETE FROM vectors_pending WHERE path = ?", (pf.file.path,))
+                else:
+                    self._insert_rows(pf)
             self._mark_unpublished()
         for pf in sent.files:
             for key in pf.keys:
@@ -1439,6 +1443,22 @@ class Store:
     def mark_published(self) -> None:
         with transaction(self.db):
             self.db.execute("DELETE FROM meta WHERE key = 'unpublished'")
+
+    def _waits_as_written(self, pf: PreparedFile) -> bool:
+        """Whether the file's rows are the ones _insert_rows would write for it now: indexed for
+        keyword search first (in this run, or in one without Ollama) from the same content, chunks
+        and place on disk, waiting only for their vectors. A first build that published keywords
+        first then writes its keyword index once, not twice."""
+        path = pf.file.path
+        if self.db.execute("SELECT 1 FROM vectors_pending WHERE path = ?", (path,)).fetchone() is None:
+            return False
+        written = self.db.execute("SELECT content_hash, size, mtime_ns, disk_path, real_path FROM documents "
+                                  "WHERE path = ?", (path,)).fetchone()
+        if written != (pf.content_hash, pf.file.size, pf.file.mtime_ns, pf.file.disk_path, pf.file.real_path):
+            return False
+        chunks = self.db.execute("SELECT id, embed_key FROM chunks WHERE path = ? ORDER BY chunk_index", (path,))
+        return chunks.fetchall() == [(rules.chunk_id(path, pf.content_hash, chunk.index), key)
+                                     for chunk, key in zip(pf.chunks, pf.keys, strict=True)]
 
     def _chunk_ids_of(self, paths: Sequence[str]) -> dict[str, str]:
         out: dict[str, str] = {}

@@ -1161,6 +1161,41 @@ def test_progress_keeps_talking_while_a_slow_call_runs(tmp_path: Path, fake_olla
     assert final and f"{sample_chunk_count()}/{sample_chunk_count()} chunks embedded" in final[-1]
 
 
+def rows_written_once(store: Path) -> bool:
+    """Whether every chunk row of a store built from nothing was inserted once: rowids run 1..N
+    with no gap, which a row deleted and written again would leave."""
+    count, last = keyword_db(store).execute("SELECT count(*), max(rowid) FROM chunks").fetchone()
+    return count == last
+
+
+def test_a_build_that_publishes_keywords_first_writes_each_row_once_and_ends_as_a_plain_build(
+        tmp_path: Path, fake_ollama_env: FakeOllama, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The files indexed for keyword search first keep their rows when their vectors arrive (only
+    their wait is cleared), in the same run or a later one; a file changed meanwhile is written anew."""
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    with monkeypatch.context() as patch:
+        patch.setattr(ingest, "KEYWORDS_FIRST_AFTER_S", 0.0)  # after the first group, the rest first
+        run = ingest_run(corpus, store)
+    assert run.code == 0 and run.summary["chunks_without_vectors"] > 0, run.err
+    assert run.summary["vectors_pending"] == 0 and rows_written_once(store)
+    assert snapshot(store) == clean_snapshot(corpus, tmp_path)
+    # Two files added while Ollama is away wait for their vectors; one is edited before it gets them.
+    fake_ollama_env.stop()
+    (corpus / "kept.md").write_text("# Kept\n\nIndexed for keyword search while Ollama was away.\n")
+    (corpus / "edited.md").write_text("# Edited\n\nFirst words.\n")
+    assert ingest_run(corpus, store).code == 1
+    rows = "SELECT id, rowid FROM chunks WHERE path = ?"
+    kept = keyword_db(store).execute(rows, ("kept.md",)).fetchall()
+    edited = keyword_db(store).execute(rows, ("edited.md",)).fetchall()
+    edit(corpus / "edited.md", "# Edited\n\nOther words, written before Ollama came back.\n")
+    fake_ollama_env.restart()
+    done = ingest_run(corpus, store)
+    assert done.code == 0 and done.summary["vectors_pending"] == 0, done.err
+    assert keyword_db(store).execute(rows, ("kept.md",)).fetchall() == kept  # only its wait cleared
+    assert set(keyword_db(store).execute(rows, ("edited.md",)).fetchall()).isdisjoint(edited)
+    assert snapshot(store) == clean_snapshot(corpus, tmp_path)
+
+
 def test_progress_says_when_files_are_indexed_for_keyword_search_first() -> None:
     """The pass writes no vectors and waits for no call: its line says what it does and counts the
     files (it said "waiting N s for Ollama" for the minutes a million-chunk pass took), and the wait
