@@ -542,12 +542,63 @@ class Host:
                 "left_rotation": None if self.out is None else self.out.message}
 
 
+@dataclass(eq=False)
+class _Round:
+    """Texts on their way through Embedding's dispatcher: they go out in calls after the texts of
+    the rounds queued before them, and `result` waits for every one's answer."""
+
+    texts: list[str]
+    share: int  # texts per call at most: CALLS_PER_SLOT calls per slot of the hosts when queued
+    chunks: bool  # chunks' texts (counted as embedded), or queries
+    tokens: list[int] = field(init=False)
+    vectors: list[Any] = field(init=False)
+    at: int = 0  # the texts before this one went out
+    resend: collections.deque[list[int]] = field(default_factory=collections.deque)
+    in_flight: int = 0
+    dropped: bool = False  # failed or given up: sends nothing more, its answers are ignored
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.tokens = [rules.estimate_tokens(text) for text in self.texts]
+        self.vectors = [None] * len(self.texts)
+
+    def has_work(self) -> bool:
+        return not self.dropped and (bool(self.resend) or self.at < len(self.texts))
+
+    def next_batch(self, host: Host) -> list[int]:
+        """The positions of the texts the next call to `host` carries: texts to resend first."""
+        if self.resend:
+            batch = self.resend.popleft()
+            if len(batch) > host.sizer.ceiling:
+                self.resend.appendleft(batch[host.sizer.ceiling:])
+                batch = batch[:host.sizer.ceiling]
+            return batch
+        size = min(host.sizer.size(self.tokens[self.at:]), self.share)
+        if not host.tuner.settled:  # short calls while the host's level is measured: it is found sooner
+            size = min(size, START_CHUNKS)
+        self.at += size
+        return list(range(self.at - size, self.at))
+
+    def fail(self, error: BaseException) -> None:
+        self.error, self.dropped = error, True
+        self.done.set()
+
+    def result(self) -> list[Any]:
+        """A vector per text, or None for a text Ollama refused as longer than the model's context."""
+        self.done.wait()  # every call is bounded: the round ends, or fails, in time
+        if self.error is not None:
+            raise self.error
+        return self.vectors
+
+
 @dataclass
 class _Answer:
     """An embedding call's outcome, as its thread hands it to the dispatching one."""
 
     host: Host
-    batch: list[int]  # positions of its texts in the texts being embedded
+    round: _Round
+    batch: list[int]  # positions of its texts in the round's texts
     vectors: Any
     error: BaseException | None
     seconds: float
@@ -562,7 +613,9 @@ class FilesJob:
     known: dict[str, Any] = field(default_factory=dict)  # embed key -> vector, for this group
     fresh: set[str] = field(default_factory=set)  # the keys Ollama embedded for this group
     keys: list[str] = field(default_factory=list)  # the keys of the texts in flight
-    call: rules.BoundedCall | None = None  # their vectors, in keys' order
+    call: _Round | None = None  # their vectors, in keys' order
+    # Keys an earlier group's round is embedding (a copied text): its vector is taken from there.
+    borrowed: dict[str, tuple[_Round, int]] = field(default_factory=dict)
 
 
 class Embedding:
@@ -570,12 +623,13 @@ class Embedding:
 
     A chunk whose exact embedded text (title, heading path, text, under this index's manifest)
     already has a vector in the index reuses it, wherever it came from: the same file after an edit
-    elsewhere, a renamed or copied file. Only new texts go to Ollama, in calls sized by each host's
-    BatchSizer, as many in flight on each host as its ConcurrencyTuner allows, spread over the
-    hosts of OLLAMA_HOST. A call that times out is retried with half as many chunks; with other
-    hosts in the rotation, the host that timed out (or failed) leaves it for the run and its texts
-    go to the others, and only when no host is left is the embedder unavailable. No text is sent
-    to two hosts at once. A chunk Ollama refuses as too long is split and its pieces embedded;
+    elsewhere, a renamed or copied file, a copy in a group still embedding. Only new texts go to
+    Ollama, in calls sized by each host's BatchSizer, as many in flight on each host as its
+    ConcurrencyTuner allows, spread over the hosts of OLLAMA_HOST by one dispatcher that takes the
+    groups' texts in order (see _dispatch). A call that times out is retried with half as many
+    chunks; with other hosts in the rotation, the host that timed out (or failed) leaves it for
+    the run and its texts go to the others, and only when no host is left is the embedder
+    unavailable. No text is sent to two hosts at once. A chunk Ollama refuses as too long is split and its pieces embedded;
     nothing is ever truncated."""
 
     def __init__(self, embedders: Sequence[rules.OllamaEmbedder], scheme: rules.PrefixScheme, dims: int,
@@ -593,12 +647,34 @@ class Embedding:
         self.on_embedded: Callable[[int], None] = lambda chunks: None  # progress, after every call
         self.on_reused: Callable[[int], None] = lambda chunks: None  # progress, after every group
         self.on_split: Callable[[int], None] = lambda more: None  # a chunk Ollama refused became more
+        # One dispatcher thread for the run sends every round's calls: the next group's texts go
+        # out as soon as this group's are all out, so no slot waits for a group's slowest call.
+        self._inbox: queue.SimpleQueue[_Answer | _Round | None] = queue.SimpleQueue()
+        self._dispatcher: threading.Thread | None = None
+        self._rounds: list[_Round] = []  # the dispatcher's, in the order queued
+        self._chunk_calls = 0  # chunks' calls in flight, and since when (embedding_s)
+        self._chunk_calls_since = 0.0
+        self._embedding: dict[str, tuple[_Round, int]] = {}  # keys of groups begun, not finished
 
     def seconds_for(self, chunks: int) -> float | None:
         """How long embedding this many chunks takes at this run's pace (None before a call)."""
         if not self.embedded:
             return None
         return chunks * self.embedding_s / self.embedded
+
+    @staticmethod
+    def finished(job: FilesJob) -> bool:
+        """Whether the job's texts in flight have all been answered (finish_files would not wait on Ollama)."""
+        return job.call is None or job.call.done.is_set()
+
+    def pace_pending(self) -> bool:
+        """Whether chunks were sent and none answered yet (the pace is about to be known)."""
+        return self.calls > 0 and not self.embedded
+
+    def close(self) -> None:
+        """End the dispatcher; rounds still queued fail (the run gave them up)."""
+        if self._dispatcher is not None:
+            self._inbox.put(None)
 
     def text(self, doc: rules.SourceDocument, chunk: rules.Chunk) -> str:
         return rules.embedded_document_text(self.scheme, doc.title, chunk.heading, chunk.text)
@@ -616,8 +692,12 @@ class Embedding:
     def finish_files(self, job: FilesJob) -> None:
         """Every chunk of the job's files with its vector (pf.keys, pf.vectors). A chunk Ollama
         refused as too long is split, and its pieces go through another round."""
-        while job.call is not None:
-            vectors = job.call.result()  # each call in it is bounded; Ctrl-C interrupts the wait
+        while job.call is not None or job.borrowed:
+            try:
+                vectors = job.call.result() if job.call is not None else []  # Ctrl-C interrupts the wait
+            finally:  # a later group takes these from the index now, or (after a failure) embeds them anew
+                for key in job.keys:
+                    self._embedding.pop(key, None)
             too_long = set()
             for key, vector in zip(job.keys, vectors, strict=True):
                 if vector is None:
@@ -625,6 +705,13 @@ class Embedding:
                 else:
                     job.known[key] = vector
                     job.fresh.add(key)
+            for key, (owner, at) in job.borrowed.items():
+                vector = owner.result()[at]
+                if vector is None:
+                    too_long.add(key)
+                else:
+                    job.known[key] = vector
+            job.borrowed = {}
             for pf in job.files:
                 for chunk in [c for c in pf.chunks if rules.embed_key(self.text(pf.doc, c)) in too_long]:
                     at = pf.chunks.index(chunk)
@@ -641,16 +728,20 @@ class Embedding:
 
     def _begin_round(self, job: FilesJob) -> None:
         """The texts of the job's chunks that have no vector yet: those the index has are taken,
-        the others sent (job.call; None when nothing is left to embed)."""
+        those a group begun before is embedding are borrowed from it, the others queued (job.call;
+        None when nothing is left to embed)."""
         texts = {rules.embed_key(text): text for text in
                  (self.text(pf.doc, chunk) for pf in job.files for chunk in pf.chunks)}
         wanted = {key: text for key, text in texts.items() if key not in job.known}
-        stored = self.reuse(list(wanted)) if wanted else {}
+        job.borrowed = {key: self._embedding[key] for key in wanted if key in self._embedding}
+        asked = [key for key in wanted if key not in job.borrowed]
+        stored = self.reuse(asked) if asked else {}
         job.known.update(stored)
-        missing = {key: text for key, text in wanted.items() if key not in stored}
+        missing = {key: wanted[key] for key in asked if key not in stored}
         job.keys = list(missing)
-        job.call = rules.on_call_thread(functools.partial(self._embed_texts, list(missing.values()))) if missing \
-            else None
+        job.call = self._queue(list(missing.values()), chunks=True) if missing else None
+        if job.call is not None:
+            self._embedding.update((key, (job.call, at)) for at, key in enumerate(job.keys))
 
     def _split(self, doc: rules.SourceDocument, chunk: rules.Chunk) -> list[rules.Chunk]:
         parts = split_chunk(doc, chunk)
@@ -670,54 +761,81 @@ class Embedding:
         return vectors
 
     def _embed_texts(self, texts: list[str], chunks: bool = True) -> list[Any]:
-        """A vector per text, or None for a text Ollama refused as longer than the model's context.
+        """A vector per text, or None for a text Ollama refused as longer than the model's context."""
+        return self._queue(texts, chunks).result()
 
-        1. Fill every free call slot of every host in the rotation: texts to resend first, then
-           the next texts, as many as the host's sizer says, and no more than an even share of
-           CALLS_PER_SLOT calls per slot (a small group still keeps every slot busy).
-        2. Wait for any call's answer, and take it (see _take): vectors kept, texts to resend
-           queued, a failed host out of the rotation.
-        3. Until every text has its answer; when no host is left, the last host's failure."""
-        tokens = [rules.estimate_tokens(text) for text in texts]
-        vectors: list[Any] = [None] * len(texts)
-        resend: collections.deque[list[int]] = collections.deque()
-        answers: queue.SimpleQueue[_Answer] = queue.SimpleQueue()
-        slots = sum(host.free() for host in self.hosts)
+    def _queue(self, texts: list[str], chunks: bool) -> _Round:
+        """The texts as a round behind those queued before (see _dispatch), in calls of at most an
+        even share of CALLS_PER_SLOT calls per slot: a small group still keeps every slot busy."""
+        slots = sum(host.tuner.level for host in self.hosts if host.out is None)
         share = -(-len(texts) // (CALLS_PER_SLOT * slots)) if slots > 1 else len(texts)
-        at = in_flight = 0
-        failure: RagError | None = None
-        started = time.monotonic()
-        try:
-            while at < len(texts) or resend or in_flight:
-                # 1. fill the free slots
-                for host in self.hosts:
-                    while host.free() and (resend or at < len(texts)):
-                        if resend:
-                            batch = resend.popleft()
-                            if len(batch) > host.sizer.ceiling:
-                                resend.appendleft(batch[host.sizer.ceiling:])
-                                batch = batch[:host.sizer.ceiling]
-                        else:
-                            size = min(host.sizer.size(tokens[at:]), share)
-                            batch, at = list(range(at, at + size)), at + size
-                        self._send(host, batch, [texts[i] for i in batch], answers)
-                        in_flight += 1
-                if not in_flight:  # 3. every host left the rotation
-                    raise failure or RagError(ErrorCode.EMBEDDER_UNAVAILABLE, "no Ollama host to embed with")
-                # 2. take the next answer
-                answer = answers.get()  # every call is bounded: one answers, or fails, in time
-                in_flight -= 1
-                failure = self._take(answer, tokens, vectors, resend, chunks) or failure
-        finally:
-            if chunks:
-                self.embedding_s += time.monotonic() - started
-        return vectors
+        round_ = _Round(texts, max(1, share), chunks)
+        if self._dispatcher is None:
+            self._dispatcher = threading.Thread(target=self._dispatch, name="ingest-embedding", daemon=True)
+            self._dispatcher.start()
+        self._inbox.put(round_)
+        return round_
 
-    def _send(self, host: Host, batch: list[int], texts: list[str], answers: queue.SimpleQueue[_Answer]) -> None:
+    def abandon(self, job: FilesJob) -> None:
+        """Send no more of a group's texts (the run gave it up after an error)."""
+        if job.call is not None:
+            job.call.dropped = True
+            for key in job.keys:
+                self._embedding.pop(key, None)
+
+    def _dispatch(self) -> None:
+        """The run's embedding calls, on a thread of its own until close.
+
+        0. A round with no text left to send and no call out ends (answered, failed or given up).
+        1. Fill every free call slot of every host in the rotation with the oldest round's texts
+           that have not gone out: texts to resend first, then the next ones, as many as the
+           host's sizer says (see _Round.next_batch).
+        2. When no call is in flight and texts wait, no host is left: those rounds fail with the
+           last host's failure.
+        3. Wait for a call's answer (or a new round) and take it (see _take): vectors kept, texts
+           to resend queued, a failed host out of the rotation."""
+        failure: RagError | None = None
+        while True:
+            # 0. rounds that ended
+            for round_ in [r for r in self._rounds if not r.has_work() and not r.in_flight]:
+                self._rounds.remove(round_)
+                round_.done.set()
+            # 1. fill the free slots
+            for host in self.hosts:
+                while host.free() and (round_ := next((r for r in self._rounds if r.has_work()), None)):
+                    self._send(host, round_, round_.next_batch(host))
+            # 2. no host left
+            if not any(r.in_flight for r in self._rounds):
+                for round_ in [r for r in self._rounds if r.has_work()]:
+                    round_.fail(failure or RagError(ErrorCode.EMBEDDER_UNAVAILABLE, "no Ollama host to embed with"))
+            # 3. the next answer
+            message = self._inbox.get()  # every call is bounded: one answers, or fails, in time
+            if message is None:
+                for round_ in self._rounds:
+                    round_.fail(RagError(ErrorCode.EMBEDDER_UNAVAILABLE, "the run gave up its embedding calls"))
+                return
+            if isinstance(message, _Round):
+                self._rounds.append(message)
+                continue
+            round_ = message.round
+            self._landed(message)
+            if not round_.dropped:
+                try:
+                    failure = self._take(message) or failure
+                except BaseException as exc:  # noqa: BLE001 - the round's waiter raises it
+                    round_.fail(exc)
+
+    def _send(self, host: Host, round_: _Round, batch: list[int]) -> None:
         self.calls += 1
         host.calls += 1
         host.moved(+1)
+        round_.in_flight += 1
+        if round_.chunks:
+            if not self._chunk_calls:
+                self._chunk_calls_since = time.monotonic()
+            self._chunk_calls += 1
         epoch = host.tuner.sent(host.busy_s)
+        texts = [round_.texts[i] for i in batch]
         sent_at = time.monotonic()
 
         def call() -> None:
@@ -725,19 +843,26 @@ class Embedding:
                 vectors, error = host.embedder.embed(texts), None
             except BaseException as exc:  # noqa: BLE001 - handed to the dispatching thread
                 vectors, error = None, exc
-            answers.put(_Answer(host, batch, vectors, error, time.monotonic() - sent_at, epoch))
+            self._inbox.put(_Answer(host, round_, batch, vectors, error, time.monotonic() - sent_at, epoch))
 
         rules.on_call_thread(call)
 
-    def _take(self, answer: _Answer, tokens: Sequence[int], vectors: list[Any], resend: collections.deque[list[int]],
-              chunks: bool) -> RagError | None:
+    def _landed(self, answer: _Answer) -> None:
+        """Count a call answered: its host's calls in flight, its round's, the time spent embedding."""
+        answer.host.moved(-1)
+        answer.round.in_flight -= 1
+        if answer.round.chunks:
+            self._chunk_calls -= 1
+            if not self._chunk_calls:
+                self.embedding_s += time.monotonic() - self._chunk_calls_since
+
+    def _take(self, answer: _Answer) -> RagError | None:
         """Take one call's answer; returns the failure that took its host out of the rotation."""
-        host, batch, error = answer.host, answer.batch, answer.error
-        host.moved(-1)
+        host, round_, batch, error = answer.host, answer.round, answer.batch, answer.error
         if isinstance(error, rules.InputTooLong):
             if len(batch) == 1:
-                return None  # vectors[batch[0]] stays None: the caller splits that chunk
-            resend.extendleft([i] for i in reversed(batch))  # find the one: the same texts one at a time
+                return None  # its vector stays None: the caller splits that chunk
+            round_.resend.extendleft([i] for i in reversed(batch))  # find the one: the same texts one at a time
             return None
         if isinstance(error, rules.EmbedderTimeout) and not self._others_in_rotation(host):
             if len(batch) == 1:
@@ -745,7 +870,7 @@ class Embedding:
             log.info("an embedding call of %d chunks timed out; retrying with fewer", len(batch))
             host.sizer.timed_out(len(batch))
             host.tuner.timed_out()
-            resend.appendleft(batch)
+            round_.resend.appendleft(batch)
             return None
         if isinstance(error, RagError) and error.code in EMBEDDER_DOWN and not isinstance(error, rules.InvalidVectors):
             if host.out is None:
@@ -753,7 +878,7 @@ class Embedding:
                 if self._others_in_rotation(host):
                     log.warning("%s: that host is left out of this run; its texts go to the other hosts (%s)",
                                 error.message, error.hint)
-            resend.appendleft(batch)
+            round_.resend.appendleft(batch)
             return error
         if error is not None:
             raise error
@@ -764,12 +889,12 @@ class Embedding:
                            f"{host.embedder.model!r}; the index holds {self.dims}-dimensional ones",
                            "the model changed under the same name? run ingest again; it rebuilds when /api/show "
                            "reports the new size")
-        used = sum(tokens[i] for i in batch)
+        used = sum(round_.tokens[i] for i in batch)
         host.sizer.measured(used, answer.seconds)
         host.tuner.measured(used, host.busy_s, answer.epoch)
         for i, vector in zip(batch, answer.vectors, strict=True):
-            vectors[i] = vector
-        if chunks:
+            round_.vectors[i] = vector
+        if round_.chunks:
             host.chunks += len(batch)
             self.embedded += len(batch)
             self.on_embedded(len(batch))
@@ -2408,23 +2533,26 @@ def _write(run: Run, prepared: Prepared) -> bool:
     embedding = Embedding(run.hosts or run.embedders, run.scheme, store.manifest.dims,
                           reuse=(lambda keys: {}) if run.full else store.stored_vectors,
                           concurrency=run.settings.embed_concurrency)
-    if run.unembeddable is not None:
-        written, run_errors = _index_without_vectors(run, prepared, plan.changed, run.unembeddable)
-    else:
-        written, run_errors = _embed_and_write(run, prepared, embedding)
-    changed_anything = changed_anything or bool(written)
-    if plan.removed:
-        store.remove(plan.removed)
-        changed_anything = True
-    store.end_vector_writes()  # every vector written this run is owned by a committed row
-    for path, successor in store.unindexed_successors():
-        # The server names only indexed successors: this one is named to nobody until it is indexed.
-        log.warning("%s: superseded_by names %s, which is not indexed (missing, excluded or not Markdown)",
-                    path, rules.shown(successor))
-    if run.model is not None and store.needs_calibration():
-        changed_anything = _calibrate(store, embedding) or changed_anything
-    summary.embedding_calls = embedding.calls
-    summary.embedders = embedding.report()
+    try:
+        if run.unembeddable is not None:
+            written, run_errors = _index_without_vectors(run, prepared, plan.changed, run.unembeddable)
+        else:
+            written, run_errors = _embed_and_write(run, prepared, embedding)
+        changed_anything = changed_anything or bool(written)
+        if plan.removed:
+            store.remove(plan.removed)
+            changed_anything = True
+        store.end_vector_writes()  # every vector written this run is owned by a committed row
+        for path, successor in store.unindexed_successors():
+            # The server names only indexed successors: this one is named to nobody until it is indexed.
+            log.warning("%s: superseded_by names %s, which is not indexed (missing, excluded or not Markdown)",
+                        path, rules.shown(successor))
+        if run.model is not None and store.needs_calibration():
+            changed_anything = _calibrate(store, embedding) or changed_anything
+        summary.embedding_calls = embedding.calls
+        summary.embedders = embedding.report()
+    finally:
+        embedding.close()
     for host in summary.embedders:
         if host["calls"]:
             log.info("embedded %d chunks on %s in %d calls, at most %d at a time", host["chunks"], host["host"],
@@ -2454,8 +2582,9 @@ def _calibrate(store: Store, embedding: Embedding) -> bool:
 
 def _embed_and_write(run: Run, prepared: Prepared, embedding: Embedding) -> tuple[set[str], list[str]]:
     """Embed the changed files a commit group at a time; each group's vectors go to the store as
-    soon as they are embedded, and its rows commit once the next group's embedding calls are out
-    (the commit overlaps them, and the store writes those vectors meanwhile).
+    soon as they are embedded, and its rows commit while the next groups are embedded (the store
+    writes those vectors meanwhile). The next group is queued before this one is waited for, so the
+    embedding calls go on from one group to the next.
 
     Groups hold about COMMIT_EVERY_S of embedding at the measured pace (the first one call's
     worth), so an interrupted run keeps what it embedded. Once the pace says the files with no
@@ -2489,9 +2618,42 @@ def _embed_and_write(run: Run, prepared: Prepared, embedding: Embedding) -> tupl
 
     groups = _groups(plan.changed, lambda: _group_chunks(embedding, progress.chunks, first=not started))
     pending: Sent | None = None
+    job: FilesJob | None = None
+    upcoming: FilesJob | None = None
+    # Files to index for keyword search first, taken from the end (None: no pass under way).
+    keyword_queue: list[PreparedFile] | None = None
+    keyword_line = contextlib.ExitStack()  # the progress line's keyword pass, while it lasts
+    keyword_written: Callable[[int], None] = lambda files: None
     try:
         job = begin(next(groups, None))
         while job is not None:
+            try:
+                upcoming = begin(next(groups, None))  # its calls follow this group's without a pause
+            except RagError:
+                if pending is not None:  # embedded before the failure: it stays
+                    commit(pending)
+                    pending = None
+                raise
+            rest = [] if keywords_first else not_started_without_vectors()
+            wait = embedding.seconds_for(sum(len(pf.chunks) for pf in rest))
+            if rest and wait is not None and wait > KEYWORDS_FIRST_AFTER_S:
+                keywords_first, keyword_queue = True, rest
+                log.info("embedding %d file(s) new to the index will take about %.0f s: indexing them for keyword "
+                         "search first", len(rest), wait)
+                keyword_written = keyword_line.enter_context(progress.keyword_pass(len(rest)))
+            while keyword_queue:  # the pass is written while the groups embed, a share at least per group
+                taken, paths = _write_some_without_vectors(store, keyword_queue, started, summary)
+                keyword_only.update(paths)
+                keyword_written(taken)
+                if embedding.finished(job):
+                    break
+            if keyword_queue == []:  # the pass is done: the keyword index goes live
+                keyword_queue = None
+                if pending is not None:  # this group is findable in the generation published now
+                    commit(pending)
+                    pending = None
+                keyword_line.close()
+                _publish(run, prepared, changed_anything=True)
             try:
                 group = _embedded(embedding, job, plan)
             except RagError:
@@ -2500,30 +2662,9 @@ def _embed_and_write(run: Run, prepared: Prepared, embedding: Embedding) -> tupl
                     pending = None
                 raise
             sent = store.send(group) if group else None
-            try:  # the next group's calls go out first: the commit of the group before overlaps them
-                job = begin(next(groups, None))
-            except RagError:
-                for kept in (pending, sent):
-                    if kept is not None:
-                        commit(kept)
-                pending = None
-                raise
             if pending is not None:
                 commit(pending)
-            pending = sent
-            rest = [] if keywords_first else not_started_without_vectors()
-            wait = embedding.seconds_for(sum(len(pf.chunks) for pf in rest))
-            if rest and wait is not None and wait > KEYWORDS_FIRST_AFTER_S:
-                keywords_first = True
-                if pending is not None:  # this group is findable in the generation published now
-                    commit(pending)
-                    pending = None
-                log.info("embedding %d file(s) new to the index will take about %.0f s: indexing them for keyword "
-                         "search first", len(rest), wait)
-                with progress.keyword_pass(len(rest)) as done:
-                    _write_without_vectors(store, rest, summary, done)
-                keyword_only.update(pf.file.path for pf in rest)
-                _publish(run, prepared, changed_anything=True)
+            pending, job, upcoming = sent, upcoming, None
         if pending is not None:
             commit(pending)
     except KeyboardInterrupt:
@@ -2531,6 +2672,9 @@ def _embed_and_write(run: Run, prepared: Prepared, embedding: Embedding) -> tupl
             commit(pending)
         raise
     except RagError as exc:
+        for given_up in (job, upcoming):
+            if given_up is not None:
+                embedding.abandon(given_up)
         if exc.code not in EMBEDDER_DOWN:
             raise
         # The embedder went away mid-run (even one chunk at a time timed out): what was committed
@@ -2540,6 +2684,7 @@ def _embed_and_write(run: Run, prepared: Prepared, embedding: Embedding) -> tupl
         indexed, errors = _index_without_vectors(run, prepared, rest, exc)
         return written | indexed, errors
     finally:
+        keyword_line.close()
         progress.finish()
         summary.chunks_embedded, summary.chunks_reused = embedding.embedded, embedding.reused
     return written, []
@@ -2572,20 +2717,36 @@ def _index_without_vectors(run: Run, prepared: Prepared, files: Sequence[Prepare
     return indexed, [f"{why.message}; {len(left)} file(s) left for the next run: {named} ({why.hint})"]
 
 
-def _write_without_vectors(store: Store, files: Sequence[PreparedFile], summary: Summary,
-                           written: Callable[[int], None] | None = None) -> None:
+def _write_without_vectors(store: Store, files: Sequence[PreparedFile], summary: Summary) -> None:
     for group in rules.batched(files, COMMIT_BATCH_CHUNKS):
         store.commit_without_vectors(group)
-        if written is not None:
-            written(len(group))
     summary.chunks_without_vectors += sum(len(pf.chunks) for pf in files)
 
 
+def _write_some_without_vectors(store: Store, queue_: list[PreparedFile], started: Collection[str],
+                                summary: Summary) -> tuple[int, list[str]]:
+    """Index about COMMIT_BATCH_CHUNKS chunks' worth of files from the end of the queue for keyword
+    search; a file a group has begun to embed meanwhile is dropped (the groups take the plan from
+    its start, the pass from its end). Returns how many files left the queue, and the paths written."""
+    files: list[PreparedFile] = []
+    taken = chunks = 0
+    while queue_ and chunks < COMMIT_BATCH_CHUNKS:
+        pf = queue_.pop()
+        taken += 1
+        if pf.file.path not in started:
+            files.append(pf)
+            chunks += len(pf.chunks)
+    if files:
+        store.commit_without_vectors(files)
+        summary.chunks_without_vectors += chunks
+    return taken, [pf.file.path for pf in files]
+
+
 def _group_chunks(embedding: Embedding, total: int, first: bool) -> int:
-    """How many chunks the next commit group holds: the first one call's worth, then about
+    """How many chunks the next commit group holds: one call's worth until the pace is known, then about
     COMMIT_EVERY_S of embedding at the measured pace (COMMIT_BATCH_CHUNKS while every vector so
     far was reused), and never more than a tenth of the run: an interruption loses little."""
-    if first:
+    if first or embedding.pace_pending():
         return START_CHUNKS
     per_chunk = embedding.seconds_for(1)
     by_time = int(COMMIT_EVERY_S / per_chunk) if per_chunk else COMMIT_BATCH_CHUNKS

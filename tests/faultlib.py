@@ -55,6 +55,10 @@ class OllamaProcess:
     def calls_carrying(self, text: str) -> int:
         return calls_carrying(self._call("/_fake/calls")["call_inputs"], text)
 
+    def answered_carrying(self, text: str) -> int:
+        """How many inputs containing `text` were answered with vectors so far."""
+        return sum(text in item for item in self._call("/_fake/calls")["answered_inputs"])
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -205,17 +209,21 @@ def chunk_counts(corpus: Path) -> dict[str, int]:
 def commit_groups(counts: dict[str, int]) -> list[list[str]]:
     """The first commit groups of a run that re-embeds all of `counts`: those ingest makes of them
     (ingest._groups with ingest._group_chunks's bounds) at any pace. A group's size follows the
-    embedder's measured pace, so only the groups that come out the same at the slowest and the
-    fastest pace are certain (a group that does not change between the two bounds is the same at
-    any pace between them); the rest, which a loaded machine would change, are left off."""
+    embedder's measured pace (one call's worth while none is measured yet), so only the groups
+    that come out the same at the slowest and the fastest pace, and with none measured, are certain
+    (a group that does not change between the two bounds is the same at any pace between them);
+    the rest, which a loaded machine would change, are left off."""
     import ingest
 
     class Pace:  # what _group_chunks asks of the run's Embedding
-        def __init__(self, per_chunk_s: float | None) -> None:
-            self.per_chunk_s = per_chunk_s
+        def __init__(self, per_chunk_s: float | None, pending: bool = False) -> None:
+            self.per_chunk_s, self.pending = per_chunk_s, pending
 
         def seconds_for(self, chunks: int) -> float | None:
             return None if self.per_chunk_s is None else chunks * self.per_chunk_s
+
+        def pace_pending(self) -> bool:  # the next group is queued before the first one's answers
+            return self.pending
 
     total = sum(counts.values())
     files = [SimpleNamespace(path=path, chunks=range(count)) for path, count in sorted(counts.items())]
@@ -226,8 +234,9 @@ def commit_groups(counts: dict[str, int]) -> list[list[str]]:
         return [[pf.path for pf in group] for group in groups]
 
     certain = []
-    for slowest, fastest in zip(grouped(Pace(float("inf"))), grouped(Pace(None)), strict=False):
-        if slowest != fastest:
+    for slowest, fastest, unknown in zip(grouped(Pace(float("inf"))), grouped(Pace(None)),
+                                         grouped(Pace(None, pending=True)), strict=False):
+        if not slowest == fastest == unknown:
             break
         certain.append(fastest)
     return certain

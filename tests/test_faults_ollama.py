@@ -66,6 +66,7 @@ class Revisions:
     new_hashes: dict[str, str]
     indexed: int  # files ingest indexes (all of them change from A to B)
     ab_token: str  # in every chunk of ab-handbook.md: content-keyed faults hit the calls after its first
+    aa_token: str  # in every chunk of aa-handbook.md
 
 
 @pytest.fixture
@@ -85,7 +86,8 @@ def revisions(ollama: FakeOllama, tmp_path: Path) -> Revisions:
     # needs two calls of its own (more chunks than one call carries), whatever their sizes.
     assert commit_groups(counts)[0] == ["aa-handbook.md"] and counts["ab-handbook.md"] > ingest.EMBED_BATCH
     ollama.reset()
-    return Revisions(corpus, store, old_state, old_hashes, new_hashes, len(counts), tokens["ab-handbook.md"])
+    return Revisions(corpus, store, old_state, old_hashes, new_hashes, len(counts), tokens["ab-handbook.md"],
+                     tokens["aa-handbook.md"])
 
 
 def assert_old_or_new(rev: Revisions, *, new: set[str]) -> None:
@@ -130,14 +132,18 @@ def test_ollama_down_at_start_changes_nothing_then_converges(ollama: FakeOllama,
 
 def test_ollama_process_dies_mid_file_keeps_that_files_old_chunks(ollama: FakeOllama, revisions: Revisions,
                                                                   tmp_path: Path) -> None:
-    # The Ollama process is SIGKILLed while it answers the second call that carries
-    # ab-handbook.md (each call takes 0.5 s): aa-handbook.md's group is committed, ab-handbook.md
-    # keeps its old chunks.
+    # The Ollama process is SIGKILLed once every chunk of aa-handbook.md has its vector while
+    # ab-handbook.md's last call (held) is still out, after at least one other call carrying it
+    # (each call takes 0.5 s; the next group's calls go out while a group's last ones are
+    # answered): aa-handbook.md's group is committed, ab-handbook.md keeps its old chunks.
     dying = OllamaProcess()
+    held = f"{revisions.ab_token} revision-B part {HANDBOOKS['ab-handbook.md'] - 1}:"
     try:
-        dying.configure(delay_seconds=0.5)
+        dying.configure(delay_seconds=0.5, hold_carrying=held)
         proc = start_ingest(dying, revisions.corpus, revisions.store)
-        poll(lambda: dying.calls_carrying(revisions.ab_token) >= 2 or proc.poll() is not None, interval=0.02)
+        poll(lambda: (dying.calls_carrying(held) and dying.answered_carrying(revisions.aa_token) >= HANDBOOKS["aa-handbook.md"])
+             or proc.poll() is not None, interval=0.02)
+        assert dying.calls_carrying(revisions.ab_token) >= 2
         dying.kill()
         done = finish(proc)
     finally:

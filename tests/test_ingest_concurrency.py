@@ -9,6 +9,8 @@ stands in for each host: its `slots` are Ollama's OLLAMA_NUM_PARALLEL, its per-t
 from __future__ import annotations
 
 import collections
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,6 +153,39 @@ def test_several_calls_in_flight_index_exactly_what_one_at_a_time_does(tmp_path:
     assert len(inputs) == len(set(inputs)) == parallel.summary["chunks_embedded"]
     assert parallel.summary["embedders"][0]["most_in_flight"] == 4
     assert snapshot(tmp_path / "parallel") == snapshot(tmp_path / "serial")
+
+
+def test_a_groups_slowest_call_holds_back_neither_the_next_group_nor_its_copies(tmp_path: Path) -> None:
+    """The next commit group's texts take the slots this group's answered calls left, while its
+    slowest call is still out (each group used to wait for its slowest call before the next began),
+    and a text of the next group that this group is still embedding (a copied file) is sent once."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    letters = "abcdefghijklmnop"  # one chunk each: the first group holds a-h (START_CHUNKS), the next i-p
+    assert ingest.START_CHUNKS == 8
+    for letter in letters:
+        (corpus / f"{letter}.md").write_text(f"# Note {letter}\n\nThe passage of note {letter}: word{letter * 2}.\n")
+    (corpus / "i.md").write_text((corpus / "a.md").read_text())  # a copy, in the next group
+    with FakeOllama() as fake:
+        fake.configure(slots=2, hold_carrying="wordaa")
+        run: list[Any] = []
+        thread = threading.Thread(target=lambda: run.append(
+            ingest_in_process(fake, corpus, tmp_path / "store", RAG_EMBED_CONCURRENCY="2")))
+        thread.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not any(fake.calls_carrying(f"word{letter * 2}") for letter in letters[9:]):
+                assert time.monotonic() < deadline, "the next group waited for the first group's held call"
+                time.sleep(0.02)
+            assert fake.calls_carrying("wordaa") == 1
+        finally:
+            fake.configure(hold_carrying=None)
+            thread.join(60)
+        inputs = chunk_inputs(fake)
+    done = run[0]
+    assert done.code == 0, done.err
+    assert sum("wordaa" in text for text in inputs) == 1
+    assert done.summary["chunks_embedded"] == len(letters) - 1 and done.summary["chunks_reused"] == 1
 
 
 @pytest.mark.heavy  # a measurement: calls long enough that a loaded machine's overhead does not hide the gain
