@@ -660,7 +660,13 @@ class Embedding:
         """How long embedding this many chunks takes at this run's pace (None before a call)."""
         if not self.embedded:
             return None
-        return chunks * self.embedding_s / self.embedded
+        return chunks * self._busy_s() / self.embedded
+
+    def _busy_s(self) -> float:
+        """Wall time with chunks' calls out so far, the stretch still under way included: with the
+        rounds following each other, the calls may not all land until the run's last one."""
+        ongoing = time.monotonic() - self._chunk_calls_since if self._chunk_calls else 0.0
+        return self.embedding_s + ongoing
 
     @staticmethod
     def finished(job: FilesJob) -> bool:

@@ -155,6 +155,26 @@ def test_several_calls_in_flight_index_exactly_what_one_at_a_time_does(tmp_path:
     assert snapshot(tmp_path / "parallel") == snapshot(tmp_path / "serial")
 
 
+def test_the_pace_counts_the_seconds_calls_are_out_while_one_round_runs_into_the_next() -> None:
+    """seconds_for, which sizes the commit groups and decides the keyword-first pass, counts every
+    second a chunk's call was out, also when the next round's calls follow without a pause (the
+    calls never all landed, so that time went uncounted and the pace read ~0)."""
+    with FakeOllama() as fake:
+        fake.configure(slots=2, delay_per_text_seconds=0.02)
+        embedding = ingest.Embedding([rules.OllamaEmbedder(fake.host, "embeddinggemma", 30)],
+                                     rules.PREFIX_SCHEMES["embeddinggemma"], fake.dims, reuse=lambda keys: {},
+                                     concurrency=2)
+        try:
+            first = embedding._queue([f"first text {i}" for i in range(40)], chunks=True)
+            second = embedding._queue([f"second text {i}" for i in range(40)], chunks=True)
+            first.result()
+            busy = embedding.seconds_for(embedding.embedded)
+            second.result()
+        finally:
+            embedding.close()
+    assert busy is not None and busy >= 40 * 0.02 / 2  # the first round's texts, two at a time, at least
+
+
 def test_a_groups_slowest_call_holds_back_neither_the_next_group_nor_its_copies(tmp_path: Path) -> None:
     """The next commit group's texts take the slots this group's answered calls left, while its
     slowest call is still out (each group used to wait for its slowest call before the next began),
