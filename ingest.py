@@ -629,8 +629,8 @@ class Embedding:
     groups' texts in order (see _dispatch). A call that times out is retried with half as many
     chunks; with other hosts in the rotation, the host that timed out (or failed) leaves it for
     the run and its texts go to the others, and only when no host is left is the embedder
-    unavailable. No text is sent to two hosts at once. A chunk Ollama refuses as too long is split and its pieces embedded;
-    nothing is ever truncated."""
+    unavailable. No text is sent to two hosts at once. A chunk Ollama refuses as too long is split
+    and its pieces embedded; nothing is ever truncated."""
 
     def __init__(self, embedders: Sequence[rules.OllamaEmbedder], scheme: rules.PrefixScheme, dims: int,
                  reuse: Callable[[Sequence[str]], dict[str, Any]], concurrency: int | None = None) -> None:
@@ -654,7 +654,7 @@ class Embedding:
         self._rounds: list[_Round] = []  # the dispatcher's, in the order queued
         self._chunk_calls = 0  # chunks' calls in flight, and since when (embedding_s)
         self._chunk_calls_since = 0.0
-        self._embedding: dict[str, tuple[_Round, int]] = {}  # keys of groups begun, not finished
+        self._in_flight_keys: dict[str, tuple[_Round, int]] = {}  # the keys of groups begun, not finished
 
     def seconds_for(self, chunks: int) -> float | None:
         """How long embedding this many chunks takes at this run's pace (None before a call)."""
@@ -702,8 +702,7 @@ class Embedding:
             try:
                 vectors = job.call.result() if job.call is not None else []  # Ctrl-C interrupts the wait
             finally:  # a later group takes these from the index now, or (after a failure) embeds them anew
-                for key in job.keys:
-                    self._embedding.pop(key, None)
+                self._forget(job)
             too_long = set()
             for key, vector in zip(job.keys, vectors, strict=True):
                 if vector is None:
@@ -739,7 +738,7 @@ class Embedding:
         texts = {rules.embed_key(text): text for text in
                  (self.text(pf.doc, chunk) for pf in job.files for chunk in pf.chunks)}
         wanted = {key: text for key, text in texts.items() if key not in job.known}
-        job.borrowed = {key: self._embedding[key] for key in wanted if key in self._embedding}
+        job.borrowed = {key: self._in_flight_keys[key] for key in wanted if key in self._in_flight_keys}
         asked = [key for key in wanted if key not in job.borrowed]
         stored = self.reuse(asked) if asked else {}
         job.known.update(stored)
@@ -747,7 +746,7 @@ class Embedding:
         job.keys = list(missing)
         job.call = self._queue(list(missing.values()), chunks=True) if missing else None
         if job.call is not None:
-            self._embedding.update((key, (job.call, at)) for at, key in enumerate(job.keys))
+            self._in_flight_keys.update((key, (job.call, at)) for at, key in enumerate(job.keys))
 
     def _split(self, doc: rules.SourceDocument, chunk: rules.Chunk) -> list[rules.Chunk]:
         parts = split_chunk(doc, chunk)
@@ -786,8 +785,12 @@ class Embedding:
         """Send no more of a group's texts (the run gave it up after an error)."""
         if job.call is not None:
             job.call.dropped = True
-            for key in job.keys:
-                self._embedding.pop(key, None)
+            self._forget(job)
+
+    def _forget(self, job: FilesJob) -> None:
+        """A later group no longer borrows the job's texts in flight."""
+        for key in job.keys:
+            self._in_flight_keys.pop(key, None)
 
     def _dispatch(self) -> None:
         """The run's embedding calls, on a thread of its own until close.
@@ -2613,6 +2616,13 @@ def _embed_and_write(run: Run, prepared: Prepared, embedding: Embedding) -> tupl
         summary.chunks_written += sum(len(pf.chunks) for pf in sent.files)
         progress.committed(len(sent.files))
 
+    def commit_pending() -> None:
+        """Commit the group sent and not committed yet, if any."""
+        nonlocal pending
+        if pending is not None:
+            commit(pending)
+            pending = None
+
     def not_started_without_vectors() -> list[PreparedFile]:
         return [pf for pf in plan.changed if pf.file.path not in started and pf.file.path in plan.without_vectors]
 
@@ -2636,9 +2646,7 @@ def _embed_and_write(run: Run, prepared: Prepared, embedding: Embedding) -> tupl
             try:
                 upcoming = begin(next(groups, None))  # its calls follow this group's without a pause
             except RagError:
-                if pending is not None:  # embedded before the failure: it stays
-                    commit(pending)
-                    pending = None
+                commit_pending()  # embedded before the failure: it stays
                 raise
             rest = [] if keywords_first else not_started_without_vectors()
             wait = embedding.seconds_for(sum(len(pf.chunks) for pf in rest))
@@ -2655,27 +2663,20 @@ def _embed_and_write(run: Run, prepared: Prepared, embedding: Embedding) -> tupl
                     break
             if keyword_queue == []:  # the pass is done: the keyword index goes live
                 keyword_queue = None
-                if pending is not None:  # this group is findable in the generation published now
-                    commit(pending)
-                    pending = None
+                commit_pending()  # this group is findable in the generation published now
                 keyword_line.close()
                 _publish(run, prepared, changed_anything=True)
             try:
                 group = _embedded(embedding, job, plan)
             except RagError:
-                if pending is not None:  # embedded before the failure: it stays
-                    commit(pending)
-                    pending = None
+                commit_pending()  # embedded before the failure: it stays
                 raise
             sent = store.send(group) if group else None
-            if pending is not None:
-                commit(pending)
+            commit_pending()
             pending, job, upcoming = sent, upcoming, None
-        if pending is not None:
-            commit(pending)
+        commit_pending()
     except KeyboardInterrupt:
-        if pending is not None:  # embedded and sent: kept (the vector process ignores Ctrl-C)
-            commit(pending)
+        commit_pending()  # embedded and sent: kept (the vector process ignores Ctrl-C)
         raise
     except RagError as exc:
         for given_up in (job, upcoming):
