@@ -1119,6 +1119,11 @@ class ChromaWorker:
 CHROMA_WORKER = ChromaWorker()
 
 
+def read_only_db(path: Path, timeout: float = SQLITE_BUSY_TIMEOUT_S, check_same_thread: bool = True) -> sqlite3.Connection:
+    """A connection to a keyword index that can only read it (mode=ro never creates the file)."""
+    return sqlite3.connect(path.as_uri() + "?mode=ro", uri=True, timeout=timeout, check_same_thread=check_same_thread)
+
+
 class OpenIndex:
     """Read-only handles on one index generation: the keyword db now, Chroma on first need.
 
@@ -1148,10 +1153,9 @@ class OpenIndex:
         if not path.is_file():
             raise RagError(ErrorCode.INDEX_MISSING, f"the keyword index {path} does not exist", rules.INGEST_HINT)
         try:
-            # mode=ro never creates the file; check_same_thread=False because calls run on worker
-            # threads (always one at a time, under the StoreManager lock).
-            db = sqlite3.connect(path.as_uri() + "?mode=ro", uri=True, timeout=SQLITE_BUSY_TIMEOUT_S,
-                                 check_same_thread=False)
+            # check_same_thread=False because calls run on worker threads (always one at a time,
+            # under the StoreManager lock).
+            db = read_only_db(path, check_same_thread=False)
             # Per-term passage counts for the query terms' weights: a view of the FTS index in
             # this connection's in-memory temp schema (nothing is written to the store).
             db.execute("CREATE VIRTUAL TABLE temp.term_counts USING fts5vocab(main, chunks_fts, 'row')")
@@ -1467,7 +1471,7 @@ class OpenIndex:
         without the store lock): a count never holds every document's row (100k documents' rows,
         once freed, still held 25 MB of a million-chunk server's memory)."""
         try:
-            db = sqlite3.connect(self.keyword_path.as_uri() + "?mode=ro", uri=True, timeout=SQLITE_BUSY_TIMEOUT_S)
+            db = read_only_db(self.keyword_path)
             try:
                 for disk_path, size, mtime_ns in db.execute("SELECT disk_path, size, mtime_ns FROM documents"):
                     yield IndexedFile(disk_path, size, mtime_ns)
@@ -3397,7 +3401,7 @@ def index_facts(settings_loader: Callable[[], rules.Settings] = rules.load_setti
         current = layout.read_current()
         if current is None:
             return None
-        db = sqlite3.connect(layout.keyword_db(current.index).as_uri() + "?mode=ro", uri=True, timeout=1.0)
+        db = read_only_db(layout.keyword_db(current.index), timeout=1.0)
         try:
             db.execute("PRAGMA query_only = 1")
             row = db.execute("SELECT value FROM meta WHERE key = ?", (rules.META_CORPUS_FACTS,)).fetchone()

@@ -1442,9 +1442,15 @@ class Bench:
         for size in self.sizes:
             self.build_index(size)
 
+    def corpus_dir(self, size: int) -> Path:
+        return self.work / f"corpus-{size_label(size)}"
+
+    def store_dir(self, size: int) -> Path:
+        return self.work / f"store-{size_label(size)}"
+
     def corpus_of(self, size: int) -> tuple[Path, dict[str, Any]]:
         """The synthetic corpus of `size` chunks (written, or topped up), and its counts."""
-        corpus = self.work / f"corpus-{size_label(size)}"
+        corpus = self.corpus_dir(size)
         started = time.perf_counter()
         info = write_corpus(corpus, max(1, size // CHUNKS_PER_FILE))
         info["write_s"] = time.perf_counter() - started
@@ -1453,7 +1459,7 @@ class Bench:
     def build_index(self, size: int) -> IngestRun:
         files = max(1, size // CHUNKS_PER_FILE)
         corpus, info = self.corpus_of(size)
-        store = self.work / f"store-{size_label(size)}"
+        store = self.store_dir(size)
         shutil.rmtree(store, ignore_errors=True)
         log(f"ingesting {files} files ({size_label(size)} chunks) ...")
         run = self.ingest_once(corpus, store, timeout_s=max(self.args.ingest_timeout, self.ingest_budget_s()))
@@ -2367,8 +2373,7 @@ class Bench:
     def reused_store(self, size: int) -> bool:
         """Whether --workdir holds this size's corpus and index from an earlier run, built at the
         dimensions asked for now (a million chunks take an hour to build; their searches, a minute)."""
-        label = size_label(size)
-        corpus, store = self.work / f"corpus-{label}", self.work / f"store-{label}"
+        corpus, store = self.corpus_dir(size), self.store_dir(size)
         if not (store / "CURRENT.json").is_file() or not corpus.is_dir():
             return False
         built = json.loads((store / "CURRENT.json").read_text())["manifest"].get("embed_dimensions")
