@@ -43,8 +43,8 @@ import sys
 import threading
 import time
 import unicodedata
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal, Protocol
@@ -312,6 +312,8 @@ class Settings:
     chroma_headers: Mapping[str, str] = field(default_factory=dict)
     # Ingest: leave out what git ignores when the corpus is in a git work tree (RAG_RESPECT_GITIGNORE).
     respect_gitignore: bool = True
+    # Ingest: the formats read (RAG_FORMATS, names of READERS); files of the others are counted, not read.
+    formats: tuple[str, ...] = field(default_factory=lambda: DEFAULT_FORMATS)
     # `server.py --http`: where it listens, the bearer token every route but /health requires, host
     # names and origins allowed besides loopback's (DNS-rebinding protection), how many calls may
     # be in flight at once (per budget), how long one tool call may take, how long a client may
@@ -339,7 +341,7 @@ class Settings:
 ENVIRONMENT = ("RAG_CORPUS_DIR", "RAG_STORE_DIR", "OLLAMA_HOST", "RAG_EMBED_MODEL", "RAG_EMBED_TIMEOUT",
                "RAG_EMBED_CONCURRENCY", "RAG_EMBED_DIMENSIONS", "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS",
                "RAG_STORE_TIMEOUT", "RAG_LOG_LEVEL",
-               "RAG_SERVER_WARMUP", "RAG_CHROMA_URL", "RAG_CHROMA_HEADERS", "RAG_RESPECT_GITIGNORE", "RAG_HTTP_HOST",
+               "RAG_SERVER_WARMUP", "RAG_CHROMA_URL", "RAG_CHROMA_HEADERS", "RAG_RESPECT_GITIGNORE", "RAG_FORMATS", "RAG_HTTP_HOST",
                "RAG_HTTP_PORT", "RAG_HTTP_TOKEN", "RAG_HTTP_ALLOWED_HOSTS", "RAG_HTTP_ALLOWED_ORIGINS",
                "RAG_HTTP_MAX_IN_FLIGHT", "RAG_HTTP_READ_TIMEOUT", "RAG_HTTP_MAX_CONNECTIONS", "RAG_TOOL_TIMEOUT")
 
@@ -377,6 +379,7 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
         chroma_url=_url_env(env, "RAG_CHROMA_URL"),
         chroma_headers=_headers_env(env, "RAG_CHROMA_HEADERS"),
         respect_gitignore=_flag_env(env, "RAG_RESPECT_GITIGNORE", True),
+        formats=_formats_env(env, "RAG_FORMATS"),
         http_host=env.get("RAG_HTTP_HOST", "").strip() or "127.0.0.1",
         http_port=_int_env(env, "RAG_HTTP_PORT", 8765, 0, 65535),
         http_token=_token_env(env, "RAG_HTTP_TOKEN"),
@@ -399,6 +402,15 @@ def no_corpus_configured(settings: Settings) -> RagError | None:
                     f"sample corpus beside the program ({settings.corpus_dir}) to default to",
                     "set RAG_CORPUS_DIR to your folder of Markdown, the same for ingest and the server "
                     "(ingest also takes --corpus DIR)")
+
+
+def _formats_env(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    """RAG_FORMATS: a comma list of reader formats; unset or empty, every format read by default."""
+    wanted = tuple(dict.fromkeys(item.lower() for item in _list_env(env, name)))
+    unknown = [item for item in wanted if item not in FORMATS]
+    if unknown:
+        raise _setting_error(name, env[name], "a comma list of " + ", ".join(FORMATS))
+    return tuple(f for f in FORMATS if f in wanted) or DEFAULT_FORMATS
 
 
 def _token_env(env: Mapping[str, str], name: str) -> str | None:
@@ -656,7 +668,8 @@ def read_beneath(root_fd: int, parts: Sequence[str], *, identity: tuple[int, int
 
 
 # ---------------------------------------------------------------------------
-# Frontmatter conventions.
+# Documents: the one model every reader returns (readers are below, after searchable text), and
+# the keys a document may set, read the same way whatever its format.
 
 CHUNK_MODES = ("whole", "headings")
 LIFECYCLES = ("active", "superseded")
@@ -664,26 +677,73 @@ SUCCESSORS_MAX = 10  # paths one superseded_by keeps; a longer list is a mistake
 
 
 @dataclass(frozen=True)
+class Heading:
+    line: int  # 1-based line of the heading's text in the file as stored
+    level: int  # 1 is the document's top level
+    text: str  # as shown in heading paths: one line, markup reduced to its text, capped (metadata_text)
+
+
+@dataclass(frozen=True)
+class Page:
+    """A page of a paged document (PDF): where it starts in the extracted text, and its number."""
+
+    line: int  # 1-based line of the page's marker line in the extracted text
+    number: int  # physical page, 1-based
+    label: str  # the printed page label where the document defines one ("x", "10"), else str(number)
+
+
+@dataclass(frozen=True)
+class DocumentText:
+    """What a reader makes of one file, whatever its format: the model chunking, keyword terms,
+    the store, citations and get_file consume. Line numbers are the file's physical lines as
+    stored (a PDF's: those of the text extracted from it, a marker line per page)."""
+
+    lines: tuple[str, ...]  # every line, without line terminators
+    # Each line as it is embedded and keyword-indexed (markup reduced to its text, URL payloads
+    # shortened); "" where a line is no content (a comment, an import, an underline, metadata).
+    searchable: tuple[str, ...]
+    body_start: int  # 1-based line where the body starts (after frontmatter, docinfo or a header)
+    headings: tuple[Heading, ...]  # in file order
+    # 1-based lines where a block begins (paragraph, list, code, directive, table, heading): where
+    # a section too long for one chunk may be cut without cutting a block in two.
+    block_starts: tuple[int, ...]
+    metadata: Mapping[str, Any] = field(default_factory=dict)  # the document's keys as its format writes them
+    title: str | None = None  # the format's own title (first H1, first section title, PDF /Title)
+    pages: tuple[Page, ...] = ()  # a paged document's pages, in order
+    warnings: tuple[str, ...] = ()  # what the reader left out that the user should hear about
+
+
+@dataclass(frozen=True)
 class SourceDocument:
-    """A Markdown file after frontmatter rules, with line numbers of the original file."""
+    """A file after its reader and the document keys: what ingest chunks and indexes."""
 
     path: str
     title: str
     rag: bool
     chunk_mode: str
     lifecycle: str
-    lines: tuple[str, ...]  # every physical line of the file, without line terminators
-    body_start: int  # 1-based line where the body starts (after the frontmatter)
+    text: DocumentText = field(repr=False)
     superseded_by: tuple[str, ...] = ()  # corpus-relative paths of the documents that replace it
-    # What parse_document ignored and the user should hear about (ingest logs it).
+    # What the reader and the keys ignored and the user should hear about (ingest logs it).
     warnings: tuple[str, ...] = field(default=(), compare=False)
-    # The body's CommonMark structure when parse_document already parsed it (for the title), so
-    # chunk_document does not parse a large file twice.
-    structure: BodyStructure | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def lines(self) -> tuple[str, ...]:
+        return self.text.lines
+
+    @property
+    def body_start(self) -> int:
+        return self.text.body_start
 
     @property
     def line_count(self) -> int:
-        return len(self.lines)
+        return len(self.text.lines)
+
+    @property
+    def reader(self) -> Reader:
+        found = reader_for(self.path)
+        assert found is not None, self.path  # parse_document only reads a path a reader takes
+        return found
 
 
 def split_lines(text: str) -> list[str]:
@@ -703,10 +763,11 @@ def looks_unchanged(size: int, mtime_ns: int, indexed_size: int, indexed_mtime_n
     return size == indexed_size and abs(mtime_ns - indexed_mtime_ns) <= MTIME_TOLERANCE_NS
 
 
-def decode_markdown(raw: bytes, path: str) -> str:
+def decode_text(raw: bytes, path: str) -> str:
+    """A text format's bytes as text: UTF-8 (a BOM dropped), never binary."""
     if b"\x00" in raw:
         raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: binary file (contains NUL bytes)",
-                       "remove it from the corpus or rename it to something other than .md")
+                       f"remove it from the corpus or rename it to something other than {PurePosixPath(path).suffix}")
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -782,6 +843,26 @@ def _refuse_yaml_aliases(fm: str) -> None:
                            "supported", "write the value out instead of referring to an &anchor")
 
 
+FIELD_VALUE_MAX_CHARS = 4096  # a docinfo field or header attribute read as a value; longer is text
+
+
+def field_value(raw: str) -> Any:
+    """A value written as text (an rST docinfo field, an AsciiDoc attribute, a PDF's document
+    information) as frontmatter would hold it: `false` a boolean, `[a.rst, b.rst]` a list, anything
+    that does not read as one YAML value (aliases included) the text itself. So every format's keys
+    are read by the same rules."""
+    import yaml
+
+    text = raw.strip()
+    if len(text) > FIELD_VALUE_MAX_CHARS or "*" in text or "&" in text:
+        return text
+    try:
+        value = yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError, ValueError):
+        return text
+    return value if isinstance(value, (bool, list, str)) else text
+
+
 def json_value(text: str | bytes) -> Any:
     """json.loads for text from a file or a variable: nesting too deep for the parser (a CURRENT.json
     of 100,000 brackets) is a ValueError like any other bad form, not a RecursionError."""
@@ -824,32 +905,84 @@ def printable_text(text: str) -> str:
     return _NOT_METADATA.sub(lambda found: found.group() if found.group() in "\n\t" else " ", text)
 
 
+def _invalid_key(path: str, what: str, value: Any, fix: str) -> RagError:
+    return RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: {what}, got {shown(value, 80)}", fix)
+
+
+def _read_rag(value: Any, path: str, known: Mapping[str, Any]) -> tuple[bool, tuple[str, ...]]:
+    if not isinstance(value, bool):  # `rag: 0` equals False in Python but is not a YAML boolean
+        raise _invalid_key(path, "rag must be true or false", value, "write `rag: false` to exclude the file, or "
+                           "remove the key")
+    return value, ()
+
+
+def _read_choice(name: str, choices: Sequence[str], example: str) -> Callable[..., tuple[str, tuple[str, ...]]]:
+    def read(value: Any, path: str, known: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
+        if not (isinstance(value, str) and value in choices):
+            raise _invalid_key(path, f"{name} must be one of {tuple(choices)}", value, f"write `{example}` or remove the key")
+        return value, ()
+    return read
+
+
+def _read_title(value: Any, path: str, known: Mapping[str, Any]) -> tuple[str | None, tuple[str, ...]]:
+    """A title that is not text, or blank, gives way to the format's own (first heading), silently:
+    it is what a reader of the page sees either way."""
+    return (metadata_text(nfc(value)) if isinstance(value, str) and value.strip() else None), ()
+
+
+def _read_successors(value: Any, path: str, known: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return successors_of(value, path, known["lifecycle"])
+
+
+@dataclass(frozen=True)
+class DocumentKey:
+    """A key a document may set, the same in every format: YAML, TOML or JSON frontmatter (Markdown,
+    MDX), the docinfo field list (reStructuredText), header attributes (AsciiDoc), the document
+    information (PDF). `read` checks a value that is there (a bad one is document_invalid, or a
+    warning where the key is only a pointer for readers); `default` stands in for a missing one.
+    The README's frontmatter table lists exactly these keys (a test holds them together)."""
+
+    name: str
+    default: Any
+    read: Callable[[Any, str, Mapping[str, Any]], tuple[Any, tuple[str, ...]]]
+
+
+# In the order they are read: a key's reader sees the keys before it (superseded_by, lifecycle).
+DOCUMENT_KEYS = (
+    DocumentKey("rag", True, _read_rag),
+    DocumentKey("rag_chunk", "whole", _read_choice("rag_chunk", CHUNK_MODES, "rag_chunk: headings")),
+    DocumentKey("lifecycle", "active", _read_choice("lifecycle", LIFECYCLES, "lifecycle: superseded")),
+    DocumentKey("superseded_by", (), _read_successors),
+    DocumentKey("title", None, _read_title),
+)
+
+
+def document_keys(metadata: Mapping[str, Any], path: str) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """Every DOCUMENT_KEYS value of a document's metadata, and the warnings its values gave."""
+    values: dict[str, Any] = {}
+    warnings: list[str] = []
+    for key in DOCUMENT_KEYS:
+        if key.name not in metadata:
+            values[key.name] = key.default
+            continue
+        values[key.name], said = key.read(metadata[key.name], path, values)
+        warnings.extend(said)
+    return values, tuple(warnings)
+
+
 def parse_document(raw: bytes, path: str) -> SourceDocument:
-    """Apply the frontmatter conventions to one file's bytes. Raises RagError(document_invalid)."""
-    text = decode_markdown(raw, path)
-    lines = split_lines(text)
-    meta, body_start = read_frontmatter(lines, path)
-    rag = meta.get("rag", True)
-    if not isinstance(rag, bool):  # `rag: 0` equals False in Python but is not a YAML boolean
-        raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: rag must be true or false, got {shown(rag, 80)}",
-                       "write `rag: false` to exclude the file, or remove the key")
-    chunk_mode = meta.get("rag_chunk", "whole")
-    if not (isinstance(chunk_mode, str) and chunk_mode in CHUNK_MODES):
-        raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: rag_chunk must be one of {CHUNK_MODES}, got "
-                       f"{shown(chunk_mode, 80)}", "write `rag_chunk: headings` or remove the key")
-    lifecycle = meta.get("lifecycle", "active")
-    if not (isinstance(lifecycle, str) and lifecycle in LIFECYCLES):
-        raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: lifecycle must be one of {LIFECYCLES}, got "
-                       f"{shown(lifecycle, 80)}", "write `lifecycle: superseded` or remove the key")
-    successors, warnings = successors_of(meta.get("superseded_by"), path, lifecycle)
-    title = meta.get("title")
-    structure = None
-    if not (isinstance(title, str) and title.strip()):
-        structure = body_structure(lines[body_start - 1:])
-        title = _first_h1(structure) or PurePosixPath(path).stem
-    return SourceDocument(path=path, title=metadata_text(nfc(str(title))), rag=rag, chunk_mode=chunk_mode,
-                          lifecycle=lifecycle, lines=tuple(lines), body_start=body_start,
-                          superseded_by=successors, warnings=warnings, structure=structure)
+    """Read one file with the reader its extension names and apply the document keys.
+    Raises RagError(document_invalid)."""
+    reader = reader_for(path)
+    if reader is None:
+        raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: no reader takes {PurePosixPath(path).suffix or 'it'}",
+                       f"the formats read are {', '.join(r.format for r in READERS)}")
+    text = reader.read(raw, path)
+    keys, warnings = document_keys(text.metadata, path)
+    title = keys["title"] or text.title or PurePosixPath(path).stem
+    return SourceDocument(path=path, title=metadata_text(nfc(title)), rag=keys["rag"], chunk_mode=keys["rag_chunk"],
+                          lifecycle=keys["lifecycle"], text=text, superseded_by=keys["superseded_by"],
+                          warnings=text.warnings + warnings)
 
 
 def successors_of(value: Any, path: str, lifecycle: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -899,13 +1032,6 @@ def successors_from_column(raw: str | None) -> tuple[str, ...]:
     except ValueError:
         return ()
     return tuple(item for item in value if isinstance(item, str)) if isinstance(value, list) else ()
-
-
-def _first_h1(structure: BodyStructure) -> str | None:
-    for heading in structure.headings:
-        if heading.level == 1:
-            return heading.text or None
-    return None
 
 
 # ---------------------------------------------------------------------------
@@ -971,17 +1097,29 @@ def _is_payload_run(run: str) -> bool:
 
 
 # ---------------------------------------------------------------------------
-# Headings and chunking.
-
-# Bump when chunking or keyword terms change: it is part of the manifest, so stores rebuild.
-CHUNKER_VERSION = "5"
-HEADING_SEPARATOR = " > "
-MERGED_HEADING_SEPARATOR = "; "  # between the headings a merged chunk covers (merged_heading)
-_ANCHOR_SUFFIX = re.compile(r"\s*\{#[^}]*\}\s*$")
+# Readers: one per format, each making a file's bytes into the one document model (DocumentText).
+# Adding a format is one reader function and one row of READERS; nothing downstream knows formats.
 
 
 @dataclass(frozen=True)
-class Heading:
+class Reader:
+    format: str  # its name in RAG_FORMATS
+    extensions: tuple[str, ...]  # lower case, with the dot
+    mime_type: str  # of the text get_file and resources/read return
+    read: Callable[[bytes, str], DocumentText]  # raises RagError(document_invalid)
+    # A piece of one line as embedded, out of its context: the pieces of a line too long for the
+    # model are cut from the line as written, and each is made searchable by this.
+    inline: Callable[[str], str]
+    read_by_default: bool = True  # in RAG_FORMATS when it is unset
+    # The text is extracted from a binary file (PDF): ingest stores it, get_file serves it from the index.
+    extracted: bool = False
+
+
+# Markdown: CommonMark block structure (markdown-it) for headings and block boundaries.
+
+
+@dataclass(frozen=True)
+class BodyHeading:
     line: int  # 0-based line index within the body that was parsed
     end: int  # exclusive
     level: int
@@ -989,12 +1127,15 @@ class Heading:
 
 
 @dataclass(frozen=True)
-class Chunk:
-    index: int
-    start_line: int  # 1-based, inclusive, in the original file
-    end_line: int
-    heading: str  # heading path, e.g. "Deploy runbook > Rollback > Database"
-    text: str
+class BodyStructure:
+    """What chunking needs from the CommonMark parse of a body: its top-level headings and the
+    first line (0-based) of every top-level block."""
+
+    headings: tuple[BodyHeading, ...]
+    block_starts: tuple[int, ...]
+
+
+_ANCHOR_SUFFIX = re.compile(r"\s*\{#[^}]*\}\s*$")
 
 
 def _markdown_tokens(lines: Sequence[str]) -> list[Any]:
@@ -1008,15 +1149,6 @@ def _markdown_tokens(lines: Sequence[str]) -> list[Any]:
     return MarkdownIt("commonmark").disable(["inline", "text_join"]).parse("\n".join(lines).replace("\r", " "))
 
 
-@dataclass(frozen=True)
-class BodyStructure:
-    """What chunking needs from the CommonMark parse of a body: its top-level headings and the
-    first line (0-based) of every top-level block."""
-
-    headings: tuple[Heading, ...]
-    block_starts: tuple[int, ...]
-
-
 def body_structure(body: Sequence[str]) -> BodyStructure:
     tokens = _markdown_tokens(body)
     return BodyStructure(headings=tuple(_headings_from_tokens(tokens)),
@@ -1024,16 +1156,824 @@ def body_structure(body: Sequence[str]) -> BodyStructure:
                                                    if tok.level == 0 and tok.map and tok.nesting >= 0)))
 
 
-def _headings_from_tokens(tokens: Sequence[Any]) -> list[Heading]:
+def _headings_from_tokens(tokens: Sequence[Any]) -> list[BodyHeading]:
     headings = []
     for i, tok in enumerate(tokens):
         if tok.type == "heading_open" and tok.level == 0 and tok.map:
             text = _ANCHOR_SUFFIX.sub("", tokens[i + 1].content).strip()
             # Capped here: every chunk of a section carries its heading path, so a heading of a
             # megabyte would cost memory with the square of its length.
-            headings.append(Heading(line=tok.map[0], end=tok.map[1], level=int(tok.tag[1]),
-                                    text=metadata_text(nfc(text))))
+            headings.append(BodyHeading(line=tok.map[0], end=tok.map[1], level=int(tok.tag[1]),
+                                        text=metadata_text(nfc(text))))
     return headings
+
+
+def _first_h1(headings: Sequence[Heading]) -> str | None:
+    return next((heading.text or None for heading in headings if heading.level == 1), None)
+
+
+def read_markdown(raw: bytes, path: str) -> DocumentText:
+    """Markdown: frontmatter (YAML, TOML or JSON) for the keys, CommonMark for the structure; the
+    title is the first H1. Searchable text is the text with URL payloads shortened."""
+    lines = split_lines(decode_text(raw, path))
+    metadata, body_start = read_frontmatter(lines, path)
+    structure = body_structure(lines[body_start - 1:])
+    headings = tuple(Heading(h.line + body_start, h.level, h.text) for h in structure.headings)
+    return DocumentText(lines=tuple(lines), searchable=("",) * (body_start - 1) + tuple(
+                            searchable_text(line) for line in lines[body_start - 1:]),
+                        body_start=body_start, headings=headings,
+                        block_starts=tuple(start + body_start for start in structure.block_starts),
+                        metadata=metadata, title=_first_h1(headings))
+
+
+# MDX (Docusaurus, Mintlify, Nextra, Starlight): Markdown with ESM and JSX. Read line by line, as
+# MDX parses it: no indented code and no HTML blocks, so a heading between JSX tags is a heading.
+_MDX_FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})(.*)$")
+_MDX_ATX = re.compile(r"^ {0,3}(#{1,6})(?:[ \t]+(.*?))?(?:[ \t]+#+)?[ \t]*$")
+_MDX_ESM = re.compile(r"^(?:import|export)\b")
+_JSX_COMMENT = re.compile(r"\{/\*.*?\*/\}")
+_HTML_COMMENT = re.compile(r"<!--.*?-->")
+# A JSX or HTML tag on one line: `<Note>`, `</Tab>`, `<Card title="x" icon="y" />`, `<>`. Attribute
+# values are quoted strings or {expressions} without braces inside (bounded, never backtracking).
+_JSX_TAG = re.compile(r"</?[A-Za-z][\w.:-]*(?:\s+[\w:.-]+(?:=(?:\"[^\"]*\"|'[^']*'|\{[^{}]*\}))?)*\s*/?>|</?>")
+_JSX_TAG_START = re.compile(r"<[A-Za-z][\w.:-]*(?=\s|$)")
+# Attributes whose value is text a reader of the page sees (a tab's or card's title).
+_SHOWN_ATTRIBUTE = re.compile(r"\b(?:title|label|alt|summary|description|heading)=(?:\"([^\"]*)\"|'([^']*)')")
+
+
+def _jsx_tag_text(tag: str) -> str:
+    """What a reader of the page sees of a tag: the values of its shown attributes."""
+    return " ".join(a or b for a, b in _SHOWN_ATTRIBUTE.findall(tag))
+
+
+def mdx_inline(text: str) -> str:
+    """A piece of MDX text as embedded: comments out, JSX tags reduced to their shown attribute
+    values, heading anchors out, URL payloads shortened."""
+    text = _HTML_COMMENT.sub("", _JSX_COMMENT.sub("", text))
+    if "<" in text:
+        text = _JSX_TAG.sub(lambda tag: _jsx_tag_text(tag.group()), text)
+    return searchable_text(_ANCHOR_SUFFIX.sub("", text) if "{#" in text else text)
+
+
+@dataclass
+class _MdxState:
+    """Where a line of MDX stands, carried from line to line."""
+
+    fence: str | None = None  # the open fence's marker
+    comment: str | None = None  # the open comment's closing marker ("*/}" or "-->")
+    tag: bool = False  # inside a JSX tag whose attributes span lines
+    esm: bool = False  # inside an import/export statement (it runs to a blank line)
+
+
+def _mdx_line(line: str, state: _MdxState) -> tuple[str, bool, BodyHeading | None]:
+    """(searchable text, starts a block, heading) of one line; updates `state`."""
+    stripped = line.strip()
+    if state.fence is not None:
+        closing = _MDX_FENCE.match(line)
+        if closing and closing.group(1)[0] == state.fence[0] and len(closing.group(1)) >= len(state.fence) \
+                and not closing.group(2).strip():
+            state.fence = None
+        return searchable_text(line), False, None
+    if state.comment is not None:
+        if state.comment in line:
+            rest = line.split(state.comment, 1)[1]
+            state.comment = None
+            return mdx_inline(rest), False, None
+        return "", False, None
+    if state.tag:
+        state.tag = ">" not in line
+        return _jsx_tag_text(line), False, None
+    if not stripped:
+        state.esm = False
+        return "", False, None
+    if state.esm:
+        return "", False, None
+    fence = _MDX_FENCE.match(line)
+    if fence and not ("`" in fence.group(2) and fence.group(1)[0] == "`"):
+        state.fence = fence.group(1)
+        return searchable_text(line), True, None
+    if _MDX_ESM.match(line):
+        state.esm = True
+        return "", True, None
+    for opening, closing in (("{/*", "*/}"), ("<!--", "-->")):
+        at = line.rfind(opening)
+        if at >= 0 and closing not in line[at:]:
+            state.comment = closing
+            return mdx_inline(line[:at]), True, None
+    atx = _MDX_ATX.match(line)
+    if atx:
+        text = metadata_text(nfc(mdx_inline(atx.group(2) or "")))
+        return text, True, BodyHeading(0, 0, len(atx.group(1)), text)
+    opened = _JSX_TAG_START.search(line)
+    if opened and ">" not in line[opened.end():]:
+        state.tag = True  # a tag whose attributes go on over the next lines
+        return mdx_inline(line[:opened.start()]) + " " + _jsx_tag_text(line[opened.start():]), True, None
+    return mdx_inline(line), stripped.startswith("<"), None
+
+
+def read_mdx(raw: bytes, path: str) -> DocumentText:
+    """MDX: YAML frontmatter (its `title` is the page title), headings as in Markdown; import and
+    export statements and comments are no content; JSX tags are reduced to the text a reader of
+    the page sees (`<Tab title="Python">` keeps "Python"), their children stay text; code stays code."""
+    lines = split_lines(decode_text(raw, path))
+    metadata, body_start = read_frontmatter(lines, path)
+    searchable: list[str] = [""] * (body_start - 1)
+    headings: list[Heading] = []
+    starts: list[int] = []
+    state = _MdxState()
+    previous_blank = True
+    for number in range(body_start, len(lines) + 1):
+        line = lines[number - 1]
+        inside = state.fence is not None or state.comment is not None or state.tag or state.esm
+        text, block, heading = _mdx_line(line, state)
+        searchable.append(text)
+        if heading is not None:
+            headings.append(Heading(number, heading.level, heading.text))
+        if block or (previous_blank and line.strip() and not inside):
+            starts.append(number)
+        previous_blank = not line.strip()
+    return DocumentText(lines=tuple(lines), searchable=tuple(searchable), body_start=body_start,
+                        headings=tuple(headings), block_starts=tuple(sorted(set(starts))), metadata=metadata,
+                        title=_first_h1(headings))
+
+
+def read_plain_text(raw: bytes, path: str) -> DocumentText:
+    """Plain text: paragraphs (blocks at blank lines), no headings; the title is its first line."""
+    lines = split_lines(decode_text(raw, path))
+    starts = [n for n in range(1, len(lines) + 1) if lines[n - 1].strip() and (n == 1 or not lines[n - 2].strip())]
+    first = next((line for line in lines if line.strip()), None)
+    return DocumentText(lines=tuple(lines), searchable=tuple(searchable_text(line) for line in lines), body_start=1,
+                        headings=(), block_starts=tuple(starts),
+                        title=metadata_text(nfc(first)) if first is not None else None)
+
+
+# ---------------------------------------------------------------------------
+# reStructuredText (Sphinx). Read line by line, in one pass with an explicit stack of open blocks (no
+# recursion however deep directives nest); inline markup is matched against end positions found once
+# per line, so an unbalanced backtick costs a bisection, not a rescan. Unknown directives and roles
+# are read by their shape: nothing of Sphinx is imported, nothing is included.
+#
+# Titles and blocks.
+
+ADORNMENT_CHARS = "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"
+_ADORNMENT_SET = frozenset(ADORNMENT_CHARS)
+_ADORNMENT = re.compile(r"([" + re.escape(ADORNMENT_CHARS) + r"])\1*[ \t]*")
+_EXPLICIT = re.compile(r"[ \t]*\.\.(?:[ \t]|$)")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" \t"))
+
+
+def _is_adornment(line: str) -> bool:
+    return line[:1] in _ADORNMENT_SET and _ADORNMENT.fullmatch(line) is not None
+
+
+def _opens_block(line: str) -> bool:
+    """The deeper-indented lines after this one are a literal or explicit-markup block."""
+    return _EXPLICIT.match(line) is not None or line.rstrip().endswith("::")
+
+
+def _blocked(lines: Sequence[str], blank: Sequence[bool]) -> list[bool]:
+    """Per line: inside a literal or explicit-markup block (the opening line itself is not).
+
+    A block runs over the following lines that are blank or indented deeper than its opening line;
+    its trailing blank lines are not part of it.
+    """
+    blocked = [False] * len(lines)
+    n = 0
+    while n < len(lines):
+        if blank[n] or not _opens_block(lines[n]):
+            n += 1
+            continue
+        base = _indent(lines[n])
+        k = n + 1
+        while k < len(lines) and (blank[k] or _indent(lines[k]) > base):
+            blocked[k] = True
+            k += 1
+        j = k - 1
+        while j > n and blank[j]:
+            blocked[j] = False
+            j -= 1
+        n = k
+    return blocked
+
+
+@dataclass(frozen=True)
+class _Title:
+    row: int  # 0-based index of the title text line
+    overlined: bool
+    char: str
+
+
+def _find_titles(lines: Sequence[str], blank: Sequence[bool], blocked: Sequence[bool]) -> list[_Title]:
+    # Each line is judged on its own: a title's underline is an adornment line, never a title itself.
+    titles = []
+    for n, under in enumerate(lines[1:]):
+        if under[:1] not in _ADORNMENT_SET or not _is_adornment(under):  # the cheap test first: most lines fail it
+            continue
+        text = lines[n]
+        if blocked[n] or blocked[n + 1] or blank[n] or _is_adornment(text):
+            continue
+        char, length = under[0], len(under.rstrip())
+        over = lines[n - 1] if n >= 1 and not blocked[n - 1] else ""
+        overlined = _is_adornment(over) and over[0] == char and len(over.rstrip()) == length
+        first = n - 1 if overlined else n
+        starts_paragraph = first == 0 or blank[first - 1]
+        if length >= len(text.rstrip()) and starts_paragraph and (overlined or _indent(text) == 0):
+            titles.append(_Title(n, overlined, char))
+    return titles
+
+
+def _headings(lines: Sequence[str], titles: Sequence[_Title]) -> tuple[Heading, ...]:
+    levels: dict[tuple[str, bool], int] = {}
+    headings = []
+    for title in titles:
+        level = levels.setdefault((title.char, title.overlined), len(levels) + 1)
+        text = metadata_text(nfc(rst_inline(lines[title.row].strip())))
+        headings.append(Heading(line=title.row + 1, level=level, text=text))
+    return tuple(headings)
+
+
+# ---------------------------------------------------------------------------
+# Inline markup: roles, literals, emphasis, references, substitutions reduced to their text.
+
+# docutils' recognition rules: a start-string follows whitespace, an opening bracket or quote or a
+# delimiter, and is followed by non-whitespace; an end-string follows non-whitespace and is followed
+# by whitespace, a closing bracket or quote or punctuation.
+_START_AFTER = frozenset("-/:\"'<([{")
+_END_BEFORE = frozenset("-/:\\.,;!?\"')>]}")
+_CLOSER = {"(": ")", "[": "]", "{": "}", "<": ">", '"': '"', "'": "'"}
+_START_CATEGORIES = frozenset({"Ps", "Pi", "Pf", "Pd", "Po"})
+_END_CATEGORIES = frozenset({"Pe", "Pi", "Pf", "Pd", "Po"})
+
+_NAME = r"[^\W_]++(?:[-._+:][^\W_]++)*+"  # docutils' simple name; possessive: never re-scanned
+_CANDIDATE = re.compile(r"\\.|``|\*\*|\*|_`|`|\||\[|:(?=[^\W_])", re.DOTALL)
+_ROLE_NAME = re.compile(":(" + _NAME + ")")
+_END_SUFFIX = re.compile("(:" + _NAME + ":)?(__?)?")  # after an interpreted text's closing backtick
+_FOOTNOTE_REF = re.compile(r"\[(?:#(?:" + _NAME + r")?|\*|" + _NAME + r")\]_")
+# A simple reference `word_`: only from the start of a name (a start inside one would rescan it).
+_SIMPLE_REF = re.compile(r"(?<![^\s\-:/'\"<(\[{])(?<![^\W_][-._+:])(" + _NAME + r")__?(?=[\s\\.,;!?\-/:'\")\]}>]|$)")
+_ESCAPE = re.compile(r"\\(.)", re.DOTALL)
+_MARKUP_CHAR = re.compile(r"[\\`*|\[:_]")
+
+
+def _may_start(text: str, at: int, after: int) -> bool:
+    """Can the start-string text[at:after] open inline markup here?"""
+    if after >= len(text) or text[after].isspace():
+        return False
+    if at == 0:
+        return True
+    before = text[at - 1]
+    if before.isspace():
+        return True
+    if before in _CLOSER:
+        return _CLOSER[before] != text[after]  # '(*)' is not emphasis
+    return before in _START_AFTER or (not before.isascii() and unicodedata.category(before) in _START_CATEGORIES)
+
+
+def _may_end(text: str, after: int) -> bool:
+    """Can inline markup end just before text[after]?"""
+    if after >= len(text):
+        return True
+    follower = text[after]
+    return (follower.isspace() or follower in _END_BEFORE
+            or (not follower.isascii() and unicodedata.category(follower) in _END_CATEGORIES))
+
+
+def _unescape(text: str) -> str:
+    return _ESCAPE.sub(lambda m: "" if m.group(1).isspace() else m.group(1), text) if "\\" in text else text
+
+
+def _explicit_target(content: str) -> tuple[str, str] | None:
+    """`title <target>` -> (title, target); None without an embedded target."""
+    if not content.endswith(">"):
+        return None
+    opening = content.rfind("<")
+    if opening < 0 or (opening > 0 and not content[opening - 1].isspace()):
+        return None
+    return content[:opening].strip(), content[opening + 1:-1].strip()
+
+
+def _role_text(content: str) -> str:
+    """A role's text as shown: `~a.b` and `!a` lose the marker, `title <target>` shows the title."""
+    if content[:1] in ("~", "!"):
+        content = content[1:]
+    titled = _explicit_target(content)
+    return _unescape((titled[0] or titled[1]) if titled else content)
+
+
+def _reference_text(content: str) -> str:
+    """A hyperlink reference's text: its link text and, when it embeds one, the URL (links name things)."""
+    titled = _explicit_target(content)
+    if titled is None:
+        return _unescape(content)
+    text, target = titled
+    if target.endswith("_"):  # an alias of a named target, not a URL
+        return _unescape(text)
+    return f"{_unescape(text)} {target}".strip()
+
+
+@dataclass(frozen=True)
+class _BacktickEnd:
+    at: int  # the closing backtick
+    role: bool  # a role is written after it (`text`:role:)
+    reference: bool  # `text`_ or `text`__
+    after: int  # just past the end-string and its suffix
+
+
+def _past_underscores(text: str, at: int) -> int:
+    """Past the `_` or `__` that makes a reference of what ends before `at` (`|sub|_`, `word__`)."""
+    return at + 2 if text.startswith("__", at) else at + 1 if text.startswith("_", at) else at
+
+
+class _Ends:
+    """Where each kind of end-string may close, found once per text (sorted), so that an unmatched
+    start-string costs a bisection instead of a scan to the end of the text."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.escaped = {m.start() + 1 for m in _ESCAPE.finditer(text)} if "\\" in text else set()
+        self.spots: dict[str, list[int]] = {}
+        self.backticks: dict[int, _BacktickEnd] = {}
+
+    def _find(self, mark: str) -> list[int]:
+        text, width = self.text, len(mark)
+        found = []
+        for m in re.finditer(r"(?<=\S)(?=" + re.escape(mark) + ")", text):
+            at = m.start()
+            if mark == "``":  # backslashes are literal inside a literal
+                closes = _may_end(text, at + width)
+            elif mark == "`":
+                suffix = _END_SUFFIX.match(text, at + 1)
+                closes = at not in self.escaped and suffix is not None and _may_end(text, suffix.end())
+                if closes:
+                    self.backticks[at] = _BacktickEnd(at, bool(suffix.group(1)), bool(suffix.group(2)), suffix.end())
+            elif mark == "|":
+                closes = at not in self.escaped and _may_end(text, _past_underscores(text, at + 1))
+            else:
+                closes = at not in self.escaped and _may_end(text, at + width)
+            if closes:
+                found.append(at)
+        return found
+
+    def first(self, mark: str, after: int) -> int | None:
+        """The first end-string `mark` past position `after` (so the content is never empty)."""
+        if mark not in self.spots:
+            self.spots[mark] = self._find(mark)
+        spots = self.spots[mark]
+        k = bisect.bisect_right(spots, after)
+        return spots[k] if k < len(spots) else None
+
+    def first_backtick(self, after: int) -> _BacktickEnd | None:
+        at = self.first("`", after)
+        return self.backticks[at] if at is not None else None
+
+
+def _plain(text: str) -> str:
+    """Text between markup: simple references `word_` lose their underscore."""
+    return _SIMPLE_REF.sub(r"\1", text) if "_" in text else text
+
+
+def rst_inline(text: str) -> str:
+    """Inline markup of one line (or a fragment of one) reduced to the text a reader sees.
+
+    Roles keep their text (`:meth:`~a.B.c`` -> a.B.c, `:ref:`text <t>`` -> text), literals, emphasis,
+    interpreted text and substitutions their content, hyperlink references their text and embedded
+    URL; footnote references go; escapes are resolved. What does not parse stays as written.
+    """
+    if _MARKUP_CHAR.search(text) is None:
+        return text
+    ends = _Ends(text)
+    out: list[str] = []
+    cursor = scan = 0  # text[cursor:scan] is plain text not yet written; scan is where to look next
+    while (found := _CANDIDATE.search(text, scan)) is not None:
+        at, mark = found.start(), found.group()
+        reduced = _reduce_at(text, at, mark, ends)
+        if reduced is None:  # not markup here: stays plain, look past it
+            scan = _skip_plain(text, at, mark)
+            continue
+        shown, scan = reduced
+        out.append(_plain(text[cursor:at]))
+        out.append(shown)
+        cursor = scan
+    out.append(_plain(text[cursor:]))
+    return "".join(out)
+
+
+def _skip_plain(text: str, at: int, mark: str) -> int:
+    if mark == ":":  # past the whole name chain: every colon in it would fail the same way
+        chain = _ROLE_NAME.match(text, at)
+        return chain.end() if chain else at + 1
+    return at + len(mark)
+
+
+def _reduce_at(text: str, at: int, mark: str, ends: _Ends) -> tuple[str, int] | None:
+    """The markup starting at text[at] (the candidate `mark`): its text and the position past it."""
+    if mark.startswith("\\"):
+        return ("" if mark[1].isspace() else mark[1]), at + 2
+    return _REDUCERS[mark](text, at, ends)
+
+
+def _literal(text: str, at: int, ends: _Ends) -> tuple[str, int] | None:
+    close = ends.first("``", at + 2) if _may_start(text, at, at + 2) else None
+    return (text[at + 2:close], close + 2) if close is not None else None
+
+
+def _emphasis(mark: str) -> Callable[[str, int, _Ends], tuple[str, int] | None]:
+    def reduce(text: str, at: int, ends: _Ends) -> tuple[str, int] | None:
+        width = len(mark)
+        close = ends.first(mark, at + width) if _may_start(text, at, at + width) else None
+        return (_unescape(text[at + width:close]), close + width) if close is not None else None
+    return reduce
+
+
+def _substitution(text: str, at: int, ends: _Ends) -> tuple[str, int] | None:
+    close = ends.first("|", at + 1) if _may_start(text, at, at + 1) else None
+    return (_unescape(text[at + 1:close]), _past_underscores(text, close + 1)) if close is not None else None
+
+
+def _backticked(text: str, at: int, ends: _Ends, opening: int, role: bool) -> tuple[str, int] | None:
+    """`text`, `text`:role:, `text`_, `text <url>`_ with the backtick at `opening`; the markup starts
+    at `at` (a role before it, `:role:`text``, or the `_` of an inline target, `_`text``)."""
+    if text.startswith("``", opening) or not _may_start(text, at, opening + 1):
+        return None
+    end = ends.first_backtick(opening + 1)
+    if end is None:
+        return None
+    content = text[opening + 1:end.at]
+    if end.reference and not role and not end.role:
+        return _reference_text(content), end.after
+    return _role_text(content), end.after
+
+
+def _interpreted(text: str, at: int, ends: _Ends) -> tuple[str, int] | None:
+    return _backticked(text, at, ends, opening=at, role=False)
+
+
+def _role(text: str, at: int, ends: _Ends) -> tuple[str, int] | None:
+    name = _ROLE_NAME.match(text, at)
+    if name is None or not text.startswith(":`", name.end()):
+        return None
+    return _backticked(text, at, ends, opening=name.end() + 1, role=True)
+
+
+def _internal_target(text: str, at: int, ends: _Ends) -> tuple[str, int] | None:
+    return _backticked(text, at, ends, opening=at + 1, role=True)
+
+
+def _footnote_reference(text: str, at: int, ends: _Ends) -> tuple[str, int] | None:
+    found = _FOOTNOTE_REF.match(text, at)
+    if found is None or not _may_start(text, at, at + 1) or not _may_end(text, found.end()):
+        return None
+    return "", found.end()
+
+
+_REDUCERS: dict[str, Callable[[str, int, _Ends], tuple[str, int] | None]] = {
+    "``": _literal, "**": _emphasis("**"), "*": _emphasis("*"), "_`": _internal_target, "`": _interpreted,
+    "|": _substitution, "[": _footnote_reference, ":": _role,
+}
+
+# ---------------------------------------------------------------------------
+# Lines of text: paragraphs, list items, tables, field lists.
+
+_LIST_ITEM = re.compile(r"[ \t]*(?:[-*+\u2022\u2023\u2043]|\(?(?:[0-9]+|[A-Za-z#]|[ivxlcdmIVXLCDM]+)[.)])"
+                        r"(?:[ \t]|$)")
+_TABLE_BORDER = re.compile(r"[ \t]*(?:(?:=+[ \t]+)+=+|\+(?:[-=]+\+)+)[ \t]*")
+_OPTION_TITLES = frozenset({"caption", "title"})
+_FIELD_NAME_END = re.compile(r":(?=[ \t`]|$)")  # a colon inside a name is followed by anything else
+
+
+def _field(text: str) -> tuple[str, str] | None:
+    """`:name: body` -> (name, body); None when the text is not a field (`:role:`x`` is not)."""
+    if len(text) < 3 or text[0] != ":" or text[1] in ": \t":
+        return None
+    end = _FIELD_NAME_END.search(text, 1)
+    if end is None or text.startswith("`", end.end()) or text[end.start() - 1].isspace():
+        return None
+    return text[1:end.start()], text[end.end():].strip()
+
+
+def _is_punctuation_rule(stripped: str) -> bool:
+    """A transition, a stray underline, a table border: punctuation only, no content."""
+    return (len(stripped) >= 4 and _is_adornment(stripped)) or _TABLE_BORDER.fullmatch(stripped) is not None
+
+
+def _without_literal_marker(line: str) -> str:
+    """`Run this::` reads `Run this:`; `Run this ::` and a lone `::` lose the marker (as docutils shows them)."""
+    head = line.rstrip()[:-2]
+    if not head.strip():
+        return ""
+    return head.rstrip() if head[-1].isspace() else head + ":"
+
+
+def _text_line(line: str) -> str:
+    stripped = line.strip()
+    if not stripped:
+        return ""
+    if stripped[0] in _ADORNMENT_SET:  # rules, anonymous targets `__ url` and fields all start so
+        if _is_punctuation_rule(stripped) or stripped.startswith("__ "):
+            return ""
+        field = _field(stripped)
+        if field is not None:
+            return f"{rst_inline(field[0])}: {rst_inline(field[1])}".rstrip()
+    if stripped.endswith("::"):
+        line = _without_literal_marker(line)
+    return rst_inline(line)
+
+
+def _verbatim(line: str) -> str:
+    return line if line.strip() else ""
+
+
+# ---------------------------------------------------------------------------
+# Explicit markup: directives, comments, targets, substitution definitions, footnotes.
+
+_DIRECTIVE = re.compile(r"([A-Za-z0-9][\w.:+-]*?) ?::(?:[ \t]+|$)")
+
+_CODE, _DROP, _TEXT, _SIGNATURE = "code", "drop", "text", "signature"  # how a block's lines are read
+
+_CODE_DIRECTIVES = frozenset({"code-block", "code", "sourcecode", "code-tab", "doctest", "testcode", "testoutput",
+                              "testsetup", "testcleanup", "parsed-literal"})
+_INCLUDES = frozenset({"include", "literalinclude"})
+# Navigation and context settings: neither the line nor the body is content.
+_DROPPED_DIRECTIVES = _INCLUDES | {
+    "toctree", "currentmodule", "module", "py:module", "py:currentmodule", "highlight", "default-domain", "index",
+    "rst-class", "default-role", "role", "contents", "sectnum", "tabularcolumns", "meta"}
+_CONDITIONS = frozenset({"only", "ifconfig"})  # the line is a condition; the body is content
+_IMAGES = frozenset({"image", "figure"})
+_ADMONITIONS = {"note": "Note:", "warning": "Warning:", "tip": "Tip:", "important": "Important:", "caution": "Caution:",
+                "danger": "Danger:", "attention": "Attention:", "hint": "Hint:", "error": "Error:",
+                "seealso": "See also:", "todo": "Todo:"}
+_VERSIONS = {"versionadded": "New in version", "versionchanged": "Changed in version",
+             "deprecated": "Deprecated since version", "versionremoved": "Removed in version"}
+_OBJECTS = frozenset({"function", "class", "method", "attribute", "data", "exception", "decorator", "decoratormethod",
+                      "classmethod", "staticmethod", "property", "type", "confval", "option", "cmdoption", "envvar",
+                      "describe", "object", "program", "event", "setting"})
+
+
+@dataclass
+class _Block:
+    """An open literal or explicit-markup block: the lines indented deeper than `base`."""
+
+    base: int
+    head: str  # how lines before its first blank line are read (a directive's arguments, options)
+    body: str  # how the rest is read
+    options: bool = False  # field lines in the head are directive options
+    outermost: bool = False  # opened at the top level of the document: its first content line starts a block
+    in_head: bool = True
+    started: bool = False  # its first content line has been seen
+
+
+def _is_object(name: str) -> bool:
+    """A Sphinx object description (`function`, `py:data`, `autoclass`, any `domain:name`)."""
+    return name in _OBJECTS or name.startswith("auto") or ":" in name
+
+
+def _directive(name: str, argument: str, base: int) -> tuple[str, _Block]:
+    """A directive line's searchable text and the block its options and body make."""
+    if name in _CODE_DIRECTIVES:
+        return "", _Block(base, _CODE, _CODE, options=True)
+    if name in _DROPPED_DIRECTIVES:
+        return "", _Block(base, _DROP, _DROP)
+    if name in _CONDITIONS:
+        return "", _Block(base, _TEXT, _TEXT, options=True)
+    if name in _IMAGES:
+        return "", _Block(base, _DROP, _TEXT, options=True)
+    block = _Block(base, _TEXT, _TEXT, options=True)
+    if name in _ADMONITIONS:
+        return f"{_ADMONITIONS[name]} {rst_inline(argument)}".rstrip(), block
+    if name in _VERSIONS:
+        version, _, text = argument.partition(" ")
+        shown = f"{_VERSIONS[name]} {version}:" if version else _VERSIONS[name]
+        return f"{shown} {rst_inline(text.strip())}".rstrip(), block
+    if _is_object(name):
+        return argument, _Block(base, _SIGNATURE, _TEXT, options=True)
+    return rst_inline(argument), block
+
+
+def _explicit_parts(line: str) -> tuple[str, str, str]:
+    """(kind, directive name, argument) of a line starting with `..`; kind is footnote, target
+    (targets and substitution definitions), directive or comment."""
+    rest = line[_indent(line) + 2:].strip()
+    if rest[:1] == "[" and "]" in rest:
+        return "footnote", "", rest[rest.index("]") + 1:].strip()
+    if rest[:1] in ("_", "|"):
+        return "target", "", ""
+    directive = _DIRECTIVE.match(rest)
+    if directive is not None:
+        return "directive", directive.group(1).lower(), rest[directive.end():].strip()
+    return "comment", "", rest
+
+
+def _explicit(line: str, next_is_blank: bool) -> tuple[str, _Block | None]:
+    """A line starting with `..`: its searchable text and the block it opens."""
+    base = _indent(line)
+    kind, name, argument = _explicit_parts(line)
+    if kind == "footnote":
+        return rst_inline(argument), _Block(base, _TEXT, _TEXT)
+    if kind == "directive":
+        return _directive(name, argument, base)
+    if kind == "comment" and not argument and next_is_blank:  # an empty comment swallows nothing
+        return "", None
+    return "", _Block(base, _DROP, _DROP)
+
+
+def _opened(line: str, next_is_blank: bool, outermost: bool) -> tuple[str, _Block | None]:
+    """A line read as text, and the block it opens if it is explicit markup or ends with `::`."""
+    if _EXPLICIT.match(line):
+        shown, block = _explicit(line, next_is_blank)
+    else:
+        shown = _text_line(line)
+        block = _Block(_indent(line), _CODE, _CODE) if line.rstrip().endswith("::") else None
+    if block is not None:
+        block.outermost = outermost
+    return shown, block
+
+
+def _block_line(block: _Block, line: str, next_is_blank: bool) -> tuple[str, bool, _Block | None]:
+    """A line inside the innermost open block: its searchable text, whether it is content (not a
+    directive option, not dropped), and the block it opens."""
+    if block.in_head and block.options and (option := _field(line.strip())) is not None:
+        return (rst_inline(option[1]) if option[0].lower() in _OPTION_TITLES else ""), False, None
+    how = block.head if block.in_head else block.body
+    if how == _TEXT:
+        shown, inner = _opened(line, next_is_blank, outermost=False)
+        return shown, True, inner
+    if how == _CODE:
+        return _verbatim(line), True, None
+    if how == _SIGNATURE:
+        return line.strip(), True, None
+    return "", False, None
+
+
+# ---------------------------------------------------------------------------
+# Docinfo: a field list before anything else.
+
+
+def _skip_comments(lines: Sequence[str], blank: Sequence[bool]) -> int:
+    """The first line that is neither blank nor part of a comment in column 0."""
+    n = 0
+    while n < len(lines):
+        line = lines[n]
+        if blank[n]:
+            n += 1
+        elif _EXPLICIT.match(line) and _indent(line) == 0 and _explicit_parts(line)[0] == "comment":
+            n += 1
+            while n < len(lines) and (blank[n] or _indent(lines[n]) > 0):
+                n += 1
+        else:
+            return n
+    return n
+
+
+def _docinfo(lines: Sequence[str], blank: Sequence[bool], titled_rows: set[int]) -> tuple[dict[str, str], int]:
+    """The leading field list's fields and the 0-based line where the body starts (0 without one)."""
+    n = _skip_comments(lines, blank)
+    metadata: dict[str, str] = {}
+    while n < len(lines) and n not in titled_rows and _indent(lines[n]) == 0:
+        field = _field(lines[n].strip())
+        if field is None:
+            break
+        parts = [field[1]]
+        n += 1
+        while n < len(lines) and n not in titled_rows and not blank[n] and _indent(lines[n]) > 0:
+            parts.append(lines[n].strip())
+            n += 1
+        metadata[field[0]] = " ".join(part for part in parts if part)
+    if not metadata:
+        return {}, 0
+    return metadata, n + 1 if n < len(lines) and blank[n] else n
+
+
+# ---------------------------------------------------------------------------
+# The reader.
+
+
+def _read_lines(lines: Sequence[str], blank: Sequence[bool], titles: Sequence[_Title]) -> tuple[list[str], list[int]]:
+    """Every line's searchable text and the 0-based lines where blocks start, in one pass."""
+    roles = {title.row: "title" for title in titles}
+    for title in titles:
+        roles[title.row + 1] = "adornment"
+        if title.overlined:
+            roles.setdefault(title.row - 1, "adornment")
+    searchable = [""] * len(lines)
+    starts: list[int] = []
+    stack: list[_Block] = []
+    fresh = True  # the next top-level line starts a block (after a blank line, an underline, a block's end)
+    for n, line in enumerate(lines):
+        if blank[n]:
+            if stack:
+                stack[-1].in_head = False
+            fresh = True
+            continue
+        if stack:
+            indent = _indent(line)
+            while stack and indent <= stack[-1].base:
+                stack.pop()
+                fresh = True
+        next_is_blank = n + 1 >= len(lines) or blank[n + 1]
+        if stack:
+            block = stack[-1]
+            searchable[n], content, inner = _block_line(block, line, next_is_blank)
+            if content and block.outermost and not block.started:
+                starts.append(n)  # an outermost block's first content line (a literal's first line)
+            block.started |= content
+            if inner is not None:
+                block.in_head = False
+                stack.append(inner)
+            continue
+        role = roles.get(n)
+        if role is None:
+            shown, block_opened = _opened(line, next_is_blank, outermost=True)
+        else:  # a title's lines open blocks as any line does (the reference's rule), but read as a title
+            shown = rst_inline(line.strip()) if role == "title" else ""
+            block_opened = _opened(line, next_is_blank, outermost=True)[1] if _opens_block(line) else None
+        if role == "title" or (role is None and (fresh or _EXPLICIT.match(line) or _LIST_ITEM.match(line))):
+            starts.append(n)
+        searchable[n] = shown
+        fresh = role == "adornment" and roles.get(n - 1) == "title"  # a paragraph may follow an underline
+        if block_opened is not None:
+            stack.append(block_opened)
+    return searchable, starts
+
+
+def _include_warnings(lines: Sequence[str]) -> tuple[str, ...]:
+    rows = [n + 1 for n, line in enumerate(lines) if "include" in line and _EXPLICIT.match(line)
+            and (parts := _explicit_parts(line))[0] == "directive" and parts[1] in _INCLUDES]
+    if not rows:
+        return ()
+    return (f"{len(rows)} include/literalinclude directive(s) not followed (first at line {rows[0]}): "
+            "the included text is not indexed",)
+
+
+def read_rst(raw: bytes, path: str) -> DocumentText:
+    """reStructuredText (Sphinx): sections by their underlines (and overlines), levels in the order
+    the adornment styles first appear, never inside literal or explicit-markup blocks; directives
+    keep their content as text or code, navigation (toctree, targets, comments, substitution
+    definitions) is no content; roles become their text. A field list at the very top (docinfo,
+    `:lifecycle: superseded`) holds the document's keys; the title is the first section title."""
+    lines = split_lines(decode_text(raw, path))
+    blank = [not line.strip() for line in lines]
+    titles = _find_titles(lines, blank, _blocked(lines, blank))
+    headings = _headings(lines, titles)
+    titled_rows = {row for title in titles for row in (title.row - title.overlined, title.row, title.row + 1)}
+    metadata, body = _docinfo(lines, blank, titled_rows)
+    searchable, starts = _read_lines(lines, blank, titles)
+    searchable[:body] = [""] * body
+    return DocumentText(lines=tuple(lines), searchable=tuple(map(searchable_text, searchable)), body_start=body + 1,
+                        headings=headings, block_starts=tuple(sorted({n + 1 for n in starts if n >= body})),
+                        metadata={name: field_value(value) for name, value in metadata.items()},
+                        title=(headings[0].text or None) if headings else None,
+                        warnings=tuple(f"{path}: {warning}" for warning in _include_warnings(lines)))
+
+
+def rst_inline_searchable(text: str) -> str:
+    """A piece of reStructuredText as embedded: its inline markup reduced, URL payloads shortened."""
+    return searchable_text(rst_inline(text))
+
+
+# Every format a reader takes, by its RAG_FORMATS name. `text` is opt-in: repositories are full of
+# requirements.txt and LICENSE.txt files that are not documentation.
+READERS = (
+    Reader("markdown", (".md", ".markdown"), "text/markdown", read_markdown, searchable_text),
+    Reader("mdx", (".mdx",), "text/mdx", read_mdx, mdx_inline),
+    Reader("rst", (".rst",), "text/x-rst", read_rst, rst_inline_searchable),
+    Reader("text", (".txt",), "text/plain", read_plain_text, searchable_text, read_by_default=False),
+)
+FORMATS = tuple(reader.format for reader in READERS)
+DEFAULT_FORMATS = tuple(reader.format for reader in READERS if reader.read_by_default)
+_READER_BY_EXTENSION = {extension: reader for reader in READERS for extension in reader.extensions}
+
+
+def file_extension(path: str) -> str:
+    """A file name's extension as readers are picked by it: lower case, with the dot ("" for none)."""
+    return PurePosixPath(path).suffix.lower()
+
+
+def reader_for(path: str, formats: Collection[str] = FORMATS) -> Reader | None:
+    """The reader of a file by its extension, if its format is among `formats`."""
+    reader = _READER_BY_EXTENSION.get(file_extension(path))
+    return reader if reader is not None and reader.format in formats else None
+
+
+# ---------------------------------------------------------------------------
+# Headings and chunking.
+
+# Bump when chunking or keyword terms change: it is part of the manifest, so stores rebuild.
+CHUNKER_VERSION = "5"
+HEADING_SEPARATOR = " > "
+MERGED_HEADING_SEPARATOR = "; "  # between the headings a merged chunk covers (merged_heading)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    start_line: int  # 1-based, inclusive, in the original file
+    end_line: int
+    heading: str  # heading path, e.g. "Deploy runbook > Rollback > Database"
+    text: str  # the lines as written
+    searchable: str  # the same lines as embedded and keyword-indexed (the reader's searchable text)
 
 
 @dataclass(frozen=True)
@@ -1222,8 +2162,9 @@ _ESTIMATE_ATOMS = re.compile(r"[A-Za-z]{1,3}|.", re.DOTALL)
 
 def chunk_document(doc: SourceDocument, max_tokens: int, min_tokens: int,
                    context_tokens: int | None = None) -> list[Chunk]:
-    """Split a document's body into chunks of about `max_tokens`, estimated on searchable_text
-    (a 1.5 KB playground link costs a few tokens); chunk texts are the document's lines as written.
+    """Split a document's body into chunks of about `max_tokens`, estimated on its searchable text
+    (a 1.5 KB playground link costs a few tokens); chunk texts are the document's lines as written,
+    beside them the same lines as the reader made them searchable.
 
     `context_tokens` is what the model takes of a chunk with its heading (max_tokens when not given):
     - line ranges are contiguous and cover the body exactly once;
@@ -1231,21 +2172,23 @@ def chunk_document(doc: SourceDocument, max_tokens: int, min_tokens: int,
       max_tokens, none under min_tokens) are the only chunks that share a line;
     - no chunk has under min_tokens of searchable text unless the document is one chunk: a small
       span joins a neighbour, over max_tokens if need be, up to context_tokens;
+    - a span with no searchable text (blank lines, comments) joins the chunk before it;
     - a chunk's heading is the heading path of its first section, then the last heading of every
       other section it covers (merged_heading); text before the first heading has the title.
     """
-    lines = doc.lines[doc.body_start - 1:]
-    if not any(line.strip() for line in lines):
+    first = doc.body_start - 1
+    lines, searchable = doc.lines[first:], doc.text.searchable[first:]
+    if not any(line.strip() for line in searchable):
         return []
     context_tokens = max(max_tokens, context_tokens or max_tokens)
-    structure = doc.structure if doc.structure is not None else body_structure(lines)
     path_at: dict[int, str] = {0: doc.title}
     stack: list[Heading] = []
-    for heading in structure.headings:
+    for heading in doc.text.headings:
         stack = [h for h in stack if h.level < heading.level] + [heading]
-        path_at[heading.line] = metadata_text(HEADING_SEPARATOR.join(h.text for h in stack if h.text))
+        path_at[heading.line - 1 - first] = metadata_text(HEADING_SEPARATOR.join(h.text for h in stack if h.text))
     starts = sorted(path_at)
-    body = _Body(tuple(searchable_tokens(line) for line in lines), structure.block_starts, tuple(starts),
+    body = _Body(tuple(estimate_tokens(line) for line in searchable),
+                 tuple(start - 1 - first for start in doc.text.block_starts), tuple(starts),
                  tuple(path_at[s] for s in starts))
     if doc.chunk_mode == "whole" and body.tokens(0, len(lines)) <= max_tokens:
         spans = [_Span(0, len(lines))]
@@ -1255,28 +2198,32 @@ def chunk_document(doc: SourceDocument, max_tokens: int, min_tokens: int,
         spans = _merge_small(body, pieces, min_tokens, max_tokens, context_tokens)
     chunks: list[Chunk] = []
     offset = doc.body_start
+    inline = doc.reader.inline
     for span in spans:
-        text = "\n".join(lines[span.start:span.end]).strip()
-        if not text:
-            # Whitespace-only spans (trailing blank lines) join the previous chunk's range.
+        meant = "\n".join(searchable[span.start:span.end]).strip()
+        if not meant:
+            # Spans with nothing searchable (trailing blank lines) join the previous chunk's range.
             if chunks:
                 chunks[-1] = _extend(chunks[-1], span.end + offset - 1)
             continue
+        text = "\n".join(lines[span.start:span.end]).strip()
         paths = body.headings(span.start, span.end)
         # A whole document is named by its first heading (or title), not by all of them.
         heading = merged_heading(paths[:1] if doc.chunk_mode == "whole" and len(spans) == 1 else paths)
         # A single line over the context is the one cut (the embedder halves anything else it refuses).
-        cut = "\n" not in text and _embedded_tokens(body, span) > context_tokens
-        for part in _cut_long_line(text, max_tokens, min_tokens) if cut else [text]:
-            chunks.append(Chunk(len(chunks), span.start + offset, span.end + offset - 1, heading, part.strip()))
+        if "\n" not in text and _embedded_tokens(body, span) > context_tokens:
+            parts = [(part.strip(), inline(part.strip())) for part in _cut_long_line(text, max_tokens, min_tokens)]
+        else:
+            parts = [(text, meant)]
+        for part, part_meant in parts:
+            chunks.append(Chunk(len(chunks), span.start + offset, span.end + offset - 1, heading, part, part_meant))
     if chunks and chunks[0].start_line > doc.body_start:
-        first = chunks[0]
-        chunks[0] = Chunk(0, doc.body_start, first.end_line, first.heading, first.text)
+        chunks[0] = replace(chunks[0], start_line=doc.body_start)
     return chunks
 
 
 def _extend(chunk: Chunk, end_line: int) -> Chunk:
-    return Chunk(chunk.index, chunk.start_line, end_line, chunk.heading, chunk.text)
+    return replace(chunk, end_line=end_line)
 
 
 # ---------------------------------------------------------------------------
@@ -1352,7 +2299,8 @@ def prefix_scheme_for(model: str) -> PrefixScheme | None:
 
 
 def embedded_document_text(scheme: PrefixScheme, title: str, heading: str, text: str) -> str:
-    """What ingest sends to the embedder for a chunk: the heading path leads the searchable text."""
+    """What ingest sends to the embedder for a chunk: the heading path leads the searchable text
+    (a chunk's `searchable`, or a stored passage's text: searchable_text changes neither again)."""
     text = searchable_text(text)
     if heading and heading != title:
         text = f"{searchable_text(heading)}\n\n{text}"
@@ -1564,37 +2512,122 @@ def chunk_metadata(doc: SourceDocument, chunk: Chunk, content_hash: str, mtime_n
     return dict(zip(META_KEYS, (doc.path, doc.title, chunk.heading, chunk.index, chunk.start_line, chunk.end_line,
                                 doc.lifecycle, content_hash, mtime_ns, doc.chunk_mode), strict=True))
 
-KEYWORD_SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
--- disk_path: the path relative to the corpus as the file system spells it (may be NFD);
--- real_path: its resolved absolute path at ingest. get_file re-resolves disk_path and insists on
--- real_path, which is how a file swapped for a symlink after ingest is caught. cjk_share: of the
--- body's letters (NULL only in stores written before it existed, until ingest fills it).
--- superseded_by: successors_column() of the frontmatter's successors; NULL: not recorded (a store
--- written before it existed: ingest reads such superseded documents again to record it).
-CREATE TABLE IF NOT EXISTS documents(
-    path TEXT PRIMARY KEY, title TEXT NOT NULL, lifecycle TEXT NOT NULL, chunk_mode TEXT NOT NULL,
-    content_hash TEXT NOT NULL, size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL,
-    disk_path TEXT NOT NULL, real_path TEXT NOT NULL, line_count INTEGER NOT NULL, chunk_count INTEGER NOT NULL,
-    cjk_share REAL, superseded_by TEXT);
--- embed_key: embed_key() of the exact text embedded for the chunk (ingest reuses its vector for any
--- chunk with the same key); NULL only in stores written before it existed, until ingest fills it.
-CREATE TABLE IF NOT EXISTS chunks(
-    id TEXT PRIMARY KEY, path TEXT NOT NULL, chunk_index INTEGER NOT NULL,
-    start_line INTEGER NOT NULL, end_line INTEGER NOT NULL, heading TEXT NOT NULL,
-    lifecycle TEXT NOT NULL, text TEXT NOT NULL, embed_key TEXT);
-CREATE INDEX IF NOT EXISTS chunks_by_path ON chunks(path, chunk_index);
--- Documents whose chunks are keyword-indexed but have no vectors yet (ingest ran while Ollama could
--- not embed them), with their chunk count; the next run that can embed takes them first.
-CREATE TABLE IF NOT EXISTS vectors_pending(path TEXT PRIMARY KEY, chunks INTEGER NOT NULL);
-CREATE VIRTUAL TABLE IF NOT EXISTS chunks_fts USING fts5(
-    title, heading, body, tokenize="unicode61 remove_diacritics 0 tokenchars '{FTS_TOKENCHARS}'");
--- How many passages hold each term that was in at least COMMON_TERM_PASSAGES of them when the
--- keyword index was last compacted, kept exact by every write since (in the same transaction).
--- FTS5 counts a term's passages by walking its whole posting list: a common word's count is read
--- here instead. A term not listed is counted by FTS5 (fts5vocab).
-CREATE TABLE IF NOT EXISTS common_terms(term TEXT PRIMARY KEY, passages INTEGER NOT NULL) WITHOUT ROWID;
-"""
+# The keyword index's schema: numbered, append-only migrations, each run once per index in order;
+# `PRAGMA user_version` records how many have run. Ingest runs the missing ones when it opens an
+# index (migrate_keyword_index); the server never writes, it reads the version (schema_version).
+# A store written before versions were recorded (user_version 0) has some of the tables and columns:
+# its migrations run too, each adding only what is missing.
+
+
+@dataclass(frozen=True)
+class Migration:
+    number: int
+    # DDL, a statement each; `ALTER TABLE t ADD COLUMN c` is skipped where the column exists.
+    statements: tuple[str, ...]
+    # Values the new columns need in rows written before them (the embedder's prefix scheme at hand).
+    fill: Callable[[Any, PrefixScheme], None] | None = None
+
+
+def _fill_embed_keys(db: Any, scheme: PrefixScheme) -> None:
+    """Chunks written before they carried their embed_key get it, computed from what the rows hold
+    (title, heading path, text), so their vectors can be reused too."""
+    rows = db.execute("SELECT c.rowid, coalesce(d.title, c.path), c.heading, c.text FROM chunks c "
+                      "LEFT JOIN documents d ON d.path = c.path WHERE c.embed_key IS NULL").fetchall()
+    db.executemany("UPDATE chunks SET embed_key = ? WHERE rowid = ?", [
+        (embed_key(embedded_document_text(scheme, title, heading, text)), rowid) for rowid, title, heading, text in rows])
+
+
+def _fill_cjk_shares(db: Any, scheme: PrefixScheme) -> None:
+    """Documents written before they carried their CJK share get it, from their chunks' text."""
+    for (path,) in db.execute("SELECT path FROM documents WHERE cjk_share IS NULL").fetchall():
+        text = "\n".join(t for (t,) in db.execute("SELECT text FROM chunks WHERE path = ? ORDER BY chunk_index", (path,)))
+        db.execute("UPDATE documents SET cjk_share = ? WHERE path = ?", (round(cjk_share(text), 4), path))
+
+
+def _fill_successors(db: Any, scheme: PrefixScheme) -> None:
+    """None for active documents (successors count only on superseded ones); superseded ones stay
+    NULL (not recorded): their rows cannot tell, so plan_changes reads those files again."""
+    db.execute("UPDATE documents SET superseded_by = ? WHERE superseded_by IS NULL AND lifecycle != 'superseded'",
+               (successors_column(()),))
+
+
+KEYWORD_MIGRATIONS = (
+    Migration(1, (
+        "CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+        # disk_path: the path relative to the corpus as the file system spells it (may be NFD);
+        # real_path: its resolved absolute path at ingest. get_file re-resolves disk_path and insists
+        # on real_path, which is how a file swapped for a symlink after ingest is caught.
+        "CREATE TABLE IF NOT EXISTS documents(path TEXT PRIMARY KEY, title TEXT NOT NULL, lifecycle TEXT NOT NULL, "
+        "chunk_mode TEXT NOT NULL, content_hash TEXT NOT NULL, size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, "
+        "disk_path TEXT NOT NULL, real_path TEXT NOT NULL, line_count INTEGER NOT NULL, chunk_count INTEGER NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS chunks(id TEXT PRIMARY KEY, path TEXT NOT NULL, chunk_index INTEGER NOT NULL, "
+        "start_line INTEGER NOT NULL, end_line INTEGER NOT NULL, heading TEXT NOT NULL, lifecycle TEXT NOT NULL, "
+        "text TEXT NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS chunks_by_path ON chunks(path, chunk_index)",
+        # Documents whose chunks are keyword-indexed but have no vectors yet (ingest ran while the
+        # embedder could not embed them), with their chunk count; the next run that can embed takes them first.
+        "CREATE TABLE IF NOT EXISTS vectors_pending(path TEXT PRIMARY KEY, chunks INTEGER NOT NULL)",
+        "CREATE VIRTUAL TABLE IF NOT EXISTS chunks_fts USING fts5(title, heading, body, "
+        f"tokenize=\"unicode61 remove_diacritics 0 tokenchars '{FTS_TOKENCHARS}'\")",
+    )),
+    # embed_key: embed_key() of the exact text embedded for the chunk: ingest reuses its vector for
+    # any chunk with the same key.
+    Migration(2, ("ALTER TABLE chunks ADD COLUMN embed_key TEXT",
+                  "CREATE INDEX IF NOT EXISTS chunks_by_embed_key ON chunks(embed_key)"), _fill_embed_keys),
+    # cjk_share: of the body's letters, what the server's language rules read per document.
+    Migration(3, ("ALTER TABLE documents ADD COLUMN cjk_share REAL",), _fill_cjk_shares),
+    # superseded_by: successors_column() of the document's successors; NULL: not recorded.
+    Migration(4, ("ALTER TABLE documents ADD COLUMN superseded_by TEXT",), _fill_successors),
+    # How many passages hold each term that was in at least COMMON_TERM_PASSAGES of them when the
+    # keyword index was last compacted, kept exact by every write since (in the same transaction).
+    # FTS5 counts a term's passages by walking its whole posting list: a common word's count is read
+    # here instead. A term not listed is counted by FTS5 (fts5vocab).
+    Migration(5, ("CREATE TABLE IF NOT EXISTS common_terms(term TEXT PRIMARY KEY, passages INTEGER NOT NULL) "
+                  "WITHOUT ROWID",)),
+    # Formats (readers): a chunk's searchable text where it differs from searchable_text(text) (NULL:
+    # the text itself); a paged document's pages (pages_column()); the text extracted from a binary
+    # document (PDF), which get_file serves: its lines are the ones chunks cite.
+    Migration(6, ("ALTER TABLE chunks ADD COLUMN searchable TEXT",
+                  "ALTER TABLE documents ADD COLUMN pages TEXT",
+                  "CREATE TABLE IF NOT EXISTS extracted(path TEXT PRIMARY KEY, text TEXT NOT NULL)")),
+)
+KEYWORD_SCHEMA_VERSION = KEYWORD_MIGRATIONS[-1].number
+_ADD_COLUMN = re.compile(r"ALTER TABLE (\w+) ADD COLUMN (\w+)")
+
+
+def schema_version(db: Any) -> int:
+    """How many KEYWORD_MIGRATIONS an index has had. A store written before the version was recorded
+    reads as the last migration whose tables and columns it has (what that ingest wrote)."""
+    version = int(db.execute("PRAGMA user_version").fetchone()[0])
+    if version or not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'documents'").fetchone():
+        return version
+    tables = {str(name) for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    columns = {f"{table}.{row[1]}" for table in ("chunks", "documents") for row in db.execute(f"PRAGMA table_info({table})")}
+    present = ("chunks.embed_key", "documents.cjk_share", "documents.superseded_by")
+    legacy = 1 + sum(1 for _ in itertools.takewhile(columns.__contains__, present))
+    return 5 if legacy == 4 and "common_terms" in tables else legacy
+
+
+def migrate_keyword_index(db: Any, scheme: PrefixScheme) -> None:
+    """Run the migrations an index has not had, each in a transaction of its own (ingest only)."""
+    done = int(db.execute("PRAGMA user_version").fetchone()[0])
+    for migration in KEYWORD_MIGRATIONS[done:]:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in migration.statements:
+                added = _ADD_COLUMN.match(statement)
+                if added and added.group(2) in {row[1] for row in db.execute(f"PRAGMA table_info({added.group(1)})")}:
+                    continue
+                db.execute(statement)
+            if migration.fill is not None:
+                migration.fill(db, scheme)
+            db.execute(f"PRAGMA user_version = {migration.number}")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+
 # A term in this many passages has its count kept by ingest (see common_terms): FTS5's own count
 # costs time in proportion to the passages, paid by a server for each new word of each generation.
 COMMON_TERM_PASSAGES = 2000
@@ -1626,24 +2659,31 @@ class DocumentRow:
     line_count: int
     chunk_count: int
     superseded_by: str | None  # as stored (successors_from_column reads it); None: not recorded
+    pages: str | None = None  # a paged document's pages (pages_from_column reads it); None: not paged
 
     def successors_unrecorded(self) -> bool:
         """A superseded document of a store written before successors were recorded."""
         return self.lifecycle == "superseded" and self.superseded_by is None
 
 
-def document_columns(present: Iterable[str]) -> str:
-    """DocumentRow's columns as a select list for a documents table with these columns: a store
-    written before superseded_by existed reads NULL (not recorded) for it, so the server reads it
-    without a migration (it never writes) and ingest adds the column when it opens the store."""
-    have = set(present)
-    return ", ".join(f"NULL AS {name}" if name == "superseded_by" and name not in have else name
-                     for name in DocumentRow.__dataclass_fields__)
+# The migration that added each column of a row type a reader selects: an older index reads NULL there.
+_COLUMN_SINCE = {"superseded_by": 4, "pages": 6, "searchable": 6}
+
+
+def _columns(names: Iterable[str], version: int, table: str = "") -> str:
+    return ", ".join(f"NULL AS {name}" if _COLUMN_SINCE.get(name, 0) > version else f"{table}{name}" for name in names)
+
+
+def document_columns(version: int = KEYWORD_SCHEMA_VERSION) -> str:
+    """DocumentRow's columns as a select list for an index of this schema_version: an older one
+    reads NULL for a column it lacks (not recorded), so the server reads it as it is (it never
+    writes) and ingest adds the column when it opens the index."""
+    return _columns(DocumentRow.__dataclass_fields__, version)
 
 
 @dataclass(frozen=True)
 class ChunkRow:
-    """A row of `chunks` with its document's title joined in (CHUNK_SELECT), so a search needs no
+    """A row of `chunks` with its document's title joined in (chunk_select), so a search needs no
     separate title query."""
 
     id: str
@@ -1655,11 +2695,72 @@ class ChunkRow:
     lifecycle: str
     text: str
     title: str
+    searchable: str | None = None  # as embedded and keyword-indexed, where it is not searchable_text(text)
+
+    @property
+    def indexed_text(self) -> str:
+        """The passage as embedded and keyword-indexed."""
+        return self.searchable if self.searchable is not None else searchable_text(self.text)
 
 
-CHUNK_COLUMNS = ("c.id, c.path, c.chunk_index, c.start_line, c.end_line, c.heading, c.lifecycle, c.text, "
-                 "coalesce(d.title, c.path)")
-CHUNK_SELECT = f"SELECT {CHUNK_COLUMNS} FROM chunks c LEFT JOIN documents d ON d.path = c.path"
+def chunk_select(version: int = KEYWORD_SCHEMA_VERSION) -> str:
+    """SELECT of ChunkRow's columns (the passage, its document's title) for an index of this schema_version."""
+    columns = _columns(("id", "path", "chunk_index", "start_line", "end_line", "heading", "lifecycle", "text"), version,
+                       "c.")
+    return (f"SELECT {columns}, coalesce(d.title, c.path), {_columns(('searchable',), version, 'c.')} "
+            "FROM chunks c LEFT JOIN documents d ON d.path = c.path")
+
+
+def pages_column(pages: Sequence[Page]) -> str | None:
+    """How documents.pages holds a paged document's pages: [[line, number, label], ...]; NULL when not paged."""
+    return json.dumps([[p.line, p.number, p.label] for p in pages], ensure_ascii=False) if pages else None
+
+
+def pages_from_column(raw: str | None) -> tuple[Page, ...]:
+    """The pages documents.pages holds; none for NULL or a value this module did not write."""
+    try:
+        value = json_value(raw) if raw else []
+        return tuple(Page(int(line), int(number), str(label)) for line, number, label in value)
+    except (ValueError, TypeError):
+        return ()
+
+
+@dataclass(frozen=True)
+class PageSpan:
+    """The pages a line range of a paged document lies on: physical numbers and printed labels."""
+
+    first: int
+    last: int
+    first_label: str
+    last_label: str
+
+    def label(self) -> str:
+        """The printed page labels, as a book cites them: "10", "10-11"."""
+        return self.first_label if self.first == self.last else f"{self.first_label}-{self.last_label}"
+
+
+def pages_of(pages: Sequence[Page], start_line: int, end_line: int) -> PageSpan | None:
+    """The pages lines [start_line, end_line] lie on; None for a document that is not paged. Page
+    marker lines at the end of the range are not on a page of it (a chunk takes in the marker of
+    the page after it, which holds no text of its own)."""
+    if not pages:
+        return None
+    starts = [page.line for page in pages]
+    first = max(0, bisect.bisect_right(starts, start_line) - 1)
+    last = max(0, bisect.bisect_right(starts, end_line) - 1)
+    while last > first and pages[last].line == end_line:
+        last, end_line = last - 1, end_line - 1
+    return PageSpan(pages[first].number, pages[last].number, pages[first].label, pages[last].label)
+
+
+def page_lines(pages: Sequence[Page], line_count: int, first: int, last: int | None) -> tuple[int, int]:
+    """The line range of physical pages [first, last] (last None: to the end) of a paged document."""
+    numbers = [page.number for page in pages]
+    begin = bisect.bisect_left(numbers, first)
+    end = bisect.bisect_right(numbers, last) if last is not None else len(pages)
+    start_line = pages[begin].line if begin < len(pages) else line_count + 1
+    end_line = pages[end].line - 1 if end < len(pages) else line_count
+    return start_line, end_line
 
 
 # What ingest measures about the corpus for the server, kept in the keyword index's `meta` table
@@ -1704,6 +2805,61 @@ def corpus_facts(rows: Iterable[tuple[str, str, float | None]]) -> CorpusFacts:
         folders[top] = folders.get(top, 0) + 1
     biggest = sorted(folders.items(), key=lambda item: (-item[1], item[0]))[:FACTS_FOLDERS_MAX]
     return CorpusFacts(documents, superseded, cjk, tuple(biggest))
+
+
+META_FILES_FOUND = "files_found"
+FILE_OUTCOMES = ("indexed", "excluded", "ignored", "failed", "not_read")
+
+
+@dataclass(frozen=True)
+class FilesFound:
+    """What the last ingest found in the corpus folder, per file extension ("" for none), and what
+    became of the files: indexed, excluded (`rag: false`), ignored (a scope rule), failed, or
+    not read (no reader takes the format, or RAG_FORMATS leaves it out). Nothing is left out
+    without a word: the dry run, the summary, list_documents and /health all say it."""
+
+    counts: Mapping[str, Mapping[str, int]]  # extension -> outcome -> files
+
+    def total(self, outcome: str) -> int:
+        return sum(by.get(outcome, 0) for by in self.counts.values())
+
+    def left_out(self) -> bool:
+        """Whether any file found is not indexed."""
+        return any(self.total(outcome) for outcome in FILE_OUTCOMES if outcome != "indexed")
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per extension, most files first: {extension, <outcome>: n..., why_not_read}."""
+        out = []
+        for extension, by in sorted(self.counts.items(), key=lambda item: (-sum(item[1].values()), item[0])):
+            row: dict[str, Any] = {"extension": extension or "(none)", **{o: by.get(o, 0) for o in FILE_OUTCOMES}}
+            row["why_not_read"] = not_read_reason(extension) if by.get("not_read") else None
+            out.append(row)
+        return out
+
+    def line(self) -> str:
+        """One line for a person: what was indexed, and what was not and why."""
+        parts = []
+        for row in self.rows():
+            said = [f"{row[o]} {o.replace('_', ' ')}" for o in FILE_OUTCOMES if row[o]]
+            why = f" ({row['why_not_read']})" if row["why_not_read"] else ""
+            parts.append(f"{row['extension']}: {', '.join(said)}{why}")
+        return "; ".join(parts) if parts else "no files"
+
+    def to_json(self) -> str:
+        return json.dumps({ext: dict(by) for ext, by in self.counts.items()}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: str) -> FilesFound:
+        data = json_value(raw)
+        return cls({str(ext): {str(o): int(n) for o, n in by.items() if o in FILE_OUTCOMES} for ext, by in data.items()})
+
+
+def not_read_reason(extension: str) -> str:
+    reader = _READER_BY_EXTENSION.get(extension)
+    if reader is not None:
+        return f"RAG_FORMATS leaves {reader.format} out"
+    return "no reader for this format; read are " + ", ".join(
+        f"{r.format} ({' '.join(r.extensions)})" for r in READERS)
 
 
 @dataclass(frozen=True)

@@ -204,10 +204,13 @@ class Walk:
     unreadable: dict[str, str] = field(default_factory=dict)
     # Left out by the scope: corpus-relative path (folders end with /) -> the rule.
     ignored: dict[str, str] = field(default_factory=dict)
+    # Files no reader of the run takes, by extension ("" for none): counted, never read.
+    not_read: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
-def walk_corpus(root: Path, respect_gitignore: bool = True) -> Walk:
-    """Every *.md below root that the scope keeps; symlinks followed only inside the root."""
+def walk_corpus(root: Path, respect_gitignore: bool = True, formats: Collection[str] = rules.DEFAULT_FORMATS) -> Walk:
+    """Every file of the `formats` below root that the scope keeps; symlinks followed only inside
+    the root. The other files of the folders walked are counted by extension."""
     root_real = os.path.realpath(root)
     try:
         root_id = os.stat(root_real)
@@ -221,14 +224,14 @@ def walk_corpus(root: Path, respect_gitignore: bool = True) -> Walk:
         walk.warnings.append(warning)
     scope = Scope(root_real, ignored_by_git)
     try:
-        _walk(root, root_fd, scope, walk)
+        _walk(root, root_fd, scope, walk, formats)
     finally:
         os.close(root_fd)
     walk.files.sort(key=lambda f: f.path)
     return walk
 
 
-def _walk(root: Path, root_fd: int, scope: Scope, walk: Walk) -> None:
+def _walk(root: Path, root_fd: int, scope: Scope, walk: Walk, formats: Collection[str]) -> None:
     seen_dirs = {walk.root_real}
     seen_paths: set[str] = set()
     pending: list[tuple[Path, str]] = [(root, walk.root_real)]
@@ -255,7 +258,7 @@ def _walk(root: Path, root_fd: int, scope: Scope, walk: Walk) -> None:
             if link and not rules.is_within(Path(walk.root_real), Path(real)):
                 walk.warnings.append(f"skipped symlink {entry.path}: it resolves outside the corpus ({real})")
                 continue
-            markdown = entry.name.lower().endswith(".md")
+            readable = rules.reader_for(entry.name, formats) is not None
             disk_rel = f"{disk_folder}/{entry.name}" if disk_folder else entry.name
             try:
                 st = os.stat(entry.path)
@@ -263,7 +266,7 @@ def _walk(root: Path, root_fd: int, scope: Scope, walk: Walk) -> None:
                 if exc.errno in (errno.ENOENT, errno.ELOOP):
                     # Gone since the listing, or a link that leads nowhere: nothing to index.
                     walk.warnings.append(f"skipped {entry.path}: {exc.strerror}")
-                elif markdown and not scope.excluded(disk_rel, is_dir=False):
+                elif readable and not scope.excluded(disk_rel, is_dir=False):
                     # There, but unreadable: what is indexed of it stays.
                     walk.failures[rules.relative_corpus_path(root, Path(entry.path))] = (
                         f"{disk_rel}: cannot be read ({exc.strerror})")
@@ -280,7 +283,10 @@ def _walk(root: Path, root_fd: int, scope: Scope, walk: Walk) -> None:
                     seen_dirs.add(real)
                     pending.append((Path(entry.path), real))
                 continue
-            if not markdown or not stat.S_ISREG(st.st_mode):
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if not readable:
+                walk.not_read[rules.file_extension(entry.name)] += 1
                 continue
             try:
                 disk_rel.encode("utf-8")
@@ -307,14 +313,15 @@ def _walk(root: Path, root_fd: int, scope: Scope, walk: Walk) -> None:
 # The keyword index / registry (SQLite), the commit point.
 
 
-def open_keyword_db(path: Path) -> sqlite3.Connection:
+def open_keyword_db(path: Path, scheme: rules.PrefixScheme) -> sqlite3.Connection:
+    """The keyword index at `path`, created or migrated to the current schema."""
     path.parent.mkdir(parents=True, exist_ok=True)
     con = sqlite3.connect(path, timeout=30, isolation_level=None)
     con.execute("PRAGMA journal_mode=WAL")
     con.execute("PRAGMA synchronous=FULL")
     # Text of files turned `rag: false` must not linger in free pages.
     con.execute("PRAGMA secure_delete=ON")
-    con.executescript(rules.KEYWORD_SCHEMA)
+    rules.migrate_keyword_index(con, scheme)
     return con
 
 
@@ -330,8 +337,7 @@ def transaction(con: sqlite3.Connection) -> Iterator[None]:
 
 
 def load_registry(con: sqlite3.Connection) -> dict[str, DocumentRow]:
-    present = [str(row[1]) for row in con.execute("PRAGMA table_info(documents)")]
-    rows = con.execute(f"SELECT {rules.document_columns(present)} FROM documents")
+    rows = con.execute(f"SELECT {rules.document_columns(rules.schema_version(con))} FROM documents")
     return {r[0]: DocumentRow(*r) for r in rows}
 
 
@@ -388,22 +394,26 @@ def split_chunk(doc: rules.SourceDocument, chunk: rules.Chunk) -> list[rules.Chu
     one, and the halves keep exact line ranges. One line (or a piece of one): cut at the space
     nearest the middle; the halves share that line, as the chunker's long-line pieces do."""
     lines = doc.lines[chunk.start_line - 1:chunk.end_line]
-    filled = [i for i, line in enumerate(lines) if line.strip()]
+    searchable = doc.text.searchable[chunk.start_line - 1:chunk.end_line]
+    filled = [i for i, line in enumerate(searchable) if line.strip()]
     if len(filled) >= 2:
         cuts = list(range(filled[0] + 1, filled[-1] + 1))
         paragraph = [k for k in cuts if not lines[k - 1].strip()]
         middle = (filled[0] + filled[-1] + 1) / 2
         cut = min(paragraph or cuts, key=lambda k: abs(k - middle))
-        return [rules.Chunk(0, chunk.start_line, chunk.start_line + cut - 1, chunk.heading, "\n".join(lines[:cut]).strip()),
-                rules.Chunk(0, chunk.start_line + cut, chunk.end_line, chunk.heading, "\n".join(lines[cut:]).strip())]
+        return [rules.Chunk(0, chunk.start_line, chunk.start_line + cut - 1, chunk.heading,
+                            "\n".join(lines[:cut]).strip(), "\n".join(searchable[:cut]).strip()),
+                rules.Chunk(0, chunk.start_line + cut, chunk.end_line, chunk.heading,
+                            "\n".join(lines[cut:]).strip(), "\n".join(searchable[cut:]).strip())]
     text = chunk.text
     if len(text) < 2:
         return [chunk]
     spaces = [i for i, ch in enumerate(text) if ch.isspace()]
     cut = min(spaces, key=lambda i: abs(i - len(text) // 2)) if spaces else len(text) // 2
     line = chunk.start_line + (filled[0] if filled else 0)
-    return [rules.Chunk(0, chunk.start_line, line, chunk.heading, text[:cut].strip()),
-            rules.Chunk(0, line, chunk.end_line, chunk.heading, text[cut:].strip())]
+    halves = (text[:cut].strip(), text[cut:].strip())
+    return [rules.Chunk(0, chunk.start_line, line, chunk.heading, halves[0], doc.reader.inline(halves[0])),
+            rules.Chunk(0, line, chunk.end_line, chunk.heading, halves[1], doc.reader.inline(halves[1]))]
 
 
 @dataclass
@@ -683,7 +693,7 @@ class Embedding:
             self._inbox.put(None)
 
     def text(self, doc: rules.SourceDocument, chunk: rules.Chunk) -> str:
-        return rules.embedded_document_text(self.scheme, doc.title, chunk.heading, chunk.text)
+        return rules.embedded_document_text(self.scheme, doc.title, chunk.heading, chunk.searchable)
 
     def embed_files(self, files: Sequence[PreparedFile]) -> None:
         self.finish_files(self.begin_files(files))
@@ -917,7 +927,7 @@ class Embedding:
 
 
 def renumber(chunks: Sequence[rules.Chunk]) -> list[rules.Chunk]:
-    return [rules.Chunk(i, c.start_line, c.end_line, c.heading, c.text) for i, c in enumerate(chunks)]
+    return [replace(c, index=i) for i, c in enumerate(chunks)]
 
 
 # ---------------------------------------------------------------------------
@@ -1301,55 +1311,14 @@ class Store:
         meta = {f"manifest_{k}": v for k, v in manifest.to_dict().items()}  # the space: VECTOR_CONFIGURATION
         layout.index_dir(self.name).mkdir(parents=True, exist_ok=True)
         self.vectors = vectors.open(settings, layout, self.name, meta)
-        self.db = open_keyword_db(layout.keyword_db(self.name))
         self.scheme = rules.PREFIX_SCHEMES.get(manifest.prefix_scheme, rules.PREFIX_SCHEMES["none"])
-        self._fill_embed_keys(self.scheme)
-        self._fill_cjk_shares()
-        self._add_successors_column()
+        self.db = open_keyword_db(layout.keyword_db(self.name), self.scheme)
         self._vector_writes_marked = False
         self._rows_written = 0  # keyword rows inserted or deleted in this run, for compact_keywords
         self._common_terms = {term for (term,) in self.db.execute("SELECT term FROM common_terms")}
         # Vectors sent to the store whose rows are not committed yet, by embed key: reusable
         # by the next group before the rows that make them findable are committed.
         self._sent_vectors: dict[str, Any] = {}
-
-    def _fill_embed_keys(self, scheme: rules.PrefixScheme) -> None:
-        """Stores written before chunks carried their embed_key get it, computed from what the rows
-        hold (title, heading path, text), so their vectors can be reused too."""
-        columns = {row[1] for row in self.db.execute("PRAGMA table_info(chunks)")}
-        with transaction(self.db):
-            if "embed_key" not in columns:
-                self.db.execute("ALTER TABLE chunks ADD COLUMN embed_key TEXT")
-            rows = self.db.execute("SELECT c.rowid, coalesce(d.title, c.path), c.heading, c.text FROM chunks c "
-                                   "LEFT JOIN documents d ON d.path = c.path WHERE c.embed_key IS NULL").fetchall()
-            self.db.executemany("UPDATE chunks SET embed_key = ? WHERE rowid = ?", [
-                (rules.embed_key(rules.embedded_document_text(scheme, title, heading, text)), rowid)
-                for rowid, title, heading, text in rows])
-        self.db.execute("CREATE INDEX IF NOT EXISTS chunks_by_embed_key ON chunks(embed_key)")
-
-    def _fill_cjk_shares(self) -> None:
-        """Stores written before documents carried their CJK share get it, from their chunks' text."""
-        columns = {row[1] for row in self.db.execute("PRAGMA table_info(documents)")}
-        with transaction(self.db):
-            if "cjk_share" not in columns:
-                self.db.execute("ALTER TABLE documents ADD COLUMN cjk_share REAL")
-            missing = [path for (path,) in self.db.execute("SELECT path FROM documents WHERE cjk_share IS NULL")]
-            for path in missing:
-                text = "\n".join(t for (t,) in self.db.execute(
-                    "SELECT text FROM chunks WHERE path = ? ORDER BY chunk_index", (path,)))
-                self.db.execute("UPDATE documents SET cjk_share = ? WHERE path = ?",
-                                (round(rules.cjk_share(text), 4), path))
-
-    def _add_successors_column(self) -> None:
-        """Stores written before documents carried their successors get the column: none for
-        active documents (successors count only on superseded ones), NULL (not recorded) for
-        superseded ones, whose rows cannot tell: plan_changes reads those files again."""
-        columns = {row[1] for row in self.db.execute("PRAGMA table_info(documents)")}
-        if "superseded_by" not in columns:
-            with transaction(self.db):
-                self.db.execute("ALTER TABLE documents ADD COLUMN superseded_by TEXT")
-                self.db.execute("UPDATE documents SET superseded_by = ? WHERE lifecycle != 'superseded'",
-                                (rules.successors_column(()),))
 
     def record_successors(self, successors: Mapping[str, Sequence[str]]) -> None:
         """Successors read from unchanged superseded files (see successors_unrecorded)."""
@@ -1480,7 +1449,7 @@ class Store:
         with transaction(self.db):
             self._delete_rows([pf.file.path for pf in files])
             for pf in files:
-                pf.keys = [rules.embed_key(rules.embedded_document_text(self.scheme, pf.doc.title, c.heading, c.text))
+                pf.keys = [rules.embed_key(rules.embedded_document_text(self.scheme, pf.doc.title, c.heading, c.searchable))
                            for c in pf.chunks]
                 self._insert_rows(pf)
             self.db.executemany("INSERT INTO vectors_pending(path, chunks) VALUES (?, ?)",
@@ -1622,6 +1591,7 @@ class Store:
             self._rows_written += max(gone.rowcount, 0)
             self.db.execute("DELETE FROM chunks WHERE path = ?", (path,))
             self.db.execute("DELETE FROM documents WHERE path = ?", (path,))
+            self.db.execute("DELETE FROM extracted WHERE path = ?", (path,))
             self.db.execute("DELETE FROM vectors_pending WHERE path = ?", (path,))
 
     def _insert_rows(self, pf: PreparedFile) -> None:
@@ -1630,23 +1600,29 @@ class Store:
         title_terms = " ".join(rules.indexed_terms(doc.title))
         fts_rows = []
         for chunk, key in zip(pf.chunks, pf.keys, strict=True):
+            # The searchable text is stored only where it is not the text's own (MDX's tags, rST's roles).
+            searchable = None if chunk.searchable == rules.searchable_text(chunk.text) else chunk.searchable
             cur = self.db.execute(
-                "INSERT INTO chunks(id, path, chunk_index, start_line, end_line, heading, lifecycle, text, embed_key) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO chunks(id, path, chunk_index, start_line, end_line, heading, lifecycle, text, embed_key, "
+                "searchable) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (rules.chunk_id(path, pf.content_hash, chunk.index), path, chunk.index, chunk.start_line,
-                 chunk.end_line, chunk.heading, doc.lifecycle, chunk.text, key))
-            fts_row = (title_terms, " ".join(rules.indexed_terms(chunk.heading)), " ".join(rules.indexed_terms(chunk.text)))
+                 chunk.end_line, chunk.heading, doc.lifecycle, chunk.text, key, searchable))
+            fts_row = (title_terms, " ".join(rules.indexed_terms(chunk.heading)),
+                       " ".join(rules.indexed_terms(chunk.searchable)))
             self.db.execute("INSERT INTO chunks_fts(rowid, title, heading, body) VALUES (?, ?, ?, ?)",
                             (cur.lastrowid, *fts_row))
             fts_rows.append(fts_row)
         self._count_common_terms(fts_rows, 1)
         self.db.execute(
             "INSERT INTO documents(path, title, lifecycle, chunk_mode, content_hash, size, mtime_ns, disk_path, "
-            "real_path, line_count, chunk_count, cjk_share, superseded_by) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "real_path, line_count, chunk_count, cjk_share, superseded_by, pages) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (path, doc.title, doc.lifecycle, doc.chunk_mode, pf.content_hash, pf.file.size, pf.file.mtime_ns,
              pf.file.disk_path, pf.file.real_path, doc.line_count, len(pf.chunks),
-             round(rules.cjk_share(rules.searchable_text("\n".join(doc.lines[doc.body_start - 1:]))), 4),
-             rules.successors_column(doc.superseded_by)))
+             round(rules.cjk_share("\n".join(doc.text.searchable[doc.body_start - 1:])), 4),
+             rules.successors_column(doc.superseded_by), rules.pages_column(doc.text.pages)))
+        if doc.reader.extracted:
+            self.db.execute("INSERT INTO extracted(path, text) VALUES (?, ?)", (path, "\n".join(doc.lines)))
 
     def _delete_vectors(self, ids: dict[str, str]) -> None:
         for lifecycle in rules.LIFECYCLES:
@@ -1701,13 +1677,16 @@ class Store:
         chunks = self.db.execute("SELECT count(*) FROM chunks").fetchone()[0]
         return files, chunks
 
-    def stamp(self, stamp: rules.IndexStamp, in_vectors: bool) -> None:
-        """The stamp in the keyword index, and (in_vectors) in the vector store's metadata too."""
+    def stamp(self, stamp: rules.IndexStamp, found: rules.FilesFound, in_vectors: bool) -> None:
+        """The stamp and what the walk found in the keyword index, and (in_vectors) the stamp in the
+        vector store's metadata too."""
         facts = rules.corpus_facts(self.db.execute("SELECT path, lifecycle, cjk_share FROM documents"))
         with transaction(self.db):
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('stamp', ?)", (json.dumps(asdict(stamp)),))
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
                             (rules.META_CORPUS_FACTS, facts.to_json()))
+            self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                            (rules.META_FILES_FOUND, found.to_json()))
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('manifest', ?)",
                             (json.dumps(self.manifest.to_dict()),))
         if in_vectors:
@@ -1925,6 +1904,8 @@ class Summary:
     estimated_chunks: int = 0
     errors: list[str] = field(default_factory=list)
     listing: list[dict[str, str]] = field(default_factory=list)  # dry run: what it would do to each path
+    # What the walk found per file extension and what became of each file (rules.FilesFound).
+    files_found: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def line(self) -> str:
         if self.dry_run:
@@ -2270,6 +2251,7 @@ def dry_run(args: argparse.Namespace, settings: rules.Settings, layout: rules.St
         log.warning("%s", warning)
     summary.estimated_chunks = sum(len(pf.chunks) for pf in plan.changed)
     summary.listing = dry_run_listing(walk, plan, settings.corpus_dir)
+    summary.files_found = dict(files_found(walk, plan).counts)
     return summary
 
 
@@ -2377,7 +2359,7 @@ def _run_in(args: argparse.Namespace, summary: Summary, settings: rules.Settings
     needed?); then under the lock prepare (open, plan, chunk), write and publish. `vectors` is
     None only for a dry run."""
     corpus = settings.corpus_dir
-    walk = walk_corpus(corpus, settings.respect_gitignore)
+    walk = walk_corpus(corpus, settings.respect_gitignore, settings.formats)
     for warning in walk.warnings:
         log.warning("%s", warning)
     summary.scanned = len(walk.files) + len(walk.failures)
@@ -2795,6 +2777,8 @@ def _publish(run: Run, prepared: Prepared, changed_anything: bool) -> None:
     summary, settings, current, store = run.summary, run.settings, run.current, prepared.store
     store.compact_keywords()  # before the stamp: a new generation goes live compact
     summary.commit, summary.dirty = corpus_git_state(settings.corpus_dir)
+    found = files_found(run.walk, prepared.plan)
+    summary.files_found = dict(found.counts)
     files, chunks = store.counts()
     stamp = rules.IndexStamp(commit=summary.commit, dirty=summary.dirty,
                              ingested_at=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -2806,7 +2790,7 @@ def _publish(run: Run, prepared: Prepared, changed_anything: bool) -> None:
                 or (current.stamp.commit, current.stamp.dirty) != (stamp.commit, stamp.dirty))
     # The vector store's copy of the stamp follows the generations; a run that changed nothing
     # does not open the vector store just to note when it ran.
-    store.stamp(stamp, in_vectors=announce or store.vectors.in_use())
+    store.stamp(stamp, found, in_vectors=announce or store.vectors.in_use())
     if current is not None and current.index != store.name and (prepared.plan.failed or summary.left_for_next_run):
         summary.errors.append(f"the new index {store.name} is incomplete; {current.index} stays live until a "
                               "run completes without failures")
@@ -2865,6 +2849,23 @@ def _groups(files: Sequence[PreparedFile], limit: Callable[[], int]) -> Iterator
         yield group
 
 
+def files_found(walk: Walk, plan: Plan) -> rules.FilesFound:
+    """Every file the walk came upon, by extension, and what became of it in the plan."""
+    counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for path in plan.failed:
+        counts[rules.file_extension(path)]["failed"] += 1
+    excluded = set(plan.excluded)
+    for file in walk.files:
+        if file.path not in plan.failed:
+            counts[rules.file_extension(file.path)]["excluded" if file.path in excluded else "indexed"] += 1
+    for path in walk.ignored:
+        if not path.endswith("/"):
+            counts[rules.file_extension(path)]["ignored"] += 1
+    for extension, files in walk.not_read.items():
+        counts[extension]["not_read"] += files
+    return rules.FilesFound({extension: dict(by) for extension, by in counts.items()})
+
+
 def _fill_summary(summary: Summary, plan: Plan, embeds: bool = True) -> None:
     """Added: files new to the index, or to its vector search (they waited for vectors); without
     an embedder, a file that waits as it was stays unchanged."""
@@ -2881,7 +2882,7 @@ def _fill_summary(summary: Summary, plan: Plan, embeds: bool = True) -> None:
 def _guard_empty(walk: Walk, registry: dict[str, DocumentRow], allow_empty: bool) -> None:
     if not walk.files and not walk.failures and registry and not allow_empty:
         raise RagError(ErrorCode.CORPUS_EMPTY,
-                       f"the corpus has no *.md files but the index holds {len(registry)}; refusing to delete them",
+                       f"the corpus has no document of a format read but the index holds {len(registry)}; refusing to delete them",
                        "check RAG_CORPUS_DIR (an unmounted drive?), or pass --allow-empty to empty the index")
 
 
@@ -2940,6 +2941,9 @@ def run_once(args: argparse.Namespace, quiet: bool = False,
             print(f"{entry['action']:9} {entry['path']}" + (f"  ({entry['reason']})" if entry["reason"] else ""))
     if not quiet:
         print(f"ingest: {summary.line()}", file=sys.stderr)
+        found = rules.FilesFound(summary.files_found)
+        if summary.dry_run or found.left_out():
+            print(f"ingest: files by extension: {found.line()}", file=sys.stderr)
     if summary.left_for_next_run and not (summary.chunks_written or summary.chunks_without_vectors):
         status = 2  # the embedder is unavailable and nothing could be indexed
     else:
@@ -2960,8 +2964,8 @@ IGNORE_FILES = {RAGIGNORE, ".gitignore"}
 
 
 def relevant_change(path: str) -> bool:
-    """Changes a run would see: Markdown files, ignore files, and what may be a folder (a renamed
-    or deleted folder of documents). Editor temp and swap files (x.md~, .x.md.swp, .#x.md),
+    """Changes a run would see: files a reader takes, ignore files, and what may be a folder (a
+    renamed or deleted folder of documents). Editor temp and swap files (x.md~, .x.md.swp, .#x.md),
     anything in a dot-folder (.git) and other files are not."""
     parts = Path(path).parts
     name = parts[-1] if parts else ""
@@ -2969,7 +2973,7 @@ def relevant_change(path: str) -> bool:
         return not any(part.startswith(".") for part in parts[:-1])
     if any(part.startswith(".") for part in parts) or name.endswith("~") or name.startswith("#"):
         return False
-    return name.lower().endswith(".md") or "." not in name
+    return rules.reader_for(name) is not None or "." not in name
 
 
 def watch(args: argparse.Namespace) -> int:

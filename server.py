@@ -332,6 +332,10 @@ class GetFileInput(_ToolInput):
     path: str = Field(description="Corpus-relative path as returned by search_corpus or list_documents.")
     start_line: int | None = Field(None, ge=1, description="First line to return (1-based, inclusive).")
     end_line: int | None = Field(None, ge=1, description="Last line to return (inclusive).")
+    start_page: int | None = Field(None, ge=1, le=SQLITE_MAX_INT,
+                                   description="A PDF: first page to return (physical, 1-based, as a hit's "
+                                               "pages.first); instead of start_line/end_line.")
+    end_page: int | None = Field(None, ge=1, le=SQLITE_MAX_INT, description="A PDF: last page to return (inclusive).")
     max_chars: int = Field(FILE_TEXT_MAX_CHARS, ge=1, le=FILE_TEXT_MAX_CHARS,
                            description=f"At most this many characters of text, 1-{FILE_TEXT_MAX_CHARS}, counted as "
                                        "JSON sends them (a quote or a line break counts 2); the text is cut at a "
@@ -347,6 +351,11 @@ class GetFileInput(_ToolInput):
         if self.start_line is not None and self.end_line is not None and self.end_line < self.start_line:
             raise ValueError(f"end_line {self.end_line} is before start_line {self.start_line}; pass end_line >= "
                              "start_line, or omit it to read to the end")
+        if self.start_page is not None and self.end_page is not None and self.end_page < self.start_page:
+            raise ValueError(f"end_page {self.end_page} is before start_page {self.start_page}; pass end_page >= "
+                             "start_page, or omit it to read to the end")
+        if (self.start_page, self.end_page) != (None, None) and (self.start_line, self.end_line) != (None, None):
+            raise ValueError("give pages (start_page, end_page) or lines (start_line, end_line), not both")
         return self
 
 
@@ -386,6 +395,19 @@ class Staleness(BaseModel):
     hint: str | None = None
 
 
+class PageRange(BaseModel):
+    first: int = Field(description="First page the text lies on: physical, 1-based (get_file's start_page).")
+    last: int = Field(description="Last page (physical).")
+    printed: str = Field(description="The same pages as the document numbers them (its page labels, e.g. 'x' or "
+                                     "'10-11'): cite these.")
+
+
+def page_range(pages: Sequence[rules.Page], start_line: int, end_line: int) -> PageRange | None:
+    span = rules.pages_of(pages, start_line, end_line)
+    return None if span is None else PageRange(first=span.first, last=span.last, printed=span.label())
+
+
+PAGES = "A PDF's pages the text lies on (absent for other documents)."
 SUPERSEDED_BY = ("Indexed documents that replace this superseded one (its frontmatter's superseded_by): "
                  "prefer them; empty when none is named.")
 
@@ -412,6 +434,7 @@ class SearchHit(BaseModel):
     phrasings: list[int] = Field(description="Which phrasings found this passage: 0 is query, 1.. the entries "
                                              "of queries in order.")
     exact_matches: list[str] = Field(description="The query's identifiers this passage contains whole.")
+    pages: PageRange | None = Field(None, description=PAGES, exclude_if=lambda value: value is None)
     text: str
     truncated: bool = Field(description="True when text was cut; read the lines with get_file.")
     changed_on_disk: bool = Field(False, description="True when the file's size or mtime differ from what was "
@@ -458,8 +481,11 @@ class FileResponse(BaseModel):
     start_line: int
     end_line: int
     total_lines: int
-    source: Literal["disk", "index"] = Field(description="disk: the file as it is now; index: the file is "
-                                                         "gone, these are its indexed passages.")
+    pages: PageRange | None = Field(None, description=PAGES, exclude_if=lambda value: value is None)
+    source: Literal["disk", "extracted", "index"] = Field(
+        description="disk: the file as it is now; extracted: the text ingest extracted from the file (a PDF), "
+                    "with a [page N] line where each page starts; index: the file is gone, these are its "
+                    "indexed passages.")
     truncated: bool
     next_start_line: int | None = Field(None, description="Pass as start_line to continue after truncation.")
     changed_since_ingest: bool | None = Field(None, description="True when the file on disk differs from "
@@ -489,8 +515,8 @@ class ListDocumentsResponse(BaseModel):
 
 # Launched through runpy or cProfile, this module's globals are not sys.modules[__name__], so
 # pydantic cannot resolve the postponed annotations by itself; hand them over (no cost when it could).
-for _model in (SearchCorpusInput, GetFileInput, ListDocumentsInput, IndexInfo, Staleness, SearchHit, SearchResponse,
-               FileResponse, DocumentEntry, ListDocumentsResponse):
+for _model in (SearchCorpusInput, GetFileInput, ListDocumentsInput, IndexInfo, Staleness, PageRange, SearchHit,
+               SearchResponse, FileResponse, DocumentEntry, ListDocumentsResponse):
     if not _model.__pydantic_complete__:
         _model.model_rebuild(_types_namespace=globals())
 
@@ -1138,9 +1164,8 @@ class OpenIndex:
         self.key = (current.index, current.generation)
         self.keyword_path = layout.keyword_db(current.index)
         self.db = self._open_keywords()
-        # An index written before common_terms existed: FTS5 counts every term.
-        self._has_common_terms = self.db.execute(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'common_terms'").fetchone() is not None
+        # Which of rules.KEYWORD_MIGRATIONS the index has had: an older one lacks the later columns.
+        self.schema = self._schema_version()
         self.vectors = vectors  # opened on first need, on the Chroma thread
         self.vectors_loaded = False  # a read of the vectors has answered (the HNSW index is in memory)
         self.vectors_asked_at: float | None = None  # when the first read was sent (the load began)
@@ -1165,6 +1190,12 @@ class OpenIndex:
             raise rules.store_failure(exc, f"keyword index {path}") from None
         return db
 
+    def _schema_version(self) -> int:
+        try:
+            return rules.schema_version(self.db)
+        except sqlite3.Error as exc:
+            raise rules.store_failure(exc, f"keyword index {self.keyword_path}") from None
+
     def meta(self, key: str) -> str | None:
         rows = self._sql("SELECT value FROM meta WHERE key = ?", [key])
         return str(rows[0][0]) if rows else None
@@ -1186,23 +1217,17 @@ class OpenIndex:
         its time when it ran beside the warm-up's imports (each row's step gives up the GIL)."""
         known = self._document_languages.get(path)
         if known is None:
-            rows = (self._sql("SELECT cjk_share FROM documents WHERE path = ?", (path,))
-                    if "cjk_share" in self._documents_table else [])
+            rows = self._sql("SELECT cjk_share FROM documents WHERE path = ?", (path,)) if self.schema >= 3 else []
             known = (float(rows[0][0]) if rows and rows[0][0] is not None else None,)
             self._document_languages.put(path, known)
         return known[0]
-
-    @functools.cached_property
-    def _documents_table(self) -> frozenset[str]:
-        """The documents table's columns (a store an older ingest wrote lacks the newer ones)."""
-        return frozenset(str(row[1]) for row in self._sql("PRAGMA table_info(documents)"))
 
     @functools.cached_property
     def successors(self) -> dict[str, tuple[str, ...]]:
         """Per document that names successors, those of them that are indexed. Only indexed ones:
         a path the frontmatter names may be excluded (`rag: false`, ignore rules), and nothing of
         an excluded file may reach a client, not even that its name exists."""
-        if "superseded_by" not in self._documents_table:
+        if self.schema < 4:
             return {}
         named = {str(path): rules.successors_from_column(raw) for path, raw in self._sql(
             "SELECT path, superseded_by FROM documents WHERE superseded_by IS NOT NULL AND superseded_by != '[]'")}
@@ -1238,7 +1263,7 @@ class OpenIndex:
             for batch in rules.batched(unknown, 500):
                 common = {str(t): int(n) for t, n in self._sql(
                     f"SELECT term, passages FROM common_terms WHERE term IN ({','.join('?' * len(batch))})", batch)
-                } if self._has_common_terms else {}
+                } if self.schema >= 5 else {}
                 learnt.update(common)
                 rest = [t for t in batch if t not in common]
                 if rest:
@@ -1427,7 +1452,7 @@ class OpenIndex:
     def chunks_by_id(self, ids: Sequence[str]) -> dict[str, rules.ChunkRow]:
         out: dict[str, rules.ChunkRow] = {}
         for batch in rules.batched(ids, 500):  # SQLite's host-parameter limit
-            rows = self._sql(f"{rules.CHUNK_SELECT} WHERE c.id IN ({','.join('?' * len(batch))})", batch)
+            rows = self._sql(f"{rules.chunk_select(self.schema)} WHERE c.id IN ({','.join('?' * len(batch))})", batch)
             out.update({str(r[0]): rules.ChunkRow(*r) for r in rows})
         return out
 
@@ -1440,18 +1465,23 @@ class OpenIndex:
                 f"SELECT id FROM chunks WHERE id IN ({','.join('?' * len(batch))})", batch))
         return out
 
+    def extracted_text(self, path: str) -> str | None:
+        """The text ingest extracted from a binary document (a PDF), whose lines its chunks cite."""
+        rows = self._sql("SELECT text FROM extracted WHERE path = ?", [path]) if self.schema >= 6 else []
+        return str(rows[0][0]) if rows else None
+
     def chunks_of(self, path: str) -> list[rules.ChunkRow]:
-        rows = self._sql(f"{rules.CHUNK_SELECT} WHERE c.path = ? ORDER BY c.chunk_index", [path])
+        rows = self._sql(f"{rules.chunk_select(self.schema)} WHERE c.path = ? ORDER BY c.chunk_index", [path])
         return [rules.ChunkRow(*r) for r in rows]
 
     def document(self, path: str) -> rules.DocumentRow | None:
-        columns = rules.document_columns(self._documents_table)
+        columns = rules.document_columns(self.schema)
         rows = self._sql(f"SELECT {columns} FROM documents WHERE path = ?", [path])
         return rules.DocumentRow(*rows[0]) if rows else None
 
     def documents_at(self, paths: Iterable[str]) -> dict[str, rules.DocumentRow]:
         out: dict[str, rules.DocumentRow] = {}
-        columns = rules.document_columns(self._documents_table)
+        columns = rules.document_columns(self.schema)
         for batch in rules.batched(list(paths), 500):  # SQLite's host-parameter limit
             rows = self._sql(f"SELECT {columns} FROM documents WHERE path IN ({','.join('?' * len(batch))})", batch)
             out.update((str(r[0]), rules.DocumentRow(*r)) for r in rows)
@@ -1461,7 +1491,7 @@ class OpenIndex:
         where, params = prefix_sql("path", prefix)
         tail = " LIMIT ? OFFSET ?" if limit is not None else ""
         extra = [limit, offset] if limit is not None else []
-        columns = rules.document_columns(self._documents_table)
+        columns = rules.document_columns(self.schema)
         return [rules.DocumentRow(*r) for r in self._sql(f"SELECT {columns} FROM documents WHERE {where} "
                                                    f"ORDER BY path{tail}", [*params, *extra])]
 
@@ -1483,7 +1513,7 @@ class OpenIndex:
     def documents_after(self, path: str, limit: int) -> list[rules.DocumentRow]:
         """Documents in path order after `path` (keyset paging: a page never shifts when an
         ingest adds or removes documents before it)."""
-        columns = rules.document_columns(self._documents_table)
+        columns = rules.document_columns(self.schema)
         return [rules.DocumentRow(*r) for r in self._sql(f"SELECT {columns} FROM documents WHERE path > ? "
                                                          "ORDER BY path LIMIT ?", [path, limit])]
 
@@ -2040,8 +2070,8 @@ class PassageTerms:
         key = (index_name, row.id)
         known = self._known.get(key)
         if known is None:
-            known = (frozenset(rules.indexed_terms(f"{row.title}\n{row.heading}\n{row.text}")),
-                     rules.cjk_share(rules.searchable_text(row.text)))  # a link's payload holds no Japanese
+            text = row.indexed_text  # as indexed: a link's payload holds no Japanese, a tag no words
+            known = (frozenset(rules.indexed_terms(f"{row.title}\n{row.heading}\n{text}")), rules.cjk_share(text))
             self._known.put(key, known)
         return known
 
@@ -2482,11 +2512,16 @@ class RetrievalService:
 
     def _with_freshness(self, index: OpenIndex, hits: list[SearchHit]) -> list[SearchHit]:
         """The hits, each saying whether its file changed on disk since ingest (Claude Code shows the
-        model structured content only, so every hit carries it): one stat per distinct path."""
+        model structured content only, so every hit carries it: one stat per distinct path), and
+        on which pages it lies where its document has pages."""
         corpus = self.corpus_dir(index.current)
-        states = {path: disk_state(corpus, doc) for path, doc in index.documents_at({h.path for h in hits}).items()}
+        docs = index.documents_at({h.path for h in hits})
+        states = {path: disk_state(corpus, doc) for path, doc in docs.items()}
+        pages = {path: rules.pages_from_column(doc.pages) for path, doc in docs.items()}
         return [hit.model_copy(update={"changed_on_disk": states[hit.path] != "unchanged",
-                                       "freshness": states[hit.path]}) if hit.path in states else hit
+                                       "freshness": states[hit.path],
+                                       "pages": page_range(pages[hit.path], hit.start_line, hit.end_line)})
+                if hit.path in states else hit
                 for hit in hits]
 
     def _confidence(self, index: OpenIndex, row: rules.ChunkRow, top: SearchHit, candidates: ChannelCandidates,
@@ -2591,6 +2626,8 @@ class RetrievalService:
                 raise RagError(ErrorCode.NOT_INDEXED, f"{rules.shown(args.path)} is not in the index",
                                "only indexed documents can be read: call list_documents (or search_corpus) "
                                "for the exact path")
+        pages = rules.pages_from_column(doc.pages)
+        start_line, end_line = lines_asked(args, doc, pages)
         if doc.size >= FILE_PROGRESS_MIN_BYTES:
             tell_progress(f"reading {rules.shown(doc.path)}: {doc.line_count} lines, {doc.size // 1024} KB, "
                           f"at most {args.max_chars} characters of it")
@@ -2598,14 +2635,20 @@ class RetrievalService:
         if raw is None:
             with manager.lock:
                 chunks = manager.open().chunks_of(doc.path)
-            return file_from_chunks(doc, chunks, args.start_line, args.end_line,
-                                    args.max_chars).model_dump(mode="json")
-        text = raw.decode("utf-8-sig", errors="replace")
-        lines = rules.split_lines(text)
-        part = slice_lines(lines, args.start_line, args.end_line, args.max_chars)
+            return file_from_chunks(doc, chunks, start_line, end_line, args.max_chars).model_dump(mode="json")
+        reader = rules.reader_for(doc.path)
+        if reader is not None and reader.extracted:
+            with manager.lock:
+                text = manager.open().extracted_text(doc.path)
+            source: Literal["disk", "extracted"] = "extracted"
+        else:
+            text, source = raw.decode("utf-8-sig", errors="replace"), "disk"
+        lines = rules.split_lines(text or "")
+        part = slice_lines(lines, start_line, end_line, args.max_chars)
         return FileResponse(path=doc.path, title=rules.metadata_text(doc.title), lifecycle=_lifecycle(doc.lifecycle),
                             text=part.text, start_line=part.start_line, end_line=part.end_line, total_lines=len(lines),
-                            source="disk", truncated=part.truncated, next_start_line=part.next_start_line,
+                            pages=page_range(pages, part.start_line, max(part.start_line, part.end_line)),
+                            source=source, truncated=part.truncated, next_start_line=part.next_start_line,
                             changed_since_ingest=rules.content_hash(raw) != doc.content_hash,
                             message=cut_note(part, len(lines), args.max_chars),
                             ).model_dump(mode="json")
@@ -2659,6 +2702,19 @@ class RetrievalService:
         with manager.lock:
             paths = manager.open().paths_starting(typed, COMPLETIONS_MAX + 1)
         return paths[:COMPLETIONS_MAX], len(paths) > COMPLETIONS_MAX
+
+
+def lines_asked(args: GetFileInput, doc: rules.DocumentRow, pages: Sequence[rules.Page]) -> tuple[int | None, int | None]:
+    """The line range a get_file call asks for: its lines, or the lines of its pages (a PDF)."""
+    if args.start_page is None and args.end_page is None:
+        return args.start_line, args.end_line
+    if not pages:
+        raise RagError(ErrorCode.INVALID_ARGUMENT, f"{rules.shown(doc.path)} has no pages: start_page and end_page "
+                       "are for PDFs", "pass start_line and end_line (a search hit's lines)")
+    if (args.start_page or 1) > pages[-1].number:
+        raise RagError(ErrorCode.INVALID_ARGUMENT, f"{rules.shown(doc.path)} has {pages[-1].number} pages; "
+                       f"start_page {args.start_page} is past the last", f"pass a start_page up to {pages[-1].number}")
+    return rules.page_lines(pages, doc.line_count, args.start_page or 1, args.end_page)
 
 
 def no_documents_under(index: OpenIndex, prefix: str) -> str:
@@ -2970,7 +3026,7 @@ def told_remotely(outcome: Outcome) -> Outcome:
 # identity, so the URI is stable across re-ingests. The template reads a line range of one.
 
 DOCUMENT_URI_PREFIX = "local-rag://doc/"
-LINES_TEMPLATE = DOCUMENT_URI_PREFIX + "{+path}{?start_line,end_line}"  # RFC 6570: the path keeps its slashes
+LINES_TEMPLATE = DOCUMENT_URI_PREFIX + "{+path}{?start_line,end_line,start_page,end_page}"  # RFC 6570: the path keeps its slashes
 _DOCUMENT_URI = re.compile(re.escape(DOCUMENT_URI_PREFIX) + r"[^\s'\"<>)]*")
 # Errors a client caused answer -32602 (SEP-2164 puts "resource not found" there too); the rest -32603.
 _REQUEST_ERRORS = frozenset({ErrorCode.INVALID_ARGUMENT, ErrorCode.PATH_REJECTED, ErrorCode.NOT_INDEXED})
@@ -2996,7 +3052,7 @@ def file_arguments(uri: str) -> GetFileInput:
         raise RagError(ErrorCode.INVALID_ARGUMENT, f"the URI {rules.shown(uri)} cannot be read: {exc}",
                        f"percent-encode the path as UTF-8; {usage}") from None
     for name, values in fields.items():
-        if name not in ("start_line", "end_line"):  # the path is the URI's own; nothing else is a resource's
+        if name not in ("start_line", "end_line", "start_page", "end_page"):  # the path is the URI's own
             raise RagError(ErrorCode.INVALID_ARGUMENT, f"{rules.shown(name)} is not a parameter of a document URI",
                            usage)
         if len(values) > 1:
@@ -3015,7 +3071,7 @@ def document_resource(doc: rules.DocumentRow, successors: Sequence[str] = ()) ->
     superseded = doc.lifecycle == "superseded"
     return Resource.model_validate({
         "uri": document_uri(doc.path), "name": doc.path, "title": rules.metadata_text(doc.title) or doc.path,
-        "mimeType": "text/markdown", "size": doc.size,
+        "mimeType": document_mime_type(doc.path), "size": doc.size,
         "description": f"superseded (outdated){replaced_by(successors)}: prefer an active document" if superseded
                        else None,
         "annotations": Annotations(last_modified=iso_from_ns(doc.mtime_ns)),
@@ -3023,13 +3079,22 @@ def document_resource(doc: rules.DocumentRow, successors: Sequence[str] = ()) ->
                   **({"superseded_by": list(successors)} if successors else {})}})
 
 
+def document_mime_type(path: str) -> str:
+    """The MIME type of the text get_file and resources/read return for a document (a PDF's is its
+    extracted text)."""
+    reader = rules.reader_for(path)
+    if reader is None:
+        return "text/plain"
+    return "text/plain" if reader.extracted else reader.mime_type
+
+
 def lines_template() -> Any:
     from mcp.types import ResourceTemplate
 
     return ResourceTemplate(uri_template=LINES_TEMPLATE, name="document-lines", title="Lines of an indexed document",
                             description="An indexed document's text, or the lines start_line..end_line of it (the "
-                                        "lines a search hit cites). path is corpus-relative, as in resources/list.",
-                            mime_type="text/markdown")
+                                        "lines a search hit cites), or a PDF's pages start_page..end_page. path is "
+                                        "corpus-relative, as in resources/list.")
 
 
 def resource_contents(uri: str, payload: Mapping[str, Any]) -> Any:
@@ -3039,7 +3104,7 @@ def resource_contents(uri: str, payload: Mapping[str, Any]) -> Any:
 
     facts = {key: value for key, value in payload.items() if key != "text" and value is not None}
     return ReadResourceResult(contents=[TextResourceContents.model_validate(
-        {"uri": uri, "mimeType": "text/markdown", "text": payload["text"], "_meta": facts})])
+        {"uri": uri, "mimeType": document_mime_type(payload["path"]), "text": payload["text"], "_meta": facts})])
 
 
 def encoded_cursor(after: str | None) -> str | None:

@@ -285,8 +285,10 @@ def snapshot(store: Path) -> dict[str, Any]:
         stamp = json.loads(con.execute("SELECT value FROM meta WHERE key = 'stamp'").fetchone()[0])
         stamp.pop("ingested_at")
         keywords = {
-            "documents": sorted(con.execute("SELECT * FROM documents")),
-            "chunks": sorted(con.execute("SELECT * FROM chunks")),
+            # By name: a column an older store lacked is added last by its migration.
+            "documents": sorted(con.execute(f"SELECT {rules.document_columns()}, cjk_share FROM documents")),
+            "chunks": sorted(con.execute("SELECT id, path, chunk_index, start_line, end_line, heading, lifecycle, text, "
+                                         "embed_key, searchable FROM chunks")),
             "fts": sorted(con.execute("SELECT c.id, f.title, f.heading, f.body FROM chunks c "
                                       "JOIN chunks_fts f ON f.rowid = c.rowid")),
             "fts_rows": con.execute("SELECT count(*) FROM chunks_fts").fetchone()[0],

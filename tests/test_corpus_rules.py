@@ -663,8 +663,8 @@ def test_cjk_bigrams() -> None:
 
 
 def _fts_db() -> sqlite3.Connection:
-    con = sqlite3.connect(":memory:")
-    con.executescript(rules.KEYWORD_SCHEMA)
+    con = sqlite3.connect(":memory:", isolation_level=None)
+    rules.migrate_keyword_index(con, rules.PREFIX_SCHEMES["none"])
     return con
 
 
@@ -1224,8 +1224,8 @@ _ROW_TEXT = st.text(alphabet=st.sampled_from(list("abcXYZ019 _.-/:$@()`'\"\n\tÉ
 def test_row_terms_are_the_tokens_fts5_indexes_for_the_row(title: str, heading: str, body: str) -> None:
     """common_terms is kept exact from the rows ingest writes: its idea of a row's tokens must be
     FTS5's own, case folding included."""
-    db = sqlite3.connect(":memory:")
-    db.executescript(rules.KEYWORD_SCHEMA)
+    db = sqlite3.connect(":memory:", isolation_level=None)
+    rules.migrate_keyword_index(db, rules.PREFIX_SCHEMES["none"])
     columns = tuple(" ".join(rules.indexed_terms(text)) for text in (title, heading, body))
     db.execute("INSERT INTO chunks_fts(rowid, title, heading, body) VALUES (1, ?, ?, ?)", columns)
     db.execute("CREATE VIRTUAL TABLE temp.rows USING fts5vocab(main, chunks_fts, 'row')")

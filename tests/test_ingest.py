@@ -52,7 +52,7 @@ SUMMARY_KEYS = {"exit", "scanned", "added", "updated", "unchanged", "removed", "
                 "chunks_written", "chunks_embedded", "chunks_reused", "left_for_next_run", "chunks_without_vectors", "vectors_pending",
                 "embedding_calls", "embedders", "seconds",
                 "commit", "dirty", "index", "rebuilt", "model_changed", "dry_run", "estimated_chunks", "errors",
-                "listing"}
+                "listing", "files_found"}
 
 
 @pytest.fixture(autouse=True)
@@ -416,6 +416,7 @@ def test_a_store_from_before_successors_records_them_without_embedding(tmp_path:
     con = sqlite3.connect(store / current_of(store)["index"] / rules.KEYWORD_DB)
     with con:
         con.execute("ALTER TABLE documents DROP COLUMN superseded_by")  # as an older ingest wrote it
+        con.execute("PRAGMA user_version = 0")  # an older ingest recorded no schema version
     con.close()
     generation = current_of(store)["generation"]
     run = ingest_run(corpus, store)

@@ -270,6 +270,7 @@ def test_an_index_written_before_embed_keys_gets_them_and_reuses(fake: FakeOllam
     con = sqlite3.connect(db)
     con.execute("DROP INDEX IF EXISTS chunks_by_embed_key")
     con.execute("ALTER TABLE chunks DROP COLUMN embed_key")
+    con.execute("PRAGMA user_version = 0")  # an older ingest recorded no schema version
     con.commit()
     con.close()
     fake.reset()

@@ -276,6 +276,7 @@ def test_old_index_gains_calibration_and_language_shares_on_the_next_ingest(fake
     path = StoreLayout(built.store).keyword_db(built.index_dir.name)
     with sqlite3.connect(path) as db:  # as a store written before either existed
         db.execute("ALTER TABLE documents DROP COLUMN cjk_share")
+        db.execute("PRAGMA user_version = 0")  # an older ingest recorded no schema version
         db.execute("DELETE FROM meta WHERE key IN ('calibration', 'calibrated_at_chunks', 'corpus_facts')")
     svc = in_process_service(built)
     payload = search(svc, query="who gets paged for a sev-1")
