@@ -28,22 +28,31 @@ import errno
 import functools
 import hashlib
 import importlib
+import io
 import itertools
 import json
+import logging
 import math
 import os
+import pickle
 import queue
 import re
 import secrets
+import selectors
 import shlex
 import shutil
+import signal
 import stat
 import statistics
+import struct
+import subprocess
 import sys
 import threading
 import time
 import unicodedata
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+import warnings
+import weakref
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
@@ -1933,12 +1942,383 @@ def rst_inline_searchable(text: str) -> str:
     return searchable_text(rst_inline(text))
 
 
+# PDF: the text layer (pypdf, in the PDF extractor's child process: see the end of this module),
+# cited by page. The document's lines are the extracted text with a marker line where each page
+# starts; ingest stores that text (Reader.extracted) and get_file serves it, so lines stay exact.
+
+# The child's address-space cap (RLIMIT_AS, which Linux enforces; RSS limits it ignores). pypdf
+# caps each stream it decodes (PYPDF_LIMITS) but keeps every decoded stream of a document, so a
+# file of many streams just under the cap would still take the machine (measured: thirty 70 MB
+# streams reached 700 MB before the deadline). The 300-page test book peaks at ~45 MB: 1.5 GB
+# leaves a wide margin for real files and the machine whole.
+CHILD_MEMORY_LIMIT = 1536 * 1024 * 1024
+# The deadline of one PDF. The base covers the child's start-up (0.1-0.4 s) and any ordinary file
+# on a slow, busy machine: pypdf read pdfTeX manuals at ~60 pages/s (7 kB a page) and the test
+# book's dense text at ~200 pages/s (0.5 kB a page), so 30 s is 1,800 pages or more. The share
+# per MB is for large files: at the manuals' pace a MB takes ~2.4 s, so 4 s/MB keeps a margin
+# beyond the base (files heavy with images carry far more bytes a page, and cost no more to
+# read). Capped, so that one file cannot hold a run for long.
+TIMEOUT_BASE_S = 30.0
+TIMEOUT_PER_MB_S = 4.0
+TIMEOUT_MAX_S = 300.0
+# The most text one PDF may yield (15,000-20,000 pages of dense prose): more is a generated or hostile
+# file, and the whole of it would travel to and stay in the caller.
+TEXT_LIMIT_CHARS = 64_000_000
+# pypdf's own limits, pinned so that an upgrade changing its defaults changes nothing here. They
+# are pypdf 7's defaults: each stops a kind of bomb long before CHILD_MEMORY_LIMIT does.
+PYPDF_LIMITS: dict[str, int] = {
+    "zlib_maximum_output_length": 75_000_000,  # a FlateDecode stream that inflates to gigabytes
+    "lzw_maximum_output_length": 75_000_000,  # the same for LZW
+    "run_length_maximum_output_length": 75_000_000,  # and for RunLength
+    "brotli_maximum_output_length": 75_000_000,  # and for Brotli
+    "array_based_stream_maximum_output_length": 75_000_000,  # a page's /Contents array, concatenated
+    "maximum_declared_stream_length": 75_000_000,  # a /Length that asks for a huge read
+    "stream_filters_maximum_length": 16,  # a stream filtered through the same filter again and again
+    "stream_decoding_work_maximum_length": 300_000_000,  # the decoding work over one stream's filters
+    "stream_parsing_work_maximum_count": 2_000_000,  # operators and operands of one content stream
+    "array_maximum_element_count": 100_000,  # an array of millions of elements
+    "dictionary_maximum_element_count": 100_000,  # a dictionary of millions of keys
+    "page_tree_maximum_entries": 100_000,  # a page tree of millions of nodes
+    "page_tree_maximum_depth": 100,  # a page tree nested deeper than any real one
+    "outline_maximum_entries": 100_000,  # the same for the outline
+    "outline_maximum_depth": 100,
+    "xform_maximum_invocations_per_extraction": 5_000,  # form XObjects drawn within each other
+    "xmp_maximum_input_length": 5_000_000,  # the XMP metadata stream (its title may be read)
+}
+# The reader's own limits (PdfReader arguments), pinned likewise.
+PYPDF_READER_LIMITS: dict[str, int] = {
+    "root_object_recovery_limit": 10_000,  # objects a damaged file's repair scans for its catalog
+    "xref_stream_maximum_entries": 2_000_000,  # rows of cross-reference streams altogether
+}
+PYPDF_WARNINGS_KEPT = 5  # distinct pypdf warnings kept in a PdfText's warnings: the first ones say what matters
+
+
+class PdfRefused(Exception):
+    """A PDF whose text cannot be used, with the reason ("encrypted: …", "damaged: …") and, once
+    known, the file's path."""
+
+    def __init__(self, reason: str, path: str = "") -> None:
+        super().__init__(f"{path}: {reason}" if path else reason)
+        self.reason = reason
+        self.path = path
+
+
+@dataclass(frozen=True)
+class PdfPage:
+    number: int  # physical page, 1-based
+    label: str  # the printed page label where the PDF defines /PageLabels ("x", "A-3", "10"), else str(number)
+    text: str  # the page's extracted text layer ("" when the page has none)
+
+
+@dataclass(frozen=True)
+class PdfOutlineEntry:
+    title: str
+    level: int  # 1 = top level of the outline (bookmarks)
+    page: int  # physical page it points to, 1-based
+
+
+@dataclass(frozen=True)
+class PdfText:
+    pages: tuple[PdfPage, ...]
+    title: str | None  # the document information /Title (or XMP dc:title), stripped; None if absent/empty
+    metadata: dict[str, str]  # the other string entries of /Info (Author, Keywords, custom keys), keys without "/"
+    outline: tuple[PdfOutlineEntry, ...]
+    warnings: tuple[str, ...]  # pages without a text layer, outline entries skipped, what pypdf repaired
+
+
+def extract_pdf_text(raw: bytes) -> PdfText:
+    """The text of one PDF's bytes. Raises PdfRefused; MemoryError passes through (the caller's
+    process decides what that means; in the child it is the memory cap)."""
+    import pypdf
+
+    heard: list[str] = []
+    with pypdf.apply_configuration(**PYPDF_LIMITS), _pypdf_warnings_into(heard):
+        try:
+            reader = pypdf.PdfReader(io.BytesIO(raw), **PYPDF_READER_LIMITS)
+            _unlock(reader)
+            return _read_document(reader, heard)
+        except (PdfRefused, MemoryError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - pypdf raises its own errors and plain ones (KeyError, ValueError, RecursionError, …) on damage
+            raise PdfRefused(f"damaged: {_short_reason(exc)}") from None
+
+
+def _short_reason(exc: BaseException) -> str:
+    if isinstance(exc, RecursionError):
+        return "objects nested too deeply"
+    first = (str(exc).splitlines() or [""])[0].strip()
+    return (first or type(exc).__name__)[:200]
+
+
+@contextlib.contextmanager
+def _pypdf_warnings_into(heard: list[str]) -> Iterator[None]:
+    """pypdf's warnings (its logger and Python warnings) into `heard`, not onto stderr: they say
+    what it repaired or skipped, which belongs with the document."""
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            heard.append(record.getMessage())
+
+    logger = logging.getLogger("pypdf")
+    handler, propagated = Keep(logging.WARNING), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+        heard.extend(str(warning.message) for warning in caught)
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagated
+
+
+def _unlock(reader: Any) -> None:
+    """Open an encrypted PDF with the empty user password, as viewers do: many "protected" PDFs
+    only restrict printing or copying, and open without one."""
+    if not reader.is_encrypted:
+        return
+    from pypdf.errors import DependencyError
+
+    try:
+        opened = reader.decrypt("")
+    except DependencyError:
+        raise PdfRefused("encrypted: its AES encryption needs the cryptography package") from None
+    if not opened:  # PasswordType.NOT_DECRYPTED
+        raise PdfRefused("encrypted: a password is needed")
+
+
+def _read_document(reader: Any, heard: list[str]) -> PdfText:
+    notes: list[str] = []
+    texts = _page_texts(reader, notes)
+    labels = _page_labels(reader, len(texts), notes)
+    title, metadata = _document_information(reader, notes)
+    outline = _outline(reader, notes)
+    pages = tuple(PdfPage(number, label, text) for number, (label, text) in enumerate(zip(labels, texts, strict=True), 1))
+    return PdfText(pages, title, metadata, outline, tuple(notes + _distinct(heard)))
+
+
+def _page_texts(reader: Any, notes: list[str]) -> list[str]:
+    """Each page's text ("" where it has none). A page pypdf cannot read is noted and left empty;
+    a document with no text at all is refused."""
+    texts: list[str] = []
+    blank: list[int] = []
+    failed: list[int] = []
+    first_failure = ""
+    total = 0
+    for number, page in enumerate(reader.pages, 1):
+        try:
+            text = page.extract_text()
+        except MemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one damaged page (pypdf's errors, KeyError, …) leaves the others readable
+            failed.append(number)
+            first_failure = first_failure or _short_reason(exc)
+            text = ""
+        else:
+            if not text.strip():
+                blank.append(number)
+                text = ""
+        total += len(text)
+        if total > TEXT_LIMIT_CHARS:
+            raise PdfRefused(f"too large: more than {TEXT_LIMIT_CHARS:,} characters of text")
+        texts.append(text)
+    _check_some_text(texts, failed, first_failure)
+    if blank:
+        notes.append(f"{_pages_phrase(blank)} no text layer")
+    if failed:
+        notes.append(f"{_pages_phrase(failed, 'could')} not be read ({first_failure})")
+    return texts
+
+
+def _check_some_text(texts: Sequence[str], failed: Sequence[int], first_failure: str) -> None:
+    if not texts:
+        raise PdfRefused("empty: the PDF has no pages")
+    if any(texts):
+        return
+    if failed:
+        raise PdfRefused(f"damaged: {first_failure}")
+    raise PdfRefused("no text layer: a scanned or image-only PDF (OCR it to make it searchable)")
+
+
+def _pages_phrase(numbers: Sequence[int], verb: str = "has") -> str:
+    """"page 2 has", "pages 3, 7-9 have" (or "could", the same for one and many)."""
+    runs: list[list[int]] = []
+    for number in numbers:
+        if runs and number == runs[-1][-1] + 1:
+            runs[-1].append(number)
+        else:
+            runs.append([number])
+    shown = ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+    plural = len(numbers) > 1
+    return f"{'pages' if plural else 'page'} {shown} {'have' if plural and verb == 'has' else verb}"
+
+
+def _page_labels(reader: Any, count: int, notes: list[str]) -> list[str]:
+    """The printed labels (/PageLabels); a page without one (or an empty one) keeps its number."""
+    try:
+        labels = list(reader.page_labels)
+    except Exception as exc:  # noqa: BLE001 - a damaged /PageLabels tree must not cost the text
+        notes.append(f"page labels could not be read ({_short_reason(exc)}); physical page numbers used")
+        labels = []
+    printed = [str(label).strip() for label in labels]
+    return [printed[i] if i < len(printed) and printed[i] else str(i + 1) for i in range(count)]
+
+
+def _document_information(reader: Any, notes: list[str]) -> tuple[str | None, dict[str, str]]:
+    """(title, the other string entries) of /Info; the title from XMP's dc:title when /Info has none."""
+    strings: dict[str, str] = {}
+    try:
+        info = reader.metadata or {}
+        for key in info:
+            value = info[key]  # resolved, where the entry is a reference
+            if str(key).startswith("/") and isinstance(value, str) and value.strip():
+                strings[str(key)[1:]] = value.strip()
+    except Exception as exc:  # noqa: BLE001 - damaged metadata must not cost the text
+        notes.append(f"the document information could not be read ({_short_reason(exc)})")
+    return strings.pop("Title", None) or _xmp_title(reader, notes), strings
+
+
+def _xmp_title(reader: Any, notes: list[str]) -> str | None:
+    try:
+        xmp = reader.xmp_metadata
+        titles = (xmp.dc_title or {}) if xmp is not None else {}
+    except Exception as exc:  # noqa: BLE001 - damaged XMP must not cost the text
+        notes.append(f"the XMP metadata could not be read ({_short_reason(exc)})")
+        return None
+    title = titles.get("x-default") or next(iter(titles.values()), None)
+    return (title.strip() or None) if isinstance(title, str) else None
+
+
+def _outline(reader: Any, notes: list[str]) -> tuple[PdfOutlineEntry, ...]:
+    """The outline in reading order, each entry with its level and physical page; entries that
+    point at no page of this PDF (a dangling reference, a web link) are skipped and named."""
+    entries: list[PdfOutlineEntry] = []
+    skipped: list[str] = []
+    try:
+        _flatten_outline(reader, reader.outline, 1, entries, skipped)
+    except Exception as exc:  # noqa: BLE001 - a damaged outline must not cost the text
+        notes.append(f"the outline could not be read ({_short_reason(exc)})")
+        return ()
+    if skipped:
+        shown = ", ".join(repr(title) for title in skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+        notes.append(f"outline entries that point at no page of this PDF were skipped: {shown}")
+    return tuple(entries)
+
+
+def _flatten_outline(reader: Any, items: list[Any], level: int, entries: list[PdfOutlineEntry],
+                     skipped: list[str]) -> None:
+    """pypdf's nested outline: an item, then the list of its children (if any), recursively
+    (pypdf caps the depth at PYPDF_LIMITS' outline_maximum_depth)."""
+    for item in items:
+        if isinstance(item, list):
+            _flatten_outline(reader, item, level + 1, entries, skipped)
+            continue
+        title = " ".join(str(item.title or "").split())
+        page = _destination_page(reader, item)
+        if page is None:
+            skipped.append(title)
+        else:
+            entries.append(PdfOutlineEntry(title, level, page))
+
+
+def _destination_page(reader: Any, destination: Any) -> int | None:
+    try:
+        index = reader.get_destination_page_number(destination)
+    except Exception:  # noqa: BLE001 - a destination that is not a page reference (pypdf asserts, or raises)
+        return None
+    return index + 1 if isinstance(index, int) and index >= 0 else None
+
+
+def _distinct(heard: Sequence[str]) -> list[str]:
+    kept = list(dict.fromkeys(" ".join(message.split())[:200] for message in heard))
+    more = len(kept) - PYPDF_WARNINGS_KEPT
+    return [f"pypdf: {message}" for message in kept[:PYPDF_WARNINGS_KEPT]] + (
+        [f"pypdf: {more} more warnings"] if more > 0 else [])
+
+
+def pdf_page_marker(page: PdfPage) -> str:
+    """The line that starts a page in a PDF's extracted text: its physical number, and the printed
+    one where the document numbers it otherwise."""
+    return f"[page {page.number}]" if page.label == str(page.number) else f'[page {page.number}, printed "{page.label}"]'
+
+
+_SENTENCE_END = re.compile(r"[.:!?。)]\s*$")
+
+
+def pdf_document(pdf: PdfText, path: str) -> DocumentText:
+    """The document model of a PDF's text: a marker line per page, then its lines; blocks at pages,
+    blank lines and lines after a sentence's end (a PDF's lines are typeset lines, not paragraphs);
+    headings from the outline (bookmarks), each at the line of its page that starts with its title,
+    else at the page's start."""
+    lines: list[str] = []
+    starts: list[int] = []
+    pages: list[Page] = []
+    for page in pdf.pages:
+        pages.append(Page(len(lines) + 1, page.number, page.label))
+        lines.append(pdf_page_marker(page))
+        starts.append(len(lines))
+        for text in split_lines(page.text.replace("\r\n", "\n").replace("\r", "\n")):
+            after_marker = len(lines) == pages[-1].line
+            if text.strip() and (after_marker or not lines[-1].strip() or _SENTENCE_END.search(lines[-1])):
+                starts.append(len(lines) + 1)
+            lines.append(text)
+    markers = {page.line for page in pages}
+    searchable = ["" if n in markers else searchable_text(line) for n, line in enumerate(lines, 1)]
+    headings = _outline_headings(pdf.outline, pages, lines)
+    first_text = next((line for line, meant in zip(lines, searchable, strict=True) if meant.strip()), None)
+    return DocumentText(lines=tuple(lines), searchable=tuple(searchable), body_start=1, headings=headings,
+                        block_starts=tuple(sorted({*starts, *(h.line for h in headings)})),
+                        metadata={key: field_value(value) for key, value in pdf.metadata.items()},
+                        title=metadata_text(nfc(pdf.title or first_text or "")) or None, pages=tuple(pages),
+                        warnings=tuple(f"{path}: {warning}" for warning in pdf.warnings))
+
+
+def _outline_headings(outline: Sequence[PdfOutlineEntry], pages: Sequence[Page], lines: Sequence[str]) -> tuple[Heading, ...]:
+    """Each outline entry at the first line of its page, at or after the entry before it, that
+    starts with its title (case and spacing aside); else at its page's first line of text. In
+    order: an entry never lands before the one before it."""
+    by_number = {page.number: page for page in pages}
+    ends = {page.number: (pages[i + 1].line - 1 if i + 1 < len(pages) else len(lines)) for i, page in enumerate(pages)}
+    headings: list[Heading] = []
+    for entry in outline:
+        page = by_number.get(entry.page)
+        if page is None:
+            continue
+        floor = max(page.line, headings[-1].line if headings else 0)
+        wanted = " ".join(entry.title.casefold().split())
+        span = range(floor, ends[entry.page] + 1)
+        found = next((n for n in span if wanted and " ".join(lines[n - 1].casefold().split()).startswith(wanted)), None)
+        if found is None:
+            found = next((n for n in span if n > page.line and lines[n - 1].strip()), floor)
+        headings.append(Heading(max(found, floor), max(1, entry.level), metadata_text(nfc(entry.title))))
+    return tuple(headings)
+
+
+_PDF_HINTS = (("no text layer", "leave it out with .ragignore, or give it a text layer (ocrmypdf) and ingest again"),
+              ("encrypted", "save a copy without a password, or leave it out with .ragignore"))
+
+
+def read_pdf(raw: bytes, path: str) -> DocumentText:
+    """PDF: the text layer, page by page, cited by physical page and printed page label; headings
+    from the outline; the document information's keys (a custom /lifecycle too). A PDF without a
+    text layer (a scan), with a password or damaged is document_invalid, never indexed as empty."""
+    try:
+        pdf = pdf_extractor().extract(raw, path)
+    except PdfRefused as exc:
+        hint = next((h for start, h in _PDF_HINTS if exc.reason.startswith(start)),
+                    "open it in a PDF reader and save it again, or leave it out with .ragignore")
+        raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: {exc.reason}", hint) from None
+    return pdf_document(pdf, path)
+
+
 # Every format a reader takes, by its RAG_FORMATS name. `text` is opt-in: repositories are full of
 # requirements.txt and LICENSE.txt files that are not documentation.
 READERS = (
     Reader("markdown", (".md", ".markdown"), "text/markdown", read_markdown, searchable_text),
     Reader("mdx", (".mdx",), "text/mdx", read_mdx, mdx_inline),
     Reader("rst", (".rst",), "text/x-rst", read_rst, rst_inline_searchable),
+    Reader("pdf", (".pdf",), "application/pdf", read_pdf, searchable_text, extracted=True),
     Reader("text", (".txt",), "text/plain", read_plain_text, searchable_text, read_by_default=False),
 )
 FORMATS = tuple(reader.format for reader in READERS)
@@ -3985,3 +4365,263 @@ class OllamaEmbedder:
 def batched(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
     for start in range(0, len(items), size):
         yield items[start:start + size]
+
+
+# ---------------------------------------------------------------------------
+# The PDF extractor: extract_pdf_text in a child process of its own, with a deadline and a memory
+# cap (pure Python cannot be interrupted reliably, and a hostile file must fail alone). One request
+# at a time, a PDF's bytes in, its answer out, each a frame (an
+# 8-byte big-endian length, then that many bytes) on the child's stdin and stdout.
+
+_PDF_FRAME_LENGTH = struct.Struct(">Q")
+_PDF_MEMORY_ANSWER = pickle.dumps(("memory", None))  # made before any request: it must not need memory then
+
+
+def serve_pdf_extraction(memory_limit: int = CHILD_MEMORY_LIMIT) -> None:
+    """The child's loop: answer each request with ("ok", PdfText), ("refused", reason) or
+    ("memory", None); end when stdin closes."""
+    import resource
+
+    requests, answers = _take_pdf_protocol_streams()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the parent decides
+    _end_with_parent()
+    with contextlib.suppress(ValueError, OSError):  # macOS may refuse it (and does not enforce it): the deadline remains
+        resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
+    import pypdf  # noqa: F401 - imported once, before the first request arrives
+
+    while (raw := _read_request(requests)) is not None:
+        answer = _extraction_answer(raw)
+        answers.write(_PDF_FRAME_LENGTH.pack(len(answer)) + answer)
+        answers.flush()
+
+
+def _take_pdf_protocol_streams() -> tuple[io.BufferedReader, io.BufferedWriter]:
+    """The protocol's own copies of stdin and stdout; fd 1 then points at stderr, so that whatever
+    else writes to stdout (a print in a library, C code) cannot corrupt a frame."""
+    requests = os.fdopen(os.dup(0), "rb")
+    answers = os.fdopen(os.dup(1), "wb")
+    nothing = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(nothing, 0)
+    os.close(nothing)
+    os.dup2(2, 1)
+    return requests, answers
+
+
+def _end_with_parent() -> None:
+    """End this process soon after the process that started it ends (kill -9 included): a thread
+    watches for the child being handed to another parent. Not prctl's PR_SET_PDEATHSIG, which
+    fires when the *thread* that started the child ends: the caller's worker threads come and go
+    (measured: a child started from a finished thread was killed mid-request). The half second
+    an orphan may run on costs nothing: this process writes nothing anywhere."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pdf-extractor-parent-watch", daemon=True).start()
+
+
+def _read_request(stream: io.BufferedReader) -> bytes | None:
+    head = stream.read(_PDF_FRAME_LENGTH.size)
+    if len(head) < _PDF_FRAME_LENGTH.size:
+        return None
+    (length,) = _PDF_FRAME_LENGTH.unpack(head)
+    body = stream.read(length)
+    return body if len(body) == length else None
+
+
+def _extraction_answer(raw: bytes) -> bytes:
+    _reset_child_peak_memory()
+    try:
+        return pickle.dumps(("ok", extract_pdf_text(raw)), protocol=pickle.HIGHEST_PROTOCOL)
+    except PdfRefused as exc:
+        return pickle.dumps(("refused", exc.reason))
+    except MemoryError:
+        return _PDF_MEMORY_ANSWER
+
+
+def _reset_child_peak_memory() -> None:
+    """Linux: restart this process's peak-RSS count (VmHWM), so the parent reads each PDF's own peak."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+
+
+# The parent's side.
+
+
+class _PdfAnswerUnpickler(pickle.Unpickler):
+    """An answer holds these classes and builtins, nothing else; found by name, since the child
+    imports this module under its file's name and this process may know it by another."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _PDF_ANSWER_CLASSES:
+            return _PDF_ANSWER_CLASSES[name]
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of an answer")
+
+
+_PDF_ANSWER_CLASSES: dict[str, type] = {cls.__name__: cls for cls in (PdfText, PdfPage, PdfOutlineEntry)}
+
+
+class _PdfChildGone(Exception):
+    """The child closed its end (it died) before the answer was whole."""
+
+
+class PdfExtractor:
+    """extract_pdf_text in a long-lived child process, with a deadline and a memory cap.
+
+    The child starts with the first PDF, serves every PDF after it, and is started again after it
+    died or was killed. A timeout kills it; so does a PDF that needs more than the cap (the child
+    is replaced, its heap was left at the cap). One request at a time; close() ends the child, as
+    does the interpreter's exit, and the child ends with this process."""
+
+    def __init__(self, *, timeout_base_s: float = TIMEOUT_BASE_S, timeout_per_mb_s: float = TIMEOUT_PER_MB_S,
+                 timeout_max_s: float = TIMEOUT_MAX_S, memory_limit: int = CHILD_MEMORY_LIMIT) -> None:
+        self._timeout = (timeout_base_s, timeout_per_mb_s, timeout_max_s)
+        self._memory_limit = memory_limit
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._stop_child: weakref.finalize | None = None
+        # The child's peak resident memory (bytes) while it read the last PDF (Linux; None
+        # elsewhere, or when it died without a trace): for logs and measurements.
+        self.last_peak_memory: int | None = None
+
+    def timeout_for(self, size: int) -> float:
+        """Seconds allowed for a PDF of `size` bytes."""
+        base, per_mb, cap = self._timeout
+        return min(cap, base + per_mb * size / 1_000_000)
+
+    def extract(self, raw: bytes, path: str) -> PdfText:
+        """The text of the PDF `raw` (read from `path`, which refusals name). Raises PdfRefused."""
+        with self._lock:
+            try:
+                return self._extract(raw)
+            except PdfRefused as exc:
+                raise PdfRefused(exc.reason, path) from None
+
+    def close(self) -> None:
+        """End the child (a later extract starts another)."""
+        with self._lock:
+            self._stop()
+
+    def _extract(self, raw: bytes) -> PdfText:
+        timeout = self.timeout_for(len(raw))
+        deadline = time.monotonic() + timeout
+        process = self._running_child()
+        self.last_peak_memory = None
+        try:
+            _send_to_child(process, _PDF_FRAME_LENGTH.pack(len(raw)), deadline)
+            _send_to_child(process, raw, deadline)
+            kind, value = _PdfAnswerUnpickler(io.BytesIO(_receive_from_child(process, deadline))).load()
+        except TimeoutError:
+            self.last_peak_memory = _child_peak_memory(process.pid)
+            self._stop()
+            raise PdfRefused(f"took longer than {timeout:.3g} s") from None
+        except (_PdfChildGone, OSError, pickle.UnpicklingError):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(5.0)  # it is ending; its exit status says how
+            self._stop()
+            raise PdfRefused(f"the extractor crashed ({_how_child_ended(process.returncode)})") from None
+        self.last_peak_memory = _child_peak_memory(process.pid)
+        if kind == "memory":
+            self._stop()
+            raise PdfRefused(f"needs more than {self._memory_limit // (1024 * 1024)} MB of memory")
+        if kind == "refused":
+            raise PdfRefused(value)
+        return value
+
+    def _running_child(self) -> subprocess.Popen[bytes]:
+        if self._process is not None and self._process.poll() is None:
+            return self._process
+        self._stop()  # reaps one that died since the last PDF
+        code = (f"import sys; sys.path.insert(0, {str(PROJECT_DIR)!r}); import corpus_rules; "
+                f"corpus_rules.serve_pdf_extraction({self._memory_limit})")
+        process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        os.set_blocking(process.stdin.fileno(), False)
+        os.set_blocking(process.stdout.fileno(), False)
+        self._process = process
+        self._stop_child = weakref.finalize(self, _end_pdf_child, process)  # at close, collection or exit
+        return process
+
+    def _stop(self) -> None:
+        if self._stop_child is not None:
+            self._stop_child()
+        self._process = self._stop_child = None
+
+
+def _end_pdf_child(process: subprocess.Popen[bytes]) -> None:
+    """Kill and reap the child (it holds nothing worth a graceful end): no zombie is left."""
+    for pipe in (process.stdin, process.stdout):
+        with contextlib.suppress(OSError):
+            pipe.close()
+    with contextlib.suppress(OSError):
+        process.kill()
+    process.wait()
+
+
+def _send_to_child(process: subprocess.Popen[bytes], data: bytes, deadline: float) -> None:
+    fd = process.stdin.fileno()
+    view = memoryview(data)
+    while view:
+        _wait_for_child(fd, selectors.EVENT_WRITE, deadline)
+        with contextlib.suppress(BlockingIOError):
+            view = view[os.write(fd, view[:1 << 20]):]
+
+
+def _receive_from_child(process: subprocess.Popen[bytes], deadline: float) -> bytes:
+    fd = process.stdout.fileno()
+    (length,) = _PDF_FRAME_LENGTH.unpack(_read_exactly_from_child(fd, _PDF_FRAME_LENGTH.size, deadline))
+    return _read_exactly_from_child(fd, length, deadline)
+
+
+def _read_exactly_from_child(fd: int, length: int, deadline: float) -> bytes:
+    data = bytearray()
+    while len(data) < length:
+        _wait_for_child(fd, selectors.EVENT_READ, deadline)
+        with contextlib.suppress(BlockingIOError):
+            chunk = os.read(fd, min(length - len(data), 1 << 20))
+            if not chunk:
+                raise _PdfChildGone
+            data += chunk
+    return bytes(data)
+
+
+def _wait_for_child(fd: int, event: int, deadline: float) -> None:
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, event)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not selector.select(remaining):
+            raise TimeoutError
+
+
+def _how_child_ended(status: int | None) -> str:
+    if status is None:
+        return "it stopped answering"
+    if status < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-status).name}"
+        return f"signal {-status}"
+    return f"exit status {status}"
+
+
+def _child_peak_memory(pid: int) -> int | None:
+    """Linux: a live process's peak resident memory in bytes (VmHWM); None elsewhere."""
+    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+_PDF_EXTRACTOR: PdfExtractor | None = None
+_PDF_EXTRACTOR_LOCK = threading.Lock()
+
+
+def pdf_extractor() -> PdfExtractor:
+    """The program's one PDF extractor (its child process starts with the first PDF)."""
+    global _PDF_EXTRACTOR
+    with _PDF_EXTRACTOR_LOCK:
+        if _PDF_EXTRACTOR is None:
+            _PDF_EXTRACTOR = PdfExtractor()
+        return _PDF_EXTRACTOR
