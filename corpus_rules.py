@@ -27,6 +27,7 @@ import contextlib
 import errno
 import functools
 import hashlib
+import html
 import importlib
 import io
 import itertools
@@ -1072,8 +1073,9 @@ PAYLOAD_MARK = "\u2026"  # "…": what stands in for a payload; not a keyword ch
 _URL_PATH_CHARS = r"A-Za-z0-9_\-.~:/@!$&*+,;=%"  # ASCII only: Japanese prose often follows a URL unspaced
 _DATA_URI = re.compile(rf"(\bdata:[A-Za-z0-9.+-]*(?:/[A-Za-z0-9.+-]+)?(?:;[A-Za-z0-9.+-]+(?:=[A-Za-z0-9.+-]+)?)*,)"
                        rf"[{_URL_PATH_CHARS}?#]+")
-_URL_START = r"\b[A-Za-z][A-Za-z0-9+.-]*://"  # a scheme and ://
-_URL_PAYLOAD = re.compile(rf"({_URL_START}[{_URL_PATH_CHARS}]*[?#])[{_URL_PATH_CHARS}?#]+")
+_SCHEME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+.-")
+_PATH_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-.~:/@!$&*+,;=%")
+_QUERY_CHARS = _PATH_CHARS | {"?", "#"}
 _LINK_PAYLOAD = re.compile(rf"(\]\([^\s()?#]*[?#])[{_URL_PATH_CHARS}?#]+")  # a Markdown link's relative destination
 # Longer than a sha256 in hex (64), the longest hash people paste into a search (a git sha is 40).
 LONG_RUN_CHARS = 65
@@ -1093,9 +1095,62 @@ def searchable_text(text: str) -> str:
     """
     if len(text) < LONG_RUN_CHARS and ":" not in text and "](" not in text:
         return text  # no URL, data: URI, link destination or long run: the chunker asks this per word
-    for payload in (_DATA_URI, _URL_PAYLOAD, _LINK_PAYLOAD):
-        text = payload.sub(rf"\g<1>{PAYLOAD_MARK}", text)
+    text = _DATA_URI.sub(rf"\g<1>{PAYLOAD_MARK}", text)
+    if "://" in text:
+        text = "".join(text[a:b] if keep else PAYLOAD_MARK for a, b, keep in _url_payload_parts(text))
+    text = _LINK_PAYLOAD.sub(rf"\g<1>{PAYLOAD_MARK}", text)
     return _RUN_CANDIDATE.sub(lambda m: PAYLOAD_MARK if _is_payload_run(m.group(0)) else m.group(0), text)
+
+
+def _url_payload_parts(text: str) -> Iterator[tuple[int, int, bool]]:
+    """text cut into (start, end, keep) parts, keep False for a URL's payload: what follows the first
+    ? or # of an http(s)-like URL (a scheme at a word boundary, ://, path characters)."""
+    at = 0
+    for _start, query, end in _urls(text, payload=True):
+        yield at, query + 1, True
+        yield query + 1, end, False
+        at = end
+    yield at, len(text), True
+
+
+def _urls(text: str, payload: bool) -> Iterator[tuple[int, int, int]]:
+    """(start, first ? or # or end, end) of each URL of text, left to right, as the expression
+    `\\b[A-Za-z][A-Za-z0-9+.-]*://[path]*` then `[?#][path?#]+` (payload) or `[path?#]+` finds
+    them, in one pass: a regular expression tries every letter of a long run of scheme characters
+    (a megabyte line of "a.a.a.", or of "https://") and scans the rest of the run from each."""
+    floor = 0  # the end of the last URL: nothing before it starts another
+    scanned: tuple[int, int] = (-1, -1)  # a path run already scanned (its start, its end): the same for any start in it
+    at = text.find("://")
+    while at >= 0:
+        run = at
+        while run > floor and text[run - 1] in _SCHEME_CHARS:
+            run -= 1
+        start = next((k for k in range(run, at) if text[k].isascii() and text[k].isalpha()
+                      and (k == 0 or not _is_word_character(text[k - 1]))), None)
+        path = at + 3
+        query = scanned[1] if scanned[0] <= path <= scanned[1] else _skip(text, path, _PATH_CHARS)
+        scanned = (path, query)
+        if payload:
+            end = _skip(text, query + 1, _QUERY_CHARS) if query < len(text) and text[query] in "?#" else query
+            found = end > query + 1
+        else:
+            end = _skip(text, path, _QUERY_CHARS)
+            found = end > path
+        if start is not None and found:
+            yield start, query, end
+            floor = end
+        at = text.find("://", max(at + 1, floor))
+
+
+def _skip(text: str, at: int, chars: frozenset[str]) -> int:
+    while at < len(text) and text[at] in chars:
+        at += 1
+    return at
+
+
+def _is_word_character(char: str) -> bool:
+    """What \\w matches (a \\b lies between one and a character that is not)."""
+    return char.isalnum() or char == "_"
 
 
 def _is_payload_run(run: str) -> bool:
@@ -1217,10 +1272,13 @@ def _jsx_tag_text(tag: str) -> str:
 
 def mdx_inline(text: str) -> str:
     """A piece of MDX text as embedded: comments out, JSX tags reduced to their shown attribute
-    values, heading anchors out, URL payloads shortened."""
+    values, character references decoded (&nbsp; &#x7B;: generated reference pages are full of
+    them), heading anchors out, URL payloads shortened."""
     text = _HTML_COMMENT.sub("", _JSX_COMMENT.sub("", text))
     if "<" in text:
         text = _JSX_TAG.sub(lambda tag: _jsx_tag_text(tag.group()), text)
+    if "&" in text:
+        text = html.unescape(text).replace("\xa0", " ")
     return searchable_text(_ANCHOR_SUFFIX.sub("", text) if "{#" in text else text)
 
 
@@ -1942,6 +2000,687 @@ def rst_inline_searchable(text: str) -> str:
     return searchable_text(rst_inline(text))
 
 
+# AsciiDoc (Antora): Asciidoctor 2.0's rules, read line by line in one pass with an explicit stack
+# (no recursion); every expression is anchored at one position or stops at its own delimiter.
+# Nothing is followed or evaluated: include:: lines stay as written, conditionals are dropped but
+# what they enclose is kept, attribute references ({name}) are not substituted.
+
+# Asciidoctor drops trailing whitespace from every line before it parses (Ruby's rstrip).
+_TRAILING_SPACE = " \t\v\f\r\x00"
+ADMONITION_LABELS = {"NOTE": "Note", "TIP": "Tip", "IMPORTANT": "Important", "WARNING": "Warning",
+                     "CAUTION": "Caution"}
+DISCRETE_STYLES = ("discrete", "float")
+MAX_SECTION_MARKS = 6  # "======" (level 5) is the deepest title
+
+# ---------------------------------------------------------------------------
+# Lines: what one line is, on its own.
+
+# Delimiter tips (the first four characters, or "--", or "```") and what their block holds:
+# compound blocks hold blocks; the others hold lines read one by one.
+_BLOCK_MODELS = {"--": "compound", "====": "compound", "****": "compound", "____": "compound",
+                 "----": "code", "....": "code", "```": "code", "++++": "pass", "////": "comment",
+                 "|===": "table", "!===": "table", ",===": "table", ":===": "table"}
+# A style above an open block (`--`) or a quote block (`____`) changes what it holds.
+_STYLED_MODELS = {("--", "source"): "code", ("--", "listing"): "code", ("--", "literal"): "code",
+                  ("--", "pass"): "pass", ("--", "comment"): "comment", ("--", "verse"): "verse",
+                  ("____", "verse"): "verse"}
+# A style above a paragraph that makes it something other than text.
+_PARAGRAPH_MODELS = {"source": "code", "listing": "code", "literal": "code", "pass": "pass", "comment": "comment"}
+_CONDITIONALS = ("ifdef::", "ifndef::", "ifeval::", "endif::")
+
+_ATTRIBUTE_ENTRY = re.compile(r":(!?\w[^:]*):(?:[ \t]+(.*))?")
+_INVALID_NAME_CHARS = re.compile(r"[^\w-]")
+_ANCHOR_BODY = re.compile(r"(?:[^\W\d]|:)[\w:.-]*+(?:, *.+)?")
+_ATTRIBUTE_LIST_START = re.compile(r"[\w.#%{,\"']")
+_STYLE_END = re.compile(r"[#.%]")
+_BLOCK_MACRO = re.compile(r"(\w[\w-]*)::(|\S|\S.*?\S)\[(.*)\]")  # a target up to its first "[" after a non-space
+_LAYOUT_BREAK = re.compile(r"'{3,}|<{3,}|([-*_])( *)\1\2\1")
+_UNORDERED_ITEM = re.compile(r"[ \t]*(?:-|\*+|\u2022)[ \t]+(.*)")
+_ORDERED_ITEM = re.compile(r"[ \t]*(?:\.+|\d+\.|[a-zA-Z]\.|[IVXivx]+\))[ \t]+(.*)")
+_CALLOUT_ITEM = re.compile(r"<(?:\d+|\.)>[ \t]+(.*)")
+_DESCRIPTION_ITEM = re.compile(r"[ \t]*([^ \t].*?)(?::{2,4}|;;)(?:[ \t]+(.*))?")
+_ADMONITION = re.compile(r"(NOTE|TIP|IMPORTANT|WARNING|CAUTION):[ \t]+")
+# Callouts at the end of a code line, read backwards ("x = 1 // <1> <2>" reversed starts with
+# ">2< >1< //"): anchored at the line's end without searching from every position.
+_REVERSED_CALLOUTS = re.compile(r"(?: ?>(?:--)?(?:[0-9]+|\.)(?:--)?!?<(?!\\))+(?: ?(?://|#|--|;;))?")
+_CELL_SPEC = re.compile(r"(?:(?:\d+(?:\.\d*)?|(?:\d*\.)?\d+)[*+])?(?:[<^>](?:\.[<^>]?)?|(?:[<^>]?\.)?[<^>])?[a-z]?")
+MAX_CELL_SPEC_CHARS = 16  # "2.3+^.^a" is 8: a longer word before a separator is text
+_CELL_SEPARATORS = {sep: re.compile(rf"(?<!\\){re.escape(sep)}") for sep in "|!,:"}
+
+
+def _is_comment_line(line: str) -> bool:
+    # "//" starts a comment, "///" does not (Asciidoctor's CommentLineRx); "////" opens a block.
+    return line.startswith("//") and line[2:3] != "/"
+
+
+def _delimiter(line: str) -> str | None:
+    """The tip of the delimited block this line opens or closes (Asciidoctor's is_delimited_block?):
+    `--`, four or more of one character, a table's `|===`, or a fence of exactly three backticks
+    with an optional language."""
+    if line == "--":
+        return line
+    if line.startswith("```"):
+        return "```" if line[3:4] != "`" else None
+    tip = line[:4]
+    if tip in _BLOCK_MODELS and not line[4:].strip(tip[-1]):
+        return tip
+    return None
+
+
+def _terminator(line: str, tip: str) -> str:
+    """The line that closes the block this line opens: the same line (a fence: three backticks)."""
+    return "```" if tip == "```" else line
+
+
+def _adoc_directive(line: str) -> str | None:
+    """"include" or "conditional" for a preprocessor line (include::, ifdef::, ifndef::, ifeval::,
+    endif::), which the block parser never sees; None otherwise."""
+    if not line.endswith("]"):
+        return None
+    if line.startswith("include::"):
+        target, bracket, _ = line[9:].partition("[")
+        return "include" if bracket and target and target == target.strip() else None
+    if line.startswith(_CONDITIONALS):
+        target, bracket, _ = line.partition("::")[2].partition("[")
+        return "conditional" if bracket and not any(c.isspace() for c in target) else None
+    return None
+
+
+def _is_block_attribute_line(line: str) -> bool:
+    """`[source,python]`, `[NOTE]`, `[#id.role]`, `[[anchor]]`: metadata for the block below
+    (Asciidoctor's BlockAttributeLineRx, which also ends a paragraph)."""
+    if len(line) < 2 or line[0] != "[" or line[-1] != "]":
+        return False
+    if line.startswith("[["):
+        return line.endswith("]]") and (len(line) == 4 or _ANCHOR_BODY.fullmatch(line, 2, len(line) - 2) is not None)
+    return len(line) == 2 or _ATTRIBUTE_LIST_START.match(line, 1) is not None
+
+
+def _block_style(line: str) -> str:
+    """The style a block attribute line sets (its first positional attribute without #id, .role,
+    %option): "source" for `[source,python]`, "NOTE" for `[NOTE]`, "" for `[#id]` or `[[id]]`."""
+    if line.startswith("[["):
+        return ""
+    first = line[1:-1].split(",", 1)[0].strip()
+    if first.startswith(('"', "'")) or "=" in first:
+        return ""
+    return _STYLE_END.split(first, maxsplit=1)[0]
+
+
+def _section_title(line: str) -> tuple[int, str] | None:
+    """(number of markers, title text) of an ATX title: `== Title`, `### Title`, a symmetric
+    `== Title ==` (Asciidoctor's ExtAtxSectionTitleRx, Markdown `#` included)."""
+    mark = line[:1]
+    if mark not in ("=", "#"):
+        return None
+    marks = len(line) - len(line.lstrip(mark))
+    if marks > MAX_SECTION_MARKS or line[marks:marks + 1] not in (" ", "\t"):
+        return None
+    text = line[marks:].strip(" \t")
+    if len(text) > marks and text.endswith(mark * marks) and text[-marks - 1] in " \t":
+        text = text[:-marks].rstrip(" \t")
+    return marks, text
+
+
+def _block_title(line: str) -> str | None:
+    """The title of `.Title` (a dot, then a character that is neither a space nor a dot)."""
+    if not line.startswith("."):
+        return None
+    rest = line[1:]
+    first = rest[1:2] if rest.startswith(".") else rest[:1]
+    return rest if first not in ("", " ", "\t", ".") else None
+
+
+def _block_macro(line: str) -> str | None:
+    """The searchable text of a block macro line (`image::a.png[Alt]` -> "Alt", `toc::[]` -> ""),
+    None for any other line."""
+    if not line.endswith("]") or "::" not in line or not (match := _BLOCK_MACRO.fullmatch(line)):
+        return None
+    return asciidoc_inline(_first_positional(match[3])) if match[1] == "image" else ""
+
+
+def _list_item(line: str) -> str | None:
+    """The searchable text of a list item line, its marker dropped (`* Item` -> "Item",
+    `CPU:: the processor` -> "CPU: the processor"); None for any other line."""
+    match = _UNORDERED_ITEM.fullmatch(line) or _ORDERED_ITEM.fullmatch(line) or _CALLOUT_ITEM.fullmatch(line)
+    if match:
+        return _text(match[1])
+    if ("::" in line or ";;" in line) and (match := _DESCRIPTION_ITEM.fullmatch(line)):
+        term, text = _text(match[1]), _text(match[2] or "")
+        return f"{term}: {text}" if text else term
+    return None
+
+
+def _text(line: str) -> str:
+    """An ordinary text line's searchable text (an escaped preprocessor line is shown as text)."""
+    if line.startswith("\\") and _adoc_directive(line[1:]):
+        line = line[1:]
+    return asciidoc_inline(line.strip(" \t"))
+
+
+def _paragraph_start(line: str, style: str) -> str:
+    """The first line of a text paragraph: an admonition's label spelled out ("NOTE: x" -> "Note: x")."""
+    if style in ADMONITION_LABELS:
+        return f"{ADMONITION_LABELS[style]}: {_text(line)}"
+    if match := _ADMONITION.match(line):
+        return f"{ADMONITION_LABELS[match[1]]}: {_text(line[match.end():])}"
+    return _text(line)
+
+
+def _without_callouts(line: str) -> str:
+    """A code line without the callout markers at its end (`x = 1 # <1>` -> "x = 1")."""
+    if not line.endswith(">"):
+        return line
+    match = _REVERSED_CALLOUTS.match(line[::-1])
+    return line[:len(line) - match.end()].rstrip(_TRAILING_SPACE) if match else line
+
+
+def _table_row(line: str, separator: str) -> str:
+    """A table line's cells, separated by spaces, without cell specifiers (`2+|`, `a|`, `^.^|`)."""
+    pieces = [piece.replace("\\" + separator, separator) for piece in _CELL_SEPARATORS[separator].split(line)]
+    if separator in "|!":
+        pieces[0] = "" if _is_cell_spec(pieces[0].strip(" \t")) else pieces[0]
+        pieces[1:-1] = [_without_cell_spec(piece) for piece in pieces[1:-1]]
+    return " ".join(text for text in map(_text, pieces) if text)
+
+
+def _is_cell_spec(token: str) -> bool:
+    return len(token) <= MAX_CELL_SPEC_CHARS and _CELL_SPEC.fullmatch(token) is not None
+
+
+def _without_cell_spec(piece: str) -> str:
+    """A cell's text without the next cell's specifier, which ends it after a space (`text 2+`)."""
+    cut = max(piece.rfind(" "), piece.rfind("\t"))
+    token = piece[cut + 1:]
+    return piece[:cut] if cut >= 0 and token and _is_cell_spec(token) else piece
+
+
+# ---------------------------------------------------------------------------
+# The document header.
+
+
+@dataclass(frozen=True)
+class _Header:
+    end: int  # 0-based index of the first body line
+    metadata: dict[str, str]
+    title: str | None = None
+    title_index: int = -1  # 0-based index of the doctitle line
+
+
+def _read_header(lines: Sequence[str]) -> _Header:
+    """Asciidoctor's parse_document_header: attribute entries, comments and blank lines, then an
+    optional doctitle (`= Title`), an author line, a revision line and attribute entries, each
+    directly below the one before; a blank line ends the header."""
+    metadata: dict[str, str] = {}
+    i, entries = _header_entries(lines, 0, metadata, skip_blank=True)
+    heading = _section_title(lines[i]) if i < len(lines) else None
+    if heading is None or heading[0] != 1:
+        return _Header(end=i if entries else 0, metadata=metadata)
+    title_index = i
+    i, _ = _header_entries(lines, i + 1, metadata, skip_blank=False)
+    for takes in (_is_author_line, _is_revision_line):
+        if i < len(lines) and takes(lines[i]):
+            i, _ = _header_entries(lines, i + 1, metadata, skip_blank=False)
+    end = i + 1 if i < len(lines) and not lines[i] else i
+    return _Header(end=end, metadata=metadata, title=asciidoc_inline(heading[1]).strip() or None,
+                   title_index=title_index)
+
+
+def _is_author_line(line: str) -> bool:
+    return bool(line)  # Asciidoctor reads any line right below the doctitle as its author line
+
+
+def _is_revision_line(line: str) -> bool:
+    return bool(line) and not line.startswith(":")  # RevisionInfoLineRx matches anything else
+
+
+def _header_entries(lines: Sequence[str], i: int, metadata: dict[str, str], *, skip_blank: bool) -> tuple[int, int]:
+    """Skip comments, comment blocks and preprocessor lines (and blank lines when skip_blank) and
+    store the attribute entries among them: (next line index, how many entries were read)."""
+    entries = 0
+    while i < len(lines):
+        line = lines[i]
+        if (skip_blank and not line) or _is_comment_line(line) or _adoc_directive(line):
+            i += 1
+        elif _delimiter(line) == "////":
+            i = _after_comment_block(lines, i)
+        elif match := _ATTRIBUTE_ENTRY.fullmatch(line):
+            i = _store_entry(lines, i, match, metadata)
+            entries += 1
+        else:
+            break
+    return i, entries
+
+
+def _after_comment_block(lines: Sequence[str], i: int) -> int:
+    for j in range(i + 1, len(lines)):
+        if lines[j] == lines[i]:
+            return j + 1
+    return len(lines)
+
+
+def _store_entry(lines: Sequence[str], i: int, match: re.Match[str], metadata: dict[str, str]) -> int:
+    """Store one attribute entry (`:name: value`, continued by a trailing ` \\`; `:name!:` and
+    `:!name:` unset it); the index of the line after it."""
+    value, i = _entry_value(lines, i, match[2] or "")
+    name = match[1]
+    unset = name.startswith("!") or name.endswith("!")
+    name = _INVALID_NAME_CHARS.sub("", name).lower()  # Asciidoctor's sanitize_attribute_name
+    if unset:
+        metadata.pop(name, None)
+    else:
+        metadata[name] = value
+    return i
+
+
+def _entry_value(lines: Sequence[str], i: int, value: str) -> tuple[str, int]:
+    """An attribute entry's value with its continuation lines joined, and the index after them."""
+    parts = [value]
+    i += 1
+    while parts[-1].endswith(" \\") and i < len(lines) and lines[i]:
+        parts[-1] = parts[-1][:-2].rstrip()
+        parts.append(lines[i].strip())
+        i += 1
+    if parts[-1].endswith(" \\"):
+        parts[-1] = parts[-1][:-2].rstrip()
+    return " ".join(part for part in parts if part).strip(), i
+
+
+# ---------------------------------------------------------------------------
+# The body: one pass, an explicit stack of open delimited blocks.
+
+
+@dataclass
+class _AdocBlock:
+    terminator: str
+    model: str  # compound, code, pass, verse, comment or table
+    separator: str = "|"  # a table's cell separator
+    nested: bool = False  # a table is inside a nested `!===` table
+
+
+@dataclass
+class _Walk:
+    lines: Sequence[str]
+    searchable: list[str]
+    headings: list[Heading] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # 0-based
+    blocks: list[_AdocBlock] = field(default_factory=list)  # open delimited blocks, outermost first
+    block_lines: list[int] = field(default_factory=list)  # the line each of them opened on
+    depth_of: dict[str, int] = field(default_factory=dict)  # terminator -> index in blocks
+    run: str | None = None  # what the current paragraph-like run is: para, list, code, pass, comment
+    in_list: bool = False
+    after_blank: bool = False
+    pending: int | None = None  # first metadata line (attributes, block title) awaiting its block
+    style: str = ""  # the style those metadata lines set
+    entry_goes_on: bool = False  # the attribute entry above ends with " \"
+
+    def step(self, i: int) -> None:
+        line = self.lines[i]
+        if self.blocks and self.blocks[-1].model == "comment":
+            # Inside a comment block nothing is read, not even the preprocessor's lines.
+            if line in self.depth_of:
+                self._close(line)
+            return
+        if self.entry_goes_on and line:
+            self.entry_goes_on = line.endswith(" \\")
+            return
+        self.entry_goes_on = False
+        kind = _adoc_directive(line)
+        if kind:
+            if kind == "include" and not self.blocks:
+                self.starts.append(i)
+            return
+        if line in self.depth_of:
+            self._close(line)
+        elif self.blocks and self.blocks[-1].model != "compound":
+            self.searchable[i] = self._verbatim(self.blocks[-1], line)
+        else:
+            self._structure(i, line)
+
+    def _verbatim(self, block: _AdocBlock, line: str) -> str:
+        if block.model == "code":
+            return _without_callouts(line)
+        if block.model == "pass":
+            return line
+        if not line or _is_comment_line(line):
+            return ""
+        if block.model == "verse":
+            return _text(line)
+        if _delimiter(line):  # a nested table's delimiter, or a block in an `a|` cell
+            block.nested ^= line.startswith("!===") and block.separator == "|"
+            return ""
+        return _table_row(line, "!" if block.nested else block.separator)
+
+    def _structure(self, i: int, line: str) -> None:
+        if not line:
+            self.run, self.after_blank = None, True
+            return
+        if _is_comment_line(line):
+            return
+        if tip := _delimiter(line):
+            self._open(i, line, tip)
+        elif _is_block_attribute_line(line):
+            self.run = None
+            self._hold(i, _block_style(line))
+        elif self.run is not None:
+            self._continue_run(i, line)
+        else:
+            self._begin(i, line)
+        self.after_blank = False
+
+    def _open(self, i: int, line: str, tip: str) -> None:
+        model = _STYLED_MODELS.get((tip, self.style), _BLOCK_MODELS[tip])
+        self._start(i)
+        terminator = _terminator(line, tip)
+        self.depth_of[terminator] = len(self.blocks)
+        self.blocks.append(_AdocBlock(terminator, model, separator=tip[0]))
+        self.block_lines.append(i)
+        self.run, self.in_list = None, False
+
+    def _close(self, line: str) -> None:
+        """Close the outermost open block this line ends, and every block opened inside it: a
+        block's content is everything up to the first line equal to its delimiter."""
+        depth = self.depth_of[line]
+        for block in self.blocks[depth:]:
+            del self.depth_of[block.terminator]
+        del self.blocks[depth:], self.block_lines[depth:]
+        self.run, self.in_list, self.pending, self.style = None, False, None, ""
+
+    def _continue_run(self, i: int, line: str) -> None:
+        if line == "+":  # a list continuation: the next line begins a block attached to the item
+            self.run = None
+        elif (self.run == "list" or (self.run == "para" and self.in_list)) and (item := _list_item(line)) is not None:
+            self._start(i)
+            self.searchable[i], self.run = item, "list"
+        else:
+            self.searchable[i] = self._run_text(self.run, line)
+
+    @staticmethod
+    def _run_text(run: str | None, line: str) -> str:
+        if run == "code":
+            return _without_callouts(line)
+        if run == "pass":
+            return line
+        return "" if run == "comment" else _text(line)
+
+    def _begin(self, i: int, line: str) -> None:
+        """A line at a block boundary: the first line of a block, or metadata for the next one."""
+        if self.after_blank and self.in_list and line != "+" and _list_item(line) is None:
+            self.in_list = False
+        if line == "+":
+            return
+        if (title := _section_title(line)) and (not self.blocks or self.style in DISCRETE_STYLES):
+            self._title(i, *title)
+        elif (block_title := _block_title(line)) is not None:
+            self.searchable[i] = _text(block_title)
+            self._hold(i, "")
+        elif match := _ATTRIBUTE_ENTRY.fullmatch(line):
+            self.entry_goes_on = (match[2] or "").endswith(" \\")
+            if not self.blocks:
+                self.starts.append(i)
+        else:
+            self._begin_block(i, line)
+
+    def _begin_block(self, i: int, line: str) -> None:
+        style = self.style
+        self._start(i)
+        if (macro := _block_macro(line)) is not None:
+            self.searchable[i] = macro
+        elif _LAYOUT_BREAK.fullmatch(line):
+            pass  # a thematic or page break: no text
+        elif (item := _list_item(line)) is not None:
+            self.searchable[i], self.run, self.in_list = item, "list", True
+        elif style in _PARAGRAPH_MODELS:
+            self.run = _PARAGRAPH_MODELS[style]
+            self.searchable[i] = self._run_text(self.run, line)
+        elif line[0] in " \t":  # a literal paragraph
+            self.run = "code"
+            self.searchable[i] = _without_callouts(line)
+        else:
+            self.run = "para"
+            self.searchable[i] = _paragraph_start(line, style)
+
+    def _title(self, i: int, marks: int, text: str) -> None:
+        shown = asciidoc_inline(text).strip()
+        self.searchable[i] = shown
+        if not self.blocks:  # inside a block only a discrete heading is a title, and not a section
+            self.headings.append(Heading(line=i + 1, level=max(1, marks - 1), text=shown))
+            self._start(i)
+            self.starts.append(i)
+        self.pending, self.style, self.run, self.in_list = None, "", None, False
+
+    def _hold(self, i: int, style: str) -> None:
+        """A metadata line: the block below begins here (it may come after blank lines)."""
+        if self.pending is None:
+            self.pending = i
+        self.style = style or self.style
+
+    def _start(self, i: int) -> None:
+        if not self.blocks:
+            self.starts.append(i if self.pending is None else self.pending)
+        self.pending, self.style = None, ""
+
+
+def read_asciidoc(raw: bytes, path: str) -> DocumentText:
+    """AsciiDoc (Antora, Asciidoctor 2.0's rules): the header's title and attribute entries
+    (`:lifecycle: superseded`) for the document's keys, `==` section titles outside delimited
+    blocks, listing and literal blocks kept as code, comments and attribute entries no content,
+    `include::` lines left as written and never followed, conditionals not evaluated."""
+    stored = split_lines(decode_text(raw, path))
+    lines = [line.rstrip(_TRAILING_SPACE) for line in stored]
+    header = _read_header(lines)
+    searchable = [""] * len(lines)  # the header's lines too: its title is the document's, indexed as such
+    walk = _Walk(lines, searchable)
+    for i in range(header.end, len(lines)):
+        walk.step(i)
+    warnings = ()
+    if walk.blocks:
+        warnings = (f"{path}: line {walk.block_lines[0] + 1}: the delimited block opened here is never closed "
+                    f"(no line {walk.blocks[0].terminator!r}): it runs to the end of the file",)
+    return DocumentText(lines=tuple(stored), searchable=tuple(map(searchable_text, searchable)),
+                        body_start=header.end + 1,
+                        headings=tuple(Heading(h.line, h.level, metadata_text(nfc(h.text))) for h in walk.headings),
+                        block_starts=tuple(start + 1 for start in sorted(set(walk.starts))),
+                        metadata={name: field_value(value) for name, value in header.metadata.items()},
+                        title=metadata_text(nfc(header.title)) if header.title else None, warnings=warnings)
+
+
+def asciidoc_inline_searchable(text: str) -> str:
+    """A piece of AsciiDoc as embedded: its inline markup reduced, URL payloads shortened."""
+    return searchable_text(asciidoc_inline(text))
+
+
+# ---------------------------------------------------------------------------
+# Inline markup.
+
+# Text that macros and passthroughs protect from further reduction (a URL's underscores, a
+# passthrough's asterisks) waits in a list, stood for by "\x00<index>\x01" (both removed from the
+# input first, so nothing else can look like one).
+_HELD = re.compile(r"\x00([0-9]+)\x01")
+_PASS_RUN = re.compile(r"(\\?)(\+\+\+?|\$\$)(.*?)\2")
+_PASS_MACRO = re.compile(r"(\\?)pass:[a-z,-]*+\[((?:[^\[\]\\]|\\.)*+)\]")
+_PASS_CONSTRAINED = re.compile(r"(?<![\w;:\\])(\\?)\+([^\s+](?:[^+]*[^\s+])?)\+(?!\w)")
+# Named macros match anywhere (as in Asciidoctor); a URL only after a space, a bracket, a quote or
+# the start (InlineLinkRx), so that `_https://x[y]_` stays text (or a backslash: escaped).
+_MACRO_HEAD = re.compile(r"(\\?)(?:(xref|link|mailto|kbd|btn|menu|footnote|footnoteref|anchor|image|icon"
+                         r"|indexterm2?|stem|latexmath|asciimath):|(?<![^\s>()\[\];\"'<\\])(?:https?|ftp|irc|file)://)")
+_OPEN = re.compile(r"\[")
+_TARGET_END = re.compile(r"[\s\]]")
+_CLOSE = re.compile(r"(?<!\\)\]")
+# `[[[ref]]]` (a bibliography entry, shown as "[ref]"), `[[id]]` and `[[id,text]]` (shown as nothing).
+_BIBLIOGRAPHY_ANCHOR = re.compile(r"\[\[\[((?:[^\W\d]|:)[\w:.-]*+)(?:,([^\[\]]*+))?\]\]\]")
+_INLINE_ANCHOR = re.compile(r"(\\?)\[\[(?:[^\W\d]|:)[\w:.-]*+(?:,[^\[\]]*+)?\]\]")
+_ROLE_LIST = re.compile(r"(?<![\w\\])\[[^\[\]]+\](?=[*_`#])")  # [.role]#text#
+_XREF_SHORTHAND = re.compile(r"(\\?)<<([\w#/.:{][^<>]*+)>>")
+_INDEX_TERMS = re.compile(r"\(\(\(([^()]*+)\)\)\)|\(\(([^()]*+)\)\)")
+_ESCAPED_ATTRIBUTE = re.compile(r"\\(\{[\w-]*+\})")
+_MARKUP_CHARS = re.compile(r"[*_`#^~+\[<(\\:$]")
+
+
+def _quote(mark: str, *, constrained: bool) -> re.Pattern[str]:
+    """Asciidoctor's quote rule for `mark` (its text never holds the mark itself, so a match stops
+    at the next one): constrained between non-word characters, unconstrained doubled anywhere."""
+    m = re.escape(mark)
+    if constrained:
+        return re.compile(rf"(?<![\w;:}}\\])(\\?){m}([^\s{m}](?:[^{m}]*[^\s{m}])?){m}(?!\w)")
+    return re.compile(rf"(\\?){m}{m}([^{m}]+){m}{m}")
+
+
+# In Asciidoctor's order: strong, monospace, emphasis, mark, each doubled first; then ^ and ~.
+_QUOTES = (*((mark, _quote(mark, constrained=constrained)) for mark in "*`_#" for constrained in (False, True)),
+           ("^", re.compile(r"(\\?)\^([^\s^]+)\^")), ("~", re.compile(r"(\\?)~([^\s~]+)~")))
+
+
+def asciidoc_inline(text: str) -> str:
+    """One line's inline markup reduced to its text: `*bold*` -> "bold", `link:url[text]` ->
+    "text url", `xref:page.adoc#id[text]` -> "text", `<<id,text>>` -> "text", `kbd:[Ctrl+C]` ->
+    "Ctrl+C", passthroughs -> their text as written, `[[id]]` -> ""; `{name}` stays; an escaped
+    `\\*x*` -> "*x*". Never longer than the text. Each rule runs only if its marker is there."""
+    if not _MARKUP_CHARS.search(text):
+        return text
+    text = text.replace("\x00", "").replace("\x01", "")
+    if text.endswith(" +"):  # a hard line break
+        text = text[:-2].rstrip()
+    held: list[str] = []
+    if "+" in text or "$$" in text or "pass:" in text:
+        text = _hold_passthroughs(text, held)
+    text = _reduce_macros(text, held)
+    if "[[" in text:
+        text = _BIBLIOGRAPHY_ANCHOR.sub(lambda m: f"[{(m[2] or '').strip() or m[1]}]", text)
+        text = _INLINE_ANCHOR.sub(_unescaped_or(lambda m: ""), text)
+    if "<<" in text:
+        text = _XREF_SHORTHAND.sub(lambda m: m[0][1:] if m[1] else _xref_shorthand(m[2], held), text)
+    if "((" in text:
+        text = _INDEX_TERMS.sub(lambda m: "" if m[1] is not None else m[2], text)
+    if "[" in text:
+        text = _ROLE_LIST.sub("", text)
+    for mark, quote in _QUOTES:
+        if mark in text:
+            text = quote.sub(_UNQUOTE, text)
+    if "\\{" in text:
+        text = _ESCAPED_ATTRIBUTE.sub(r"\1", text)
+    return _restore(text, held)
+
+
+def _unescaped_or(reduce: Callable[[re.Match[str]], str]) -> Callable[[re.Match[str]], str]:
+    """A replacement that leaves an escaped match (group 1 is the backslash) as written, minus the backslash."""
+    return lambda m: m[0][1:] if m[1] else reduce(m)
+
+
+_UNQUOTE = _unescaped_or(lambda m: m[2])
+
+
+def _hold(held: list[str], text: str) -> str:
+    held.append(_restore(text, held))
+    return f"\x00{len(held) - 1}\x01"
+
+
+def _restore(text: str, held: list[str]) -> str:
+    return _HELD.sub(lambda m: held[int(m[1])], text) if held else text
+
+
+def _hold_passthroughs(text: str, held: list[str]) -> str:
+    """`+++x+++`, `++x++`, `$$x$$`, `pass:[x]` and `+x+`: their text as written, held from further reduction."""
+    text = _PASS_RUN.sub(_unescaped_or(lambda m: _hold(held, m[3])), text)
+    text = _PASS_MACRO.sub(_unescaped_or(lambda m: _hold(held, m[2].replace("\\]", "]"))), text)
+    return _PASS_CONSTRAINED.sub(_unescaped_or(lambda m: _hold(held, m[2])), text)
+
+
+class _Next:
+    """Where `pattern` next occurs at or after a position, for positions that never decrease: a
+    look-up is only repeated once the position has passed the last answer, so asking at every
+    macro of a line costs one scan of the line."""
+
+    def __init__(self, text: str, pattern: re.Pattern[str]) -> None:
+        self.text, self.pattern, self.found, self.asked = text, pattern, -1, False
+
+    def at(self, pos: int) -> int:
+        if not self.asked or 0 <= self.found < pos:
+            match = self.pattern.search(self.text, pos)
+            self.found, self.asked = (match.start() if match else -1), True
+        return self.found
+
+
+def _reduce_macros(text: str, held: list[str]) -> str:
+    """Inline macros (`name:target[text]`, URLs with text), left to right. The target runs from
+    the macro's name to the next `[` with no space or `]` between; both are found by look-ups
+    that only move forward, so a line of many names and no bracket costs one pass."""
+    if "[" not in text:
+        return text
+    opens, target_ends, closes = _Next(text, _OPEN), _Next(text, _TARGET_END), _Next(text, _CLOSE)
+    out: list[str] = []
+    done = 0  # text[:done] is in out
+    for head in _MACRO_HEAD.finditer(text):
+        if head.start() < done:
+            continue  # inside the macro just reduced
+        at = opens.at(head.end())
+        if at < 0:
+            break
+        if 0 <= target_ends.at(head.end()) < at:
+            continue
+        close = closes.at(at + 1)
+        if close < 0:
+            break
+        if head[1]:  # escaped: shown as written
+            replacement: str | None = text[head.start() + 1:close + 1]
+        else:
+            name = head[2] or "url"
+            target = text[head.start() if name == "url" else head.end():at]
+            replacement = _macro_text(name, target, text[at + 1:close].replace("\\]", "]"), held)
+        if replacement is not None:
+            out += [text[done:head.start()], replacement]
+            done = close + 1
+    out.append(text[done:])
+    return "".join(out)
+
+
+def _macro_text(name: str, target: str, content: str, held: list[str]) -> str | None:
+    """What an inline macro shows; None when it is not one (a missing target)."""
+    if name in ("kbd", "btn"):
+        return None if target else content
+    if name in ("footnote", "indexterm2"):
+        return content
+    if name == "footnoteref":
+        return content.partition(",")[2].strip()
+    if name in ("stem", "latexmath", "asciimath"):
+        return _hold(held, content)
+    if not target:
+        return None
+    if name in ("url", "link", "mailto"):
+        label = _link_text(content)
+        return f"{label} {_hold(held, target)}" if label else _hold(held, target)
+    if name == "xref":
+        return content.strip() or _hold(held, target)
+    if name == "menu":
+        return f"{target} > {content.strip()}" if content.strip() else target
+    if name == "image":
+        return _first_positional(content)
+    return ""  # anchor, icon, indexterm: no text of their own
+
+
+def _link_text(content: str) -> str:
+    """A link's text: the whole bracket, or its first positional attribute when the bracket is an
+    attribute list (holds "="); a trailing "^" (open in a new window) dropped."""
+    label = _first_positional(content) if "=" in content else content
+    return label.strip().removesuffix("^").strip()
+
+
+def _first_positional(attributes: str) -> str:
+    """The first positional attribute ("Alt text, 200" -> "Alt text"; "" when the first is named)."""
+    attributes = attributes.strip()
+    if attributes.startswith('"'):
+        end = attributes.find('"', 1)
+        return attributes[1:end] if end > 0 else attributes[1:]
+    first = attributes.split(",", 1)[0].strip()
+    return "" if "=" in first else first
+
+
+def _xref_shorthand(inside: str, held: list[str]) -> str:
+    """`<<id,text>>` -> "text", `<<id>>` -> "id"."""
+    target, _, label = inside.partition(",")
+    return label.strip() or _hold(held, target.strip())
+
+
 # PDF: the text layer (pypdf, in the PDF extractor's child process: see the end of this module),
 # cited by page. The document's lines are the extracted text with a marker line where each page
 # starts; ingest stores that text (Reader.extracted) and get_file serves it, so lines stay exact.
@@ -2269,7 +3008,8 @@ def pdf_document(pdf: PdfText, path: str) -> DocumentText:
     first_text = next((line for line, meant in zip(lines, searchable, strict=True) if meant.strip()), None)
     return DocumentText(lines=tuple(lines), searchable=tuple(searchable), body_start=1, headings=headings,
                         block_starts=tuple(sorted({*starts, *(h.line for h in headings)})),
-                        metadata={key: field_value(value) for key, value in pdf.metadata.items()},
+                        # Split at headings by default: one chunk for a whole PDF would cite all its pages.
+                        metadata={"rag_chunk": "headings", **{key: field_value(value) for key, value in pdf.metadata.items()}},
                         title=metadata_text(nfc(pdf.title or first_text or "")) or None, pages=tuple(pages),
                         warnings=tuple(f"{path}: {warning}" for warning in pdf.warnings))
 
@@ -2318,6 +3058,7 @@ READERS = (
     Reader("markdown", (".md", ".markdown"), "text/markdown", read_markdown, searchable_text),
     Reader("mdx", (".mdx",), "text/mdx", read_mdx, mdx_inline),
     Reader("rst", (".rst",), "text/x-rst", read_rst, rst_inline_searchable),
+    Reader("asciidoc", (".adoc", ".asciidoc"), "text/asciidoc", read_asciidoc, asciidoc_inline_searchable),
     Reader("pdf", (".pdf",), "application/pdf", read_pdf, searchable_text, extracted=True),
     Reader("text", (".txt",), "text/plain", read_plain_text, searchable_text, read_by_default=False),
 )
@@ -2528,15 +3269,28 @@ def _cut_units(line: str, max_tokens: int) -> Iterable[str]:
         if searchable_tokens(word) <= max_tokens:
             yield word
             continue
-        for part in _WORD_PIECES.finditer(word):
+        for piece in _word_pieces(word):
             # Only a run of letters larger than the whole budget is cut inside (three letters a token).
-            piece = part.group(0)
             yield from [piece] if searchable_tokens(piece) <= max_tokens else _ESTIMATE_ATOMS.findall(piece)
 
 
+def _word_pieces(word: str) -> Iterator[str]:
+    """A word's data: URIs and URLs whole, the rest in runs of letters and digits and single
+    symbols, left to right (where a data: URI and a URL start together, the data: URI)."""
+    wholes = sorted([(m.start(), 0, m.end()) for m in _DATA_URI.finditer(word)]
+                    + [(start, 1, end) for start, _, end in _urls(word, payload=False)])
+    at = 0
+    for start, _, end in wholes:
+        if start < at:
+            continue  # inside the one before: a data: URI's payload holds URL characters, and the other way
+        yield from _LETTERS_OR_SYMBOL.findall(word, at, start)
+        yield word[start:end]
+        at = end
+    yield from _LETTERS_OR_SYMBOL.findall(word, at)
+
+
 _WORD_WITH_SPACE = re.compile(r"\S+\s*|\s+")
-_URL = re.compile(rf"{_URL_START}[{_URL_PATH_CHARS}?#]+")
-_WORD_PIECES = re.compile(rf"{_DATA_URI.pattern}|{_URL.pattern}|[A-Za-z0-9_]+|.", re.DOTALL)
+_LETTERS_OR_SYMBOL = re.compile(r"[A-Za-z0-9_]+|.", re.DOTALL)
 _ESTIMATE_ATOMS = re.compile(r"[A-Za-z]{1,3}|.", re.DOTALL)
 
 

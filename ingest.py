@@ -1,6 +1,7 @@
-"""Index a folder of Markdown into the local store (the only program that writes it).
+"""Index a folder of documentation into the local store (the only program that writes it).
 
-Markdown -> chunks (corpus_rules) -> document-prefixed text embedded through Ollama ->
+Documents (a reader per format: Markdown, MDX, reStructuredText, AsciiDoc, PDF) -> chunks
+(corpus_rules) -> document-prefixed text embedded through Ollama ->
 written only after embedding succeeded. Per batch of files: new vectors go to Chroma under
 content-derived ids, then one SQLite transaction commits the files' chunk rows and keyword
 terms (the commit point the server trusts), then the old vectors are deleted. A crash at any
@@ -2536,7 +2537,7 @@ def _write(run: Run, prepared: Prepared) -> bool:
         store.end_vector_writes()  # every vector written this run is owned by a committed row
         for path, successor in store.unindexed_successors():
             # The server names only indexed successors: this one is named to nobody until it is indexed.
-            log.warning("%s: superseded_by names %s, which is not indexed (missing, excluded or not Markdown)",
+            log.warning("%s: superseded_by names %s, which is not indexed (missing, excluded or of a format not read)",
                         path, rules.shown(successor))
         if run.model is not None and store.needs_calibration():
             changed_anything = _calibrate(store, embedding) or changed_anything
@@ -2887,7 +2888,7 @@ def _guard_empty(walk: Walk, registry: dict[str, DocumentRow], allow_empty: bool
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Index a folder of Markdown for local-rag-mcp.")
+    parser = argparse.ArgumentParser(description="Index a folder of documentation for local-rag-mcp.")
     parser.add_argument("--corpus", help="corpus folder (default: $RAG_CORPUS_DIR, in a clone sample-corpus/)")
     parser.add_argument("--store", help="store folder (default: $RAG_STORE_DIR or ~/.local-rag-mcp/store)")
     parser.add_argument("--full", action="store_true", help="re-embed every file, changed or not")

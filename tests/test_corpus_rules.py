@@ -1230,3 +1230,39 @@ def test_row_terms_are_the_tokens_fts5_indexes_for_the_row(title: str, heading: 
     db.execute("INSERT INTO chunks_fts(rowid, title, heading, body) VALUES (1, ?, ?, ?)", columns)
     db.execute("CREATE VIRTUAL TABLE temp.rows USING fts5vocab(main, chunks_fts, 'row')")
     assert {term for (term,) in db.execute("SELECT term FROM temp.rows")} == rules.row_terms(*columns)
+
+
+# ---------------------------------------------------------------------------
+# URLs found in one pass: the expressions they replace, as the reference on short text.
+
+_URL_START = r"\b[A-Za-z][A-Za-z0-9+.-]*://"
+_PATH = r"A-Za-z0-9_\-.~:/@!$&*+,;=%"
+REFERENCE_URL_PAYLOAD = re.compile(rf"({_URL_START}[{_PATH}]*[?#])[{_PATH}?#]+")
+REFERENCE_WORD_PIECES = re.compile(rf"{rules._DATA_URI.pattern}|{_URL_START}[{_PATH}?#]+|[A-Za-z0-9_]+|.", re.DOTALL)
+URL_SOUP = st.lists(st.sampled_from(list("ahtps:/.?#+-_,;=1é x") + ["://", "http://", "data:,", "a.b", "?q=1"]),
+                    max_size=30).map("".join)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(URL_SOUP)
+def test_url_payloads_are_what_the_expression_finds(text: str) -> None:
+    expected = rules._DATA_URI.sub(rf"\g<1>{rules.PAYLOAD_MARK}", text)
+    expected = REFERENCE_URL_PAYLOAD.sub(rf"\g<1>{rules.PAYLOAD_MARK}", expected)
+    got = rules._DATA_URI.sub(rf"\g<1>{rules.PAYLOAD_MARK}", text)
+    got = "".join(got[a:b] if keep else rules.PAYLOAD_MARK for a, b, keep in rules._url_payload_parts(got))
+    assert got == expected
+
+
+@settings(max_examples=1500, deadline=None)
+@given(URL_SOUP)
+def test_word_pieces_are_what_the_expression_finds(word: str) -> None:
+    assert list(rules._word_pieces(word)) == [m.group(0) for m in REFERENCE_WORD_PIECES.finditer(word)]
+
+
+@pytest.mark.parametrize("unit", ["https://", "a.", "ab+c.", "http://x?", "x.https://a/b"])
+def test_a_megabyte_line_of_url_starts_is_made_searchable_and_cut_whole(unit: str) -> None:
+    """Each of these took minutes before URLs were found in one pass (the expression scanned the
+    rest of a run of scheme characters from each of its letters)."""
+    line = unit * (1_000_000 // len(unit))
+    assert len(rules.searchable_text(line)) <= len(line)
+    assert "".join(rules._cut_units(line, 512)) == line
