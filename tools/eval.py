@@ -1,7 +1,7 @@
 """Retrieval quality, measured end to end: the real ingest.py and the real server over stdio.
 
     python tools/eval.py QUERIES.jsonl [MORE.jsonl ...] --corpus DIR [--store DIR]
-                         [--modes hybrid,vector,keyword] [--phrasings FILE]
+                         [--modes hybrid,vector,keyword] [--phrasings FILE] [--evidence FILE]
                          [--json FILE] [--runs DIR] [--save RUN.json] [--compare OLD.json] [--check-k]
     python tools/eval.py --compare OLD.json NEW.json
     python tools/eval.py --table RUN.json [RUN.json ...]
@@ -16,7 +16,10 @@ file_hit@5, section_hit@5, MRR@10, and latency p50/p95, for each mode; over all 
 (AUROC), the share of each marked low, and the share of unanswerable ones scored below the
 cut that flags at most 10% of the answerable ones.
 
-A query line: {"id", "query", "kind", "gold": [{"path", "heading"}], "corpus"?, "phrasings"?}.
+A query line: {"id", "query", "kind", "gold": [{"path", "heading"} or {"path", "symbol", "lines"}], "corpus"?,
+"phrasings"?}. --evidence FILE (the dev set's evidence.jsonl) takes each gold section's lines from it,
+as the dev set defines sections in every format (MDX, reStructuredText); without it a gold heading is
+looked up among the file's ATX headings (Markdown).
 `gold: []` marks an unanswerable (negative) query. With --phrasings FILE (lines {"id",
 "queries": [...]}), each query is sent with those extra phrasings in `queries` (a line's own
 "phrasings" are used when FILE has none for it): the multi-phrasing search an agent makes.
@@ -128,8 +131,27 @@ def load_phrasings(path: Path | None) -> dict[str, list[str]]:
     return {item["id"]: list(item["queries"]) for item in items}
 
 
+def load_evidence(path: Path | None) -> dict[tuple[str, str, str], tuple[int, int]]:
+    """The gold sections' line ranges a dev set's evidence file records, by (query id, path, heading
+    or symbol): the dev set's own section definition, whatever the format."""
+    if path is None:
+        return {}
+    out = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        item = json.loads(line) if line.strip() else {"gold": []}
+        for label in item["gold"]:
+            lines = label.get("section_lines") or label.get("lines")
+            if lines:
+                out[(item["id"], label["path"], label.get("heading") or label.get("symbol"))] = (lines[0], lines[1])
+    return out
+
+
 def load_queries(paths: Sequence[Path], corpus: Path, corpus_id: str,
-                 phrasings: dict[str, list[str]] | None = None) -> list[Query]:
+                 phrasings: dict[str, list[str]] | None = None,
+                 evidence: Mapping[tuple[str, str, str], tuple[int, int]] | None = None) -> list[Query]:
+    """The queries of `corpus_id`, each gold label with its section's lines: from the dev set's
+    evidence file where given, else from the gold's own lines (a code symbol's), else the file's ATX
+    sections (Markdown and MDX)."""
     queries = []
     cache: dict[str, list[Section]] = {}
     lines = [line for path in paths for line in path.read_text(encoding="utf-8").splitlines()]
@@ -141,11 +163,18 @@ def load_queries(paths: Sequence[Path], corpus: Path, corpus_id: str,
             continue
         gold = []
         for label in item.get("gold", []):
+            known = (evidence or {}).get((item["id"], label["path"], label.get("heading") or label.get("symbol")))
+            if known is None and "lines" in label:
+                known = (label["lines"][0], label["lines"][1])
+            if known is not None:
+                gold.append((label["path"], *known))
+                continue
             if label["path"] not in cache:
                 cache[label["path"]] = atx_sections((corpus / label["path"]).read_text(encoding="utf-8-sig"))
             found = [s for s in cache[label["path"]] if s.heading == label["heading"]]
             if len(found) != 1:
-                raise SystemExit(f"{item['id']}: gold heading {label['heading']!r} not found once in {label['path']}")
+                raise SystemExit(f"{item['id']}: gold heading {label['heading']!r} not found once in {label['path']} "
+                                 "(for a format other than Markdown, pass the dev set's --evidence file)")
             gold.append((label["path"], found[0].start, found[0].end))
         extra = [] if phrasings is None else phrasings.get(item["id"], item.get("phrasings", []))
         queries.append(Query(item["id"], item["query"], item.get("kind", "all"), gold, list(extra)))
@@ -797,6 +826,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--check-k", action="store_true",
                         help=f"also check that the results for every k in 1..{K_SWEEP} are the first k of k={K_SWEEP}")
     parser.add_argument("--phrasings", type=Path, help="extra phrasings per query id (JSON lines {id, queries})")
+    parser.add_argument("--evidence", type=Path, help="the dev set's evidence.jsonl: gold sections' line ranges as "
+                                                      "it defines them (needed for formats other than Markdown)")
     parser.add_argument("--write-readme", nargs="?", const=str(readme_section.README), metavar="PATH",
                         help="with --table / --loco: also write the tables into the eval / eval-loco section of "
                              "tools/README.md (or PATH), between its <!-- NAME:begin --> and <!-- NAME:end --> markers")
@@ -823,7 +854,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     corpus = args.corpus.resolve()
     modes = [m for m in args.modes.split(",") if m]
     queries = load_queries(args.queries, corpus, args.query_corpus or corpus.name,
-                           load_phrasings(args.phrasings) if args.phrasings else None)
+                           load_phrasings(args.phrasings) if args.phrasings else None, load_evidence(args.evidence))
     if not queries:
         raise SystemExit("no queries matched; check --query-corpus")
     commit, dirty = checkout_state(ROOT)  # before the run: the code it ran, whatever changes meanwhile
