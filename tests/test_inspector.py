@@ -162,4 +162,5 @@ def check_resources(version: str, env: dict[str, str], corpus: Path, url: str | 
     (contents,) = read["contents"]
     assert contents["text"].splitlines() == (corpus / "runbooks/deploy.md").read_text().splitlines()[:3]
     templates = ask("resources/templates/list")
-    assert [t["uriTemplate"] for t in templates["resourceTemplates"]] == ["local-rag://doc/{+path}{?start_line,end_line}"]
+    assert [t["uriTemplate"] for t in templates["resourceTemplates"]] == [
+        "local-rag://doc/{+path}{?start_line,end_line,start_page,end_page}"]

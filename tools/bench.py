@@ -13,7 +13,8 @@ Besides speed at rest, it measures the ingest of real corpora: a slow embedder (
 that takes 20 ms per text, one call at a time, like a CPU-only Ollama), `ingest.py --watch`
 (edit to searchable through a live server), a no-op re-ingest with .ragignore rules and a
 node_modules/ folder in play, and how many chunks an edit, a folder rename and `--full` send
-to the embedder (counted by the fake, cross-checked with ingest's summary).
+to the embedder (counted by the fake, cross-checked with ingest's summary), and (full runs) each
+text reader on hostile input next to the Markdown reader on the same kind of input.
 
 What it runs, all on 127.0.0.1:
 - a synthetic Markdown corpus written here (deterministic; 10 chunks per file, 10% of the
@@ -2423,11 +2424,70 @@ class Bench:
             self.embed_slots()
             self.noop_with_rules()  # last: it adds files to the largest corpus
             self.details["fake_total"] = fake.stats()
+        if not self.quick:  # a minute of reading: not the test suite's smoke run
+            self.hostile_reads()
+
+    def hostile_reads(self) -> None:
+        """Each text reader on hostile input, against the Markdown reader on the same kind of input:
+        time to read and chunk, and the process's peak memory (issue 40: within Markdown's bounds)."""
+        log("reading hostile input in every format ...")
+        rows = []
+        for name, (markdown, forms) in HOSTILE_READS.items():
+            limit = read_cost(self.python, self.work, markdown(), EXTENSIONS["markdown"])
+            for fmt, make in forms.items():
+                cost = read_cost(self.python, self.work, make(), EXTENSIONS[fmt])
+                rows.append({"input": name, "format": fmt, **cost, "markdown": limit})
+                for measure, unit, what in (("s", "s", "time"), ("rss_mb", "MB", "peak memory")):
+                    ratio = cost[measure] / max(limit[measure], 1e-3)
+                    self.add(Figure(f"readers.{fmt}.{what.replace(' ', '_')}", f"Reading {name} as {fmt}: {what} "
+                                    "(read and chunk, fresh process)", cost[measure], unit, "<= 2x Markdown's",
+                                    limit=limit[measure], limit_what="the same kind of input read as Markdown",
+                                    ratio=ratio, passed=ratio <= 2.0, note=f"{cost['chunks']:.0f} chunks"))
+        self.details["hostile_reads"] = rows
+
+
+# Hostile input for each text reader next to the same kind of input in Markdown, the format whose
+# reader the others must not exceed (issue 40): by name, (Markdown's form, each format's form).
+HOSTILE_READS: dict[str, tuple[Callable[[], str], dict[str, Callable[[], str]]]] = {
+    "a 1 MB line of prose": (lambda: "word " * 200_000, {
+        "mdx": lambda: "word " * 200_000, "rst": lambda: "word " * 200_000, "asciidoc": lambda: "word " * 200_000}),
+    "a 1 MB line of markup": (lambda: "*a* `b` [c](d) " * 66_000, {
+        "mdx": lambda: '<Tab title="x">a</Tab> ' * 43_000, "rst": lambda: ":func:`a` ``b`` *c* " * 50_000,
+        "asciidoc": lambda: "*a* `b` xref:c[d] " * 55_000}),
+    "100,000 headings": (lambda: "".join(f"# Title {k}\n\ntext\n\n" for k in range(100_000)), {
+        "mdx": lambda: "".join(f"# Title {k}\n\ntext\n\n" for k in range(100_000)),
+        "rst": lambda: "".join(f"Title {k}\n{'=' * 12}\n\ntext\n\n" for k in range(100_000)),
+        "asciidoc": lambda: "".join(f"== Title {k}\n\ntext\n\n" for k in range(100_000))}),
+    # Nesting by indentation or by ever longer delimiters grows the file with the square of the depth:
+    # deep enough to be past any recursion limit (1,000), about a megabyte each.
+    "1,000 nested blocks": (lambda: "".join("> " * k + "x\n" for k in range(1, 1_000)), {
+        "mdx": lambda: "\n".join([*(f"<Box{k}>" for k in range(1_000)), *(f"</Box{k}>" for k in range(1_000))]),
+        "rst": lambda: "\n".join(" " * (2 * k) + ".. note:: level" for k in range(1_000)),
+        "asciidoc": lambda: "\n".join([c * (4 + k // 4) for k, c in zip(range(1_000), "=*_." * 250, strict=True)]
+                                      + ["x"] + [c * (4 + k // 4) for k, c in reversed(list(zip(
+                                          range(1_000), "=*_." * 250, strict=True)))])}),
+}
+EXTENSIONS = {"markdown": ".md", "mdx": ".mdx", "rst": ".rst", "asciidoc": ".adoc"}
+READ_ONE = """import json, resource, sys, time
+sys.path.insert(0, sys.argv[1]); import corpus_rules as rules
+raw = open(sys.argv[2], "rb").read(); started = time.perf_counter()
+doc = rules.parse_document(raw, sys.argv[3]); chunks = rules.chunk_document(doc, 512, 64, 1900)
+print(json.dumps({"s": time.perf_counter() - started, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "chunks": len(chunks)}))"""
+
+
+def read_cost(python: str, work: Path, text: str, extension: str) -> dict[str, float]:
+    """Reading and chunking `text` as a file of `extension`, in a fresh process: seconds and peak RSS."""
+    path = work / f"hostile{extension}"
+    path.write_text(text, encoding="utf-8")
+    done = subprocess.run([python, "-c", READ_ONE, str(PROJECT_DIR), str(path), path.name], capture_output=True,
+                          text=True, timeout=900, check=True)
+    return json.loads(done.stdout)
 
 
 def order_figures(figures: Sequence[Figure]) -> list[Figure]:
     order = ["handshake", "stdio", "cold", "search", "resources", "http", "cli", "ingest", "reingest", "reuse", "watch", "slow",
-             "slots", "chroma_server", "memory"]
+             "slots", "chroma_server", "memory", "readers"]
     return sorted(figures, key=lambda f: (order.index(f.id.split(".")[0]) if f.id.split(".")[0] in order else 99,
                                           f.size or 0))
 
