@@ -2880,15 +2880,20 @@ def _check_some_text(texts: Sequence[str], failed: Sequence[int], first_failure:
     raise PdfRefused("no text layer: a scanned or image-only PDF (OCR it to make it searchable)")
 
 
-def _pages_phrase(numbers: Sequence[int], verb: str = "has") -> str:
-    """"page 2 has", "pages 3, 7-9 have" (or "could", the same for one and many)."""
+def number_ranges(numbers: Sequence[int]) -> str:
+    """1, 2, 3, 7 -> "1-3, 7"."""
     runs: list[list[int]] = []
     for number in numbers:
         if runs and number == runs[-1][-1] + 1:
             runs[-1].append(number)
         else:
             runs.append([number])
-    shown = ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+    return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+
+
+def _pages_phrase(numbers: Sequence[int], verb: str = "has") -> str:
+    """"page 2 has", "pages 3, 7-9 have" (or "could", the same for one and many)."""
+    shown = number_ranges(numbers)
     plural = len(numbers) > 1
     return f"{'pages' if plural else 'page'} {shown} {'have' if plural and verb == 'has' else verb}"
 

@@ -195,7 +195,7 @@ def test_k_violations_are_the_k_whose_results_are_not_a_prefix_of_the_longest() 
     assert rag_eval.k_violations({1: hits(("b.md", 1)), 2: swapped, 3: longest}) == [1, 2]
     other_lines = hits(("a.md", 5))
     assert rag_eval.k_violations({1: other_lines, 2: longest[:2], 3: longest}) == [1]
-    assert rag_eval.k_ranges([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10"
+    assert rag_eval.number_ranges([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10"
 
 
 def test_k_variants_filter_by_the_gold_folder_and_the_median_score() -> None:

@@ -73,7 +73,7 @@ sys.path.insert(0, str(ROOT / "tools"))  # tools/readme_section.py
 
 import readme_section
 
-from corpus_rules import CurrentIndex, StoreLayout, searchable_tokens
+from corpus_rules import CurrentIndex, StoreLayout, number_ranges, searchable_tokens
 
 MODES = ("hybrid", "vector", "keyword")
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
@@ -674,15 +674,6 @@ async def check_k(client: Any, queries: Sequence[Query], modes: Sequence[str]) -
     return sweeps, violations
 
 
-def k_ranges(ks: Sequence[int]) -> str:
-    """1, 2, 3, 7 -> '1-3, 7'."""
-    runs: list[list[int]] = []
-    for k in ks:
-        if runs and k == runs[-1][-1] + 1:
-            runs[-1].append(k)
-        else:
-            runs.append([k])
-    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
 def k_report(sweeps: Mapping[str, int], violations: Sequence[KViolation]) -> str:
@@ -692,7 +683,7 @@ def k_report(sweeps: Mapping[str, int], violations: Sequence[KViolation]) -> str
         first = sum(1 in v.ks for v in found)
         out.append(f"  {mode}: {len(found)} of {swept} searches depend on k ({first} in their first result)")
         out += [f"    {v.query}{' ' + v.variant if v.variant else ''}: "
-                + (f"error {v.error}" if v.error else f"k {k_ranges(v.ks)}") for v in found[:K_SHOWN]]
+                + (f"error {v.error}" if v.error else f"k {number_ranges(v.ks)}") for v in found[:K_SHOWN]]
     return "\n".join(out)
 
 
