@@ -1474,7 +1474,9 @@ _CLOSER = {"(": ")", "[": "]", "{": "}", "<": ">", '"': '"', "'": "'"}
 _START_CATEGORIES = frozenset({"Ps", "Pi", "Pf", "Pd", "Po"})
 _END_CATEGORIES = frozenset({"Pe", "Pi", "Pf", "Pd", "Po"})
 
-_NAME = r"[^\W_]++(?:[-._+:][^\W_]++)*+"  # docutils' simple name; possessive: never re-scanned
+# docutils' simple name, always the whole run: the lookahead keeps a shorter one from matching (what
+# a possessive quantifier would do; Python 3.11.0-3.11.2 match possessive groups wrongly).
+_NAME = r"[^\W_]+(?:[-._+:][^\W_]+)*(?![^\W_]|[-._+:][^\W_])"
 _CANDIDATE = re.compile(r"\\.|``|\*\*|\*|_`|`|\||\[|:(?=[^\W_])", re.DOTALL)
 _ROLE_NAME = re.compile(":(" + _NAME + ")")
 _END_SUFFIX = re.compile("(:" + _NAME + ":)?(__?)?")  # after an interpreted text's closing backtick
@@ -2030,7 +2032,7 @@ _CONDITIONALS = ("ifdef::", "ifndef::", "ifeval::", "endif::")
 
 _ATTRIBUTE_ENTRY = re.compile(r":(!?\w[^:]*):(?:[ \t]+(.*))?")
 _INVALID_NAME_CHARS = re.compile(r"[^\w-]")
-_ANCHOR_BODY = re.compile(r"(?:[^\W\d]|:)[\w:.-]*+(?:, *.+)?")
+_ANCHOR_BODY = re.compile(r"(?:[^\W\d]|:)[\w:.-]*(?:, *.+)?")
 _ATTRIBUTE_LIST_START = re.compile(r"[\w.#%{,\"']")
 _STYLE_END = re.compile(r"[#.%]")
 _BLOCK_MACRO = re.compile(r"(\w[\w-]*)::(|\S|\S.*?\S)\[(.*)\]")  # a target up to its first "[" after a non-space
@@ -2498,7 +2500,7 @@ def asciidoc_inline_searchable(text: str) -> str:
 # input first, so nothing else can look like one).
 _HELD = re.compile(r"\x00([0-9]+)\x01")
 _PASS_RUN = re.compile(r"(\\?)(\+\+\+?|\$\$)(.*?)\2")
-_PASS_MACRO = re.compile(r"(\\?)pass:[a-z,-]*+\[((?:[^\[\]\\]|\\.)*+)\]")
+_PASS_MACRO = re.compile(r"(\\?)pass:[a-z,-]*\[((?:[^\[\]\\]|\\.)*)\]")
 _PASS_CONSTRAINED = re.compile(r"(?<![\w;:\\])(\\?)\+([^\s+](?:[^+]*[^\s+])?)\+(?!\w)")
 # Named macros match anywhere (as in Asciidoctor); a URL only after a space, a bracket, a quote or
 # the start (InlineLinkRx), so that `_https://x[y]_` stays text (or a backslash: escaped).
@@ -2508,12 +2510,12 @@ _OPEN = re.compile(r"\[")
 _TARGET_END = re.compile(r"[\s\]]")
 _CLOSE = re.compile(r"(?<!\\)\]")
 # `[[[ref]]]` (a bibliography entry, shown as "[ref]"), `[[id]]` and `[[id,text]]` (shown as nothing).
-_BIBLIOGRAPHY_ANCHOR = re.compile(r"\[\[\[((?:[^\W\d]|:)[\w:.-]*+)(?:,([^\[\]]*+))?\]\]\]")
-_INLINE_ANCHOR = re.compile(r"(\\?)\[\[(?:[^\W\d]|:)[\w:.-]*+(?:,[^\[\]]*+)?\]\]")
+_BIBLIOGRAPHY_ANCHOR = re.compile(r"\[\[\[((?:[^\W\d]|:)[\w:.-]*)(?:,([^\[\]]*))?\]\]\]")
+_INLINE_ANCHOR = re.compile(r"(\\?)\[\[(?:[^\W\d]|:)[\w:.-]*(?:,[^\[\]]*)?\]\]")
 _ROLE_LIST = re.compile(r"(?<![\w\\])\[[^\[\]]+\](?=[*_`#])")  # [.role]#text#
-_XREF_SHORTHAND = re.compile(r"(\\?)<<([\w#/.:{][^<>]*+)>>")
-_INDEX_TERMS = re.compile(r"\(\(\(([^()]*+)\)\)\)|\(\(([^()]*+)\)\)")
-_ESCAPED_ATTRIBUTE = re.compile(r"\\(\{[\w-]*+\})")
+_XREF_SHORTHAND = re.compile(r"(\\?)<<([\w#/.:{][^<>]*)>>")
+_INDEX_TERMS = re.compile(r"\(\(\(([^()]*)\)\)\)|\(\(([^()]*)\)\)")
+_ESCAPED_ATTRIBUTE = re.compile(r"\\(\{[\w-]*\})")
 _MARKUP_CHARS = re.compile(r"[*_`#^~+\[<(\\:$]")
 
 
