@@ -2,7 +2,7 @@
 """From a fresh clone to a registered search server in one command (needs Python 3.11+; Ollama for semantic search).
 
     python3 tools/quickstart.py                      # the sample corpus
-    python3 tools/quickstart.py --corpus ~/my-docs   # your own folder of Markdown, in its own store
+    python3 tools/quickstart.py --corpus ~/my-docs   # your own docs folder (Markdown, MDX, rST, AsciiDoc, PDF), in its own store
 
 It creates .venv next to the code (unless it exists), installs local-rag-mcp into it (skipped
 when it is installed there), checks that Ollama answers and has the embedding model (pulling it
@@ -163,7 +163,7 @@ def registration(python: Path, env: dict[str, str], name: str = "local-rag") -> 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpus", help="folder of Markdown to index (default: the sample corpus)")
+    parser.add_argument("--corpus", help="docs folder to index (default: the sample corpus)")
     parser.add_argument("--store", help="where the index lives (default: ~/.local-rag-mcp/store for the sample "
                                         "corpus, ~/.local-rag-mcp/stores/<folder name> for your own)")
     parser.add_argument("--python", help="use this Python environment instead of creating .venv")
