@@ -3999,8 +3999,7 @@ def not_read_reason(extension: str) -> str:
     reader = _READER_BY_EXTENSION.get(extension)
     if reader is not None:
         return f"RAG_FORMATS leaves {reader.format} out"
-    return "no reader for this format; read are " + ", ".join(
-        f"{r.format} ({' '.join(r.extensions)})" for r in READERS)
+    return "no reader for this format; readers take " + " ".join(e for r in READERS for e in r.extensions)
 
 
 @dataclass(frozen=True)

@@ -200,7 +200,7 @@ def test_a_folder_with_nothing_readable_says_what_it_found(fake: FakeOllama, tmp
     for name in ("index.html", "about.html", "spec.docx"):
         (corpus / name).write_bytes(b"<p>x</p>")
     done = ingest_in_process(fake, corpus, tmp_path / "store", as_json=False)
-    assert "files by extension: .html: 2 not read (no reader for this format; read are markdown (.md .markdown)" in done.err
+    assert "files by extension: .html: 2 not read (no reader for this format; readers take .md .markdown .mdx" in done.err
     assert ".docx: 1 not read" in done.err
 
 
