@@ -85,6 +85,8 @@ class ErrorCode(StrEnum):
     INVALID_ARGUMENT = "invalid_argument"
     INDEX_MISSING = "index_missing"
     INDEX_INCOMPATIBLE = "index_incompatible"
+    # An index that holds no document: a search cannot say the documents do not cover something.
+    INDEX_EMPTY = "index_empty"
     EMBEDDER_UNAVAILABLE = "embedder_unavailable"
     MODEL_NOT_FOUND = "model_not_found"
     NOT_INDEXED = "not_indexed"

@@ -2935,6 +2935,11 @@ def run_once(args: argparse.Namespace, quiet: bool = False,
         if args.json:
             print(json.dumps({"exit": 2, **error.payload(), **asdict(summary)}, ensure_ascii=False), flush=True)
         return 2, summary
+    found = rules.FilesFound(summary.files_found)
+    if found.left_out() and not found.total("indexed") and not args.allow_empty:
+        # A search of such an index would look like "the documents do not cover it": say it here.
+        summary.errors.append(f"nothing {'would be' if summary.dry_run else 'was'} indexed: the corpus folder holds "
+                              f"{found.line()}")
     for error in summary.errors:
         log.error("%s", error)
     if summary.dry_run and not args.json:
@@ -2942,7 +2947,6 @@ def run_once(args: argparse.Namespace, quiet: bool = False,
             print(f"{entry['action']:9} {entry['path']}" + (f"  ({entry['reason']})" if entry["reason"] else ""))
     if not quiet:
         print(f"ingest: {summary.line()}", file=sys.stderr)
-        found = rules.FilesFound(summary.files_found)
         if summary.dry_run or found.left_out():
             print(f"ingest: files by extension: {found.line()}", file=sys.stderr)
     if summary.left_for_next_run and not (summary.chunks_written or summary.chunks_without_vectors):
@@ -2989,7 +2993,6 @@ def watch(args: argparse.Namespace) -> int:
     if not corpus.is_dir():  # nothing to watch: the run says why (not configured, or not there)
         return run_once(args)[0]
     settle_ms = int(args.settle * 1000)
-    signal.signal(signal.SIGTERM, _interrupt)  # systemd's stop: end like Ctrl-C
     log.info("watching %s (runs once changes have settled for %.1f s)", corpus, args.settle)
     vectors = VectorProcess()  # one for every run: Chroma's import and a process start are paid once
     status, summary = run_once(args, quiet=True, vectors=vectors)
@@ -3104,6 +3107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.watch and args.dry_run:
         print("ingest: --watch and --dry-run do not go together", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, _interrupt)  # kill, systemd's stop, a supervisor: end as Ctrl-C does (130)
     try:
         if args.watch:
             return watch(args)

@@ -2268,6 +2268,8 @@ class RetrievalService:
         for _attempt in range(3):
             with manager.lock:
                 index = manager.open()
+                if not index.current.stamp.files:
+                    raise index_empty(index)
                 if degraded is None and args.mode != "keyword" and without_vectors(index.current):
                     unembedded = vectors_waiting(index.current)
                     if args.mode == "vector":
@@ -2747,6 +2749,16 @@ def lines_asked(args: GetFileInput, doc: rules.DocumentRow, pages: Sequence[rule
         raise RagError(ErrorCode.INVALID_ARGUMENT, f"{rules.shown(doc.path)} has {pages[-1].number} pages; "
                        f"start_page {args.start_page} is past the last", f"pass a start_page up to {pages[-1].number}")
     return rules.page_lines(pages, doc.line_count, args.start_page or 1, args.end_page)
+
+
+def index_empty(index: OpenIndex) -> RagError:
+    """A search of an index that holds no document: never an empty answer, which an agent would
+    read as "the documents do not cover it"."""
+    found = index.files_found
+    what = f"the last ingest found {found.line()}" if found.counts else "the last ingest found no file in the corpus folder"
+    return RagError(ErrorCode.INDEX_EMPTY, f"the index holds no document: {what}",
+                    "point RAG_CORPUS_DIR (ingest --corpus) at the documentation folder, or add its formats to "
+                    f"RAG_FORMATS, then run {rules.ingest_command()}")
 
 
 def no_documents_under(index: OpenIndex, prefix: str) -> str:
@@ -3509,6 +3521,9 @@ def index_facts(settings_loader: Callable[[], rules.Settings] = rules.load_setti
         return None
     stamp = current.stamp
     built = f"built {stamp.ingested_at}" + (f" from commit {stamp.commit[:12]}" if stamp.commit else "")
+    if not stamp.files:
+        return (f"This index holds no document ({built}): searches answer index_empty; tell the user the "
+                "documentation folder is not indexed rather than that it does not cover a question.")
     if facts is None:
         return f"This index: {stamp.files} documents, {stamp.chunks} passages, {built}."
     languages = (f"{facts.cjk_documents} in Japanese/CJK, {facts.documents - facts.cjk_documents} in other "
@@ -3553,7 +3568,7 @@ HTTP_GRACE_S = 5.0  # uvicorn's graceful shutdown: calls still running are answe
 HTTP_FD_RESERVE = 100  # descriptors kept for the store, the embedder's connections and the logs
 # A tool's own error as the bridge's HTTP status: the caller's mistake, or a dependency that is not there.
 _BRIDGE_STATUS = {ErrorCode.INVALID_ARGUMENT: 400, ErrorCode.PATH_REJECTED: 400, ErrorCode.NOT_INDEXED: 400,
-                  ErrorCode.INDEX_MISSING: 503, ErrorCode.EMBEDDER_UNAVAILABLE: 503, ErrorCode.MODEL_NOT_FOUND: 503,
+                  ErrorCode.INDEX_MISSING: 503, ErrorCode.INDEX_EMPTY: 503, ErrorCode.EMBEDDER_UNAVAILABLE: 503, ErrorCode.MODEL_NOT_FOUND: 503,
                   ErrorCode.STORE_UNAVAILABLE: 503, ErrorCode.VECTORS_PENDING: 503}
 
 
@@ -3691,7 +3706,11 @@ class HealthProbe:
             if not manager.layout.keyword_db(current.index).is_file():
                 raise RagError(ErrorCode.INDEX_MISSING, "the keyword index is missing", rules.INGEST_HINT)
             vectors_pending = current.stamp.vectors_pending
-            files = self._files_found(manager.layout.keyword_db(current.index), current).rows()
+            found = self._files_found(manager.layout.keyword_db(current.index), current)
+            files = found.rows()
+            if not current.stamp.files:
+                problems.append({"part": "index", "code": str(ErrorCode.INDEX_EMPTY), "message": "the index holds "
+                                 f"no document: the last ingest found {found.line()}", "hint": rules.INGEST_HINT})
             waiting = vectors_waiting(current)
             if waiting is not None:
                 problems.append({"part": "vectors", **redacted(waiting).payload()["error"],

@@ -216,3 +216,24 @@ def test_the_real_server_reads_every_format_over_stdio(built: tuple[Built, Any])
         assert read["result"]["contents"][0] == {"uri": "local-rag://doc/docs/mooring.mdx?start_line=8&end_line=8",
                                                  "mimeType": "text/mdx", "text": "## Zeppelin moorings",
                                                  "_meta": read["result"]["contents"][0]["_meta"]}
+
+
+def test_an_index_of_nothing_answers_index_empty_not_an_empty_result(fake: FakeOllama, tmp_path: Path) -> None:
+    """A folder of files no reader takes: ingest says so and exits 1; a search is an error that
+    says what the folder held, never "no matching passages" (an agent would read that as "the
+    documents do not cover it"); list_documents and the instructions say it too."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "index.html").write_text("<p>the docs, as a built site</p>")
+    store = tmp_path / "store"
+    done = ingest_in_process(fake, corpus, store)
+    assert done.code == 1 and any(e.startswith("nothing was indexed: the corpus folder holds .html: 1 not read")
+                                  for e in done.summary["errors"]), done.err
+    built = Built(corpus, store, fake.host)
+    is_error, payload = tool(built, "search_corpus", query="the docs")
+    assert is_error and payload["error"]["code"] == "index_empty" and ".html: 1 not read" in payload["error"]["message"]
+    is_error, listing = tool(built, "list_documents")
+    assert not is_error and listing["total"] == 0 and ".html: 1 not read" in listing["message"]
+    facts = server.index_facts(lambda: server.rules.load_settings({"RAG_STORE_DIR": str(store),
+                                                                   "RAG_CORPUS_DIR": str(corpus)}))
+    assert facts is not None and "holds no document" in facts

@@ -143,6 +143,21 @@ def test_an_embedder_that_times_out_on_one_chunk_stops_quickly_and_loses_nothing
 
 
 @pytest.mark.process
+def test_sigterm_ends_a_run_as_ctrl_c_does(fake: FakeOllama, tmp_path: Path) -> None:
+    """kill (a supervisor, a CI job's timeout) ends a run with 130 and the same message as Ctrl-C,
+    not 143 and nothing said (issue 41)."""
+    corpus, store = tmp_path / "corpus", tmp_path / "store"
+    write_handbooks(corpus, {f"h{i:02d}.md": 30 for i in range(6)}, "A")
+    fake.configure(delay_seconds=0.2)
+    proc = start_ingest(fake, corpus, store)
+    poll(lambda: len(_committed(store)) >= 1 or proc.poll() is not None, timeout=120, interval=0.05)
+    proc.send_signal(signal.SIGTERM)
+    done = finish(proc)
+    assert done.code == 130, done.err
+    assert "Traceback" not in done.err and "interrupted; what was committed is kept" in done.err
+
+
+@pytest.mark.process
 def test_ctrl_c_keeps_what_was_committed_and_the_next_run_continues(fake: FakeOllama, tmp_path: Path) -> None:
     corpus, store = tmp_path / "corpus", tmp_path / "store"
     write_handbooks(corpus, {f"h{i:02d}.md": 30 for i in range(12)}, "A")

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import tomllib
 from pathlib import Path
@@ -23,9 +24,12 @@ ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "tools" / "quickstart.py"
 
 
-def quickstart(host: str, *args: str, path: str | None = None) -> subprocess.CompletedProcess[str]:
+def quickstart(host: str, *args: str, path: str | None = None, home: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """The quick start as a user runs it, in a home of its own (its default stores and the clients'
+    registrations it reads live there): this test's temporary one unless given."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAG_")}
-    env.update(OLLAMA_HOST=host, ANONYMIZED_TELEMETRY="False")
+    env.update(OLLAMA_HOST=host, ANONYMIZED_TELEMETRY="False",
+               HOME=str(home or Path(tempfile.mkdtemp(prefix="quickstart-home-"))))
     if path is not None:
         env["PATH"] = path
     return subprocess.run([sys.executable, str(QUICKSTART), "--python", sys.executable, *args], env=env,
@@ -96,20 +100,20 @@ def test_without_ollama_or_its_model_it_indexes_for_keywords_and_says_how_to_add
     host = down.host
     down.stop()
     done = quickstart(host, "--store", str(tmp_path / "s1"))
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 1, done.stderr  # as ingest (and the README): not everything is indexed as asked
     assert "Ollama does not answer" in done.stderr and "ollama serve" in done.stderr
     assert "claude mcp add -s user local-rag" in done.stdout
     assert "To add semantic search" in done.stdout and "ollama pull embeddinggemma" in done.stdout
     current = json.loads((tmp_path / "s1" / "CURRENT.json").read_text())
     assert current["stamp"]["vectors_pending"] == current["stamp"]["chunks"] > 0
     again = quickstart(host, "--store", str(tmp_path / "s1"))  # still no Ollama: the index stands
-    assert again.returncode == 0 and "nothing new to index" in again.stderr, again.stderr
+    assert again.returncode == 1 and "nothing new to index" in again.stderr, again.stderr
     assert "claude mcp add" in again.stdout
     with FakeOllama() as fake:
         fake.configure(missing_models=["embeddinggemma"])
         # No `ollama` command on PATH: the user is told the exact pull command.
         done = quickstart(fake.host, "--store", str(tmp_path / "s2"), path=str(Path(sys.executable).parent))
-        assert done.returncode == 0 and "run `ollama pull embeddinggemma`" in done.stderr, done.stderr
+        assert done.returncode == 1 and "run `ollama pull embeddinggemma`" in done.stderr, done.stderr
         fake.configure(missing_models=[])
         done = quickstart(fake.host, "--store", str(tmp_path / "s2"))
     assert done.returncode == 0 and "semantic search" not in done.stdout, done.stdout
@@ -123,3 +127,37 @@ def test_an_installed_environment_is_not_installed_again(tmp_path: Path) -> None
     assert module.installed(Path(sys.executable))
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True, timeout=120)
     assert not module.installed(tmp_path / "bare" / "bin" / "python")
+
+
+def test_docs_folders_of_two_projects_get_names_and_stores_of_their_own(tmp_path: Path) -> None:
+    """Three projects keep their documentation in a folder named docs: each registers and stores
+    under its project's name (fastapi-docs, mcp-docs), and a name another corpus already holds in
+    a client's registrations (read from ~/.claude.json) is not taken again (issue 41)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".claude.json").write_text(json.dumps({"mcpServers": {"local-rag-other-docs": {
+        "command": "python", "env": {"RAG_CORPUS_DIR": "/somewhere/else/docs"}}}}), encoding="utf-8")
+    folders = [tmp_path / "fastapi" / "docs", tmp_path / "mcp" / "docs", tmp_path / "other" / "docs"]
+    for folder in folders:
+        folder.mkdir(parents=True)
+        (folder / "index.md").write_text(f"# {folder.parent.name}\n\nThe {folder.parent.name} guide.\n", encoding="utf-8")
+    outs = []
+    with FakeOllama() as fake:
+        for folder in folders:
+            done = quickstart(fake.host, "--corpus", str(folder), home=home)
+            assert done.returncode == 0, done.stderr
+            outs.append(done.stdout)
+    assert "claude mcp add -s user local-rag-fastapi-docs " in outs[0] and "local-rag-mcp-docs " in outs[1]
+    assert "local-rag-other-docs-2 " in outs[2]  # local-rag-other-docs is another corpus's registration
+    stores = sorted(p.name for p in (home / ".local-rag-mcp" / "stores").iterdir())
+    assert stores == ["fastapi-docs", "mcp-docs", "other-docs-2"]
+
+
+def test_a_folder_with_nothing_to_index_fails_instead_of_printing_a_registration(tmp_path: Path) -> None:
+    corpus = tmp_path / "site"
+    corpus.mkdir()
+    (corpus / "index.html").write_text("<p>built pages</p>", encoding="utf-8")
+    with FakeOllama() as fake:
+        done = quickstart(fake.host, "--corpus", str(corpus), home=tmp_path / "home")
+    assert done.returncode == 2 and "nothing was indexed" in done.stderr and "claude mcp add" not in done.stdout
+    assert ".html: 1 not read" in done.stderr

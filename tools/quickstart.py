@@ -36,9 +36,9 @@ def say(text: str) -> None:
     print(f"quickstart: {text}", file=sys.stderr, flush=True)
 
 
-def fail(text: str) -> int:
+def fail(text: str, status: int = 2) -> int:
     say(text)
-    return 2
+    return status
 
 
 # Run by the environment's interpreter (-I: not the checkout's own build metadata in the cwd):
@@ -118,13 +118,67 @@ def ensure_model(host: str, model: str) -> str | None:
     return None
 
 
-def server_name(corpus: Path | None) -> str:
-    """The name to register under: `local-rag` for the sample corpus, `local-rag-<folder>` for one's
-    own, so a second corpus registers beside the first instead of colliding with it."""
-    if corpus is None:
-        return "local-rag"
-    slug = re.sub(r"[^a-z0-9]+", "-", corpus.name.lower()).strip("-")[:40].strip("-")
-    return f"local-rag-{slug}" if slug else "local-rag-docs"
+# Folder names that say nothing of whose documentation they hold: such a corpus is named with its
+# parent too (~/src/fastapi/docs: fastapi-docs), so three projects' docs/ do not collide.
+GENERIC_FOLDERS = frozenset({"docs", "doc", "documentation", "site", "website", "content", "pages", "src", "source",
+                             "book", "manual", "wiki", "guide", "guides", "md", "markdown"})
+
+
+def slug_of(*names: str) -> str:
+    return "-".join(part for name in names if (part := re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")))[:40].strip("-")
+
+
+def corpus_names(corpus: Path) -> list[str]:
+    """The names a corpus may take, best first: its folder's (with its parent's when the folder's
+    name is generic), then with its parent's, then numbered."""
+    parent = corpus.parent.name if corpus.parent not in (Path.home(), Path(corpus.anchor)) else ""
+    own = slug_of(corpus.name) or "docs"
+    with_parent = slug_of(parent, corpus.name) or own
+    first = with_parent if corpus.name.lower() in GENERIC_FOLDERS else own
+    return list(dict.fromkeys([first, with_parent, *(f"{with_parent}-{n}" for n in range(2, 10))]))
+
+
+def registered_corpora() -> dict[str, set[str]]:
+    """The corpus folder (RAG_CORPUS_DIR, "" for none) of every server registered under each name in
+    the clients' configurations this user can read: Claude Code's ~/.claude.json (user and
+    project scopes) and Codex's ~/.codex/config.toml. What cannot be read counts as nothing."""
+    import tomllib
+
+    found: dict[str, set[str]] = {}
+
+    def note(servers: object) -> None:
+        for name, entry in (servers or {}).items() if isinstance(servers, dict) else ():
+            env = entry.get("env") if isinstance(entry, dict) else None
+            found.setdefault(str(name), set()).add(str((env or {}).get("RAG_CORPUS_DIR", "")) if isinstance(env, dict) else "")
+
+    try:
+        claude = json.loads((Path.home() / ".claude.json").read_text(encoding="utf-8"))
+        note(claude.get("mcpServers"))
+        for project in (claude.get("projects") or {}).values():
+            note(project.get("mcpServers") if isinstance(project, dict) else None)
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        note(tomllib.loads((Path.home() / ".codex" / "config.toml").read_text(encoding="utf-8")).get("mcp_servers"))
+    except (OSError, ValueError, AttributeError):
+        pass
+    return found
+
+
+def corpus_name(corpus: Path, stores: Path, registered: dict[str, set[str]]) -> str:
+    """The first of corpus_names that neither another corpus's store nor another corpus's
+    registration (local-rag-<name>) already holds."""
+    def free(name: str) -> bool:
+        current = stores / name / "CURRENT.json"
+        try:
+            held = json.loads(current.read_text(encoding="utf-8")).get("corpus_dir") if current.is_file() else None
+        except (OSError, ValueError, AttributeError):
+            held = "?"
+        others = registered.get(f"local-rag-{name}", set()) - {str(corpus)}
+        return held in (None, str(corpus)) and not others
+
+    names = corpus_names(corpus)
+    return next((name for name in names if free(name)), names[-1])
 
 
 def registration(python: Path, env: dict[str, str], name: str = "local-rag") -> str:
@@ -186,11 +240,13 @@ def main(argv: list[str] | None = None) -> int:
         say(f"{without_ollama}. Meanwhile the documents are indexed for keyword search only.")
     env: dict[str, str] = {}
     ingest = [str(python), str(PROJECT_DIR / "ingest.py")]
+    name = "local-rag"
     if args.corpus:
         corpus = Path(args.corpus).expanduser().resolve()
-        # One store per corpus: the default store belongs to the sample corpus.
-        store = Path(args.store).expanduser().resolve() if args.store else (
-            DEFAULT_STORE.parent / "stores" / corpus.name)
+        # One store and one registered name per corpus: the default store belongs to the sample corpus.
+        slug = corpus_name(corpus, DEFAULT_STORE.parent / "stores", registered_corpora())
+        name = f"local-rag-{slug}"
+        store = Path(args.store).expanduser().resolve() if args.store else DEFAULT_STORE.parent / "stores" / slug
         env = {"RAG_CORPUS_DIR": str(corpus), "RAG_STORE_DIR": str(store)}
         ingest += ["--corpus", str(corpus), "--store", str(store)]
     elif args.store:
@@ -199,17 +255,32 @@ def main(argv: list[str] | None = None) -> int:
     say("indexing: " + " ".join(shlex.quote(part) for part in ingest))
     code = subprocess.run(ingest).returncode
     store = Path(env.get("RAG_STORE_DIR", settings.store_dir))
+    if code not in (0, 1, 2):  # stopped (130: Ctrl-C or SIGTERM) or killed (a negative signal)
+        return fail(f"ingest was stopped (exit {code}); what it committed is kept: run this again to finish",
+                    code if code > 0 else 1)
     if code == 2 and without_ollama and (store / "CURRENT.json").is_file():
         say("nothing new to index without Ollama; the index already built answers keyword searches")
     elif code == 2:
         return fail("ingest did nothing (see its message above); fix that and run this again")
+    if nothing_indexed(store):
+        return fail("nothing was indexed (ingest said what the folder holds, above): point --corpus at the "
+                    "documentation folder, or set RAG_FORMATS, and run this again")
     if code == 1 and not without_ollama:
         say("some files failed to index (listed above); the rest is searchable")
-    print(registration(python, env, server_name(Path(env["RAG_CORPUS_DIR"]) if "RAG_CORPUS_DIR" in env else None)))
+    print(registration(python, env, name))
     if without_ollama:
         print(f"Searches answer from the keyword index for now. To add semantic search: {without_ollama}; then "
               "run this again (or the re-index command above): it embeds only the waiting passages.")
-    return 0
+    # As ingest: 1 when not everything is indexed as asked (a file failed, or no Ollama for vectors).
+    return 1 if code == 1 or without_ollama else 0
+
+
+def nothing_indexed(store: Path) -> bool:
+    """The store's live index holds no document (what a search would answer index_empty on)."""
+    try:
+        return json.loads((store / "CURRENT.json").read_text(encoding="utf-8"))["stamp"]["files"] == 0
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 if __name__ == "__main__":
