@@ -405,6 +405,20 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
     )
 
 
+def unknown_variables(env: Mapping[str, str] | None = None) -> list[str]:
+    """A warning for each RAG_ variable that is set but read by neither program (a misspelt
+    RAG_STORE= would otherwise leave the default store in use without a word)."""
+    import difflib
+
+    env = os.environ if env is None else env
+    out = []
+    for name in sorted(n for n in env if n.startswith("RAG_") and n not in ENVIRONMENT):
+        close = difflib.get_close_matches(name, ENVIRONMENT, n=1, cutoff=0.8)
+        out.append(f"{name} is set but is no variable of local-rag-mcp" + (f" (did you mean {close[0]}?)" if close else
+                                                                         "; see the README's Configuration"))
+    return out
+
+
 def no_corpus_configured(settings: Settings) -> RagError | None:
     """The configuration error of an installed copy run with RAG_CORPUS_DIR unset: pip installs
     no sample corpus beside the code to default to. None when there is a folder to use."""
@@ -1201,7 +1215,10 @@ class BodyStructure:
     block_starts: tuple[int, ...]
 
 
-_ANCHOR_SUFFIX = re.compile(r"\s*\{#[^}]*\}\s*$")
+# A heading's attribute list, as MkDocs (attr_list), VitePress and Pandoc write it: `{#id}`,
+# `{ #cors-policy }`, `{: #id .class key=value }`. Not text a reader of the page sees.
+_ATTRIBUTE = r"(?:[#.][^\s{}]+|[\w-]+=[^\s{}]*)"
+_ANCHOR_SUFFIX = re.compile(rf"\s*\{{:?\s*{_ATTRIBUTE}(?:\s+{_ATTRIBUTE})*\s*\}}\s*$")
 
 
 def _markdown_tokens(lines: Sequence[str]) -> list[Any]:
@@ -1275,13 +1292,13 @@ def _jsx_tag_text(tag: str) -> str:
 def mdx_inline(text: str) -> str:
     """A piece of MDX text as embedded: comments out, JSX tags reduced to their shown attribute
     values, character references decoded (&nbsp; &#x7B;: generated reference pages are full of
-    them), heading anchors out, URL payloads shortened."""
+    them), URL payloads shortened."""
     text = _HTML_COMMENT.sub("", _JSX_COMMENT.sub("", text))
     if "<" in text:
         text = _JSX_TAG.sub(lambda tag: _jsx_tag_text(tag.group()), text)
     if "&" in text:
         text = html.unescape(text).replace("\xa0", " ")
-    return searchable_text(_ANCHOR_SUFFIX.sub("", text) if "{#" in text else text)
+    return searchable_text(text)
 
 
 @dataclass
@@ -1331,7 +1348,7 @@ def _mdx_line(line: str, state: _MdxState) -> tuple[str, bool, BodyHeading | Non
             return mdx_inline(line[:at]), True, None
     atx = _MDX_ATX.match(line)
     if atx:
-        text = metadata_text(nfc(mdx_inline(atx.group(2) or "")))
+        text = metadata_text(nfc(mdx_inline(_ANCHOR_SUFFIX.sub("", atx.group(2) or ""))))
         return text, True, BodyHeading(0, 0, len(atx.group(1)), text)
     opened = _JSX_TAG_START.search(line)
     if opened and ">" not in line[opened.end():]:
@@ -3509,6 +3526,37 @@ def _run_terms(run: str) -> tuple[str, ...]:
     return tuple(terms)
 
 
+def path_terms(text: str) -> list[str]:
+    """The steps of the dotted, `::` and `/` paths in indexed text, and each two steps that follow
+    one another (the keyword index's chunk_steps), so that an identifier held inside a longer path
+    is found: `bulk_import` in `records.bulk_import`, `Flask.route` in `flask.Flask.route`, `bar` in
+    `Foo::bar`."""
+    steps: dict[str, None] = {}
+    for run in _RUN.findall(unicodedata.normalize("NFKC", searchable_text(text))):
+        if "." in run or ":" in run or "/" in run or "$" in run or "@" in run:
+            for piece in _IDENT_PIECE.findall(run):
+                steps.update(dict.fromkeys(_path_steps(piece.strip(".-/:$@").lower())))
+    return [step for step in steps if step not in _STOP_WORDS]
+
+
+_PATH_SEPARATOR = re.compile(r"(::|[./:$@])")
+PATH_STEPS_PAIRED = 8  # a path of more steps is indexed by its steps alone (a URL: not every pair of them)
+
+
+def _path_steps(piece: str) -> list[str]:
+    """The steps of a dotted, `::` or `/` path, and each two that follow one another, so that an
+    identifier held inside a longer path is found (`bulk_import` in `records.bulk_import`,
+    `Flask.route` in `flask.Flask.route`, `bar` in `Foo::bar`)."""
+    if not _PATH_SEPARATOR.search(piece):
+        return []
+    split = _PATH_SEPARATOR.split(piece)
+    steps = [step for step in split[::2] if step]
+    if len(steps) > PATH_STEPS_PAIRED:
+        return steps
+    pairs = [f"{split[i]}{split[i + 1]}{split[i + 2]}" for i in range(0, len(split) - 2, 2) if split[i] and split[i + 2]]
+    return steps + pairs
+
+
 QUERY_TERMS_MAX = 64
 
 
@@ -3694,6 +3742,41 @@ def _fill_successors(db: Any, scheme: PrefixScheme) -> None:
                (successors_column(()),))
 
 
+def recount_common_terms(db: Any) -> None:
+    """common_terms anew from FTS5's own counts (one walk of the whole index, as 'optimize')."""
+    db.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.fts_rows USING fts5vocab(main, chunks_fts, 'row')")
+    db.execute("DELETE FROM common_terms")
+    db.execute("INSERT INTO common_terms(term, passages) SELECT term, doc FROM temp.fts_rows WHERE doc >= ?",
+               (COMMON_TERM_PASSAGES,))
+
+
+def keyword_row(title: str, heading: str, text: str) -> tuple[str, str, str]:
+    """A passage's chunks_fts row (title, heading, body), each column its terms space-joined: what
+    ingest writes and common_terms counts."""
+    return " ".join(indexed_terms(title)), " ".join(indexed_terms(heading)), " ".join(indexed_terms(text))
+
+
+def passage_steps(title: str, heading: str, text: str) -> str:
+    """A passage's chunk_steps row: the steps of the paths it holds (path_terms), space-joined."""
+    return " ".join(path_terms(f"{title}\n{heading}\n{text}"))
+
+
+def _fill_steps(db: Any, scheme: PrefixScheme) -> None:
+    """Every passage's steps, anew (a store whose version was not recorded may hold some already);
+    the next run publishes a new generation."""
+    db.execute("DELETE FROM chunk_steps")
+    rows = db.execute("SELECT c.rowid, coalesce(d.title, c.path), c.heading, coalesce(c.searchable, c.text) "
+                      "FROM chunks c LEFT JOIN documents d ON d.path = c.path")
+    for batch in iter(lambda: rows.fetchmany(1000), []):  # a million passages' text is not held at once
+        db.executemany("INSERT INTO chunk_steps(rowid, steps) VALUES (?, ?)",
+                       [(rowid, passage_steps(*columns)) for rowid, *columns in batch])
+    db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('unpublished', '1')")
+
+
+_FTS_TABLE = (f"CREATE VIRTUAL TABLE IF NOT EXISTS {{name}} USING fts5({{columns}}, "
+              f"tokenize=\"unicode61 remove_diacritics 0 tokenchars '{FTS_TOKENCHARS}'\")")
+
+
 KEYWORD_MIGRATIONS = (
     Migration(1, (
         "CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -3710,8 +3793,7 @@ KEYWORD_MIGRATIONS = (
         # Documents whose chunks are keyword-indexed but have no vectors yet (ingest ran while the
         # embedder could not embed them), with their chunk count; the next run that can embed takes them first.
         "CREATE TABLE IF NOT EXISTS vectors_pending(path TEXT PRIMARY KEY, chunks INTEGER NOT NULL)",
-        "CREATE VIRTUAL TABLE IF NOT EXISTS chunks_fts USING fts5(title, heading, body, "
-        f"tokenize=\"unicode61 remove_diacritics 0 tokenchars '{FTS_TOKENCHARS}'\")",
+        _FTS_TABLE.format(name="chunks_fts", columns="title, heading, body"),
     )),
     # embed_key: embed_key() of the exact text embedded for the chunk: ingest reuses its vector for
     # any chunk with the same key.
@@ -3733,6 +3815,10 @@ KEYWORD_MIGRATIONS = (
     Migration(6, ("ALTER TABLE chunks ADD COLUMN searchable TEXT",
                   "ALTER TABLE documents ADD COLUMN pages TEXT",
                   "CREATE TABLE IF NOT EXISTS extracted(path TEXT PRIMARY KEY, text TEXT NOT NULL)")),
+    # The steps of each passage's dotted, `::` and `/` paths (path_terms), in a table of their own:
+    # they make a passage hold an identifier, and change no passage's keyword rank (FTS5's bm25
+    # measures a row's length over all its columns).
+    Migration(7, (_FTS_TABLE.format(name="chunk_steps", columns="steps"),), _fill_steps),
 )
 KEYWORD_SCHEMA_VERSION = KEYWORD_MIGRATIONS[-1].number
 _ADD_COLUMN = re.compile(r"ALTER TABLE (\w+) ADD COLUMN (\w+)")
@@ -4171,11 +4257,19 @@ class IndexStamp:
     vectors_pending: int = 0  # chunks found by keyword only: their vectors wait for Ollama
 
 
-def vectors_pending_hint(model: str) -> str:
+def vectors_pending_hint(model: str, corpus: str | os.PathLike[str], store: str | os.PathLike[str],
+                         embedder_up: bool | None = None) -> str:
     """What to do about passages that wait for their vectors: the same words from ingest, search,
-    list_documents and /health."""
-    return (f"start Ollama (`ollama serve`) and `ollama pull {model}`, then run {ingest_command()}: "
-            "it embeds only the waiting passages")
+    list_documents and /health. The command names this corpus and store (typed as shown, it must
+    not index the sample corpus into the default store), and Ollama is said to be down only when
+    it is known to be (None: not known)."""
+    command = ingest_command("--corpus", shlex.quote(str(corpus)), "--store", shlex.quote(str(store)))
+    if embedder_up:
+        return f"Ollama answers: run {command} (unless an ingest is running now): it embeds only the waiting passages"
+    if embedder_up is None:
+        return (f"with Ollama running (`ollama serve`) and the model pulled (`ollama pull {model}`), run {command}: "
+                "it embeds only the waiting passages")
+    return f"start Ollama (`ollama serve`) and `ollama pull {model}`, then run {command}: it embeds only the waiting passages"
 
 
 @dataclass(frozen=True)

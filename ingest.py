@@ -1589,6 +1589,7 @@ class Store:
                     "(SELECT rowid FROM chunks WHERE path = ?)", (path,)), -1)
             gone = self.db.execute("DELETE FROM chunks_fts WHERE rowid IN (SELECT rowid FROM chunks WHERE path = ?)",
                                    (path,))
+            self.db.execute("DELETE FROM chunk_steps WHERE rowid IN (SELECT rowid FROM chunks WHERE path = ?)", (path,))
             self._rows_written += max(gone.rowcount, 0)
             self.db.execute("DELETE FROM chunks WHERE path = ?", (path,))
             self.db.execute("DELETE FROM documents WHERE path = ?", (path,))
@@ -1598,7 +1599,6 @@ class Store:
     def _insert_rows(self, pf: PreparedFile) -> None:
         doc, path = pf.doc, pf.file.path
         self._rows_written += len(pf.chunks)
-        title_terms = " ".join(rules.indexed_terms(doc.title))
         fts_rows = []
         for chunk, key in zip(pf.chunks, pf.keys, strict=True):
             # The searchable text is stored only where it is not the text's own (MDX's tags, rST's roles).
@@ -1608,10 +1608,11 @@ class Store:
                 "searchable) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (rules.chunk_id(path, pf.content_hash, chunk.index), path, chunk.index, chunk.start_line,
                  chunk.end_line, chunk.heading, doc.lifecycle, chunk.text, key, searchable))
-            fts_row = (title_terms, " ".join(rules.indexed_terms(chunk.heading)),
-                       " ".join(rules.indexed_terms(chunk.searchable)))
+            fts_row = rules.keyword_row(doc.title, chunk.heading, chunk.searchable)
             self.db.execute("INSERT INTO chunks_fts(rowid, title, heading, body) VALUES (?, ?, ?, ?)",
                             (cur.lastrowid, *fts_row))
+            self.db.execute("INSERT INTO chunk_steps(rowid, steps) VALUES (?, ?)",
+                            (cur.lastrowid, rules.passage_steps(doc.title, chunk.heading, chunk.searchable)))
             fts_rows.append(fts_row)
         self._count_common_terms(fts_rows, 1)
         self.db.execute(
@@ -1649,7 +1650,8 @@ class Store:
             with transaction(self.db):
                 if due:
                     self.db.execute("INSERT INTO chunks_fts(chunks_fts) VALUES ('optimize')")
-                    self._recount_common_terms()
+                    self.db.execute("INSERT INTO chunk_steps(chunk_steps) VALUES ('optimize')")
+                    rules.recount_common_terms(self.db)
                 self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
                                 (META_ROWS_SINCE_OPTIMIZE, "0" if due else str(written)))
         except sqlite3.Error as exc:
@@ -1665,13 +1667,6 @@ class Store:
             log.info("keyword index compacted into one segment in %.1f s (%d rows written since the last time)",
                      time.monotonic() - started, written)
         return due
-
-    def _recount_common_terms(self) -> None:
-        """common_terms anew from FTS5's own counts (one walk of the whole index, as 'optimize')."""
-        self.db.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.fts_rows USING fts5vocab(main, chunks_fts, 'row')")
-        self.db.execute("DELETE FROM common_terms")
-        self.db.execute("INSERT INTO common_terms(term, passages) SELECT term, doc FROM temp.fts_rows WHERE doc >= ?",
-                        (rules.COMMON_TERM_PASSAGES,))
 
     def counts(self) -> tuple[int, int]:
         files = self.db.execute("SELECT count(*) FROM documents").fetchone()[0]
@@ -1916,7 +1911,8 @@ class Summary:
                     f"{self.failed} failed; about {self.estimated_chunks} chunks to embed")
         left = f", {self.left_for_next_run} left for the next run" if self.left_for_next_run else ""
         left += ", every chunk re-embedded: the model's weights changed" if self.model_changed else ""
-        keyword_only = f", {self.chunks_without_vectors} for keyword search only" if self.chunks_without_vectors else ""
+        keyword_only = (f", {self.chunks_without_vectors} indexed for keyword search first" if self.chunks_without_vectors
+                        else "")
         waiting = f"; {self.vectors_pending} chunks without vectors" if self.vectors_pending else ""
         return (f"{self.scanned} scanned, {self.added} added, {self.updated} updated, {self.unchanged} unchanged, "
                 f"{self.removed} removed, {self.excluded} excluded, {self.ignored} ignored, {self.failed} failed{left}; "
@@ -2149,6 +2145,17 @@ def probe_model_if_reachable(settings: rules.Settings, scheme: rules.PrefixSchem
         return None
 
 
+def context_length_if_reachable(settings: rules.Settings) -> int | None:
+    """The model's context length as the first host of OLLAMA_HOST reports it, within
+    OPTIONAL_PROBE_TIMEOUT_S; None when it does not say."""
+    embedder = rules.OllamaEmbedder(settings.ollama_host, settings.embed_model,
+                                    min(settings.embed_timeout_s, OPTIONAL_PROBE_TIMEOUT_S))
+    try:
+        return embedder.model_info().context_length
+    except RagError:
+        return None
+
+
 def assumed_context_length(settings: rules.Settings, scheme: rules.PrefixScheme) -> int:
     """The model's context when Ollama cannot say (a dry run, a run without Ollama): its registry entry's."""
     return rules.REGISTRY_CONTEXT_LENGTH.get(scheme.name, settings.chunk_max_tokens)
@@ -2236,9 +2243,10 @@ def dry_run(args: argparse.Namespace, settings: rules.Settings, layout: rules.St
     registry, waiting = _registry_of(layout, current), _waiting_of(layout, current)
     _guard_empty(walk, registry, args.allow_empty)
     scheme = scheme_for(settings.embed_model)
-    # No Ollama in a dry run: the registry's context length stands in for /api/show, and the live
-    # index's dimensions for the model's (a dimension change alone goes unnoticed).
-    context = assumed_context_length(settings, scheme)
+    # Ollama is asked the model's context length, which cuts the chunks as a run would (/api/show,
+    # briefly; nothing is embedded); when it does not answer, the registry's stands in. The live
+    # index's dimensions stand in for the model's (a dimension change alone goes unnoticed).
+    context = context_length_if_reachable(settings) or assumed_context_length(settings, scheme)
     likely = rules.manifest_for(settings, scheme.name, dims=current.manifest.dims if current else 0)
     summary.index = current.index if current else ""
     if current is not None and likely.index_name() != current.index:
@@ -2251,28 +2259,45 @@ def dry_run(args: argparse.Namespace, settings: rules.Settings, layout: rules.St
     for warning in plan.warnings:
         log.warning("%s", warning)
     summary.estimated_chunks = sum(len(pf.chunks) for pf in plan.changed)
-    summary.listing = dry_run_listing(walk, plan, settings.corpus_dir)
+    summary.listing = dry_run_listing(walk, plan, settings)
     summary.files_found = dict(files_found(walk, plan).counts)
     return summary
 
 
-def dry_run_listing(walk: Walk, plan: Plan, corpus: Path) -> list[dict[str, str]]:
+def dry_run_listing(walk: Walk, plan: Plan, settings: rules.Settings) -> list[dict[str, str]]:
     """Every path the run would touch or leave out, with what it would do and why: the scope a user
-    can check before paying for embeddings."""
-    git_rules = explain_git_ignored(corpus, [p for p, why in walk.ignored.items() if why == "ignored by git"])
+    can check before paying for embeddings. Its actions are the summary's counts: add, update,
+    remove, exclude (rag: false), ignore (a scope rule), fail, unchanged."""
+    ignored = {p: explained for p, explained in explain_git_ignored(settings.corpus_dir, [
+        p for p, why in walk.ignored.items() if why == "ignored by git"]).items()}
     entries = [{"path": pf.file.path, "action": "add" if pf.file.path in plan.without_vectors else "update",
-                "reason": f"{len(pf.chunks)} chunk(s) to embed or reuse"} for pf in plan.changed]
+                "reason": (f"indexed for keyword search; its {len(pf.chunks)} chunk(s) to embed"
+                           if pf.file.path in plan.waiting_as_they_were else f"{len(pf.chunks)} chunk(s) to embed or reuse")}
+               for pf in plan.changed]
     entries += [{"path": f.path, "action": "unchanged", "reason": ""} for f in plan.unchanged]
     entries += [{"path": f.path, "action": "unchanged", "reason": "content unchanged, mtime moved"}
                 for f, _ in plan.mtime_only]
     entries += [{"path": p, "action": "exclude", "reason": "rag: false"} for p in plan.excluded]
-    entries += [{"path": p, "action": "exclude", "reason": git_rules.get(p, why)} for p, why in walk.ignored.items()]
+    entries += [{"path": p, "action": "ignore", "reason": ignored.get(p, why)} for p, why in walk.ignored.items()]
     entries += [{"path": p, "action": "fail", "reason": why} for p, why in plan.failed.items()]
-    leaving = {e["path"] for e in entries}
-    entries += [{"path": p, "action": "remove", "reason": "gone from the corpus" if p not in leaving
-                 else "now excluded"} for p in plan.removed]
-    order = {"add": 0, "update": 1, "remove": 2, "exclude": 3, "fail": 4, "unchanged": 5}
+    entries += [{"path": p, "action": "remove", "reason": removal_reason(p, plan, walk, settings.formats)}
+                for p in plan.removed]
+    order = {"add": 0, "update": 1, "remove": 2, "exclude": 3, "ignore": 4, "fail": 5, "unchanged": 6}
     return sorted(entries, key=lambda e: (order[e["action"]], e["path"]))
+
+
+def removal_reason(path: str, plan: Plan, walk: Walk, formats: Collection[str]) -> str:
+    """Why an indexed document leaves the index: excluded, ignored (itself or a folder of it), of a
+    format no longer read, or gone from the folder."""
+    if path in plan.excluded:
+        return "now excluded (rag: false)"
+    rule = walk.ignored.get(path) or next((why for p, why in walk.ignored.items()
+                                           if p.endswith("/") and path.startswith(p)), None)
+    if rule is not None:
+        return f"now ignored ({rule})"
+    if rules.reader_for(path, formats) is None:
+        return rules.not_read_reason(rules.file_extension(path))
+    return "gone from the corpus"
 
 
 def run(args: argparse.Namespace, summary: Summary | None = None, vectors: rules.Vectors | None = None) -> Summary:
@@ -2282,12 +2307,14 @@ def run(args: argparse.Namespace, summary: Summary | None = None, vectors: rules
     summary = Summary(dry_run=args.dry_run) if summary is None else summary
     started = time.monotonic()
     settings = rules.load_settings(corpus_dir=args.corpus, store_dir=args.store)
-    log.info("resolved configuration: %s", settings.describe())
-    layout = rules.StoreLayout(settings.store_dir)
     corpus = settings.corpus_dir
-    if not corpus.is_dir():
+    if not corpus.is_dir():  # before the configuration is shown: an installed copy has no default corpus to show
         raise rules.no_corpus_configured(settings) or RagError(
             ErrorCode.CORPUS_MISSING, f"corpus folder {corpus} does not exist", "set RAG_CORPUS_DIR or pass --corpus DIR")
+    log.info("resolved configuration: %s", settings.describe())
+    for warning in rules.unknown_variables():
+        log.warning("%s", warning)
+    layout = rules.StoreLayout(settings.store_dir)
     # Started when the run knows it has work (see _run_in), not for a run with nothing to write.
     owned = vectors is None and not args.dry_run
     if owned:
@@ -2553,8 +2580,9 @@ def _write(run: Run, prepared: Prepared) -> bool:
     summary.vectors_pending = store.waiting_chunks()
     summary.errors = [*sorted(plan.failed.values()), *run_errors]
     if summary.vectors_pending:
-        summary.errors.append(f"{summary.vectors_pending} chunks without vectors (found by keyword search only): "
-                              f"{rules.vectors_pending_hint(run.settings.embed_model)}")
+        hint = rules.vectors_pending_hint(run.settings.embed_model, run.settings.corpus_dir, run.settings.store_dir,
+                                          embedder_up=run.unembeddable is None and run.model is not None)
+        summary.errors.append(f"{summary.vectors_pending} chunks without vectors (found by keyword search only): {hint}")
     return changed_anything
 
 

@@ -1208,6 +1208,8 @@ class OpenIndex:
             # Per-term passage counts for the query terms' weights: a view of the FTS index in
             # this connection's in-memory temp schema (nothing is written to the store).
             db.execute("CREATE VIRTUAL TABLE temp.term_counts USING fts5vocab(main, chunks_fts, 'row')")
+            if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'chunk_steps'").fetchone():
+                db.execute("CREATE VIRTUAL TABLE temp.step_counts USING fts5vocab(main, chunk_steps, 'row')")
             db.execute("PRAGMA query_only = 1")
             db.execute("SELECT 1 FROM chunks LIMIT 1").fetchall()
         except sqlite3.Error as exc:
@@ -1303,15 +1305,27 @@ class OpenIndex:
         return {term: counts[term] for term in terms if counts.get(term)}
 
     def holders(self, expression: str | None, ids: Sequence[str]) -> set[str]:
-        """Which of these chunk ids match an FTS5 expression (None matches nothing)."""
+        """Which of these chunk ids hold an identifier's FTS5 expression (None matches nothing): in
+        their text, or as a step of a path they hold (chunk_steps)."""
         if expression is None or not ids:
             return set()
         found: set[str] = set()
-        for batch in rules.batched(list(ids), 500):
-            found.update(str(i) for (i,) in self._sql(
-                "SELECT c.id FROM chunks_fts JOIN chunks c ON c.rowid = chunks_fts.rowid WHERE chunks_fts MATCH ? "
-                f"AND c.id IN ({','.join('?' * len(batch))})", [expression, *batch]))
+        for table in ("chunks_fts", "chunk_steps") if self.schema >= 7 else ("chunks_fts",):
+            for batch in rules.batched(list(ids), 500):
+                found.update(str(i) for (i,) in self._sql(
+                    f"SELECT c.id FROM {table} JOIN chunks c ON c.rowid = {table}.rowid WHERE {table} MATCH ? "
+                    f"AND c.id IN ({','.join('?' * len(batch))})", [expression, *batch]))
         return found
+
+    def identifier_passages(self, terms: Sequence[str]) -> dict[str, int]:
+        """How many passages hold each identifier's term: in their text (passages_with), or else as
+        a step of a path (`bulk_import` in `records.bulk_import`, counted in chunk_steps)."""
+        counts = self.passages_with(terms)
+        steps = [term for term in dict.fromkeys(terms) if term not in counts]
+        if steps and self.schema >= 7:
+            counts.update((str(t), int(n)) for t, n in self._sql(
+                f"SELECT term, doc FROM temp.step_counts WHERE term IN ({','.join('?' * len(steps))})", steps))
+        return counts
 
     def _sql(self, query: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         try:
@@ -1801,13 +1815,15 @@ def tell_progress(message: str) -> None:
 # The service: the three tools as plain methods (no MCP types below this line's section).
 
 
-def vectors_waiting(current: rules.CurrentIndex) -> RagError | None:
+def vectors_waiting(current: rules.CurrentIndex, store_dir: Path, corpus_dir: Path,
+                    embedder_up: bool | None = None) -> RagError | None:
     """VECTORS_PENDING when passages of this generation wait for their vectors (ingest ran while
-    Ollama was away), None when every passage has one."""
+    Ollama was away), None when every passage has one. The hint names this store and corpus, and
+    says Ollama is down only when known (`embedder_up`)."""
     stamp = current.stamp
     if current.manifest.dims and not stamp.vectors_pending:
         return None
-    hint = rules.vectors_pending_hint(current.manifest.model)
+    hint = rules.vectors_pending_hint(current.manifest.model, corpus_dir, store_dir, embedder_up)
     if without_vectors(current):
         return RagError(ErrorCode.VECTORS_PENDING, f"none of the index's {stamp.chunks} passages has a vector yet",
                         hint)
@@ -2194,6 +2210,9 @@ class RetrievalService:
 
         return self.staleness.of(index, self.corpus_dir(index.current), recount)
 
+    def _vectors_waiting(self, current: rules.CurrentIndex, embedder_up: bool | None = None) -> RagError | None:
+        return vectors_waiting(current, self.settings.store_dir, self.corpus_dir(current), embedder_up)
+
     def corpus_dir(self, current: rules.CurrentIndex) -> Path:
         """RAG_CORPUS_DIR when set, else the folder the index was built from."""
         if self.settings.corpus_dir_explicit or not current.corpus_dir:
@@ -2271,7 +2290,7 @@ class RetrievalService:
                 if not index.current.stamp.files:
                     raise index_empty(index)
                 if degraded is None and args.mode != "keyword" and without_vectors(index.current):
-                    unembedded = vectors_waiting(index.current)
+                    unembedded = self._vectors_waiting(index.current)
                     if args.mode == "vector":
                         raise unembedded
                     degraded, vectors = unembedded, None
@@ -2465,7 +2484,7 @@ class RetrievalService:
                     seen[term] = identifier
                     if p == 0:
                         own.add(term)
-        counts = index.passages_with(list(seen))
+        counts = index.identifier_passages(list(seen))
         missing = [identifier for term, identifier in seen.items() if counts.get(term, 0) == 0]
         return distinctive_identifiers(seen, counts, index.current.stamp.chunks), missing, frozenset(own)
 
@@ -2580,7 +2599,7 @@ class RetrievalService:
                      "hint": f"{degraded.message}: keyword results only. {degraded.hint}"}
             if args.min_score is not None:
                 extra["hint"] += "; min_score was not applied (it needs the query's embedding)"
-        elif args.mode != "keyword" and (waiting := vectors_waiting(index.current)) is not None:
+        elif args.mode != "keyword" and (waiting := self._vectors_waiting(index.current, embedder_up=True)) is not None:
             extra = {"degraded": str(waiting.code), "hint": f"{waiting.message}. {waiting.hint}"}
         if confidence is not None:
             extra.update(confidence=confidence.level, confidence_score=confidence.score,
@@ -2706,6 +2725,9 @@ class RetrievalService:
                                         else f"the index is empty: {rules.INGEST_HINT}")
         elif not entries:
             message = f"offset {args.offset} is past the end ({total} documents)"
+        elif (waiting := self._vectors_waiting(index.current)) is not None:
+            message = (f"{info.vectors_pending} of {info.chunks} passages are found by keyword search only: "
+                       f"{waiting.hint}")
         return ListDocumentsResponse(documents=entries, total=total, offset=args.offset,
                                      next_offset=end if end < total else None, message=message,
                                      files=[FilesOfExtension(**row) for row in found.rows()],
@@ -3711,7 +3733,7 @@ class HealthProbe:
             if not current.stamp.files:
                 problems.append({"part": "index", "code": str(ErrorCode.INDEX_EMPTY), "message": "the index holds "
                                  f"no document: the last ingest found {found.line()}", "hint": rules.INGEST_HINT})
-            waiting = vectors_waiting(current)
+            waiting = self.service._vectors_waiting(current, embedder_up=self.embedder is None)
             if waiting is not None:
                 problems.append({"part": "vectors", **redacted(waiting).payload()["error"],
                                  "note": KEYWORDS_SERVE_MEANWHILE})
@@ -4389,11 +4411,9 @@ def human_view(tool: str, payload: Mapping[str, Any]) -> str:
              for doc in payload["documents"]]
     if payload.get("next_offset") is not None:
         lines.append(f"(more: --offset {payload['next_offset']})")
-    index = payload.get("index") or {}
-    if index.get("vectors_pending"):
-        lines.append(f"({index['vectors_pending']} of {index['chunks']} passages are found by keyword search only: "
-                     f"{rules.vectors_pending_hint(index['model'])})")
-    return "\n".join(lines) if lines else f"({rules.metadata_text(payload.get('message') or 'no documents')})"
+    if payload.get("message"):
+        lines.append(f"({rules.metadata_text(payload['message'], HUMAN_VIEW_NOTE_MAX)})")
+    return "\n".join(lines) if lines else "(no documents)"
 
 
 def doubts_of(payload: Mapping[str, Any]) -> list[str]:
@@ -4425,13 +4445,55 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     parser.add_argument("--host", help="with --http: address to listen on (default $RAG_HTTP_HOST or 127.0.0.1)")
     parser.add_argument("--port", type=int, help="with --http: port (default $RAG_HTTP_PORT or 8765; 0: any free)")
     commands = parser.add_subparsers(dest="command", metavar="{" + ",".join(CLI_COMMANDS) + "}")
+    subparsers: dict[str, argparse.ArgumentParser] = {}
     for command, tool in CLI_COMMANDS.items():
         spec = TOOLS[tool]
-        sub = commands.add_parser(command, help=f"{spec.title.lower()} ({tool})", description=spec.description)
+        sub = subparsers[command] = commands.add_parser(command, help=f"{spec.title.lower()} ({tool})",
+                                                        description=spec.description)
         for names, options in cli_arguments(spec.input_model):
             sub.add_argument(*names, **options)
         sub.add_argument("--json", action="store_true", help="print the tool's JSON (or its error) on stdout")
-    return parser.parse_args(argv)
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(_dash_positionals_kept(tokens, subparsers))
+    for name, value in vars(args).items():
+        if isinstance(value, str) and value.startswith(DASH_KEPT):
+            setattr(args, name, value[len(DASH_KEPT):])
+    return args
+
+
+# A positional argument that starts with a dash (a query for `--forwarded-allow-ips`) is not an
+# option of the command: it is carried through argparse behind this mark, which no one types.
+DASH_KEPT = "\x00"
+
+
+def _dash_positionals_kept(tokens: list[str], subparsers: Mapping[str, Any]) -> list[str]:
+    """The command line with each dash-led token that is no option of its command (nor an option's
+    value) marked as a positional (argparse would refuse it as an unknown option)."""
+    command = next((i for i, token in enumerate(tokens) if token in subparsers), None)
+    if command is None:
+        return tokens
+    known = {option: action for action in subparsers[tokens[command]]._actions for option in action.option_strings}
+    out, value_next = tokens[:command + 1], False
+    for token in tokens[command + 1:]:
+        option = known.get(token.split("=", 1)[0])
+        if value_next or token == "--" or not token.startswith("-") or len(token) == 1 or option is not None:
+            out.append(token)
+            value_next = option is not None and option.nargs != 0 and "=" not in token
+        elif _looks_like_number(token):
+            out.append(token)  # a negative number is the value argparse expects, or its own error
+            value_next = False
+        else:
+            out.append(DASH_KEPT + token)
+            value_next = False
+    return out
+
+
+def _looks_like_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -4451,7 +4513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             service.close(timeout=settings.store_timeout_s if settings else rules.DEFAULT_STORE_TIMEOUT_S)
     problems = startup_problems()
     if not (args.http and settings is None):  # an HTTP daemon refuses to start: said once, below
-        for problem in problems:
+        for problem in [*problems, *rules.unknown_variables()]:
             log.warning("%s", problem)
     warmup = WarmUp(service)
     abandoned = False

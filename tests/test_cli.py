@@ -52,6 +52,17 @@ def test_search_json_is_the_tools_structured_content(built: Built, fake: FakeOll
     assert payload["results"][0]["path"] == "oncall/escalation.md" and len(payload["results"]) <= 3
 
 
+def test_a_query_that_starts_with_dashes_is_a_query_not_an_option(built: Built, fake: FakeOllama) -> None:
+    """`--forwarded-allow-ips` is what the README calls identifier-shaped: searched for, options after
+    it still read as options (issue 41)."""
+    done = run_cli(built.server_env(fake.host), "search", "--forwarded-allow-ips", "--k", "2", "--json")
+    assert done.returncode in (0, 1), done.stderr
+    payload = json_answer(done, "search_corpus")
+    assert payload["query"] == "--forwarded-allow-ips" and len(payload["results"]) <= 2
+    assert payload["missing_identifiers"] == ["--forwarded-allow-ips"]
+    assert vars(server.parse_args(["search", "--k", "3", "-x", "--mode", "keyword"]))["query"] == "-x"
+
+
 def test_every_tool_argument_is_a_cli_option() -> None:
     """The sub-commands are built from the tools' input models: nothing to re-declare, nothing to drift."""
     for command, tool in server.CLI_COMMANDS.items():

@@ -1226,7 +1226,7 @@ def test_row_terms_are_the_tokens_fts5_indexes_for_the_row(title: str, heading: 
     FTS5's own, case folding included."""
     db = sqlite3.connect(":memory:", isolation_level=None)
     rules.migrate_keyword_index(db, rules.PREFIX_SCHEMES["none"])
-    columns = tuple(" ".join(rules.indexed_terms(text)) for text in (title, heading, body))
+    columns = rules.keyword_row(title, heading, body)
     db.execute("INSERT INTO chunks_fts(rowid, title, heading, body) VALUES (1, ?, ?, ?)", columns)
     db.execute("CREATE VIRTUAL TABLE temp.rows USING fts5vocab(main, chunks_fts, 'row')")
     assert {term for (term,) in db.execute("SELECT term FROM temp.rows")} == rules.row_terms(*columns)
@@ -1266,3 +1266,43 @@ def test_a_megabyte_line_of_url_starts_is_made_searchable_and_cut_whole(unit: st
     line = unit * (1_000_000 // len(unit))
     assert len(rules.searchable_text(line)) <= len(line)
     assert "".join(rules._cut_units(line, 512)) == line
+
+
+_STEP = st.from_regex(r"[a-z][a-z0-9]{0,5}(?:_[a-z0-9]{1,5}){0,2}|[A-Z][a-z]{1,5}[A-Z][a-z]{1,4}", fullmatch=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_STEP, min_size=2, max_size=6), st.lists(st.sampled_from([".", "::", "/"]), min_size=5, max_size=5))
+def test_an_identifier_inside_a_path_is_one_of_its_terms(steps: list[str], separators: list[str]) -> None:
+    """Each step of a dotted, :: or / path, and each two steps that follow one another, is a keyword
+    term of the passage (its body's or its steps' column: identifier_term of the step): a query's
+    identifier held inside a longer path is present (issue 41)."""
+    path = steps[0] + "".join(sep + step for sep, step in zip(separators, steps[1:], strict=False))
+    terms = set(rules.indexed_terms(f"see {path} here")) | set(rules.path_terms(f"see {path} here"))
+    for step in steps:
+        term = rules.identifier_term(step)
+        assert term is None or term in terms or term in rules._STOP_WORDS, (path, step)
+    for left, sep, right in zip(steps, separators, steps[1:], strict=False):
+        assert rules.identifier_term(f"{left}{sep}{right}") in terms, (path, left, right)
+
+
+@pytest.mark.parametrize(("heading", "shown"), [
+    ("CORS (Cross-Origin Resource Sharing) { #cors-cross-origin-resource-sharing }",
+     "CORS (Cross-Origin Resource Sharing)"),  # MkDocs attr_list, as FastAPI's docs write it
+    ("Vite の設定 {#configuring-vite}", "Vite の設定"),
+    ("Tabs {: #tabs .wide data-x=1 }", "Tabs"),
+    ("Sets {x, y} and {a}", "Sets {x, y} and {a}"),  # braces that are text stay
+])
+def test_a_headings_attribute_list_is_not_its_text(heading: str, shown: str) -> None:
+    doc = _doc(f"# {heading}\n\nBody text.\n")
+    assert [h.text for h in doc.text.headings] == [shown] and doc.title == shown
+    mdx = rules.parse_document(f"# {heading}\n\nBody text.\n".encode(), "page.mdx")
+    assert [h.text for h in mdx.text.headings] == [shown]
+
+
+def test_a_misspelt_variable_is_named_with_the_one_meant() -> None:
+    """RAG_STORE= used to be ignored without a word: the default store was used (issue 41)."""
+    warnings = rules.unknown_variables({"RAG_STORE": "/x", "RAG_STORE_DIR": "/y", "RAG_NOTHING_LIKE_IT": "1", "PATH": "/"})
+    assert warnings == ["RAG_NOTHING_LIKE_IT is set but is no variable of local-rag-mcp; see the README's Configuration",
+                        "RAG_STORE is set but is no variable of local-rag-mcp (did you mean RAG_STORE_DIR?)"]
+    assert rules.unknown_variables({name: "1" for name in rules.ENVIRONMENT}) == []

@@ -187,7 +187,7 @@ def test_rag_formats_leaves_a_format_out_and_the_next_run_removes_it(fake: FakeO
     store = tmp_path / "store"
     assert ingest_in_process(fake, corpus, store, RAG_FORMATS="markdown,rst").code == 0
     dry = ingest_in_process(fake, corpus, store, "--dry-run", RAG_FORMATS="markdown")
-    assert {"path": "api/config.rst", "action": "remove", "reason": "gone from the corpus"} in dry.summary["listing"]
+    assert {"path": "api/config.rst", "action": "remove", "reason": "RAG_FORMATS leaves rst out"} in dry.summary["listing"]
     assert dry.summary["files_found"][".rst"] == {"not_read": 1}
     assert "RAG_FORMATS leaves rst out" in dry.err
     done = ingest_in_process(fake, corpus, store, RAG_FORMATS="markdown")

@@ -973,7 +973,8 @@ def test_dry_run_writes_nothing_and_embeds_nothing(tmp_path: Path, fake_ollama_e
     dry = ingest_run(corpus, store, "--dry-run")
     assert dry.code == 0, dry.err
     assert not store.exists()
-    assert fake_ollama_env.requests == []  # not even /api/show
+    # it asks the model its context length (chunks are cut to it) and embeds nothing
+    assert [path for _, path, _ in fake_ollama_env.requests] == ["/api/show"]
     s = dry.summary
     assert (s["dry_run"], s["added"], s["excluded"], s["chunks_written"], s["embedding_calls"]) == (True, 6, 1, 0, 0)
     assert "dry run: 7 scanned, would add 6" in dry.err
@@ -989,7 +990,7 @@ def test_dry_run_writes_nothing_and_embeds_nothing(tmp_path: Path, fake_ollama_e
     assert (again.summary["added"], again.summary["updated"], again.summary["removed"]) == (1, 1, 1)
     assert again.summary["estimated_chunks"] == 2
     assert {k: v for k, v in file_listing(store).items() if not k.endswith("-shm")} == listing
-    assert fake_ollama_env.requests == []
+    assert [path for _, path, _ in fake_ollama_env.requests] == ["/api/show"]
 
 
 def test_dry_run_foresees_a_model_change_rebuild(tmp_path: Path, fake_ollama_env: FakeOllama,
@@ -1002,7 +1003,7 @@ def test_dry_run_foresees_a_model_change_rebuild(tmp_path: Path, fake_ollama_env
     monkeypatch.setenv("RAG_EMBED_MODEL", "nomic-embed-text")
     fake_ollama_env.reset()
     run = ingest_run(corpus, store, "--dry-run")
-    assert run.code == 0 and fake_ollama_env.requests == []
+    assert run.code == 0 and [path for _, path, _ in fake_ollama_env.requests] == ["/api/show"]
     s = run.summary
     assert (s["rebuilt"], s["added"], s["unchanged"]) == (True, 6, 0)
     assert s["index"] != index and s["estimated_chunks"] > 0
@@ -1296,3 +1297,10 @@ def test_common_terms_stay_exact_through_edits_removals_and_lifecycle_flips(
     assert ingest_run(corpus, store).code == 0
     kept, fts = counted()
     assert kept == fts and kept["relay"] == 11 and kept["archive"] == 10 and "vault" not in kept
+
+
+def test_a_misspelt_variable_is_said_by_ingest(fake_ollama_env: FakeOllama, tmp_path: Path) -> None:
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    done = ingest_in_process(fake_ollama_env, corpus, store, RAG_STORE=str(tmp_path / "meant"))
+    assert done.code == 0, done.err
+    assert "RAG_STORE is set but is no variable of local-rag-mcp (did you mean RAG_STORE_DIR?)" in done.err

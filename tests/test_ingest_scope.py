@@ -98,7 +98,7 @@ def test_a_corpus_in_a_git_repository_leaves_out_what_git_ignores(fake: FakeOlla
         "index.md", "api/spec.md", "api/spec.generated.md", "site/generated.md", "tracked-but-matching.md"}
     listing = dry_run(fake, corpus, store, "--json")
     entries = {e["path"]: e for e in json.loads(listing.out)["listing"]}
-    assert entries["site/"]["action"] == "exclude" and ".gitignore:1:docs/site/" in entries["site/"]["reason"]
+    assert entries["site/"]["action"] == "ignore" and ".gitignore:1:docs/site/" in entries["site/"]["reason"]
     assert ".gitignore:2:*.generated.md" in entries["api/spec.generated.md"]["reason"]
 
 
@@ -119,16 +119,47 @@ def test_dry_run_lists_every_path_with_its_rule(fake: FakeOllama, tmp_path: Path
     assert any(line.startswith("update    reference/glossary.md") for line in lines)
     assert "remove    oncall/escalation.md  (gone from the corpus)" in lines
     assert "exclude   private/offsite-backup.md  (rag: false)" in lines
-    assert "exclude   node_modules/  (built-in rule: node_modules/)" in lines
-    assert "exclude   notes/a.draft.md  (.ragignore: line 2: *.draft.md)" in lines
+    # Left out by a scope rule is "ignore", as the summary counts it ("ignored"); "exclude" is rag: false.
+    assert "ignore    node_modules/  (built-in rule: node_modules/)" in lines
+    assert "ignore    notes/a.draft.md  (.ragignore: line 2: *.draft.md)" in lines
     assert "unchanged runbooks/deploy.md" in lines
     machine = json.loads(dry_run(fake, corpus, store, "--json").out)
     actions = {e["path"]: e["action"] for e in machine["listing"]}
     assert actions["new/page.md"] == "add" and actions["oncall/escalation.md"] == "remove"
-    assert fake.requests == []  # the dry run asked Ollama nothing
+    # The dry run asked Ollama the model's context length, as a run does, and embedded nothing.
+    assert {path for _, path, _ in fake.requests} <= {"/api/show"}
     assert {p.name for p in store.iterdir()} == {rules.CURRENT_FILE, rules.LOCK_FILE, current_index(store)}
 
 
 def current_index(store: Path) -> str:
     return json.loads((store / rules.CURRENT_FILE).read_text(encoding="utf-8"))["index"]
 
+
+
+def test_the_dry_run_says_what_the_run_then_does(fake: FakeOllama, tmp_path: Path) -> None:
+    """Its counts and chunk estimate are the run's own, and each removal says why: deleted, ignored
+    (a folder's rule), excluded, or of a format no longer read (issue 41)."""
+    corpus, store = copy_sample(tmp_path), tmp_path / "store"
+    write(corpus / "extra" / "notes.mdx", "# Notes\n\nSome notes about the deploy.\n")
+    assert ingest_in_process(fake, corpus, store).code == 0
+    write(corpus / "new" / "page.md", "# New\n\nA new page about rollbacks and their checks.\n")
+    edit(corpus / "reference" / "glossary.md", "# Glossary\n\nRewritten from the start.\n")
+    (corpus / "oncall" / "escalation.md").unlink()
+    write(corpus / ".ragignore", "ja/\n")
+    edit(corpus / "reference" / "api.md", "---\nrag: false\n---\n# API\n\nHidden now.\n")
+    env = {"RAG_FORMATS": "markdown"}
+    dry = ingest_in_process(fake, corpus, store, "--dry-run", **env)
+    assert dry.code == 0, dry.err
+    listed = {(e["path"], e["action"], e["reason"]) for e in dry.summary["listing"]}
+    assert ("oncall/escalation.md", "remove", "gone from the corpus") in listed
+    assert ("ja/log-collection.md", "remove", "now ignored (.ragignore: line 1: ja/)") in listed
+    assert {("reference/api.md", "remove", "now excluded (rag: false)"), ("reference/api.md", "exclude", "rag: false")} <= listed
+    assert ("extra/notes.mdx", "remove", "RAG_FORMATS leaves mdx out") in listed
+    assert ("ja/", "ignore", ".ragignore: line 1: ja/") in listed
+    run = ingest_in_process(fake, corpus, store, **env)
+    assert run.code == 0, run.err
+    counted = ("added", "updated", "unchanged", "removed", "excluded", "ignored", "failed")
+    assert {k: dry.summary[k] for k in counted} == {k: run.summary[k] for k in counted}
+    assert dry.summary["estimated_chunks"] == run.summary["chunks_written"] + run.summary["chunks_without_vectors"]
+    assert [e["action"] for e in dry.summary["listing"]].count("ignore") == dry.summary["ignored"]
+    assert [e["action"] for e in dry.summary["listing"]].count("exclude") == dry.summary["excluded"]

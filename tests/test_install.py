@@ -88,6 +88,7 @@ def test_the_wheel_installs_and_runs_by_name_outside_the_checkout(fake: FakeOlla
     unset = run([rules.INGEST_SCRIPT], env, elsewhere)
     assert unset.returncode == 2, unset.stderr[-3000:]
     assert "configuration error: RAG_CORPUS_DIR is not set" in unset.stderr and "set RAG_CORPUS_DIR" in unset.stderr
+    assert "resolved configuration" not in unset.stderr  # no default corpus beside an installed copy to show
     no_index = run([rules.SERVER_SCRIPT, "search", "rollback"], env, elsewhere)
     assert no_index.returncode == 2 and "set RAG_CORPUS_DIR" in no_index.stderr, no_index.stderr[-3000:]
     assert f"then run `{rules.INGEST_SCRIPT}`" in no_index.stderr, "the console script, by name: PATH finds it"

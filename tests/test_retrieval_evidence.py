@@ -109,6 +109,20 @@ def test_whole_identifier_ranks_above_passages_with_only_its_parts(parts_corpus:
         assert payload["missing_identifiers"] == []
 
 
+def test_an_identifier_held_inside_a_dotted_path_is_present(fake: FakeOllama, indexed_sample: tuple[Path, Path],
+                                                           tmp_path: Path) -> None:
+    """runbooks/deploy.md writes `flagctl set records.bulk_import off`: asked for bulk_import, the
+    search must not say no passage holds it, and that passage holds it whole (issue 41)."""
+    svc = in_process_service(sample_built(indexed_sample, tmp_path, fake.host))
+    for mode in ("hybrid", "keyword"):
+        payload = search(svc, query="bulk_import", mode=mode)
+        assert payload["missing_identifiers"] == [], (mode, payload["missing_identifiers"])
+        top = payload["results"][0]
+        assert top["path"] == "runbooks/deploy.md" and "records.bulk_import" in top["text"]
+        assert top["exact_matches"] == ["bulk_import"]
+        assert "no indexed passage contains" not in (payload.get("message") or "")
+
+
 def test_identifier_present_only_as_parts_is_missing(parts_corpus: Built) -> None:
     svc = in_process_service(parts_corpus)
     payload = search(svc, query="OLLAMA_KEEP_ALIVE_SESSIONS default")

@@ -671,7 +671,8 @@ def test_passages_waiting_for_vectors_are_found_by_keywords_and_counted(tmp_path
         (corpus / "runbooks" / "zebra-crossing.md").write_text(
             "# Zebra crossing drill\n\nThe quarterly zebra crossing drill rehearses the ZEBRA-7 failover.\n")
         ollama.stop()
-        assert ingest_in_process(ollama, corpus, store).code == 1
+        down = ingest_in_process(ollama, corpus, store)
+        assert down.code == 1 and "start Ollama" in down.err and f"--corpus {corpus} --store {store}" in down.err
         ollama.restart()
         svc = service(Built(corpus, store, ollama.host))
         is_error, payload = call(svc, "search_corpus", query="ZEBRA-7 failover drill")
@@ -679,6 +680,10 @@ def test_passages_waiting_for_vectors_are_found_by_keywords_and_counted(tmp_path
         waiting = payload["index"]["vectors_pending"]
         assert 0 < waiting < payload["index"]["chunks"]
         assert payload["hint"].startswith(f"{waiting} of the index's {payload['index']['chunks']} passages have")
+        # The query was embedded: Ollama answers, so the hint does not say to start it, and its command
+        # names this corpus and store (typed as shown, it must not index the sample into the default store).
+        assert "Ollama answers" in payload["hint"] and "start Ollama" not in payload["hint"]
+        assert f"--corpus {corpus} --store {store}" in payload["hint"]
         assert payload["results"][0]["path"] == "runbooks/zebra-crossing.md"
         assert payload["results"][0]["matched"] == ["keyword"]
         assert any("vector" in hit["matched"] for hit in payload["results"])  # the others still have vectors

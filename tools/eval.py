@@ -52,9 +52,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import json
 import os
 import re
+import shutil
 import sqlite3
 import statistics
 import subprocess
@@ -73,7 +76,7 @@ sys.path.insert(0, str(ROOT / "tools"))  # tools/readme_section.py
 
 import readme_section
 
-from corpus_rules import CurrentIndex, StoreLayout, number_ranges, searchable_tokens
+from corpus_rules import CurrentIndex, EmbeddedVectors, StoreLayout, number_ranges, searchable_tokens
 
 MODES = ("hybrid", "vector", "keyword")
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
@@ -566,6 +569,36 @@ def build_index(corpus: Path, store: Path) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def thinned_copy(store: Path, share: float, into: Path) -> None:
+    """A copy of an embedded store (at `into`) as an ingest leaves it that embedded documents
+    holding about `share` of the chunks and was then stopped: the others' vectors deleted, the
+    documents waiting (vectors_pending), the stamp saying how many. Documents are taken in an
+    order drawn from their paths, so every run and every change is measured on the same ones.
+    """
+    shutil.copytree(store, into)
+    layout = StoreLayout(into)
+    current = layout.read_current()
+    if current is None:
+        raise SystemExit(f"{store} holds no index")
+    with contextlib.closing(sqlite3.connect(layout.keyword_db(current.index))) as db, db:
+        documents = sorted(db.execute("SELECT path, lifecycle, chunk_count FROM documents"),
+                           key=lambda row: hashlib.sha256(row[0].encode()).hexdigest())
+        total, kept, waiting = sum(n for _, _, n in documents), 0, []
+        for path, lifecycle, chunks in documents:
+            if kept + chunks / 2 <= share * total:
+                kept += chunks
+            else:
+                waiting.append((path, lifecycle, chunks))
+        vectors = EmbeddedVectors(layout.chroma_dir(current.index), current.index)
+        for path, lifecycle, chunks in waiting:
+            ids = [i for (i,) in db.execute("SELECT id FROM chunks WHERE path = ?", (path,))]
+            vectors.delete(lifecycle, ids)
+            db.execute("INSERT OR REPLACE INTO vectors_pending(path, chunks) VALUES (?, ?)", (path, chunks))
+        vectors.close()
+    stamp = dataclasses.replace(current.stamp, vectors_pending=total - kept)
+    layout.write_current(dataclasses.replace(current, stamp=stamp))
+
+
 def arguments(query: Query) -> dict[str, Any]:
     return {"query": query.text, **({"queries": query.phrasings} if query.phrasings else {})}
 
@@ -816,6 +849,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="confidence leave one corpus out, from saved runs of two or more corpora")
     parser.add_argument("--check-k", action="store_true",
                         help=f"also check that the results for every k in 1..{K_SWEEP} are the first k of k={K_SWEEP}")
+    parser.add_argument("--vectors-share", type=float, metavar="X",
+                        help="search a copy of the index in which only documents holding about X (0-1) of the "
+                             "chunks have vectors, as an ingest stopped while embedding leaves it")
     parser.add_argument("--phrasings", type=Path, help="extra phrasings per query id (JSON lines {id, queries})")
     parser.add_argument("--evidence", type=Path, help="the dev set's evidence.jsonl: gold sections' line ranges as "
                                                       "it defines them (needed for formats other than Markdown)")
@@ -852,15 +888,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rag-eval-") as tmp:
         store = (args.store or Path(tmp) / "store").resolve()
         summary = build_index(corpus, store)
+        if args.vectors_share is not None:
+            store, built = Path(tmp) / "thinned", store
+            thinned_copy(built, args.vectors_share, store)
         layout = StoreLayout(store)
         current = layout.read_current()
+        if current and current.stamp.vectors_pending:
+            print(f"vectors for {current.stamp.chunks - current.stamp.vectors_pending} of {current.stamp.chunks} "
+                  "chunks", file=sys.stderr)
         fragments = store_fragments(layout, current) if current else None
         env = {"RAG_STORE_DIR": str(store), "RAG_CORPUS_DIR": str(corpus),
                "OLLAMA_HOST": os.environ.get("OLLAMA_HOST", "http://127.0.0.1:11434")}
         outcomes, k_checked = asyncio.run(in_session(env, queries, modes, args.k, args.check_k))
     settings = {"corpus": args.query_corpus or corpus.name, "corpus_dir": str(corpus), "modes": modes,
                 "phrasings": any(q.phrasings for q in queries), "k": args.k, "embedder_host": env["OLLAMA_HOST"],
-                "embedder_model": current.manifest.model if current else None, "commit": commit, "dirty": dirty}
+                "embedder_model": current.manifest.model if current else None, "commit": commit, "dirty": dirty,
+                "vectors_pending": current.stamp.vectors_pending if current else None}
     saved = saved_run(settings, {mode: outcomes[mode] for mode in modes})
     report: dict[str, Any] = {"corpus": str(corpus), "queries": len(queries), "chunks": summary.get("chunks_written"),
                               "embedder": env["OLLAMA_HOST"], "phrasings": sum(1 for q in queries if q.phrasings),
