@@ -798,11 +798,14 @@ class ThinEvidence:
     hidden: int = 0
     successors: tuple[str, ...] = ()
     stale: str | None = None
+    ahead: str | None = None  # a superseded document whose passage would come before the first hit
+    ahead_successors: tuple[str, ...] = ()
 
 
 def thin_result_message(evidence: ThinEvidence) -> str | None:
     """Which case a thin search is, each with what to do: the agent is shown this, not the
-    evidence. None when the search is not thin."""
+    evidence; and, on any search, the superseded document that would have come first. None when
+    the search is neither thin nor hides such a document."""
     e = evidence
     if e.empty:
         parts = [e.empty]
@@ -819,10 +822,15 @@ def thin_result_message(evidence: ThinEvidence) -> str | None:
     elif e.low:
         parts = ["no passage matches closely (confidence low): the documents may not cover this"]
     else:
+        parts = []
+    if e.ahead:
+        parts.append(f"a passage of the superseded (outdated) document {rules.shown(e.ahead)} would come first: "
+                     "pass include_superseded=true to see it" + replaced_by(e.ahead_successors))
+    if not parts:
         return None
     if e.missing:
         parts.append(f"no indexed passage contains {', '.join(e.missing)}")
-    if e.hidden:
+    if e.hidden and not e.ahead:
         count = f"more than {HIDDEN_COUNT_MAX}" if e.hidden > HIDDEN_COUNT_MAX else str(e.hidden)
         parts.append(f"{count} passage(s) of superseded (outdated) documents match the query's words and are hidden: "
                      "pass include_superseded=true to see them" + replaced_by(e.successors))
@@ -2262,7 +2270,9 @@ class RetrievalService:
         7. rank: fuse, identifier bonus, spread (see rank), the first k, their rows read;
         8. hits: the ranked candidates as SearchHits with their similarities;
         9. confidence: how likely the first hit answers the query (see judge);
-        10. response: the payload within its budget, saying why when nothing was found.
+        10. response: the payload within its budget, saying why when nothing was found, and which
+            superseded document would have come first (the search again with them, only where
+            the scope holds one).
 
         Stages 2, 3 and the Chroma queries of 4 overlap stage 1 (Prefetch says which thread does
         what); they are kept when the index did not move on meanwhile, else run again on the new
@@ -2344,22 +2354,7 @@ class RetrievalService:
         (`loading_until`: how long the vector channel waits for an index still loading)."""
         # 2. pre-filter
         scope = prefetch.scope if prefetch is not None else self._prefilter(index, args)
-        facts, candidates = QueryFacts(), ChannelCandidates()
-        if not scope.empty:
-            # 3. keyword channel (the one prefetched for hybrid search ranks common words only
-            # with a vector channel beside it: without one, they are ranked again, together)
-            alone = args.mode == "keyword" or degraded is not None
-            keyword = prefetch.keyword if prefetch is not None else None
-            if keyword is None or (alone and not keyword.candidates.found()):
-                keyword = self._keyword_channel(index, args, scope, phrasings, alone)
-            facts = keyword.facts
-            # 4. vector channel
-            candidates = self._vector_channel(index, args, scope, phrasings, keyword.candidates,
-                                              prefetch.queries if prefetch is not None else {}, loading_until)
-            # 5. min_score
-            candidates = self._above_min_score(index, args, phrasings, candidates)
-            # 6. identifiers
-            candidates = dataclasses.replace(candidates, whole=self._whole_identifiers(index, facts, candidates))
+        facts, candidates = self._candidates(index, args, scope, phrasings, degraded, prefetch, loading_until)
         # 7. rank
         ranked = self._with_rows(index, rank(candidates, args.mode)[:args.k], candidates)
         # 8. hits
@@ -2369,7 +2364,47 @@ class RetrievalService:
         confidence = (self._confidence(index, candidates.rows[ranked[0][0]], hits[0], candidates, facts, phrasings)
                       if hits else None)
         # 10. response
-        return self._search_response(index, args, scope, candidates, facts, hits, confidence, degraded)
+        ahead = self._superseded_ahead(index, args, phrasings, degraded, loading_until) if hits else None
+        return self._search_response(index, args, scope, candidates, facts, hits, confidence, degraded, ahead)
+
+    def _candidates(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope, phrasings: list[Phrasing],
+                    degraded: RagError | None, prefetch: Prefetch | None = None,
+                    loading_until: float | None = None) -> tuple[QueryFacts, ChannelCandidates]:
+        """Stages 3-6: what the query says and every candidate of both channels, ready to rank."""
+        if scope.empty:
+            return QueryFacts(), ChannelCandidates()
+        # 3. keyword channel (the one prefetched for hybrid search ranks common words only
+        # with a vector channel beside it: without one, they are ranked again, together)
+        alone = args.mode == "keyword" or degraded is not None
+        keyword = prefetch.keyword if prefetch is not None else None
+        if keyword is None or (alone and not keyword.candidates.found()):
+            keyword = self._keyword_channel(index, args, scope, phrasings, alone)
+        # 4. vector channel
+        candidates = self._vector_channel(index, args, scope, phrasings, keyword.candidates,
+                                          prefetch.queries if prefetch is not None else {}, loading_until)
+        # 5. min_score
+        candidates = self._above_min_score(index, args, phrasings, candidates)
+        # 6. identifiers
+        candidates = dataclasses.replace(candidates, whole=self._whole_identifiers(index, keyword.facts, candidates))
+        return keyword.facts, candidates
+
+    def _superseded_ahead(self, index: OpenIndex, args: SearchCorpusInput, phrasings: list[Phrasing],
+                          degraded: RagError | None, loading_until: float | None) -> str | None:
+        """The superseded document whose passage would come before the first result shown, were
+        superseded documents searched too (None when none would). The same search again with them,
+        paid only where the scope holds one."""
+        if args.include_superseded or not index.counts_by_lifecycle().get("superseded"):
+            return None
+        wide = args.model_copy(update={"include_superseded": True})
+        scope = self._prefilter(index, wide)
+        if scope.paths.get("superseded") == []:
+            return None  # none under path_prefix
+        _, candidates = self._candidates(index, wide, scope, phrasings, degraded, None, loading_until)
+        order = rank(candidates, wide.mode)
+        if not order:
+            return None
+        row = index.chunks_by_id([order[0][0]]).get(order[0][0])
+        return row.path if row is not None and row.lifecycle == "superseded" else None
 
     def _prefilter(self, index: OpenIndex, args: SearchCorpusInput) -> SearchScope:
         """Lifecycle and path_prefix, applied before ranking in both channels so a filtered-out
@@ -2588,7 +2623,8 @@ class RetrievalService:
 
     def _search_response(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope,
                          candidates: ChannelCandidates, facts: QueryFacts, hits: list[SearchHit],
-                         confidence: Judgement | None, degraded: RagError | None) -> dict[str, Any]:
+                         confidence: Judgement | None, degraded: RagError | None,
+                         superseded_ahead: str | None = None) -> dict[str, Any]:
         """The response's payload: hits within the text budget, the confidence, the index stamp,
         and a message that says why there is nothing when there is nothing. Built as the output
         model (so it fits the declared outputSchema), then trimmed to the budget as JSON."""
@@ -2611,7 +2647,8 @@ class RetrievalService:
         message = thin_result_message(ThinEvidence(
             hits=len(hits), low=low, empty=scope.empty, dropped=len(candidates.dropped), min_score=args.min_score,
             plan_kind=plan.kind if args.mode == "keyword" and plan is not None else None, missing=tuple(facts.missing),
-            hidden=hidden, successors=successors, stale=staleness.hint if staleness.changed_files else None))
+            hidden=hidden, successors=successors, stale=staleness.hint if staleness.changed_files else None,
+            ahead=superseded_ahead, ahead_successors=index.successors_of([superseded_ahead]) if superseded_ahead else ()))
         response = SearchResponse(query=args.query, mode=args.mode, results=hits,
                                   dropped_below_min_score=len(candidates.dropped), message=message,
                                   missing_identifiers=list(facts.missing), index=self._index_info(index.current),

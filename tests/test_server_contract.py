@@ -733,16 +733,35 @@ def recorded(svc: server.RetrievalService) -> list[tuple[str, str, dict[str, Any
     return calls
 
 
-def test_default_search_queries_only_the_active_collection_unfiltered(base: Built) -> None:
+def test_default_search_ranks_the_active_collection_and_asks_the_superseded_one_only_for_its_note(base: Built) -> None:
     svc = service(base)
     calls = recorded(svc)
     is_error, payload = call(svc, "search_corpus", query="kubectl-deploy push --all-at-once", k=5)
     assert not is_error and len(payload["results"]) == 5
     queries = [(name, kw) for op, name, kw in calls if op == "query"]
-    assert [name for name, _ in queries] == ["chunks_active"]
+    # the results: the active collection, unfiltered; then the same search with superseded
+    # documents, to say whether one of theirs would have come first
+    assert [name for name, _ in queries] == ["chunks_active", "chunks_active", "chunks_superseded"]
     assert queries[0][1]["where"] is None
-    assert all(name == "chunks_active" for _, name, _ in calls), "superseded is never touched by default"
     assert {hit["lifecycle"] for hit in payload["results"]} == {"active"}
+    calls.clear()
+    assert not call(svc, "search_corpus", query="kubectl-deploy push --all-at-once", path_prefix="oncall/")[0]
+    assert all(name == "chunks_active" for _, name, _ in calls), "no superseded document is under oncall/"
+
+
+@pytest.mark.parametrize(("query", "note"), [("deploy preconditions announce in #deploys", True),
+                                             ("how do I deploy a service", False)])
+def test_a_confident_search_names_the_superseded_document_that_would_come_first(
+        base: Built, query: str, note: bool) -> None:
+    svc = service(base)
+    _, payload = call(svc, "search_corpus", query=query, mode="keyword")
+    _, wide = call(svc, "search_corpus", query=query, mode="keyword", include_superseded=True)
+    assert payload["confidence"] == "high" and payload["results"][0]["lifecycle"] == "active"
+    assert (wide["results"][0]["lifecycle"] == "superseded") is note
+    expected = ("a passage of the superseded (outdated) document 'runbooks/deploy-2023.md' would come first: pass "
+                "include_superseded=true to see it, replaced by 'runbooks/deploy.md'")
+    assert payload["message"] == (expected if note else None)
+    assert wide["message"] is None
 
 
 def test_include_superseded_queries_both_collections(base: Built) -> None:
@@ -807,8 +826,11 @@ def test_a_thin_search_says_passages_of_superseded_documents_are_hidden_and_what
     svc = service(base)
     _, payload = call(svc, "search_corpus", query=query, mode=mode)
     assert payload["confidence"] == "low" and {h["lifecycle"] for h in payload["results"]} == {"active"}
-    assert "superseded (outdated) documents match the query's words and are hidden: pass include_superseded=true" \
-        in payload["message"] and payload["message"].endswith("replaced by 'runbooks/deploy.md'"), payload["message"]
+    # how many are hidden, or, when one of them would come first, which document it is
+    assert ("superseded (outdated) documents match the query's words and are hidden: pass include_superseded=true"
+            in payload["message"] or "superseded (outdated) document 'runbooks/deploy-2023.md' would come first: "
+            "pass include_superseded=true" in payload["message"]), payload["message"]
+    assert payload["message"].endswith("replaced by 'runbooks/deploy.md'"), payload["message"]
     _, shown = call(svc, "search_corpus", query=query, mode=mode, include_superseded=True)
     assert "hidden" not in (shown["message"] or "")
     _, confident = call(svc, "search_corpus", query="who gets paged for a sev-1", mode=mode)
@@ -868,22 +890,26 @@ def test_thin_result_message_names_each_case() -> None:
        missing=st.lists(st.from_regex(r"[A-Z]{2,8}_[A-Z]{2,8}", fullmatch=True), max_size=3).map(tuple),
        hidden=st.integers(0, 40), successors=st.lists(st.from_regex(r"[a-z]{1,8}\.md", fullmatch=True),
                                                       max_size=8, unique=True).map(tuple),
-       changed=st.integers(0, 3))
-def test_a_thin_search_always_says_why_and_a_confident_one_never_does(
+       changed=st.integers(0, 3), ahead=st.none() | st.just("old/guide.md"))
+def test_a_thin_search_always_says_why_and_a_confident_one_only_what_it_hides_first(
         hits: int, low: bool, empty: str | None, dropped: int, plan_kind: str | None, missing: tuple[str, ...],
-        hidden: int, successors: tuple[str, ...], changed: int) -> None:
+        hidden: int, successors: tuple[str, ...], changed: int, ahead: str | None) -> None:
     evidence = server.ThinEvidence(hits=hits, low=low, empty=empty, dropped=dropped, min_score=0.5,
                                    plan_kind=plan_kind, missing=missing, hidden=hidden,
                                    successors=successors if hidden else (),
-                                   stale=f"{changed} indexed file(s) changed on disk since the last ingest" if changed else None)
+                                   stale=f"{changed} indexed file(s) changed on disk since the last ingest" if changed else None,
+                                   ahead=ahead, ahead_successors=successors if ahead else ())
     message = server.thin_result_message(evidence)
-    if hits and not low and not empty:
+    if hits and not low and not empty and not ahead:
         assert message is None
         return
     assert message
+    assert ("'old/guide.md' would come first: pass include_superseded=true" in message) == bool(ahead)
+    if hits and not low and not empty:
+        return
     assert all(name in message for name in missing)
-    assert ("include_superseded=true" in message) == bool(hidden)
-    assert all(f"'{path}'" in message for path in successors[:server.SUCCESSORS_SHOWN] if hidden)
+    assert ("include_superseded=true" in message) == bool(hidden or ahead)
+    assert all(f"'{path}'" in message for path in successors[:server.SUCCESSORS_SHOWN] if hidden or ahead)
     assert ("since the last ingest" in message) == bool(changed)
 
 
