@@ -118,13 +118,16 @@ IDENTIFIER_COMMON_SHARE = 0.1
 FILE_LEAD = 3
 # The keyword channel's evidence for a phrasing is read from this many of its best passages.
 KEYWORD_EVIDENCE_ROWS = 3
-# Confidence (see judge): the value is high from CONFIDENCE_HIGH, medium from CONFIDENCE_MEDIUM;
-# an identifier missing from the index takes the penalty. Round numbers, not fitted to the dev set
-# (README: what they give there).
-CONFIDENCE_MISSING_PENALTY = 0.3
-CONFIDENCE_UNKNOWN = 0.3
-CONFIDENCE_HIGH = 0.5
-CONFIDENCE_MEDIUM = 0.1
+# Confidence (see judge): a value in [0, 1], high from CONFIDENCE_HIGH, medium from
+# CONFIDENCE_MEDIUM. The margin's place on the index's calibration scale counts through a logistic
+# of this slope, a half at the middle of unrelated and answered; an identifier missing from the
+# index scales the value by CONFIDENCE_MISSING_FACTOR. Round numbers (tools/README.md: what they
+# give on the dev set, each corpus held out).
+CONFIDENCE_POSITION_SLOPE = 2.0
+CONFIDENCE_MISSING_FACTOR = 0.5
+CONFIDENCE_UNKNOWN = 0.4
+CONFIDENCE_HIGH = 0.6
+CONFIDENCE_MEDIUM = 0.3
 # BM25 must score every chunk an FTS5 expression matches before it can sort (~1.5 us each):
 # an OR of common words matches most of a 100k-chunk corpus (~100 ms). Above this many matches
 # a term is not discriminative and the keyword channel keeps to the rarer terms (see keyword_plan).
@@ -465,8 +468,9 @@ class SearchResponse(BaseModel):
         None, description="How likely the first result answers the query (null without results); low means "
                           "the documents may not answer it: say so rather than cite a near miss.")
     confidence_score: float | None = Field(
-        None, description="The value confidence is read from (high from 0.5, medium from 0.1): finer than the "
-                          "level, to compare the first results of several searches of this index.")
+        None, description=f"The value in [0, 1] confidence is read from (high from {CONFIDENCE_HIGH}, medium from "
+                          f"{CONFIDENCE_MEDIUM}): finer than the level, to compare the first results of several "
+                          "searches of this index.")
     confidence_reason: str | None = Field(None, description="Why, in one line.")
     missing_identifiers: list[str] = Field(default_factory=list,
                                            description="Identifiers in the query that no indexed passage contains.")
@@ -592,6 +596,32 @@ class RankedList:
     phrasing: int  # 0: the query; 1, 2, ...: the extra phrasings in `queries`
     ids: tuple[str, ...]
     weight: float = 1.0
+    ranks: tuple[int, ...] | None = None  # each id's own rank (stand_ins); None: 1, 2, ...
+
+    def positions(self) -> Iterable[tuple[int, str]]:
+        """(rank, id), a repeated id at its first place only."""
+        if self.ranks is not None:
+            return zip(self.ranks, self.ids, strict=True)
+        return enumerate(dict.fromkeys(self.ids), start=1)
+
+    def without(self, ids: Container[str]) -> RankedList:
+        kept = [(rank, item) for rank, item in self.positions() if item not in ids]
+        return dataclasses.replace(self, ids=tuple(item for _, item in kept),
+                                   ranks=None if self.ranks is None else tuple(rank for rank, _ in kept))
+
+
+def stand_ins(keyword: RankedList, waiting: Container[str], weight: float) -> RankedList | None:
+    """The vector channel's stand-ins for a phrasing's keyword candidates whose vectors wait (an
+    ingest still embedding): each at its keyword rank, with the vector list's weight. Without
+    them the few passages that have vectors take a second vote the others cannot, and come
+    first whatever they say; with them a waiting passage counts as a vector hit at its keyword
+    rank would, and hybrid search is keyword search until vectors come in. (Scaling the vector
+    list by the share embedded was measured and ranked worse: see tools/README.md.)"""
+    kept = [(rank, item) for rank, item in keyword.positions() if rules.chunk_document_key(item) in waiting]
+    if not kept:
+        return None
+    return RankedList("keyword", keyword.phrasing, tuple(item for _, item in kept), weight,
+                      tuple(rank for rank, _ in kept))
 
 
 def fuse_rankings(lists: Sequence[RankedList], k_rrf: int = RRF_K) -> list[tuple[str, float]]:
@@ -604,7 +634,7 @@ def fuse_rankings(lists: Sequence[RankedList], k_rrf: int = RRF_K) -> list[tuple
     scores: dict[str, float] = {}
     best_rank: dict[str, int] = {}
     for ranked in lists:
-        for rank, item in enumerate(dict.fromkeys(ranked.ids), start=1):
+        for rank, item in ranked.positions():
             scores[item] = scores.get(item, 0.0) + ranked.weight / (k_rrf + rank)
             best_rank[item] = min(best_rank.get(item, rank), rank)
     return sorted(scores.items(), key=lambda kv: (-kv[1], best_rank[kv[0]], kv[0]))
@@ -724,10 +754,12 @@ class Judgement:
 def judge(evidence: Evidence) -> Judgement:
     """The confidence that the best hit answers the query, its value, and why, in one line.
 
-    Without a generator, two signals are averaged: how far the passage stands out from the near
-    misses, on this corpus's own scale (between what its headings' best passages in other
-    documents and in their own do, see Calibration), and how much of the query's distinctive
-    vocabulary it holds. An identifier no indexed passage holds is a fact about the corpus: one
+    Without a generator, two signals are averaged, each in [0, 1]: how far the passage stands out
+    from the near misses, on this corpus's own scale (between what its headings' best passages in
+    other documents and in their own do, see Calibration), and how much of the query's distinctive
+    vocabulary it holds. The first needs the passage's vector: on a keyword-only index, or for a
+    passage whose vector waits, the terms alone decide, on the same scale and levels (the dev set,
+    every corpus held out, in tools/README.md). An identifier no indexed passage holds is a fact about the corpus: one
     lowers the value, all of the query's own make it low. One only an extra phrasing names is the
     agent's guess, weaker evidence (on the dev set: seven answered questions, seven unanswered):
     it lowers the value, never makes it low alone. Measured and left out, since they told answered
@@ -740,7 +772,7 @@ def judge(evidence: Evidence) -> Judgement:
     parts: list[float] = []
     if evidence.margin is not None and evidence.calibration is not None:
         position = evidence.calibration.position(evidence.margin)
-        parts.append(max(-1.0, min(2.0, position)))
+        parts.append(logistic(CONFIDENCE_POSITION_SLOPE * (position - 0.5)))
         notes.append(f"stands out from the near misses by {evidence.margin:.3f} (this corpus: unrelated "
                      f"{evidence.calibration.unrelated:.3f}, answered {evidence.calibration.related:.3f})")
     elif evidence.similarity is not None:
@@ -750,16 +782,21 @@ def judge(evidence: Evidence) -> Judgement:
         notes.append(f"holds {evidence.coverage:.0%} of the query's distinctive terms")
     value = sum(parts) / len(parts) if parts else CONFIDENCE_UNKNOWN
     if evidence.identifiers and set(evidence.identifiers) <= set(evidence.missing):
-        return Judgement("low", round(min(value, CONFIDENCE_MEDIUM) - CONFIDENCE_MISSING_PENALTY, 4),
+        return Judgement("low", round(value * CONFIDENCE_MISSING_FACTOR * CONFIDENCE_MEDIUM, 4),
                          f"no indexed passage contains {', '.join(evidence.missing)}: the documents do not mention it")
     if evidence.missing:
-        value -= CONFIDENCE_MISSING_PENALTY
+        value *= CONFIDENCE_MISSING_FACTOR
         notes.insert(0, f"no indexed passage contains {', '.join(evidence.missing)}")
     elif evidence.exact:
         notes.insert(0, f"contains {', '.join(evidence.exact)}")
     level: Literal["high", "medium", "low"] = (
         "high" if value >= CONFIDENCE_HIGH else "medium" if value >= CONFIDENCE_MEDIUM else "low")
     return Judgement(level, round(value, 4), "; ".join(notes) or "no similarity or term evidence")
+
+
+def logistic(x: float) -> float:
+    """1 / (1 + e^-x), in [0, 1] for any x (a margin on a corpus's near-empty scale is huge)."""
+    return 1.0 / (1.0 + math.exp(-max(-60.0, min(60.0, x))))
 
 
 def best_margin(similarities: Mapping[int, Mapping[str, float]], item: str) -> float | None:
@@ -1507,6 +1544,14 @@ class OpenIndex:
             out.update({str(r[0]): rules.ChunkRow(*r) for r in rows})
         return out
 
+    @functools.cached_property
+    def waiting_documents(self) -> frozenset[str]:
+        """The documents whose vectors wait (vectors_pending), as rules.chunk_document_key says them."""
+        if not self.current.stamp.vectors_pending:
+            return frozenset()
+        return frozenset(rules.chunk_document_key(rules.chunk_id(str(path), "", 0))
+                         for (path,) in self._sql("SELECT path FROM vectors_pending", []))
+
     def committed(self, ids: Sequence[str]) -> set[str]:
         """Which of these chunk ids have a committed row. The primary-key index alone answers it
         (measured at 10k chunks: 0.08 ms for 50 ids, against 0.5 ms for their rows)."""
@@ -2068,8 +2113,7 @@ class ChannelCandidates:
         return [self.rows[item] for item in ids if item in self.rows]
 
     def without(self, ids: set[str]) -> ChannelCandidates:
-        return dataclasses.replace(self, dropped=self.dropped | ids, lists=tuple(
-            dataclasses.replace(r, ids=tuple(i for i in r.ids if i not in ids)) for r in self.lists))
+        return dataclasses.replace(self, dropped=self.dropped | ids, lists=tuple(r.without(ids) for r in self.lists))
 
 
 @dataclass(frozen=True)
@@ -2264,7 +2308,8 @@ class RetrievalService:
         2. pre-filter: lifecycles and path_prefix, before any ranking (SearchScope);
         3. keyword channel (hybrid, keyword): each phrasing's BM25 candidates, weighted by the
            evidence the best of them hold, and what the query says (QueryFacts);
-        4. vector channel (hybrid, vector): each phrasing's nearest committed chunks;
+        4. vector channel (hybrid, vector): each phrasing's nearest committed chunks, and stand-ins
+           for the keyword candidates whose vectors wait (see stand_ins);
         5. min_score: the candidates below it dropped, before fusion;
         6. identifiers: which candidates hold each of the query's identifiers whole;
         7. rank: fuse, identifier bonus, spread (see rank), the first k, their rows read;
@@ -2481,7 +2526,11 @@ class RetrievalService:
             ids, scores = self._nearest_committed(index, phrasing.vector, scope,
                                                   {lc: job for (q, lc), job in started.items() if q == p},
                                                   loading_until)
-            lists.append(RankedList("vector", p, tuple(ids), 1.0 if p == 0 else EXTRA_PHRASING_WEIGHT))
+            weight = 1.0 if p == 0 else EXTRA_PHRASING_WEIGHT
+            lists.append(RankedList("vector", p, tuple(ids), weight))
+            if index.waiting_documents:  # an ingest is still embedding: see stand_ins
+                lists.extend(waiting for ranked in keyword.lists if ranked.phrasing == p
+                             if (waiting := stand_ins(ranked, index.waiting_documents, weight)) is not None)
             similarities[p] = {item: score for item, score in scores.items() if score is not None}
             for item, score in scores.items():
                 best[item] = max(score, best.get(item) or -1.0)
@@ -2615,8 +2664,12 @@ class RetrievalService:
         reading = self._passage_reading(index)
         shares = [share for p, phrasing in enumerate(phrasings)
                   if (share := reading.term_evidence(facts.weights.get(p), phrasing, row)) is not None]
+        # A passage whose vector waits has no margin: "at most as similar as the last candidate"
+        # would call every waiting passage a near miss.
+        embedded = rules.chunk_document_key(row.id) not in index.waiting_documents
         return judge(Evidence(
-            similarity=top.score, margin=best_margin(candidates.similarities, row.id), calibration=index.calibration,
+            similarity=top.score, margin=best_margin(candidates.similarities, row.id) if embedded else None,
+            calibration=index.calibration,
             coverage=max(shares, default=None),
             identifiers=tuple(i for i, term in facts.identifiers if term in facts.own), exact=tuple(top.exact_matches),
             missing=tuple(facts.missing)))

@@ -211,6 +211,27 @@ def test_the_document_decides_a_passages_language(query: str, document: float, p
     assert server.same_language(query, None, passage) == server.same_language(query, passage, other)
 
 
+@given(ranked=st.lists(st.sampled_from([f"d{d}-c-{i:05d}" for d in range(6) for i in range(3)]), unique=True,
+                       min_size=1, max_size=12),
+       waiting=st.sets(st.sampled_from([f"d{d}" for d in range(6)])), weight=st.floats(0.1, 1.0))
+def test_a_passage_whose_vector_waits_counts_as_a_vector_hit_at_its_keyword_rank(
+        ranked: list[str], waiting: set[str], weight: float) -> None:
+    keyword = server.RankedList("keyword", 0, tuple(ranked), 0.5)
+    stand_ins = server.stand_ins(keyword, waiting, weight)
+    held = [item for item in ranked if item.split("-")[0] in waiting]
+    assert (stand_ins is None) == (not held)
+    if stand_ins is None:
+        return
+    assert list(stand_ins.positions()) == [(ranked.index(item) + 1, item) for item in held]
+    assert stand_ins.channel == "keyword", "a hit that only stands in was matched by keywords alone"
+    # Nothing embedded: hybrid search is keyword search.
+    if len(held) == len(ranked):
+        assert [i for i, _ in server.fuse_rankings([keyword, stand_ins])] == ranked
+    # Dropped (min_score) passages leave the others at their own ranks.
+    dropped = stand_ins.without({held[0]})
+    assert list(dropped.positions()) == list(stand_ins.positions())[1:]
+
+
 CALIBRATION = rules.Calibration(unrelated=0.01, related=0.03, queries=20, chunks=100)
 
 
@@ -232,13 +253,35 @@ def test_confidence_levels_follow_the_evidence() -> None:
     whole = server.judge(evidence(margin=0.0, coverage=0.1, identifiers=("E4091",), exact=("E4091",)))
     assert whole.level == "low" and "contains E4091" in whole.reason
     assert whole.score == server.judge(evidence(margin=0.0, coverage=0.1)).score
-    # An extra phrasing's missing guess lowers the value by the penalty and no more.
+    # An extra phrasing's missing guess scales the value by the factor and no more.
     guess = server.judge(evidence(identifiers=(), missing=("UV_NATIVE_TLS",)))
-    assert guess.score == round(server.judge(evidence()).score - server.CONFIDENCE_MISSING_PENALTY, 4)
+    assert guess.score == round(server.judge(evidence()).score * server.CONFIDENCE_MISSING_FACTOR, 4)
     assert "UV_NATIVE_TLS" in guess.reason and guess.level != "low"
     partly = server.judge(evidence(identifiers=("E4091", "E9999"), exact=("E4091",), missing=("E9999",),
                                    margin=0.015, coverage=0.3))
     assert partly.level == "low" and "E9999" in partly.reason
+
+
+@given(margin=st.floats(-1.0, 1.0), coverage=st.none() | st.floats(0.0, 1.0),
+       unrelated=st.floats(-0.5, 0.5), span=st.floats(0.0, 0.5), calibrated=st.booleans(),
+       missing=st.sampled_from([(), ("X_Y",), ("A_B", "X_Y")]), own=st.sampled_from([(), ("X_Y",)]))
+def test_the_confidence_score_is_bounded_and_the_level_is_read_from_it(
+        margin: float, coverage: float | None, unrelated: float, span: float, calibrated: bool,
+        missing: tuple[str, ...], own: tuple[str, ...]) -> None:
+    """In every state (a calibrated vector margin or none; terms or none; identifiers missing or
+    not) the score is in [0, 1] and the level is the score's band."""
+    calibration = rules.Calibration(unrelated, unrelated + span, 20, 100) if calibrated else None
+    judged = server.judge(evidence(margin=margin, coverage=coverage, calibration=calibration,
+                                   identifiers=own, missing=missing))
+    assert 0.0 <= judged.score <= 1.0
+    assert judged.level == ("high" if judged.score >= server.CONFIDENCE_HIGH else
+                            "medium" if judged.score >= server.CONFIDENCE_MEDIUM else "low")
+
+
+def test_a_keyword_only_passage_can_be_low_and_high() -> None:
+    """Without a vector the terms alone decide, on the levels a passage with one is read on."""
+    assert server.judge(evidence(margin=None, coverage=0.15)).level == "low"
+    assert server.judge(evidence(margin=None, coverage=0.9)).level == "high"
 
 
 def test_the_confidence_score_orders_within_a_level_and_the_levels_follow_it() -> None:
@@ -246,6 +289,7 @@ def test_the_confidence_score_orders_within_a_level_and_the_levels_follow_it() -
     higher, and every level's scores sit above the next lower level's."""
     ladder = [server.judge(evidence(margin=m, coverage=c))
               for m, c in ((0.0, 0.0), (0.0, 0.1), (0.01, 0.2), (0.015, 0.3), (0.02, 0.5), (0.03, 0.7), (0.05, 1.0))]
+    assert all(0.0 <= j.score <= 1.0 for j in ladder)
     scores = [j.score for j in ladder]
     assert scores == sorted(scores) and len(set(scores)) == len(scores), scores
     order = ["low", "medium", "high"]

@@ -3,6 +3,7 @@
     python tools/eval.py QUERIES.jsonl [MORE.jsonl ...] --corpus DIR [--store DIR]
                          [--modes hybrid,vector,keyword] [--phrasings FILE] [--evidence FILE]
                          [--json FILE] [--runs DIR] [--save RUN.json] [--compare OLD.json] [--check-k]
+                         [--vectors-share X]
     python tools/eval.py --compare OLD.json NEW.json
     python tools/eval.py --table RUN.json [RUN.json ...]
     python tools/eval.py --loco RUN.json RUN.json [...]
@@ -735,8 +736,8 @@ async def in_session(env: Mapping[str, str], queries: Sequence[Query], modes: Se
 # Leave one corpus out (--loco): a confidence rule fitted on one corpus's answerable queries,
 # measured on another's, so nothing is tuned to a single corpus's negatives.
 
-AUROC_GOAL = {False: 0.75, True: 0.80}  # on each held-out corpus, single query / with phrasings (issue 25 §4)
-FLAG_GOAL = 0.10  # at most this share of the answerable queries flagged
+AUROC_GOAL = {False: 0.80, True: 0.85}  # on each held-out corpus, single query / with phrasings (issue 41 §3)
+FLAG_GOAL = 0.10  # at most this share of the answerable queries below the cut, and `low` with phrasings
 
 
 @dataclass(frozen=True)
@@ -759,7 +760,8 @@ class HeldOut:
     def missed(self) -> list[str]:
         """The goals this held-out corpus misses."""
         checks = (("AUROC", self.score_auroc, AUROC_GOAL[self.phrasings], 1),
-                  ("cut", self.answerable_below_cut, FLAG_GOAL, -1), ("low", self.answerable_low, FLAG_GOAL, -1))
+                  ("cut", self.answerable_below_cut, FLAG_GOAL, -1),
+                  *((("low", self.answerable_low, FLAG_GOAL, -1),) if self.phrasings else ()))
         return [name for name, value, goal, sign in checks if value is None or sign * (value - goal) < 0]
 
 
@@ -794,7 +796,8 @@ def leave_one_corpus_out(reports: Sequence[Mapping[str, Any]]) -> list[HeldOut]:
 def loco_table(rows: Sequence[HeldOut]) -> str:
     out = [(f"Confidence, leave one corpus out: the confidence_score cut that flags at most {FLAG_GOAL:.0%} of one "
             f"corpus's answerable queries, applied to the other. Goals: AUROC >= {AUROC_GOAL[False]} single, "
-            f">= {AUROC_GOAL[True]} with phrasings; at most {FLAG_GOAL:.0%} of answerable flagged."), "",
+            f">= {AUROC_GOAL[True]} with phrasings; at most {FLAG_GOAL:.0%} of answerable below the cut, and `low` "
+            "with phrasings."), "",
            ("| held out | cut from | queries | mode | cut | AUROC `confidence_score` | AUROC confidence "
             "| answerable below cut | answerable `low` | unanswerable below cut | unanswerable `low` | goals |"),
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
