@@ -4597,6 +4597,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command:
         logging.getLogger().setLevel(logging.ERROR)
         log.setLevel(logging.WARNING)  # the shell sees the answer; one line per call would be noise
+        for warning in rules.unknown_variables():
+            log.warning("%s", warning)
         try:
             return cli(service, args)
         finally:

@@ -63,6 +63,13 @@ def test_a_query_that_starts_with_dashes_is_a_query_not_an_option(built: Built, 
     assert vars(server.parse_args(["search", "--k", "3", "-x", "--mode", "keyword"]))["query"] == "-x"
 
 
+def test_a_misspelt_variable_is_named_on_stderr_and_stdout_stays_the_answer(built: Built, fake: FakeOllama) -> None:
+    done = run_cli({**built.server_env(fake.host), "RAG_STORE": "/meant/here"}, "search", "rollback", "--json")
+    assert done.returncode == 0, done.stderr
+    assert "RAG_STORE is set but is no variable of local-rag-mcp (did you mean RAG_STORE_DIR?)" in done.stderr
+    assert json_answer(done, "search_corpus")["results"]
+
+
 def test_every_tool_argument_is_a_cli_option() -> None:
     """The sub-commands are built from the tools' input models: nothing to re-declare, nothing to drift."""
     for command, tool in server.CLI_COMMANDS.items():
@@ -270,7 +277,9 @@ def test_the_human_view_says_why_a_search_is_thin_and_what_replaces_a_superseded
     assert hidden.returncode == 0, hidden.stderr
     message = json_answer(run_cli(env, "search", query, "--json"), "search_corpus")["message"]
     assert hidden.stdout.splitlines()[-1] == f"({message})"
-    assert "pass include_superseded=true to see them, replaced by 'runbooks/deploy.md')" in hidden.stdout
+    # the superseded runbook would come first (issue 41 §8)
+    assert ("'runbooks/deploy-2023.md' would come first: pass include_superseded=true to see it, replaced by "
+            "'runbooks/deploy.md')") in hidden.stdout
     shown = run_cli(env, "search", query, "--include-superseded").stdout
     assert "[superseded by runbooks/deploy.md]" in shown.splitlines()[0], shown
     listed = run_cli(env, "list", "--path-prefix", "oncal")
