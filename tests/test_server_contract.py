@@ -783,9 +783,9 @@ def test_default_search_ranks_the_active_collection_and_asks_the_superseded_one_
     is_error, payload = call(svc, "search_corpus", query="kubectl-deploy push --all-at-once", k=5)
     assert not is_error and len(payload["results"]) == 5
     queries = [(name, kw) for op, name, kw in calls if op == "query"]
-    # the results: the active collection, unfiltered; then the same search with superseded
-    # documents, to say whether one of theirs would have come first
-    assert [name for name, _ in queries] == ["chunks_active", "chunks_active", "chunks_superseded"]
+    # the results: the active collection, unfiltered, asked first; the superseded one beside it, once,
+    # to say whether one of its passages would have come first (the active answer serves both rankings)
+    assert [name for name, _ in queries] == ["chunks_active", "chunks_superseded"]
     assert queries[0][1]["where"] is None
     assert {hit["lifecycle"] for hit in payload["results"]} == {"active"}
     calls.clear()
@@ -1011,6 +1011,20 @@ def test_keyword_channel_filters_in_sql_before_the_limit(base: Built) -> None:
     assert index.chunks_by_id([best_active])[best_active].lifecycle == "active"
     in_oncall = ids("sev-1 rollback", ["active"], "oncall", 50)
     assert in_oncall and all(r.path.startswith("oncall/") for r in index.chunks_by_id(in_oncall).values())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(term=st.sampled_from(["deploy", "rollback", "push", "kubectl", "service", "the"]), n=st.integers(1, 60),
+       order=st.permutations([("active",), ("active", "superseded"), ("superseded",)]))
+def test_a_ranking_shared_with_the_superseded_check_is_the_one_asked_alone(
+        base: Built, term: str, n: int, order: list[tuple[str, ...]]) -> None:
+    # ranked_ids ranks active and superseded passages in one query where the index holds both and
+    # keeps it for the search's superseded check: what it returns must be what each filter ranks alone
+    index = service(base).manager.open()
+    expression = rules.fts_any([term])
+    for lifecycles in order:
+        assert index.ranked_ids(expression, lifecycles, None, n) == list(
+            index._ranked_rows(expression, lifecycles, None, n))
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "vector", "keyword"])
