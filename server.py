@@ -3670,6 +3670,9 @@ def index_facts(settings_loader: Callable[[], rules.Settings] = rules.load_setti
         try:
             db.execute("PRAGMA query_only = 1")
             row = db.execute("SELECT value FROM meta WHERE key = ?", (rules.META_CORPUS_FACTS,)).fetchone()
+            # Counted, never named: a folder name is corpus text, and the instructions carry none.
+            folders = int(db.execute("SELECT count(DISTINCT substr(path, 1, instr(path, '/'))) FROM documents "
+                                     "WHERE instr(path, '/') > 0").fetchone()[0])
         finally:
             db.close()
         facts = rules.CorpusFacts.from_json(row[0]) if row else None
@@ -3684,20 +3687,11 @@ def index_facts(settings_loader: Callable[[], rules.Settings] = rules.load_setti
         return f"This index: {stamp.files} documents, {stamp.chunks} passages, {built}."
     languages = (f"{facts.cjk_documents} in Japanese/CJK, {facts.documents - facts.cjk_documents} in other "
                  "languages (mostly English)" if facts.cjk_documents else "none in Japanese/CJK")
-    folders = shown_folders(facts.folders)
     superseded = f"; {facts.superseded} superseded" if facts.superseded else ""
-    return (f"This index: {facts.documents} documents ({languages}){superseded}; folders: {folders}; "
+    where = (f"in {folders} top-level folder{'s' if folders != 1 else ''} (list_documents names them)" if folders
+             else "all at the top level")
+    return (f"This index: {facts.documents} documents ({languages}){superseded}, {where}; "
             f"{stamp.chunks} passages, {built}.")
-
-
-# A folder name is corpus text: the instructions name only those that read as plain names.
-_PLAIN_FOLDER = re.compile(r"[^\W_][\w.-]{0,39}/|\(top level\)")
-
-
-def shown_folders(folders: Sequence[tuple[str, int]]) -> str:
-    plain = [f"`{name}` ({count})" for name, count in folders if _PLAIN_FOLDER.fullmatch(name)]
-    others = len(folders) - len(plain)
-    return ", ".join(plain + ([f"{others} other{'s' if others > 1 else ''}"] if others else [])) or "none named"
 
 
 def instructions_with(problems: Sequence[str], facts: str | None = None) -> str:
