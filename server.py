@@ -237,8 +237,9 @@ def _clean_prefix(value: str | None) -> str | None:
 # digits is read as the number, an integer given for a text field as its digits, a string holding
 # a JSON array given for a list field as that array. Everything else still meets the strict check:
 # booleans, floats for integers ("9.5", 9.5), "nan", "inf", a bare string for a list, and junk.
-_NUMBER_TEXT = {int: re.compile(r"[+-]?\d{1,30}"),
-                float: re.compile(r"[+-]?(?:\d{1,30}(?:\.\d{0,30})?|\.\d{1,30})(?:[eE][+-]?\d{1,3})?")}
+# ASCII digits only: int() and float() would also read other scripts' digits ("٣" as 3).
+_NUMBER_TEXT = {int: re.compile(r"[+-]?\d{1,30}", re.ASCII),
+                float: re.compile(r"[+-]?(?:\d{1,30}(?:\.\d{0,30})?|\.\d{1,30})(?:[eE][+-]?\d{1,3})?", re.ASCII)}
 
 
 def _not_none(annotation: Any) -> Any:

@@ -100,6 +100,9 @@ def test_a_document_uri_reads_back_as_its_path_and_lines(path: str, start: int |
     ("local-rag://doc/a.md?path=b.md", ErrorCode.INVALID_ARGUMENT),  # the path is the URI's own
     ("local-rag://doc/a.md?max_chars=5", ErrorCode.INVALID_ARGUMENT),
     ("local-rag://doc/a.md?start_line=x", ErrorCode.INVALID_ARGUMENT),
+    ("local-rag://doc/a.md?start_line=%D9%A3", ErrorCode.INVALID_ARGUMENT),
+    ("local-rag://doc/a.md?start_line=3_0", ErrorCode.INVALID_ARGUMENT),
+    ("local-rag://doc/a.md?start_page=%EF%BC%93", ErrorCode.INVALID_ARGUMENT),
 ])
 def test_a_uri_that_names_no_readable_document_is_refused_with_what_to_do(uri: str, code: ErrorCode) -> None:
     with pytest.raises(RagError) as refused:
@@ -232,7 +235,10 @@ def test_unreadable_uris_answer_invalid_params_with_the_structured_error(base: B
     uris = {"local-rag://doc/private/offsite-backup.md": "not_indexed",  # rag: false
             "local-rag://doc/nowhere.md": "not_indexed",
             "local-rag://doc/..%2F..%2Fetc%2Fpasswd": "path_rejected",
-            "https://example.com/x.md": "invalid_argument"}
+            "https://example.com/x.md": "invalid_argument",
+            # Arabic-Indic and fullwidth 3: int() reads them, a URI's numbers are ASCII
+            "local-rag://doc/runbooks/deploy.md?start_line=%D9%A3": "invalid_argument",
+            "local-rag://doc/runbooks/deploy.md?start_line=1&end_line=%EF%BC%93": "invalid_argument"}
 
     async def scenario(client: Client) -> dict[str, MCPError]:
         errors = {}

@@ -475,6 +475,9 @@ def no_store(tmp_path: Path) -> tuple[server.RetrievalService, Path]:
     ("search_corpus", {"query": "q", "k": True}, "invalid_argument"),
     ("search_corpus", {"query": "q", "k": "five"}, "invalid_argument"),
     ("search_corpus", {"query": "q", "k": "2.5"}, "invalid_argument"),
+    ("search_corpus", {"query": "q", "k": "\u0663"}, "invalid_argument"),  # Arabic-Indic 3: digits are ASCII
+    ("get_file", {"path": "x.md", "start_line": "\uff13"}, "invalid_argument"),  # fullwidth 3
+    ("search_corpus", {"query": "q", "min_score": "0.\u0665"}, "invalid_argument"),
     ("search_corpus", {"query": "q", "min_score": "nan"}, "invalid_argument"),
     ("get_file", {"path": "x.md", "start_line": "0"}, "invalid_argument"),
     ("search_corpus", {"query": "q", "k": 2.5}, "invalid_argument"),
