@@ -2938,13 +2938,17 @@ class IndexedFile(typing.NamedTuple):
 
 
 def disk_state(corpus_dir: Path, doc: rules.DocumentRow | IndexedFile) -> Literal["unchanged", "modified", "deleted"]:
-    """An indexed file on disk against the size and mtime ingest recorded: one stat, never a read."""
+    """An indexed file on disk against the size and mtime ingest recorded: one lstat, never a read.
+    disk_path is the real path ingest read, so a link there now is another file (get_file refuses
+    it), whatever the size and mtime it points to."""
     try:
-        st = os.stat(corpus_dir / doc.disk_path)
+        st = os.lstat(corpus_dir / doc.disk_path)
     except (FileNotFoundError, NotADirectoryError):
         return "deleted"
     except OSError:
         return "modified"  # there but unreadable: not the file that was indexed, as far as anyone can tell
+    if stat.S_ISLNK(st.st_mode):
+        return "modified"
     return "unchanged" if rules.looks_unchanged(st.st_size, st.st_mtime_ns, doc.size, doc.mtime_ns) else "modified"
 
 

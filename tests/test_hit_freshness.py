@@ -46,19 +46,36 @@ def test_each_hit_says_whether_its_file_changed_on_disk(fresh: Built) -> None:
     assert view.count("on disk since the index was built") == sum(hit["changed_on_disk"] for hit in after["results"])
 
 
+def test_a_file_swapped_for_a_link_to_an_identical_copy_reads_as_modified(fresh: Built, tmp_path: Path) -> None:
+    """Same size, same mtime, but a link: get_file refuses it, so the hit must not say unchanged."""
+    svc = in_process_service(fresh)
+    target = fresh.corpus / "oncall" / "escalation.md"
+    copy = tmp_path / "elsewhere.md"
+    copy.write_bytes(target.read_bytes())
+    st = target.stat()
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    target.unlink()
+    target.symlink_to(copy)
+    _, found = dispatched(svc, "search_corpus", query="deploy rollback database escalation", k=10)
+    states = {hit["path"]: (hit["changed_on_disk"], hit["freshness"]) for hit in found["results"]}
+    assert states["oncall/escalation.md"] == (True, "modified"), states
+    refused, answer = dispatched(svc, "get_file", path="oncall/escalation.md")
+    assert refused and answer["error"]["code"] == "path_rejected", answer
+
+
 def test_freshness_stats_the_hits_files_once_each(fresh: Built, monkeypatch: pytest.MonkeyPatch) -> None:
     """Never the whole corpus per search: one stat per distinct path of the hits."""
     svc = in_process_service(fresh)
     dispatched(svc, "search_corpus", query="sev-1 paging", k=10)  # the staleness count's first pass is done
     seen: list[str] = []
-    real_stat = os.stat
+    real_lstat = os.lstat
 
     def counting(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
         if threading.current_thread() is threading.main_thread():  # not the background staleness recount
             seen.append(str(path))
-        return real_stat(path, *args, **kwargs)
+        return real_lstat(path, *args, **kwargs)
 
-    monkeypatch.setattr(server.os, "stat", counting)
+    monkeypatch.setattr(server.os, "lstat", counting)
     _, found = dispatched(svc, "search_corpus", query="sev-1 paging", k=10)
     corpus_stats = [p for p in seen if p.startswith(str(fresh.corpus))]
     assert sorted(corpus_stats) == sorted({str(fresh.corpus / hit["path"]) for hit in found["results"]})
