@@ -4152,7 +4152,7 @@ def shutting_down_answer(path: str, body: bytes) -> Any:
 class Gate:
     """In front of every route (plain ASGI middleware): the bearer token (every route but
     /health, compared in constant time), the Host/Origin check against DNS rebinding (exact
-    host[:port] and origin matching, for /mcp and the bridge alike), GET on /mcp refused (a
+    host[:port] and origin matching, on every route, /health too), GET on /mcp refused (a
     stateless server has no event stream to offer). A call's body must then arrive whole within
     RAG_HTTP_READ_TIMEOUT (408 and the connection closed otherwise) before it takes a slot in
     its budget (503 TOO_BUSY with Retry-After past it), so slow senders hold no slot; and a call
@@ -4206,10 +4206,9 @@ class Gate:
     def _refusal(self, scope: Any) -> Any | None:
         from starlette.datastructures import Headers
 
-        if scope["path"] == "/health":
-            return None
         headers = Headers(scope=scope)
-        if self.token and (problem := self._token_problem(headers.get("authorization"))):
+        # /health answers without the token (a load balancer's probe), under the Host/Origin rules still.
+        if self.token and scope["path"] != "/health" and (problem := self._token_problem(headers.get("authorization"))):
             refusal = bridge_error(401, "UNAUTHORIZED", problem)
             refusal.headers["WWW-Authenticate"] = "Bearer"
             return refusal

@@ -311,6 +311,12 @@ def test_dns_rebinding_is_refused_and_a_real_host_name_can_be_allowed(built: Bui
         allowed = httpx.post(f"{running.base}/mcp/call", json=call,
                              headers={"Host": f"rag.team.internal:{port}", "Origin": "https://portal.team.internal"})
         assert allowed.status_code == 200 and allowed.json()["success"] is True, allowed.text
+        # /health too (it needs no token, not any Host): a load balancer's probe sends the configured host
+        bridge_failure(httpx.get(f"{running.base}/health", headers={"Host": "evil.example"}), 421, "FORBIDDEN")
+        bridge_failure(httpx.get(f"{running.base}/health", headers={"Origin": "http://evil.example"}), 403,
+                       "FORBIDDEN")
+        probe = httpx.get(f"{running.base}/health", headers={"Host": f"rag.team.internal:{port}"})
+        assert probe.status_code == 200 and probe.json()["status"] == "ok", probe.text
 
 
 def test_non_loopback_address_without_a_token_refuses_to_start(built: Built, fake: FakeOllama) -> None:
