@@ -3183,10 +3183,14 @@ _ABSOLUTE_PATH = re.compile(r"(?<![\w.~/-])/(?:[^\s'\"<>():,;]+)")
 def local_places() -> tuple[str, ...]:
     """The folders a message may name in full, longest first: they are replaced whole, whatever
     characters they hold (the pattern below cannot tell where a path with a space ends)."""
-    places = {str(Path.home())}
-    with contextlib.suppress(RagError):
+    places = {str(Path.home()), str(rules.PROJECT_DIR), os.path.dirname(sys.executable)}
+    with contextlib.suppress(RagError, OSError):
         settings = rules.load_settings()
         places |= {str(settings.store_dir), str(settings.corpus_dir)}
+        # the folder the index was built from, which a mismatch with RAG_CORPUS_DIR names
+        if (current := rules.StoreLayout(settings.store_dir).read_current()) is not None and current.corpus_dir:
+            places.add(current.corpus_dir)
+    places |= {os.path.realpath(place) for place in places}
     return tuple(sorted((place for place in places if len(place) > 1), key=len, reverse=True))
 
 
@@ -3424,7 +3428,7 @@ def build_server(service: RetrievalService, instructions: str, warmup: WarmUp, *
     """The MCP server: the SDK's low-level Server with our tool table (explicit input and output
     schemas, known to the SDK) and our dispatcher (input models that forbid unknown keys, every
     failure a structured error). `timeout_s` bounds a call (HTTP); `hide_paths` keeps paths and
-    hosts out of error messages (HTTP)."""
+    hosts out of error messages and the instructions (HTTP)."""
     import anyio
     from mcp.server import CacheHint
     from mcp.server.lowlevel import Server
@@ -3516,6 +3520,8 @@ def build_server(service: RetrievalService, instructions: str, warmup: WarmUp, *
     # runs; the documents change when an ingest publishes; a read is the file as it is now.
     cache_hints = {"tools/list": CacheHint(ttl_ms=300_000), "resources/templates/list": CacheHint(ttl_ms=300_000),
                    "resources/list": CacheHint(ttl_ms=10_000), "resources/read": CacheHint(ttl_ms=0)}
+    if hide_paths:
+        instructions = redact(instructions, local_places())
     return Server("local-rag", version=rules.TOOL_VERSION, title="Local documentation RAG", instructions=instructions,
                   on_list_tools=list_tools, on_call_tool=call_tool, get_tool_input_schema=schemas.get,
                   on_list_resources=list_resources, on_list_resource_templates=list_resource_templates,

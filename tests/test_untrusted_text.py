@@ -78,7 +78,8 @@ def test_no_path_reaches_an_http_client_whatever_its_characters(fake: FakeOllama
     told = instructions + json.dumps(result.model_dump(mode="json")) + bridged
     assert "Not ready" in instructions and "RAG_STORE_DIR" in instructions, instructions
     assert f"run `{rules.INGEST_COMMAND_SHOWN_REMOTELY}`" in told, "the hint's command reads as one, its folders not named"
-    for piece in ("team share", "(docs)", "my store", "not built", "corpus dir", str(tmp_path)):
+    for piece in ("team share", "(docs)", "my store", "not built", "corpus dir", str(tmp_path), str(ROOT),
+                  os.path.dirname(sys.executable)):  # the install's folders too (instructions name ingest)
         assert piece not in told, (piece, told[:2000])
     assert str(store) in server.stderr, "the operator reads the full story on stderr"
     # Over stdio the user is local: the path is said, made safe to show.
@@ -87,6 +88,30 @@ def test_no_path_reaches_an_http_client_whatever_its_characters(fake: FakeOllama
         assert str(store) in initialize(local)
     finally:
         assert local.close() == 0
+
+
+def test_the_folder_an_index_was_built_from_never_reaches_an_http_client(fake: FakeOllama, tmp_path: Path) -> None:
+    """RAG_CORPUS_DIR names another folder than the one indexed: get_file's refusal names where the
+    file was indexed from, a path with spaces the pattern alone cannot tell the end of."""
+    built = build(tmp_path / "team share: (docs) qzx-42" / "built there", fake.host)
+    elsewhere = tmp_path / "served here"
+    shutil.copytree(SAMPLE, elsewhere)
+    with http_server(server_env(built.store, elsewhere, fake.host)) as server:
+        answers = [httpx.post(f"{server.base}/mcp/call", json={"server": "local-rag", "toolName": tool, "input": args},
+                              timeout=60)
+                   for tool, args in (("get_file", {"path": "runbooks/deploy.md"}), ("list_documents", {}),
+                                      ("search_corpus", {"query": "rollback"}))]
+        instructions = anyio.run(lambda: _instructions(server.mcp_url))
+        health = httpx.get(f"{server.base}/health", timeout=60).text
+    told = "".join(answer.text for answer in answers) + instructions + health
+    assert answers[0].status_code == 400 and "PATH_REJECTED" in answers[0].text.upper(), answers[0].text
+    for piece in ("team share", "(docs)", "qzx-42", "built there", str(tmp_path), "served here"):
+        assert piece not in told, (piece, told)
+
+
+async def _instructions(url: str) -> str:
+    async with Client(url, read_timeout_seconds=60) as client:
+        return client.instructions or ""
 
 
 def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
