@@ -1112,8 +1112,9 @@ class VectorIndexLoading(VectorStoreUnavailable):
 
 
 # A vector read failing with these may be mended by reopening the client, and hybrid search
-# answers from its keyword channel meanwhile.
-STORE_FAILURES = (ErrorCode.STORE_UNAVAILABLE, ErrorCode.INTERNAL)
+# answers from its keyword channel meanwhile (Chroma writes as it opens: on a full disk or a
+# read-only store it fails as unwritable, while the keyword index still reads).
+STORE_FAILURES = (ErrorCode.STORE_UNAVAILABLE, ErrorCode.STORE_UNWRITABLE, ErrorCode.INTERNAL)
 
 
 @contextlib.contextmanager

@@ -481,6 +481,31 @@ def test_a_store_this_user_cannot_write_is_a_structured_error(fake: FakeOllama, 
     assert run_ingest(fake, corpus, store).code == 0
 
 
+def test_a_vector_store_that_cannot_be_written_leaves_hybrid_search_to_keywords(
+        fake: FakeOllama, indexed: tuple[Path, Path]) -> None:
+    """Chroma writes as it opens its index: on a full disk, or in a store this user cannot write,
+    it fails as unwritable (the same code; a read-only store is the one a test can make). Vector
+    search says so; hybrid answers from the keyword index, which still reads, and says it did."""
+    corpus, store = indexed
+    env = {**child_env(fake), "RAG_STORE_DIR": str(store), "RAG_CORPUS_DIR": str(corpus)}
+    chroma = next(store.glob("idx-*/chroma"))
+    modes = {path: path.stat().st_mode for path in [chroma, *chroma.rglob("*")]}
+    for path in modes:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    try:
+        answers = {mode: run(as_a_user([sys.executable, str(ROOT / "server.py"), "search", "--json", "--mode", mode,
+                                        "rollback the deploy"]), env) for mode in ("vector", "hybrid", "keyword")}
+    finally:
+        for path, mode in modes.items():
+            path.chmod(mode)
+    vector = json.loads(answers["vector"].out)
+    assert answers["vector"].code == 2 and vector["error"]["code"] == "store_unwritable", answers["vector"].err
+    assert "--full" not in vector["error"]["hint"], "nothing is damaged: rebuilding is the wrong advice"
+    hybrid = json.loads(answers["hybrid"].out)
+    assert answers["hybrid"].code == 0 and hybrid["results"] and hybrid["degraded"], answers["hybrid"].err
+    assert answers["keyword"].code == 0 and json.loads(answers["keyword"].out)["results"]
+
+
 # ---------------------------------------------------------------------------
 # 13. Links planted in the store are never written through.
 
