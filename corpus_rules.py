@@ -5103,11 +5103,11 @@ class OllamaEmbedder:
         try:
             return call.result(seconds)
         except TimeoutError:
-            raise self._timed_out(seconds) from None
+            raise self.timed_out(seconds) from None
         except Exception as exc:  # translated below
             raise self._translate(exc) from exc
 
-    def _timed_out(self, seconds: float | None = None) -> RagError:
+    def timed_out(self, seconds: float | None = None) -> RagError:
         return EmbedderTimeout(ErrorCode.EMBEDDER_UNAVAILABLE, f"Ollama at {self.host} did not answer within "
                                f"{self.timeout_s if seconds is None else seconds:g} s",
                                "retry; if Ollama is loading the model, wait for it, or raise RAG_EMBED_TIMEOUT")
@@ -5129,7 +5129,7 @@ class OllamaEmbedder:
             return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"cannot reach Ollama at {self.host}",
                             f"start Ollama (`ollama serve`) and `ollama pull {self.model}`, or set OLLAMA_HOST")
         if isinstance(exc, httpx.TimeoutException):
-            return self._timed_out()
+            return self.timed_out()
         if isinstance(exc, httpx.HTTPError):
             return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"HTTP error talking to Ollama at {self.host}: {shown(exc, 300)}",
                             "check that OLLAMA_HOST points to an Ollama server")
@@ -5188,7 +5188,7 @@ class OllamaEmbedder:
             try:
                 return call.result(self.timeout_s)
             except TimeoutError:
-                raise self._timed_out() from None
+                raise self.timed_out() from None
 
         return wait
 

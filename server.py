@@ -154,6 +154,9 @@ RESOURCES_PAGE = 500  # documents per resources/list page
 COMPLETIONS_MAX = 100  # the protocol's bound on one completion's values
 COMPLETION_TYPED_MAX = 4096  # longer than any path a filesystem holds: nothing to complete
 QUERY_EMBED_TIMEOUT_S = 30.0
+# With several hosts, one that has not answered a query within this long (or its share of the
+# timeout) gets the next host asked beside it: a stalled first host costs seconds, not the timeout.
+QUERY_HEDGE_S = 2.5
 QUERY_CACHE_SIZE = 256
 # After a query embedding timed out, further ones fail at once for this long (see QueryEmbeddings).
 EMBEDDER_REST_S = 15.0
@@ -180,8 +183,9 @@ COLD_VECTOR_WAIT_S = 0.2
 # SQLite integers are signed 64-bit; a larger offset would crash the query instead of failing validation.
 SQLITE_MAX_INT = 2**63 - 1
 
-# Embedder failures that hybrid search survives by answering from the keyword channel.
-DEGRADABLE_EMBEDDER_ERRORS = (ErrorCode.EMBEDDER_UNAVAILABLE, ErrorCode.MODEL_NOT_FOUND)
+# Embedder failures that hybrid search survives by answering from the keyword channel, and that
+# pass a query to the next host; index_incompatible here is a host answering vectors of another size.
+DEGRADABLE_EMBEDDER_ERRORS = (ErrorCode.EMBEDDER_UNAVAILABLE, ErrorCode.MODEL_NOT_FOUND, ErrorCode.INDEX_INCOMPATIBLE)
 
 
 INSTRUCTIONS = (
@@ -457,10 +461,11 @@ class SearchResponse(BaseModel):
     results: list[SearchHit]
     dropped_below_min_score: int = 0
     message: str | None = None
-    degraded: Literal["embedder_unavailable", "model_not_found", "vector_store_unavailable",
+    degraded: Literal["embedder_unavailable", "model_not_found", "index_incompatible", "vector_store_unavailable",
                       "vector_index_loading", "vectors_pending"] | None = Field(
         None, description="Set when hybrid search could not embed the query or read the vector store, and "
-                          "answered from the keyword channel alone (scores are null); vector_index_loading: "
+                          "answered from the keyword channel alone (scores are null); index_incompatible: the "
+                          "embedder answers vectors of another size than the index's; vector_index_loading: "
                           "a cold start, the vector index was still loading (retry in a few seconds for "
                           "hybrid results); vectors_pending: some "
                           "passages (index.vectors_pending) have no vectors yet, so only keyword search finds "
@@ -1754,10 +1759,11 @@ class QueryEmbeddings:
     as well as the text: after a re-ingest (new weights pulled under the same name, say) a cached
     vector could disagree with the index. Only vectors that passed every check are cached.
 
-    Hosts are asked in OLLAMA_HOST's order, one at a time: a host that fails (down, without the
-    model, timed out) passes the call to the next within the same search. After a call that timed
-    out, that host is skipped for EMBEDDER_REST_S, so a stalled embedder costs one timeout, not
-    one per search (hybrid search answers from the keyword channel while no host answers). A host
+    Hosts are asked in OLLAMA_HOST's order: a host that fails (down, without the model, answering
+    vectors of another size) passes the call to the next within the same search, and one that has
+    not answered within QUERY_HEDGE_S gets the next asked beside it (the first answer wins). A host
+    that timed out or answered another size is skipped for EMBEDDER_REST_S, so it costs one search
+    a wait, not every search (hybrid search answers from the keyword channel while no host answers). A host
     after the first is used only once it lists the digest the index was embedded with: ingest
     refuses hosts that differ, and one re-pulled since would give vectors the index cannot be
     compared with."""
@@ -1802,11 +1808,12 @@ class QueryEmbeddings:
             return lambda: _raise(error)
 
         def received(host: str, matrix: Any) -> list[Any]:  # on the embedder's call thread
-            if len(matrix[0]) != dims:
+            if len(matrix[0]) != dims:  # this host serves another model under the name: the next one may not
                 raise RagError(ErrorCode.INDEX_INCOMPATIBLE,
-                               f"Ollama's {model!r} returns {len(matrix[0])}-dimensional vectors but the index "
-                               f"holds {dims}-dimensional ones",
-                               f"the model changed under the same name: rebuild with {rules.ingest_command('--full')}")
+                               f"Ollama at {host} returns {len(matrix[0])}-dimensional vectors for {model!r} but the "
+                               f"index holds {dims}-dimensional ones",
+                               f"the model changed under the same name there: leave that host out of OLLAMA_HOST, "
+                               f"or rebuild with {rules.ingest_command('--full')} if the change was meant")
             with self._lock:
                 self._resting.pop((host, model), None)
             arrived = dict(zip(missing, matrix, strict=True))
@@ -1818,38 +1825,69 @@ class QueryEmbeddings:
             return ordered
 
         missing_texts = [key[1] for key in missing]
+        answers: queue.SimpleQueue[tuple[str, list[Any] | None, BaseException | None]] = queue.SimpleQueue()
 
-        def send(host: str) -> Callable[[], list[Any]]:
+        def send(host: str) -> None:
             embedder = self.embedder(host, model, timeout, dimensions)
-            if host == hosts[0] or digest is None:
-                return embedder.begin_embed(missing_texts, then=functools.partial(received, host))
 
-            def checked_then_embedded() -> list[Any]:  # a later host: its weights first
-                self._check_weights(embedder, digest)
-                return received(host, embedder.embed(missing_texts))
+            def ask() -> None:  # on a call thread; every ending is put for finish() to read
+                try:
+                    if host != hosts[0] and digest is not None:
+                        self._check_weights(embedder, digest)  # a later host: its weights first
+                    answers.put((host, received(host, embedder.embed(missing_texts)), None))
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                    answers.put((host, None, exc))
 
-            call = rules.on_call_thread(checked_then_embedded)
-            return functools.partial(embedder.answer, call, 2 * timeout)  # the digest's call, then the embedding's
+            rules.on_call_thread(ask)
 
-        first = send(ready[0])
+        sent_at = time.monotonic()
+        send(ready[0])
 
         def finish() -> list[Any]:
-            failures: list[RagError] = []
-            for place, host in enumerate(ready):
+            """The first answer of the hosts asked. A host that has not answered within its
+            share of the time (QUERY_HEDGE_S at most) is not given up on: the next is asked
+            beside it, and whichever answers first is used."""
+            deadline, share = sent_at + timeout, min(timeout / len(ready), QUERY_HEDGE_S)
+            asking, failures = [ready[0]], list[RagError]()
+            following, next_at = 1, sent_at + share
+            while True:
+                now = time.monotonic()
+                if following < len(ready) and (not asking or now >= next_at):
+                    why = f"Ollama at {asking[-1]} has not answered yet" if asking else failures[-1].message
+                    log.warning("%s: asking %s for the query vectors", why, ready[following])
+                    send(ready[following])
+                    asking.append(ready[following])
+                    following, next_at = following + 1, now + share
+                    continue
+                if not asking:
+                    raise one_error([*failures, *resting.values()])
+                until = min(deadline, next_at) if following < len(ready) else deadline
                 try:
-                    return (send(host) if place else first)()
-                except RagError as exc:
-                    if exc.code not in DEGRADABLE_EMBEDDER_ERRORS:
-                        raise
-                    if isinstance(exc, rules.EmbedderTimeout):
-                        with self._lock:
-                            self._resting[(host, model)] = (time.monotonic() + EMBEDDER_REST_S, exc)
-                    failures.append(exc)
-                    if place + 1 < len(ready):
-                        log.warning("%s: asking %s for the query vectors", exc.message, ready[place + 1])
-            raise one_error([*failures, *resting.values()])
+                    host, answer, exc = answers.get(timeout=max(0.0, until - now))
+                except queue.Empty:
+                    if time.monotonic() < deadline:
+                        continue
+                    late = [self.embedder(host, model, timeout, dimensions).timed_out(timeout) for host in asking]
+                    self._rest(asking, model, late)
+                    raise one_error([*failures, *late, *resting.values()]) from None
+                asking.remove(host)
+                if exc is None:  # hosts still asked were slower: they rest, as one that timed out
+                    self._rest(asking, model, [self.embedder(slow, model, timeout, dimensions).timed_out(
+                        time.monotonic() - sent_at) for slow in asking])
+                    return answer  # type: ignore[return-value]
+                if not isinstance(exc, RagError) or exc.code not in DEGRADABLE_EMBEDDER_ERRORS:
+                    raise exc
+                if isinstance(exc, rules.EmbedderTimeout) or exc.code is ErrorCode.INDEX_INCOMPATIBLE:
+                    self._rest([host], model, [exc])
+                failures.append(exc)
 
         return finish
+
+    def _rest(self, hosts: Sequence[str], model: str, errors: Sequence[RagError]) -> None:
+        """Skip these hosts for EMBEDDER_REST_S: a stalled host costs one timeout, not one per search."""
+        with self._lock:
+            for host, error in zip(hosts, errors, strict=True):
+                self._resting[(host, model)] = (time.monotonic() + EMBEDDER_REST_S, error)
 
     def _check_weights(self, embedder: rules.OllamaEmbedder, digest: str) -> None:
         """Raise unless the host lists the index's model digest (asked once per host and digest;

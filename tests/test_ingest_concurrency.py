@@ -9,6 +9,10 @@ stands in for each host: its `slots` are Ollama's OLLAMA_NUM_PARALLEL, its per-t
 from __future__ import annotations
 
 import collections
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -18,7 +22,7 @@ from typing import Any
 import pytest
 from fake_ollama import FakeOllama
 from faultlib import write_handbooks
-from helpers import copy_sample, dispatched, in_process_service, ingest_in_process, sample_built, snapshot
+from helpers import SERVER, copy_sample, dispatched, in_process_service, ingest_in_process, sample_built, snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -332,7 +336,7 @@ def test_the_server_embeds_queries_with_the_first_host_that_answers(
         fakes: tuple[FakeOllama, FakeOllama], indexed_sample: tuple[Path, Path], tmp_path: Path) -> None:
     first, second = fakes
     built = sample_built(indexed_sample, tmp_path, Hosts(fakes).host)
-    svc = in_process_service(built, RAG_EMBED_TIMEOUT="2")
+    svc = in_process_service(built, RAG_EMBED_TIMEOUT="6")
     payload, calls = searched_with(svc, fakes, query="who gets paged for a sev-1", mode="vector")
     assert calls == [1, 0] and payload["results"], payload  # the first host, while it answers
     first.stop()
@@ -340,21 +344,54 @@ def test_the_server_embeds_queries_with_the_first_host_that_answers(
     assert calls == [0, 1] and payload["degraded"] is None and payload["results"][0]["score"] is not None, payload
     assert server.HealthProbe(svc)._probe_embedder() is None  # /health: a host serves the model
     first.restart()
-    first.configure(hold=True)  # stalled: one timeout, then the second host; then it rests
+    first.configure(hold=True)  # stalled: the second is asked beside it after its share of the time; it rests
     try:
+        started = time.monotonic()
         payload, calls = searched_with(svc, fakes, query="restore from backup")
         assert calls[1] == 1 and payload["degraded"] is None, payload
+        # asked after QUERY_HEDGE_S (2.5 s), not after the 6 s timeout (the CLI paid it on every call)
+        assert time.monotonic() - started < 5, "the second host is asked after a share of the timeout, not all of it"
         payload, calls = searched_with(svc, fakes, query="escalation policy for outages")
         assert calls == [0, 1] and payload["degraded"] is None, payload
+        second.stop()  # the first still resting (and stalled): no host to ask, each said
+        payload = searched_with(svc, fakes, query="a question no host embeds")[0]
     finally:
         first.configure(hold=False)
-    second.stop()  # the first still resting after its timeout: no host to ask, each said
-    payload = searched_with(svc, fakes, query="a question no host embeds")[0]
     assert payload["degraded"] == "embedder_unavailable" and payload["results"], payload
     assert f"{first.host} did not answer" in payload["hint"] and f"reach Ollama at {second.host}" in payload["hint"]
     first.stop()
     health = server.HealthProbe(svc)._probe_embedder()
     assert health is not None and first.host in health.message and second.host in health.message, health
+
+
+@pytest.mark.process
+def test_a_host_answering_another_size_passes_the_query_to_the_next(
+        fakes: tuple[FakeOllama, FakeOllama], indexed_sample: tuple[Path, Path], tmp_path: Path) -> None:
+    """OLLAMA_HOST=<a host serving another model under the name>,<a good one>: the real CLI's
+    searches use the second (its vectors, its scores); with the good one gone, hybrid answers
+    from keywords and vector search says which host answered what."""
+    first, second = fakes
+    first.configure(wrong_dims=384)
+    built = sample_built(indexed_sample, tmp_path, Hosts(fakes).host)
+    env = {**os.environ, **built.server_env(Hosts(fakes).host)}
+    env.pop("RAG_EMBED_MODEL", None)
+
+    def search(*args: str) -> tuple[int, dict[str, Any], str]:
+        done = subprocess.run([sys.executable, str(SERVER), "search", "--json", *args], env=env, capture_output=True,
+                              text=True, timeout=120, stdin=subprocess.DEVNULL)
+        return done.returncode, json.loads(done.stdout), done.stderr
+
+    for mode in ("hybrid", "vector"):
+        code, payload, err = search("--mode", mode, "who gets paged for a sev-1")
+        assert code == 0 and payload["degraded"] is None and payload["results"][0]["score"] is not None, err
+        assert f"Ollama at {first.host} returns 384-dimensional vectors" in err, err
+    second.stop()
+    code, payload, _ = search("who gets paged for a sev-1")
+    assert code == 0 and payload["degraded"] == "index_incompatible" and payload["results"], payload
+    assert payload["results"][0]["score"] is None and "384-dimensional" in payload["hint"], payload
+    code, payload, _ = search("--mode", "vector", "who gets paged for a sev-1")
+    assert code == 2 and payload["error"]["code"] == "index_incompatible", payload
+    assert first.host in payload["error"]["message"] and second.host in payload["error"]["message"], payload
 
 
 def test_a_later_host_serving_other_weights_is_not_asked_to_embed(

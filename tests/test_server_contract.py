@@ -638,12 +638,17 @@ def test_configured_model_must_match_the_index(base: Built) -> None:
 
 
 def test_vectors_of_another_dimension_are_index_incompatible(base: Built) -> None:
+    """Vector search cannot compare them; hybrid answers from keywords and says why."""
     with FakeOllama(dims=768) as other:
         other.configure(wrong_dims=384)
         svc = service(base, host=other.host)
-        is_error, payload = call(svc, "search_corpus", query="who gets paged for a sev-1")
+        is_error, payload = call(svc, "search_corpus", query="who gets paged for a sev-1", mode="vector")
         assert is_error and payload["error"]["code"] == "index_incompatible"
         assert "384" in payload["error"]["message"] and "768" in payload["error"]["message"]
+        assert other.host in payload["error"]["message"] and "OLLAMA_HOST" in payload["error"]["hint"]
+        is_error, payload = call(svc, "search_corpus", query="who gets paged for a sev-1")
+        assert not is_error and payload["degraded"] == "index_incompatible" and payload["results"], payload
+        assert payload["results"][0]["path"] == "oncall/escalation.md"
 
 
 def test_embedder_faults_degrade_hybrid_and_fail_vector_mode(base: Built) -> None:

@@ -283,9 +283,11 @@ def test_model_mismatch_and_wrong_dims_are_index_incompatible(built: Built, fake
 
         async def dims() -> None:
             async with connect(built.server_env(other.host)) as client:
-                is_error, payload = await tool(client, "search_corpus", query="rollback")
+                is_error, payload = await tool(client, "search_corpus", query="rollback", mode="vector")
                 assert is_error and payload["error"]["code"] == "index_incompatible"
                 assert "256" in payload["error"]["message"]
+                is_error, payload = await tool(client, "search_corpus", query="rollback")  # hybrid: keywords
+                assert not is_error and payload["degraded"] == "index_incompatible" and payload["results"]
 
         run(dims)
 
