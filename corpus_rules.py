@@ -5164,11 +5164,13 @@ class OllamaEmbedder:
         answer holds NaN or infinite values, or rows of different lengths."""
         return self.begin_embed(texts)()
 
-    def begin_embed(self, texts: Sequence[str], then: Callable[[Any], Any] | None = None) -> Callable[[], Any]:
+    def begin_embed(self, texts: Sequence[str], then: Callable[[Any], Any] | None = None,
+                    failed: Callable[[BaseException], None] | None = None) -> Callable[[], Any]:
         """Send the embed request now; the function returned waits for the answer (at most
         timeout_s) and gives what embed() gives, or then(that matrix) when `then` is given. `then`
         runs on the thread that received the answer, as soon as it arrives: a search starts its
-        vector queries from there rather than waking another thread to do it."""
+        vector queries from there rather than waking another thread to do it; `failed(error)`
+        runs there when the call (or `then`) fails, for a caller that does not wait."""
         options: dict[str, Any] = {"keep_alive": self.keep_alive} if self.keep_alive is not None else {}
         if self.dimensions is not None:
             options["dimensions"] = self.dimensions
@@ -5176,11 +5178,16 @@ class OllamaEmbedder:
 
         def fetch() -> Any:
             try:
-                response = client.embed(model=self.model, input=list(texts), truncate=False, **options)
-            except Exception as exc:  # translated here, raised to the waiter
-                raise self._translate(exc) from exc
-            matrix = self._vectors(texts, response)
-            return then(matrix) if then is not None else matrix
+                try:
+                    response = client.embed(model=self.model, input=list(texts), truncate=False, **options)
+                except Exception as exc:  # translated here, raised to the waiter
+                    raise self._translate(exc) from exc
+                matrix = self._vectors(texts, response)
+                return then(matrix) if then is not None else matrix
+            except BaseException as exc:
+                if failed is not None:
+                    failed(exc)
+                raise
 
         call = on_call_thread(fetch)
 

@@ -1828,17 +1828,26 @@ class QueryEmbeddings:
         answers: queue.SimpleQueue[tuple[str, list[Any] | None, BaseException | None]] = queue.SimpleQueue()
 
         def send(host: str) -> None:
+            """Ask one host; its answer or failure is put for finish() to read, from the thread
+            that received it."""
             embedder = self.embedder(host, model, timeout, dimensions)
 
-            def ask() -> None:  # on a call thread; every ending is put for finish() to read
-                try:
-                    if host != hosts[0] and digest is not None:
-                        self._check_weights(embedder, digest)  # a later host: its weights first
-                    answers.put((host, received(host, embedder.embed(missing_texts)), None))
-                except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                    answers.put((host, None, exc))
+            def ask() -> None:
+                embedder.begin_embed(missing_texts, then=lambda matrix: answers.put((host, received(host, matrix), None)),
+                                     failed=lambda exc: answers.put((host, None, exc)))
 
-            rules.on_call_thread(ask)
+            def checked_then_asked() -> None:  # a later host: its weights first, on a call thread
+                try:
+                    self._check_weights(embedder, digest)  # type: ignore[arg-type]
+                except Exception as exc:  # noqa: BLE001 - handed to finish(), which raises it
+                    answers.put((host, None, exc))
+                    return
+                ask()
+
+            if host == hosts[0] or digest is None:
+                ask()
+            else:
+                rules.on_call_thread(checked_then_asked)
 
         sent_at = time.monotonic()
         send(ready[0])
@@ -3766,6 +3775,10 @@ LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 HTTP_ROUTES = "POST /mcp, POST /mcp/call, GET /mcp/tools, GET /health"
 HTTP_GRACE_S = 5.0  # uvicorn's graceful shutdown: calls still running are answered before it ends
 HTTP_FD_RESERVE = 100  # descriptors kept for the store, the embedder's connections and the logs
+# One peer's connections waiting for their headers, at most (a share of RAG_HTTP_MAX_CONNECTIONS,
+# never fewer than PEER_IDLE_MIN): past it its oldest waiting one closes (see guarded_protocol).
+PEER_IDLE_SHARE = 0.5
+PEER_IDLE_MIN = 8
 # A tool's own error as the bridge's HTTP status: the caller's mistake, or a dependency that is not there.
 _BRIDGE_STATUS = {ErrorCode.INVALID_ARGUMENT: 400, ErrorCode.PATH_REJECTED: 400, ErrorCode.NOT_INDEXED: 400,
                   ErrorCode.INDEX_MISSING: 503, ErrorCode.INDEX_EMPTY: 503, ErrorCode.EMBEDDER_UNAVAILABLE: 503, ErrorCode.MODEL_NOT_FOUND: 503,
@@ -4194,6 +4207,20 @@ def shutting_down_answer(path: str, body: bytes) -> Any:
     return response
 
 
+def token_problem(given: str | None, token: str) -> str | None:
+    """What is wrong with an Authorization header against the server's token (None: it admits)."""
+    import hmac
+
+    if not given:
+        return "a bearer token is required: send Authorization: Bearer <token>"
+    scheme, _, sent = given.partition(" ")
+    if scheme.lower() != "bearer":
+        return "the Authorization header must use the Bearer scheme: Authorization: Bearer <token>"
+    if not hmac.compare_digest(sent.strip().encode(), token.encode()):
+        return "the bearer token is not the one this server accepts: check the token you were given"
+    return None
+
+
 class Gate:
     """In front of every route (plain ASGI middleware): the bearer token (every route but
     /health, compared in constant time), the Host/Origin check against DNS rebinding (exact
@@ -4253,7 +4280,8 @@ class Gate:
 
         headers = Headers(scope=scope)
         # /health answers without the token (a load balancer's probe), under the Host/Origin rules still.
-        if self.token and scope["path"] != "/health" and (problem := self._token_problem(headers.get("authorization"))):
+        if self.token and scope["path"] != "/health" and (problem := token_problem(headers.get("authorization"),
+                                                                                    self.token)):
             refusal = bridge_error(401, "UNAUTHORIZED", problem)
             refusal.headers["WWW-Authenticate"] = "Bearer"
             return refusal
@@ -4268,17 +4296,6 @@ class Gate:
             return bridge_error(405, "METHOD_NOT_ALLOWED", "this server is stateless: POST JSON-RPC to /mcp")
         return None
 
-    def _token_problem(self, given: str | None) -> str | None:
-        import hmac
-
-        if not given:
-            return "a bearer token is required: send Authorization: Bearer <token>"
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer":
-            return "the Authorization header must use the Bearer scheme: Authorization: Bearer <token>"
-        if not hmac.compare_digest(token.strip().encode(), (self.token or "").encode()):
-            return "the bearer token is not the one this server accepts: check the token you were given"
-        return None
 
     async def _body_messages(self, receive: Any) -> list[Any] | None:
         """The request's body messages, read within the read timeout (None past it; [] when the
@@ -4345,12 +4362,16 @@ async def not_a_route(request: Any, exc: Any) -> Any:
     return bridge_error(404, "NOT_FOUND", f"no route {path}: the routes are {HTTP_ROUTES}")
 
 
-def guarded_protocol(read_timeout_s: float, max_connections: int) -> type:
-    """uvicorn's h11 protocol with the two guards it lacks: a request's headers must arrive
-    within `read_timeout_s` (idle new connections and slowloris senders are closed; uvicorn's
-    keep-alive timeout covers idle time after an answer, the Gate a body's time), and at most
-    `max_connections` are open (past it a new one gets a canned 503 and is closed, before
-    anything of it is read)."""
+def guarded_protocol(read_timeout_s: float, max_connections: int, token: str | None = None) -> type:
+    """uvicorn's h11 protocol with the guards it lacks: a request's headers must arrive within
+    `read_timeout_s` (idle new connections and slowloris senders are closed; uvicorn's keep-alive
+    timeout covers idle time after an answer, the Gate a body's time), and at most
+    `max_connections` are open. Past that bound a new connection takes the place of one waiting
+    for its headers (see evictable: one that never sent a request the token admits goes first, the
+    longest idle first), and gets a canned 503 only when every open connection has a request in
+    flight; one peer keeps at most PEER_IDLE_SHARE of the bound waiting, its oldest closed past it.
+    So a client without the token holding idle connections, and reopening them, cannot keep a
+    token holder out."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     refusal = json.dumps({"success": False, "error": {
@@ -4358,16 +4379,28 @@ def guarded_protocol(read_timeout_s: float, max_connections: int) -> type:
         "details": {"max": max_connections}}}).encode()
     too_many = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(refusal), refusal))
+    peer_idle_max = max(PEER_IDLE_MIN, int(max_connections * PEER_IDLE_SHARE))
 
     class GuardedH11Protocol(H11Protocol):
         headers_due: Any = None  # the timer that closes a connection whose request headers are late
+        trusted = False  # a request the token admits came on it (any request, when there is no token)
+        idle_since = 0.0
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
-            if len(self.connections) > max_connections:
-                transport.write(too_many)
-                transport.close()
-                return
+            self.idle_since = time.monotonic()
+            peer = self.client[0] if self.client else None
+            waiting = [c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol)
+                       and c.evictable()]
+            same_peer = [c for c in waiting if c.client and c.client[0] == peer and not c.trusted]
+            if len(same_peer) >= peer_idle_max:
+                min(same_peer, key=lambda c: c.idle_since).transport.close()
+            elif len(self.connections) > max_connections:
+                if not waiting:
+                    transport.write(too_many)
+                    transport.close()
+                    return
+                min(waiting, key=lambda c: (c.trusted, c.idle_since)).transport.close()
             self._watch_headers()
 
         def data_received(self, data: bytes) -> None:
@@ -4379,15 +4412,24 @@ def guarded_protocol(read_timeout_s: float, max_connections: int) -> type:
                 self.headers_due.cancel()
             super().connection_lost(exc)
 
+        def evictable(self) -> bool:
+            return self._awaiting_headers() and not self.transport.is_closing()
+
         def _awaiting_headers(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
 
         def _watch_headers(self) -> None:
             if self._awaiting_headers() and self.headers_due is None:
+                self.idle_since = time.monotonic()
                 self.headers_due = self.loop.call_later(read_timeout_s, self._headers_late)
             elif not self._awaiting_headers() and self.headers_due is not None:
                 self.headers_due.cancel()
                 self.headers_due = None
+                self.trusted = self.trusted or self._admitted()
+
+        def _admitted(self) -> bool:
+            given = dict(self.cycle.scope["headers"]).get(b"authorization")
+            return token is None or token_problem(given and given.decode("latin-1"), token) is None
 
         def _headers_late(self) -> None:
             self.headers_due = None
@@ -4467,7 +4509,8 @@ def serve_http(service: RetrievalService, settings: rules.Settings, instructions
     health = HealthProbe(service)
     door = HttpDoor.create(settings)
     app = http_app(service, settings, instructions, warmup, health, door)
-    protocol = guarded_protocol(settings.http_read_timeout_s, connection_bound(settings.http_max_connections))
+    protocol = guarded_protocol(settings.http_read_timeout_s, connection_bound(settings.http_max_connections),
+                                settings.http_token)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http=protocol,
                             timeout_graceful_shutdown=HTTP_GRACE_S)
 
