@@ -72,10 +72,10 @@ def test_a_misspelt_variable_is_named_on_stderr_and_stdout_stays_the_answer(buil
 
 def test_every_tool_argument_is_a_cli_option() -> None:
     """The sub-commands are built from the tools' input models: nothing to re-declare, nothing to drift."""
-    for command, tool in server.CLI_COMMANDS.items():
+    for command, spec in server.CLI_COMMANDS.items():
         usage = subprocess.run([sys.executable, str(SERVER), command, "--help"], capture_output=True, text=True,
                                timeout=60, check=True).stdout
-        for name, info in server.TOOLS[tool].input_model.model_fields.items():
+        for name, info in spec.input_model.model_fields.items():
             assert (name if info.is_required() else f"--{name.replace('_', '-')}") in usage, (command, name)
 
 

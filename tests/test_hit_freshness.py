@@ -41,7 +41,7 @@ def test_each_hit_says_whether_its_file_changed_on_disk(fresh: Built) -> None:
     assert states.pop("oncall/escalation.md") == (True, "modified")
     assert states.pop("runbooks/deploy.md") == (True, "deleted")
     assert states and all(state == (False, "unchanged") for state in states.values()), states
-    view = server.human_view("search_corpus", after)
+    view = server.search_view(after)
     assert "[modified on disk since the index was built" in view and "[deleted on disk since" in view
     assert view.count("on disk since the index was built") == sum(hit["changed_on_disk"] for hit in after["results"])
 

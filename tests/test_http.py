@@ -353,6 +353,27 @@ def test_bridge_success_returns_the_tools_structured_content(server: HttpServer,
     assert len(payload["results"]) <= 3
 
 
+def test_every_door_lists_exactly_the_tool_table(server: HttpServer) -> None:
+    """A tool is declared once (server.TOOLS): MCP, the bridge, the CLI and the README list the same."""
+    import server as server_module
+
+    declared = set(server_module.TOOLS)
+
+    async def listed_over_mcp() -> set[str]:
+        async with await mcp_http_client(server.mcp_url, "legacy") as client:
+            return {t.name for t in (await client.list_tools()).tools}
+
+    assert anyio.run(listed_over_mcp) == declared
+    assert {t["name"] for t in httpx.get(f"{server.base}/mcp/tools").json()["tools"]} == declared
+    usage = subprocess.run([sys.executable, str(SERVER), "--help"], capture_output=True, text=True, timeout=60,
+                           check=True).stdout
+    commands = re.search(r"\{([a-z,]+)\}", usage)
+    assert commands and {server_module.CLI_COMMANDS[c].name for c in commands.group(1).split(",")} == declared
+    readme = (SERVER.parent / "README.md").read_text(encoding="utf-8")
+    tools_section = readme.split("\n## Tools\n", 1)[1].split("\n## ", 1)[0]
+    assert set(re.findall(r"^\*\*`([a-z_]+)\(", tools_section, flags=re.MULTILINE)) == declared
+
+
 def test_bridge_lists_tools_with_schemas_and_the_configured_timeout(built: Built, fake: FakeOllama,
                                                                     server: HttpServer) -> None:
     body = httpx.get(f"{server.base}/mcp/tools").json()
@@ -712,7 +733,7 @@ def test_a_crash_is_internal_error_without_a_stack_trace(built: Built, fake: Fak
     def broken_search(self: Any, args: Any) -> Any:
         raise ZeroDivisionError(f"planted bug near {built.store}")
 
-    monkeypatch.setattr(server_module.RetrievalService, server_module.TOOLS["search_corpus"].method, broken_search)
+    monkeypatch.setattr(server_module.RetrievalService, "search", broken_search)
     settings = load_settings()
     app = server_module.http_app(service, settings, "", server_module.WarmUp(service),
                                  server_module.HealthProbe(service))

@@ -698,7 +698,7 @@ def test_an_index_built_without_ollama_answers_from_keywords_and_says_so(tmp_pat
         assert "ollama pull embeddinggemma" in payload["hint"] and "min_score was not applied" in payload["hint"]
         assert payload["results"][0]["path"] == "runbooks/deploy.md"
         assert all(hit["matched"] == ["keyword"] and hit["score"] is None for hit in payload["results"])
-        assert "has a vector yet" in server.human_view("search_corpus", payload)  # the CLI says it too
+        assert "has a vector yet" in server.search_view(payload)  # the CLI says it too
         is_error, payload = call(svc, "search_corpus", query="rollback steps", mode="vector")
         assert is_error and payload["error"]["code"] == "vectors_pending"
         assert "embeds only the waiting passages" in payload["error"]["hint"]
@@ -707,8 +707,7 @@ def test_an_index_built_without_ollama_answers_from_keywords_and_says_so(tmp_pat
         assert ollama.embed_calls == 0
         is_error, listing = call(svc, "list_documents")
         assert not is_error and listing["index"]["vectors_pending"] == chunks
-        assert f"{chunks} of {chunks} passages are found by keyword search only" in server.human_view(
-            "list_documents", listing)
+        assert f"{chunks} of {chunks} passages are found by keyword search only" in server.documents_view(listing)
         status, health = server.HealthProbe(svc).answer()
         assert status == 200 and health["status"] == "degraded" and health["vectors_pending"] == chunks
         assert [p["code"] for p in health["problems"]] == ["vectors_pending"]
