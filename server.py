@@ -316,6 +316,11 @@ class SearchCorpusInput(_ToolInput):
         description=f"Up to {QUERIES_MAX} extra phrasings of the same need, searched together with query: a "
                     "translation into the corpus's language, the exact identifiers, a sentence the answer "
                     "would contain. A passage several phrasings find ranks higher; query counts most.")
+    context: Literal["passage", "section", "neighbours"] = Field(
+        "passage", description="What each hit's text holds: the passage found (default); its whole section "
+                               "(from its heading to the next heading of the same or a higher level); or the "
+                               "passage with the passages before and after it. The best hits get theirs within "
+                               "the response budget, the others their passage: each hit says which it got.")
 
     @field_validator("query")
     @classmethod
@@ -445,6 +450,10 @@ class SearchHit(BaseModel):
     exact_matches: list[str] = Field(description="The query's identifiers this passage contains whole.")
     pages: PageRange | None = Field(None, description=PAGES, exclude_if=lambda value: value is None)
     text: str
+    context: Literal["passage", "section", "neighbours"] = Field(
+        "passage", description="What text holds (search_corpus's context, where the budget allowed it).")
+    text_start_line: int = Field(description="The first line of text in the file (start_line for a passage).")
+    text_end_line: int = Field(description="The last line of text in the file.")
     truncated: bool = Field(description="True when text was cut; read the lines with get_file.")
     changed_on_disk: bool = Field(False, description="True when the file's size or mtime differ from what was "
                                                      "indexed, or it is gone: the passage may be out of date and "
@@ -924,8 +933,78 @@ def json_len(value: Any) -> int:
     return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
 
 
+@dataclass(frozen=True)
+class HitContext:
+    """What a hit's text may grow to (search_corpus's context): the lines `start_line`.. of its
+    file, and where its passage lies among them."""
+
+    kind: Literal["section", "neighbours"]
+    lines: tuple[str, ...]
+    start_line: int
+    passage: tuple[int, int]  # first and last line of the passage, in the file's numbering
+
+
+def context_range(chunks: Sequence[rules.ChunkRow], hit: rules.ChunkRow, kind: Literal["section", "neighbours"],
+                  headings: Sequence[rules.Heading] | None = None) -> tuple[int, int]:
+    """The lines a hit's context spans in its file, always holding the passage. neighbours: from
+    the passage before it to the one after it. section: from its heading to the next heading of
+    the same or a higher level, by the file's `headings` where its reader gives them; else (a PDF,
+    whose reading is dear) the run of passages under its heading path."""
+    if kind == "section" and headings is not None and (found := section_lines(headings, hit)) is not None:
+        return min(found[0], hit.start_line), max(found[1], hit.end_line)
+    ordered = sorted(chunks, key=lambda c: (c.start_line, c.end_line, c.id))
+    at = next(n for n, c in enumerate(ordered) if c.id == hit.id)
+    if kind == "neighbours":
+        before, after = ordered[max(0, at - 1)], ordered[min(len(ordered) - 1, at + 1)]
+        return min(before.start_line, hit.start_line), max(after.end_line, hit.end_line)
+    own = hit.heading.split(rules.MERGED_HEADING_SEPARATOR)
+
+    def under(chunk: rules.ChunkRow) -> bool:
+        return any(part == mine or part.startswith(mine + rules.HEADING_SEPARATOR)
+                   for part in chunk.heading.split(rules.MERGED_HEADING_SEPARATOR) for mine in own)
+
+    first = last = at
+    while first > 0 and under(ordered[first - 1]):
+        first -= 1
+    while last + 1 < len(ordered) and under(ordered[last + 1]):
+        last += 1
+    return min(ordered[first].start_line, hit.start_line), max(ordered[last].end_line, hit.end_line)
+
+
+def section_lines(headings: Sequence[rules.Heading], hit: rules.ChunkRow) -> tuple[int, int] | None:
+    """The lines of the section a passage's heading path names: from that heading (the last one of
+    its text at or above the passage's end) to the line before the next heading of the same or a
+    higher level (the file's end: len-free, a caller clips it). None for a passage under no heading."""
+    leaf = hit.heading.split(rules.MERGED_HEADING_SEPARATOR)[0].split(rules.HEADING_SEPARATOR)[-1]
+    at = max((n for n, h in enumerate(headings) if h.text == leaf and h.line <= hit.end_line), default=None,
+             key=lambda n: headings[n].line)
+    if at is None:
+        return None
+    end = next((h.line - 1 for h in headings[at + 1:] if h.level <= headings[at].level), sys.maxsize)
+    return headings[at].line, end
+
+
+def grown_window(costs: Sequence[int], first: int, last: int, room: int) -> tuple[int, int]:
+    """Line indexes lo..hi holding first..last whose lines cost at most `room` as one JSON string
+    (each line's cost, and 2 for each joining newline), grown a line below, then a line above, in
+    turn, while they fit (the answer is more often below a passage than above it). When first..last
+    alone costs more, first..last."""
+    lo, hi = first, last
+    used = sum(costs[lo:hi + 1]) + 2 * (hi - lo)
+    below = True
+    while True:
+        for line in ((hi + 1, lo - 1) if below else (lo - 1, hi + 1)):
+            if 0 <= line < len(costs) and used + costs[line] + 2 <= room:
+                used += costs[line] + 2
+                lo, hi = min(lo, line), max(hi, line)
+                below = line == lo  # grown above: below next, and the other way round
+                break
+        else:
+            return lo, hi
+
+
 def fit_hits(payload: dict[str, Any], budget: int = SEARCH_RESPONSE_MAX_CHARS,
-             per_hit: int = HIT_TEXT_MAX_CHARS) -> dict[str, Any]:
+             per_hit: int = HIT_TEXT_MAX_CHARS, contexts: Sequence[HitContext | None] = ()) -> dict[str, Any]:
     """A search payload whose compact JSON fits `budget`, spent per hit, so that one oversized hit
     never costs the others their place or their text. Returns a new payload.
 
@@ -934,6 +1013,9 @@ def fit_hits(payload: dict[str, Any], budget: int = SEARCH_RESPONSE_MAX_CHARS,
     2. Drop trailing hits only while the hits without their texts do not fit.
     3. Share what is left among the texts: the shorter ones stay whole, the longer ones get equal
        shares (so the longest are cut first). `truncated` marks every cut text.
+    4. The room still left grows the hits' texts to their `contexts` (aligned with the results),
+       best hit first: each gets its whole context if it fits, else the widest window of it around
+       its passage that does; a hit whose passage lines alone do not fit keeps its passage.
     """
     # 1. Per-hit caps.
     results = [dict(hit) for hit in payload.get("results", [])]
@@ -954,6 +1036,22 @@ def fit_hits(payload: dict[str, Any], budget: int = SEARCH_RESPONSE_MAX_CHARS,
     for hit, text, share, original in zip(results, texts, shares, originals, strict=True):
         hit["text"] = prefix_within(text, share)
         hit["truncated"] = bool(hit.get("truncated")) or len(hit["text"]) < len(original)
+    # 4. Contexts, best hit first.
+    room = budget - json_len(out)
+    for hit, context in zip(results, contexts, strict=False):  # step 2 may have dropped trailing hits
+        if context is None:
+            continue
+        held = json_len(hit["text"]) - 2
+        costs = [json_len(line) - 2 for line in context.lines]
+        first, last = (line - context.start_line for line in context.passage)
+        lo, hi = grown_window(costs, first, last, held + room)
+        cost = sum(costs[lo:hi + 1]) + 2 * (hi - lo)
+        if cost > held + room:
+            continue
+        hit.update(text="\n".join(context.lines[lo:hi + 1]), context=context.kind,
+                   text_start_line=context.start_line + lo, text_end_line=context.start_line + hi,
+                   truncated=(lo, hi) != (0, len(costs) - 1))
+        room -= cost - held
     return out
 
 
@@ -2504,15 +2602,44 @@ class RetrievalService:
         facts, candidates = self._candidates(index, args, scope, phrasings, degraded, prefetch, loading_until)
         # 7. rank
         ranked = self._with_rows(index, rank(candidates, args.mode)[:args.k], candidates)
-        # 8. hits
+        # 8. hits, and what their texts may grow to
         hits = self._hits(index, ranked, candidates, facts, phrasings)
         hits = self._with_freshness(index, hits)
+        contexts = self._contexts(index, args, [candidates.rows[item] for item, _ in ranked], hits)
         # 9. confidence
         confidence = (self._confidence(index, candidates.rows[ranked[0][0]], hits[0], candidates, facts, phrasings)
                       if hits else None)
         # 10. response
         ahead = self._superseded_ahead(index, args, phrasings, degraded, prefetch, loading_until) if hits else None
-        return self._search_response(index, args, scope, candidates, facts, hits, confidence, degraded, ahead)
+        return self._search_response(index, args, scope, candidates, facts, hits, confidence, degraded, ahead,
+                                     contexts)
+
+    def _contexts(self, index: OpenIndex, args: SearchCorpusInput, rows: Sequence[rules.ChunkRow],
+                  hits: Sequence[SearchHit]) -> list[HitContext | None]:
+        """Each hit's context as asked (none for a passage, or a file changed since ingest: its
+        lines may have moved): the lines it spans, read as get_file reads them, once per file."""
+        if args.context == "passage":
+            return []
+        corpus = self.corpus_dir(index.current)
+        files: dict[str, tuple[list[rules.ChunkRow], list[str] | None, tuple[rules.Heading, ...] | None]] = {}
+        out: list[HitContext | None] = []
+        for row, hit in zip(rows, hits, strict=True):
+            if hit.freshness != "unchanged":
+                out.append(None)
+                continue
+            if row.path not in files:
+                doc = index.document(row.path)
+                read = document_lines(corpus, doc, index.current.corpus_id, index.extracted_text) if doc else None
+                files[row.path] = (index.chunks_of(row.path), read[0] if read else None,
+                                   headings_of(row.path, read[2]) if read and read[1] == "disk" else None)
+            chunks, lines, headings = files[row.path]
+            if lines is None or row.end_line > len(lines):
+                out.append(None)
+                continue
+            start, end = context_range(chunks, row, args.context, headings)
+            end = min(end, len(lines))
+            out.append(HitContext(args.context, tuple(lines[start - 1:end]), start, (row.start_line, row.end_line)))
+        return out
 
     def _candidates(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope, phrasings: list[Phrasing],
                     degraded: RagError | None, prefetch: Prefetch,
@@ -2751,7 +2878,8 @@ class RetrievalService:
                                   superseded_by=list(index.successors.get(row.path, ())), matched=matched,
                                   phrasings=sorted({p for _, p in by}),
                                   exact_matches=[i for i, _ in facts.identifiers if item in candidates.whole.get(i, ())],
-                                  text=row.text, truncated=False))
+                                  text=row.text, text_start_line=row.start_line, text_end_line=row.end_line,
+                                  truncated=False))
         return hits
 
     def _with_freshness(self, index: OpenIndex, hits: list[SearchHit]) -> list[SearchHit]:
@@ -2787,7 +2915,7 @@ class RetrievalService:
     def _search_response(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope,
                          candidates: ChannelCandidates, facts: QueryFacts, hits: list[SearchHit],
                          confidence: Judgement | None, degraded: RagError | None,
-                         superseded_ahead: str | None = None) -> dict[str, Any]:
+                         superseded_ahead: str | None = None, contexts: Sequence[HitContext | None] = ()) -> dict[str, Any]:
         """The response's payload: hits within the text budget, the confidence, the index stamp,
         and a message that says why there is nothing when there is nothing. Built as the output
         model (so it fits the declared outputSchema), then trimmed to the budget as JSON."""
@@ -2816,7 +2944,7 @@ class RetrievalService:
                                   dropped_below_min_score=len(candidates.dropped), message=message,
                                   missing_identifiers=list(facts.missing), index=self._index_info(index.current),
                                   staleness=staleness, **extra)
-        return fit_hits(response.model_dump(mode="json"))
+        return fit_hits(response.model_dump(mode="json"), contexts=contexts)
 
     @staticmethod
     def _hidden_superseded(index: OpenIndex, args: SearchCorpusInput, scope: SearchScope) -> tuple[int, tuple[str, ...]]:
@@ -2881,19 +3009,16 @@ class RetrievalService:
         if doc.size >= FILE_PROGRESS_MIN_BYTES:
             tell_progress(f"reading {rules.shown(doc.path)}: {doc.line_count} lines, {doc.size // 1024} KB, "
                           f"at most {args.max_chars} characters of it")
-        raw = read_indexed_file(corpus, doc, index.current.corpus_id)
-        if raw is None:
+        def extracted(path: str) -> str | None:
+            with manager.lock:
+                return manager.open().extracted_text(path)
+
+        read = document_lines(corpus, doc, index.current.corpus_id, extracted)
+        if read is None:
             with manager.lock:
                 chunks = manager.open().chunks_of(doc.path)
             return file_from_chunks(doc, chunks, start_line, end_line, args.max_chars).model_dump(mode="json")
-        reader = rules.reader_for(doc.path)
-        if reader is not None and reader.extracted:
-            with manager.lock:
-                text = manager.open().extracted_text(doc.path)
-            source: Literal["disk", "extracted"] = "extracted"
-        else:
-            text, source = raw.decode("utf-8-sig", errors="replace"), "disk"
-        lines = rules.split_lines(text or "")
+        lines, source, raw = read
         part = slice_lines(lines, start_line, end_line, args.max_chars)
         return FileResponse(path=doc.path, title=rules.metadata_text(doc.title), lifecycle=_lifecycle(doc.lifecycle),
                             text=part.text, start_line=part.start_line, end_line=part.end_line, total_lines=len(lines),
@@ -3068,6 +3193,28 @@ def read_indexed_file(corpus_dir: Path, doc: rules.DocumentRow, corpus_id: tuple
         raise _reject(doc.path, f"cannot be opened ({exc.strerror})") from None
     finally:
         os.close(root_fd)
+
+
+def document_lines(corpus_dir: Path, doc: rules.DocumentRow, corpus_id: tuple[int, int] | None,
+                   extracted_text: Callable[[str], str | None]) -> tuple[list[str], Literal["disk", "extracted"], bytes] | None:
+    """An indexed document's lines as get_file serves them (the file's, or for a format read by
+    extraction the text stored at ingest), where they came from, and the file's bytes; None when
+    it is gone from disk (read_indexed_file's rules apply)."""
+    raw = read_indexed_file(corpus_dir, doc, corpus_id)
+    if raw is None:
+        return None
+    reader = rules.reader_for(doc.path)
+    if reader is not None and reader.extracted:
+        return rules.split_lines(extracted_text(doc.path) or ""), "extracted", raw
+    return rules.split_lines(raw.decode("utf-8-sig", errors="replace")), "disk", raw
+
+
+def headings_of(path: str, raw: bytes) -> tuple[rules.Heading, ...] | None:
+    """A file's headings as its reader finds them (None when it no longer reads)."""
+    try:
+        return rules.parse_document(raw, path).text.headings
+    except RagError:
+        return None
 
 
 def file_from_chunks(doc: rules.DocumentRow, chunks: Sequence[rules.ChunkRow], start_line: int | None,

@@ -385,6 +385,120 @@ def test_fit_hits_spends_the_budget_per_hit(hits: list[tuple[str, int]], budget:
         assert max(cut) - min(cut) <= JSON_CHAR_MAX or min(cut) == min(2000, min(costs)), "equal shares"
 
 
+file_lines = st.lists(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",),
+                                                     exclude_characters="\n\r"), max_size=400), min_size=1, max_size=80)
+
+
+@st.composite
+def hits_with_contexts(draw: st.DrawFn) -> tuple[list[dict[str, Any]], list[server.HitContext | None]]:
+    """Hits of one file's lines, each a passage inside a context (a run of the file's lines)."""
+    lines = draw(file_lines)
+    hits, contexts = [], []
+    for n in range(draw(st.integers(1, 8))):
+        lo = draw(st.integers(1, len(lines)))
+        hi = draw(st.integers(lo, len(lines)))
+        first = draw(st.integers(lo, hi))
+        last = draw(st.integers(first, hi))
+        hits.append({"path": f"p{n}.md", "text": "\n".join(lines[first - 1:last]), "truncated": False,
+                     "start_line": first, "end_line": last, "context": "passage", "text_start_line": first,
+                     "text_end_line": last})
+        contexts.append(draw(st.none() | st.just(server.HitContext(
+            draw(st.sampled_from(["section", "neighbours"])), tuple(lines[lo - 1:hi]), lo, (first, last)))))
+    return hits, contexts
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(hits_with_contexts(), st.integers(min_value=2000, max_value=30_000))
+def test_a_context_stays_in_its_file_holds_its_passage_and_the_budget(
+        drawn: tuple[list[dict[str, Any]], list[server.HitContext | None]], budget: int) -> None:
+    hits, contexts = drawn
+    fitted = server.fit_hits({"query": "q", "results": hits}, budget=budget, per_hit=2000, contexts=contexts)
+    assert server.json_len(fitted) <= budget
+    grown = 0
+    for hit, context, original in zip(fitted["results"], contexts, hits, strict=False):
+        if hit["context"] == "passage":
+            assert original["text"].startswith(hit["text"])
+            continue
+        grown += 1
+        assert context is not None and hit["context"] == context.kind
+        lo, hi = hit["text_start_line"], hit["text_end_line"]
+        assert context.start_line <= lo <= hit["start_line"] <= hit["end_line"] <= hi, "the passage inside"
+        assert hi < context.start_line + len(context.lines), "never a line outside the context (or the file)"
+        assert hit["text"] == "\n".join(context.lines[lo - context.start_line:hi - context.start_line + 1]), \
+            "whole lines, as in the file"
+        assert hit["truncated"] == ((lo, hi) != (context.start_line, context.start_line + len(context.lines) - 1))
+    if all(c is None for c in contexts):
+        assert grown == 0
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(st.integers(1, 4), st.sampled_from("ABC")), min_size=1, max_size=20), st.data())
+def test_a_section_runs_from_its_heading_to_the_next_of_its_level_or_higher(
+        outline: list[tuple[int, str]], data: st.DataObject) -> None:
+    headings = [rules.Heading(line=3 * n + 1, level=level, text=text) for n, (level, text) in enumerate(outline)]
+    at = data.draw(st.integers(0, len(headings) - 1))
+    start = headings[at].line + data.draw(st.integers(0, 2))
+    row = rules.ChunkRow(id="c", path="p.md", chunk_index=0, start_line=start, end_line=start,
+                         heading="Doc > " + headings[at].text, lifecycle="active", text="x", title="T")
+    found = server.section_lines(headings, row)
+    assert found is not None
+    first, last = found
+    opening = next(h for h in headings if h.line == first)
+    assert opening.text == headings[at].text and opening.line <= row.end_line
+    assert not any(h.text == opening.text and opening.line < h.line <= row.end_line for h in headings), "the nearest"
+    assert all(h.level > opening.level for h in headings if first < h.line <= last), "no heading of its level inside"
+    following = [h for h in headings if h.line == last + 1]
+    assert last == sys.maxsize or (following and following[0].level <= opening.level)
+
+
+def test_a_section_context_puts_an_answer_far_below_its_heading_in_hand(fake: FakeOllama, tmp_path: Path) -> None:
+    """The passage found opens a long section; the answer is passages further down it. With
+    context="section" it comes back in the same hit, with the lines it spans; neighbours too
+    when it is in the next passage; passage (the default) stays as it was."""
+    source = tmp_path / "source"
+    source.mkdir()
+    filler = [f"Paragraph {n} says how the archive tier stores its {n}th batch of segments in cold storage "
+              f"and compacts them overnight, which nobody needs to tune." for n in range(24)]
+    body = "\n\n".join([*filler[:12], "The audit log retention window is exactly 400 days.", *filler[12:]])
+    (source / "guide.md").write_text("# Operations guide\n\n## Audit log retention\n\nHow long audit logs are "
+                                     f"kept, and where.\n\n{body}\n\n## Backups\n\nNightly.\n", encoding="utf-8")
+    built = build(tmp_path / "built", fake.host, source)
+    svc = service(built)
+    found = {}
+    for context in ("passage", "section", "neighbours"):
+        is_error, payload = call(svc, "search_corpus", query="how long are audit logs kept", k=3, mode="keyword",
+                                 context=context)
+        assert not is_error and payload["results"], payload
+        found[context] = payload["results"][0]
+    passage, section = found["passage"], found["section"]
+    assert passage["heading"] == "Operations guide > Audit log retention" and passage["context"] == "passage"
+    assert "400 days" not in passage["text"], "the answer is in another passage of the section"
+    assert section["context"] == "section" and "400 days" in section["text"] and not section["truncated"]
+    lines = (source / "guide.md").read_text(encoding="utf-8").splitlines()
+    # from its heading (the passage holding it also holds the empty title section above it)
+    assert "## Audit log retention" in section["text"].splitlines()[:3]
+    assert section["text_end_line"] < lines.index("## Backups") + 1, "to the next heading of the same level"
+    assert section["text"] == "\n".join(lines[section["text_start_line"] - 1:section["text_end_line"]])
+    assert (section["start_line"], section["end_line"]) == (passage["start_line"], passage["end_line"])
+    neighbours = found["neighbours"]
+    assert neighbours["context"] == "neighbours" and neighbours["text_end_line"] > passage["end_line"]
+
+
+@settings(max_examples=200)
+@given(st.lists(st.integers(0, 500), min_size=1, max_size=60), st.data())
+def test_a_grown_window_is_the_widest_alternating_one_that_fits(costs: list[int], data: st.DataObject) -> None:
+    first = data.draw(st.integers(0, len(costs) - 1))
+    last = data.draw(st.integers(first, len(costs) - 1))
+    room = data.draw(st.integers(0, sum(costs) + 2 * len(costs)))
+    lo, hi = server.grown_window(costs, first, last, room)
+    used = sum(costs[lo:hi + 1]) + 2 * (hi - lo)
+    assert lo <= first <= last <= hi
+    assert (lo, hi) == (first, last) or used <= room
+    for line in (lo - 1, hi + 1):  # no neighbouring line would still have fitted
+        if 0 <= line < len(costs) and used <= room:
+            assert used + costs[line] + 2 > room
+
+
 lines_strategy = st.lists(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",),
                                                          exclude_characters="\n\r"), max_size=300), max_size=60)
 

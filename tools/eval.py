@@ -126,6 +126,7 @@ class Query:
     kind: str
     gold: list[tuple[str, int, int]]  # (path, start, end) of each gold section
     phrasings: list[str] = field(default_factory=list)  # extra phrasings, sent as `queries`
+    quotes: list[str] = field(default_factory=list)  # verbatim sentences of the answer (evidence.jsonl)
 
 
 def load_phrasings(path: Path | None) -> dict[str, list[str]]:
@@ -150,9 +151,22 @@ def load_evidence(path: Path | None) -> dict[tuple[str, str, str], tuple[int, in
     return out
 
 
+def load_quotes(path: Path | None) -> dict[str, list[str]]:
+    """The verbatim answer quotes a dev set's evidence file records, by query id (evidence@5)."""
+    if path is None:
+        return {}
+    out: dict[str, list[str]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            item = json.loads(line)
+            out[item["id"]] = [label["quote"] for label in item["gold"] if label.get("quote")]
+    return out
+
+
 def load_queries(paths: Sequence[Path], corpus: Path, corpus_id: str,
                  phrasings: dict[str, list[str]] | None = None,
-                 evidence: Mapping[tuple[str, str, str], tuple[int, int]] | None = None) -> list[Query]:
+                 evidence: Mapping[tuple[str, str, str], tuple[int, int]] | None = None,
+                 quotes: Mapping[str, list[str]] | None = None) -> list[Query]:
     """The queries of `corpus_id`, each gold label with its section's lines: from the dev set's
     evidence file where given, else from the gold's own lines (a code symbol's), else the file's ATX
     sections (Markdown and MDX)."""
@@ -181,7 +195,8 @@ def load_queries(paths: Sequence[Path], corpus: Path, corpus_id: str,
                                  "(for a format other than Markdown, pass the dev set's --evidence file)")
             gold.append((label["path"], found[0].start, found[0].end))
         extra = [] if phrasings is None else phrasings.get(item["id"], item.get("phrasings", []))
-        queries.append(Query(item["id"], item["query"], item.get("kind", "all"), gold, list(extra)))
+        queries.append(Query(item["id"], item["query"], item.get("kind", "all"), gold, list(extra),
+                             list((quotes or {}).get(item["id"], []))))
     return queries
 
 
@@ -196,6 +211,15 @@ class Outcome:
     error: str | None = None
     confidence: str | None = None
     confidence_score: float | None = None
+    chars: int = 0  # the response's structured content, as compact JSON
+    evidence: bool | None = None  # a saved run's evidence_hit (its results keep no text)
+
+    def evidence_hit(self, k: int = 5) -> bool | None:
+        """A verbatim answer quote inside the text of a top-k hit: the answer in hand after one
+        call (None without quotes)."""
+        if self.evidence is not None or not self.query.quotes:
+            return self.evidence
+        return any(quote in hit.get("text", "") for hit in self.results[:k] for quote in self.query.quotes)
 
     def file_hit(self, k: int = 5) -> bool:
         paths = {g[0] for g in self.query.gold}
@@ -275,6 +299,9 @@ class Row:
     unanswerable_low: float | None = None  # share of unanswerable ones
     score_auroc: float | None = None  # of confidence_score
     unanswerable_flagged: float | None = None  # below the score cut that flags <= 10% of answerable
+    evidence5: float | None = None  # of the answerable queries with quotes
+    chars_p50: float | None = None
+    chars_max: int | None = None
 
 
 def summarise(outcomes: Sequence[Outcome]) -> list[Row]:
@@ -303,7 +330,11 @@ def summarise(outcomes: Sequence[Outcome]) -> list[Row]:
             answerable_low=low_share(answerable), unanswerable_low=low_share(unanswerable),
             score_auroc=auroc([o.score_value() for o in answerable], negative_scores) if kind == "all" else None,
             unanswerable_flagged=flagged_at([o.score_value() for o in answerable], negative_scores)
-            if kind == "all" else None))
+            if kind == "all" else None,
+            evidence5=(lambda found: sum(found) / len(found) if found else None)(
+                [hit for o in answerable if (hit := o.evidence_hit()) is not None]),
+            chars_p50=statistics.median([o.chars for o in group]) if group else None,
+            chars_max=max((o.chars for o in group), default=None)))
     return rows
 
 
@@ -318,12 +349,14 @@ def share(value: float | None) -> str:
 def markdown_table(mode: str, rows: Sequence[Row]) -> str:
     out = [f"mode: {mode}", "",
            ("| kind | n | file_hit@5 | section_hit@5 | MRR@10 | AUROC top-1 | AUROC confidence | low: answerable "
-            "| low: unanswerable | AUROC confidence_score | unanswerable below the 10% cut | p50 ms | p95 ms | errors |"),
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| low: unanswerable | AUROC confidence_score | unanswerable below the 10% cut | evidence@5 | chars p50 "
+            "| chars max | p50 ms | p95 ms | errors |"),
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         out.append(f"| {r.kind} | {r.n} | {fmt(r.file_hit5)} | {fmt(r.section_hit5)} | {fmt(r.mrr10)} | "
                    f"{fmt(r.auroc)} | {fmt(r.confidence_auroc)} | {fmt(r.answerable_low)} | "
                    f"{fmt(r.unanswerable_low)} | {fmt(r.score_auroc)} | {fmt(r.unanswerable_flagged)} | "
+                   f"{fmt(r.evidence5)} | {r.chars_p50 or 0:.0f} | {r.chars_max or 0} | "
                    f"{r.p50_ms:.0f} | {r.p95_ms:.0f} | {r.errors} |")
     return "\n".join(out)
 
@@ -346,14 +379,15 @@ def outcome_record(outcome: Outcome) -> dict[str, Any]:
             "error": outcome.error, "ms": round(outcome.seconds * 1000, 1),
             "file_hit5": outcome.file_hit() if answerable else None,
             "section_hit5": outcome.section_hit() if answerable else None,
-            "rr10": outcome.reciprocal_rank() if answerable else None}
+            "rr10": outcome.reciprocal_rank() if answerable else None,
+            "evidence5": outcome.evidence_hit() if answerable else None, "chars": outcome.chars}
 
 
 def outcome_from_record(record: Mapping[str, Any]) -> Outcome:
     gold = [(g["path"], g["start_line"], g["end_line"]) for g in record["gold"]]
     query = Query(record["id"], record["query"], record["kind"], gold, list(record["phrasings"]))
     return Outcome(query, list(record["results"]), record["ms"] / 1000, record["error"],
-                   record["confidence"], record["confidence_score"])
+                   record["confidence"], record["confidence_score"], record.get("chars", 0), record.get("evidence5"))
 
 
 def saved_run(settings: Mapping[str, Any], outcomes: Mapping[str, Sequence[Outcome]]) -> dict[str, Any]:
@@ -410,7 +444,7 @@ class QueryChange:
         return "worse" if all(after < before for _metric, before, after in self.moves) else "mixed"
 
 
-QUERY_METRICS = (("file_hit5", "file"), ("section_hit5", "section"), ("rr10", "RR@10"))
+QUERY_METRICS = (("file_hit5", "file"), ("section_hit5", "section"), ("rr10", "RR@10"), ("evidence5", "evidence"))
 
 
 def query_changes(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> list[QueryChange]:
@@ -421,7 +455,8 @@ def query_changes(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, A
         prior = before.get(record["id"])
         if prior is None or not record["gold"]:
             continue
-        moves = tuple((label, prior[key], record[key]) for key, label in QUERY_METRICS if prior[key] != record[key])
+        moves = tuple((label, prior.get(key), record.get(key)) for key, label in QUERY_METRICS
+                      if prior.get(key) != record.get(key) and None not in (prior.get(key), record.get(key)))
         if moves:
             changes.append(QueryChange(record["id"], record["kind"], moves))
     return changes
@@ -433,17 +468,19 @@ def compare_runs(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
     if "outcomes" not in old or "outcomes" not in new:
         raise SystemExit("--compare needs runs written by --save (per-query results)")
     out = [f"{run_label(old)} -> {run_label(new)}"]
-    for key in ("corpus", "phrasings", "embedder_model", "k"):
+    for key in ("corpus", "phrasings", "embedder_model", "k", "context"):
         if old["settings"].get(key) != new["settings"].get(key):
             out.append(f"(the runs differ in {key}: {old['settings'].get(key)} -> {new['settings'].get(key)})")
     for mode in [m for m in new["outcomes"] if m in old["outcomes"]]:
-        out += ["", f"{mode}:", "", "| kind | n | file_hit@5 | section_hit@5 | MRR@10 |", "| --- | --- | --- | --- | --- |"]
+        out += ["", f"{mode}:", "", "| kind | n | file_hit@5 | section_hit@5 | MRR@10 | evidence@5 |",
+                "| --- | --- | --- | --- | --- | --- |"]
         before = {row["kind"]: row for row in old["modes"][mode]}
         for row in new["modes"][mode]:
             prior = before.get(row["kind"])
             if prior is not None and row["file_hit5"] is not None:
                 out.append(f"| {row['kind']} | {answerable_n(row)} | " + " | ".join(
-                    change(prior[key], row[key]) for key in ("file_hit5", "section_hit5", "mrr10")) + " |")
+                    change(prior.get(key), row.get(key)) for key in ("file_hit5", "section_hit5", "mrr10", "evidence5"))
+                    + " |")
         changes = query_changes(old["outcomes"][mode], new["outcomes"][mode])
         verdicts = [c.verdict for c in changes]
         out += ["", ", ".join(f"{verdicts.count(v)} {v}" for v in ("better", "worse", "mixed")) + " (queries)"]
@@ -608,7 +645,8 @@ def error_text(result: Any) -> str:
     return (result.content[0].text if result.content else "")[:300]
 
 
-async def run_queries(client: Any, queries: Sequence[Query], modes: Sequence[str], k: int) -> dict[str, list[Outcome]]:
+async def run_queries(client: Any, queries: Sequence[Query], modes: Sequence[str], k: int,
+                      context: str = "passage") -> dict[str, list[Outcome]]:
     outcomes: dict[str, list[Outcome]] = {mode: [] for mode in modes}
     # One untimed pass embeds every query, so each mode is timed on the same footing (the
     # server caches query embeddings); the pass's own latency is reported separately.
@@ -621,7 +659,8 @@ async def run_queries(client: Any, queries: Sequence[Query], modes: Sequence[str
     for mode in modes:
         for query in queries:
             started = time.perf_counter()
-            result = await client.call_tool("search_corpus", {**arguments(query), "k": k, "mode": mode})
+            result = await client.call_tool("search_corpus", {**arguments(query), "k": k, "mode": mode,
+                                                              "context": context})
             seconds = time.perf_counter() - started
             if result.is_error:
                 outcomes[mode].append(Outcome(query, [], seconds, error_text(result)))
@@ -629,7 +668,8 @@ async def run_queries(client: Any, queries: Sequence[Query], modes: Sequence[str
                 content = result.structured_content or {}
                 outcomes[mode].append(Outcome(query, list(content.get("results", [])), seconds,
                                               confidence=content.get("confidence"),
-                                              confidence_score=content.get("confidence_score")))
+                                              confidence_score=content.get("confidence_score"),
+                                              chars=len(json.dumps(content, ensure_ascii=False, separators=(",", ":")))))
     return outcomes
 
 
@@ -722,13 +762,14 @@ def k_report(sweeps: Mapping[str, int], violations: Sequence[KViolation]) -> str
 
 
 async def in_session(env: Mapping[str, str], queries: Sequence[Query], modes: Sequence[str], k: int,
-                     k_check: bool) -> tuple[dict[str, list[Outcome]], tuple[dict[str, int], list[KViolation]] | None]:
+                     k_check: bool, context: str = "passage",
+                     ) -> tuple[dict[str, list[Outcome]], tuple[dict[str, int], list[KViolation]] | None]:
     """The evaluation run, then the k check if asked for, on one MCP client session of `python server.py`."""
     from mcp import Client, StdioServerParameters
 
     params = StdioServerParameters(command=sys.executable, args=[str(ROOT / "server.py")], env=dict(env), cwd=str(ROOT))
     async with Client(params, read_timeout_seconds=120) as client:
-        outcomes = await run_queries(client, queries, modes, k)
+        outcomes = await run_queries(client, queries, modes, k, context)
         return outcomes, (await check_k(client, queries, modes) if k_check else None)
 
 
@@ -856,6 +897,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="search a copy of the index in which only documents holding about X (0-1) of the "
                              "chunks have vectors, as an ingest stopped while embedding leaves it")
     parser.add_argument("--phrasings", type=Path, help="extra phrasings per query id (JSON lines {id, queries})")
+    parser.add_argument("--context", choices=("passage", "section", "neighbours"), default="passage",
+                        help="search_corpus's context for every search (evidence@5 needs --evidence's quotes)")
     parser.add_argument("--evidence", type=Path, help="the dev set's evidence.jsonl: gold sections' line ranges as "
                                                       "it defines them (needed for formats other than Markdown)")
     parser.add_argument("--write-readme", nargs="?", const=str(readme_section.README), metavar="PATH",
@@ -884,7 +927,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     corpus = args.corpus.resolve()
     modes = [m for m in args.modes.split(",") if m]
     queries = load_queries(args.queries, corpus, args.query_corpus or corpus.name,
-                           load_phrasings(args.phrasings) if args.phrasings else None, load_evidence(args.evidence))
+                           load_phrasings(args.phrasings) if args.phrasings else None, load_evidence(args.evidence),
+                           load_quotes(args.evidence))
     if not queries:
         raise SystemExit("no queries matched; check --query-corpus")
     commit, dirty = checkout_state(ROOT)  # before the run: the code it ran, whatever changes meanwhile
@@ -902,9 +946,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         fragments = store_fragments(layout, current) if current else None
         env = {"RAG_STORE_DIR": str(store), "RAG_CORPUS_DIR": str(corpus),
                "OLLAMA_HOST": os.environ.get("OLLAMA_HOST", "http://127.0.0.1:11434")}
-        outcomes, k_checked = asyncio.run(in_session(env, queries, modes, args.k, args.check_k))
+        outcomes, k_checked = asyncio.run(in_session(env, queries, modes, args.k, args.check_k, args.context))
     settings = {"corpus": args.query_corpus or corpus.name, "corpus_dir": str(corpus), "modes": modes,
-                "phrasings": any(q.phrasings for q in queries), "k": args.k, "embedder_host": env["OLLAMA_HOST"],
+                "phrasings": any(q.phrasings for q in queries), "k": args.k, "context": args.context,
+                "embedder_host": env["OLLAMA_HOST"],
                 "embedder_model": current.manifest.model if current else None, "commit": commit, "dirty": dirty,
                 "vectors_pending": current.stamp.vectors_pending if current else None}
     saved = saved_run(settings, {mode: outcomes[mode] for mode in modes})
