@@ -137,6 +137,7 @@ KEYWORD_MATCH_BUDGET = 1000
 # this together, so its cost does not grow with the corpus.
 KEYWORD_POSTINGS_BUDGET = 100_000
 HIT_TEXT_MAX_CHARS = 2000
+SECTION_LOOKAHEAD = 3  # rows read for 3k candidates to find k sections (see RetrievalService._sections)
 # Clients cut tool output around 25k tokens; characters are a safe, cheap proxy. Each budget counts
 # the compact JSON, and is declared to clients as the tool's anthropic/maxResultSizeChars
 # (ToolSpec.max_result_chars), so Claude Code shows it whole instead of spilling it to a file.
@@ -165,6 +166,7 @@ CHUNK_VECTOR_CACHE_SIZE = 4096
 PASSAGE_COUNT_CACHE_SIZE = 50_000  # terms, per open index generation
 PASSAGE_TERMS_CACHE_SIZE = 4096  # passages
 DOCUMENT_LANGUAGE_CACHE_SIZE = 20_000  # documents, per open index generation
+HEADINGS_CACHE_SIZE = 256  # documents' headings (section contexts), per open index generation
 KEYWORD_RANKING_CACHE_SIZE = 64  # a search's keyword rankings, for its superseded check (see ranked_ids)
 # The staleness hint stats every indexed file; once every few seconds keeps searches cheap.
 STALENESS_TTL_S = 5.0
@@ -317,10 +319,11 @@ class SearchCorpusInput(_ToolInput):
                     "translation into the corpus's language, the exact identifiers, a sentence the answer "
                     "would contain. A passage several phrasings find ranks higher; query counts most.")
     context: Literal["passage", "section", "neighbours"] = Field(
-        "passage", description="What each hit's text holds: the passage found (default); its whole section "
-                               "(from its heading to the next heading of the same or a higher level); or the "
-                               "passage with the passages before and after it. The best hits get theirs within "
-                               "the response budget, the others their passage: each hit says which it got.")
+        "section", description="What each hit's text holds: its whole section (default: from its heading to "
+                               "the next heading of the same or a higher level, one hit per section); the "
+                               "passage found alone; or the passage with the passages before and after it. The "
+                               "best hits get theirs within the response budget, the others their passage: each "
+                               "hit says which it got.")
 
     @field_validator("query")
     @classmethod
@@ -450,6 +453,10 @@ class SearchHit(BaseModel):
     exact_matches: list[str] = Field(description="The query's identifiers this passage contains whole.")
     pages: PageRange | None = Field(None, description=PAGES, exclude_if=lambda value: value is None)
     text: str
+    more_passages: list[tuple[int, int]] = Field(
+        default_factory=list, description="With context=section: the other passages of this section that "
+                                          "matched, ranked below this one, as [start_line, end_line] (one hit "
+                                          "per section).")
     context: Literal["passage", "section", "neighbours"] = Field(
         "passage", description="What text holds (search_corpus's context, where the budget allowed it).")
     text_start_line: int = Field(description="The first line of text in the file (start_line for a passage).")
@@ -933,6 +940,22 @@ def json_len(value: Any) -> int:
     return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
 
 
+def one_per_section(ranked: Sequence[tuple[str, float]], rows: Mapping[str, rules.ChunkRow],
+                    k: int) -> list[tuple[str, float, tuple[str, ...]]]:
+    """The first k sections of a ranking, each as its best passage (id and value) with the other
+    passages of the section found below it, in rank order: pieces of one section never fill the
+    results. Greedy in rank order, so the first k are the same whatever k (and the top one)."""
+    groups: dict[tuple[str, str], list[Any]] = {}
+    for item, value in ranked:
+        row = rows[item]
+        key = (row.path, row.heading)
+        if key in groups:
+            groups[key][2].append(item)
+        elif len(groups) < k:
+            groups[key] = [item, value, []]
+    return [(item, value, tuple(members)) for item, value, members in groups.values()]
+
+
 @dataclass(frozen=True)
 class HitContext:
     """What a hit's text may grow to (search_corpus's context): the lines `start_line`.. of its
@@ -1364,6 +1387,7 @@ class OpenIndex:
         # A generation's counts never change; they go with it (a new generation opens afresh).
         self._passage_counts: LRU[str, int] = LRU(PASSAGE_COUNT_CACHE_SIZE)
         self._document_languages: LRU[str, tuple[float | None]] = LRU(DOCUMENT_LANGUAGE_CACHE_SIZE)
+        self._headings: LRU[str, tuple[tuple[rules.Heading, ...] | None]] = LRU(HEADINGS_CACHE_SIZE)
         self._rankings: LRU[tuple[str, tuple[str, ...], str | None, int], tuple[tuple[str, str], ...]] = LRU(
             KEYWORD_RANKING_CACHE_SIZE)
 
@@ -1713,6 +1737,18 @@ class OpenIndex:
         """The text ingest extracted from a binary document (a PDF), whose lines its chunks cite."""
         rows = self._sql("SELECT text FROM extracted WHERE path = ?", [path]) if self.schema >= 6 else []
         return str(rows[0][0]) if rows else None
+
+    def headings(self, path: str, raw: bytes) -> tuple[rules.Heading, ...] | None:
+        """An indexed file's headings as its reader finds them in `raw` (the file as indexed: the
+        caller has checked it is unchanged), read once per generation; None when it no longer reads."""
+        known = self._headings.get(path)
+        if known is None:
+            try:
+                known = (rules.parse_document(raw, path).text.headings,)
+            except RagError:
+                known = (None,)
+            self._headings.put(path, known)
+        return known[0]
 
     def chunks_of(self, path: str) -> list[rules.ChunkRow]:
         rows = self._sql(f"{rules.chunk_select(self.schema)} WHERE c.path = ? ORDER BY c.chunk_index", [path])
@@ -2600,10 +2636,14 @@ class RetrievalService:
             prefetch = Prefetch(index.key, self._prefilter(index, args), wide=self._wide_scope(index, args))
         scope = prefetch.scope
         facts, candidates = self._candidates(index, args, scope, phrasings, degraded, prefetch, loading_until)
-        # 7. rank
-        ranked = self._with_rows(index, rank(candidates, args.mode)[:args.k], candidates)
+        # 7. rank (with context="section", a section once: its text holds the passages merged)
+        sections = self._sections(index, rank(candidates, args.mode), candidates, args.k, args.context == "section")
+        ranked = [(item, value) for item, value, _ in sections]
         # 8. hits, and what their texts may grow to
         hits = self._hits(index, ranked, candidates, facts, phrasings)
+        hits = [hit.model_copy(update={"more_passages": [(candidates.rows[m].start_line, candidates.rows[m].end_line)
+                                                         for m in members]}) if members else hit
+                for hit, (_, _, members) in zip(hits, sections, strict=True)]
         hits = self._with_freshness(index, hits)
         contexts = self._contexts(index, args, [candidates.rows[item] for item, _ in ranked], hits)
         # 9. confidence
@@ -2630,8 +2670,9 @@ class RetrievalService:
             if row.path not in files:
                 doc = index.document(row.path)
                 read = document_lines(corpus, doc, index.current.corpus_id, index.extracted_text) if doc else None
+                parsed = read is not None and read[1] == "disk" and args.context == "section"
                 files[row.path] = (index.chunks_of(row.path), read[0] if read else None,
-                                   headings_of(row.path, read[2]) if read and read[1] == "disk" else None)
+                                   index.headings(row.path, read[2]) if parsed else None)
             chunks, lines, headings = files[row.path]
             if lines is None or row.end_line > len(lines):
                 out.append(None)
@@ -2848,6 +2889,20 @@ class RetrievalService:
             started = {}
         kept = valid[:CHANNEL_CANDIDATES]
         return [i for i, _ in kept], {i: 1.0 - d for i, d in kept}
+
+    def _sections(self, index: OpenIndex, order: list[tuple[str, float]], candidates: ChannelCandidates,
+                  k: int, merged: bool) -> list[tuple[str, float, tuple[str, ...]]]:
+        """The first k results of the ranking, with their rows read; `merged`: the first k sections
+        (one_per_section), the rows read for as many candidates as that takes: a few more than k,
+        all of them when sections repeat. (Passages are not merged: a merged passage's text would
+        be lost, measured as answers no longer in hand.)"""
+        if not merged:
+            return [(item, value, ()) for item, value in self._with_rows(index, order[:k], candidates)]
+        read = self._with_rows(index, order[:SECTION_LOOKAHEAD * k], candidates)
+        sections = one_per_section(read, candidates.rows, k)
+        if len(sections) < k and len(order) > SECTION_LOOKAHEAD * k:
+            sections = one_per_section(self._with_rows(index, order, candidates), candidates.rows, k)
+        return sections
 
     @staticmethod
     def _with_rows(index: OpenIndex, ranked: list[tuple[str, float]],
@@ -3207,14 +3262,6 @@ def document_lines(corpus_dir: Path, doc: rules.DocumentRow, corpus_id: tuple[in
     if reader is not None and reader.extracted:
         return rules.split_lines(extracted_text(doc.path) or ""), "extracted", raw
     return rules.split_lines(raw.decode("utf-8-sig", errors="replace")), "disk", raw
-
-
-def headings_of(path: str, raw: bytes) -> tuple[rules.Heading, ...] | None:
-    """A file's headings as its reader finds them (None when it no longer reads)."""
-    try:
-        return rules.parse_document(raw, path).text.headings
-    except RagError:
-        return None
 
 
 def file_from_chunks(doc: rules.DocumentRow, chunks: Sequence[rules.ChunkRow], start_line: int | None,

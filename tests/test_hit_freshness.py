@@ -64,7 +64,8 @@ def test_a_file_swapped_for_a_link_to_an_identical_copy_reads_as_modified(fresh:
 
 
 def test_freshness_stats_the_hits_files_once_each(fresh: Built, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Never the whole corpus per search: one stat per distinct path of the hits."""
+    """Never the whole corpus per search: one stat per distinct path of the hits (with passages:
+    a section context reads its hits' files too)."""
     svc = in_process_service(fresh)
     dispatched(svc, "search_corpus", query="sev-1 paging", k=10)  # the staleness count's first pass is done
     seen: list[str] = []
@@ -76,7 +77,7 @@ def test_freshness_stats_the_hits_files_once_each(fresh: Built, monkeypatch: pyt
         return real_lstat(path, *args, **kwargs)
 
     monkeypatch.setattr(server.os, "lstat", counting)
-    _, found = dispatched(svc, "search_corpus", query="sev-1 paging", k=10)
+    _, found = dispatched(svc, "search_corpus", query="sev-1 paging", k=10, context="passage")
     corpus_stats = [p for p in seen if p.startswith(str(fresh.corpus))]
     assert sorted(corpus_stats) == sorted({str(fresh.corpus / hit["path"]) for hit in found["results"]})
 

@@ -470,6 +470,10 @@ def test_a_section_context_puts_an_answer_far_below_its_heading_in_hand(fake: Fa
                                  context=context)
         assert not is_error and payload["results"], payload
         found[context] = payload["results"][0]
+        if context == "section":  # one hit per section: its other passages are listed, not repeated
+            assert len({(hit["path"], hit["heading"]) for hit in payload["results"]}) == len(payload["results"])
+            assert all(found[context]["text_start_line"] <= first <= last <= found[context]["text_end_line"]
+                       for first, last in found[context]["more_passages"])
     passage, section = found["passage"], found["section"]
     assert passage["heading"] == "Operations guide > Audit log retention" and passage["context"] == "passage"
     assert "400 days" not in passage["text"], "the answer is in another passage of the section"
@@ -482,6 +486,29 @@ def test_a_section_context_puts_an_answer_far_below_its_heading_in_hand(fake: Fa
     assert (section["start_line"], section["end_line"]) == (passage["start_line"], passage["end_line"])
     neighbours = found["neighbours"]
     assert neighbours["context"] == "neighbours" and neighbours["text_end_line"] > passage["end_line"]
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(st.sampled_from(["a.md", "b.md", "c.md"]), st.sampled_from(["A", "A > B", "C"])),
+                min_size=1, max_size=30), st.integers(1, 20))
+def test_one_hit_per_section_keeps_every_passage_and_the_first_k_of_k_plus_one(
+        keys: list[tuple[str, str]], k: int) -> None:
+    rows = {f"c{n}": rules.ChunkRow(id=f"c{n}", path=path, chunk_index=n, start_line=n + 1, end_line=n + 1,
+                                    heading=heading, lifecycle="active", text="x", title="T")
+            for n, (path, heading) in enumerate(keys)}
+    ranked = [(f"c{n}", 1.0 / (n + 1)) for n in range(len(keys))]
+    groups = server.one_per_section(ranked, rows, k)
+    more = server.one_per_section(ranked, rows, k + 1)
+    assert [g[:2] for g in groups] == [g[:2] for g in more[:k]], "the first k whatever k"
+    assert len(groups) == min(k, len(set(keys)))
+    sections = [(rows[leader].path, rows[leader].heading) for leader, _, _ in groups]
+    assert len(set(sections)) == len(sections), "a section once"
+    order = [item for item, _ in ranked]
+    for leader, _, members in groups:
+        key = (rows[leader].path, rows[leader].heading)
+        assert all((rows[m].path, rows[m].heading) == key and order.index(m) > order.index(leader) for m in members)
+    if len(groups) == len(set(keys)):
+        assert sum(1 + len(g[2]) for g in groups) == len(keys), "every passage of every section listed"
 
 
 @settings(max_examples=200)
