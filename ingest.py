@@ -879,6 +879,8 @@ class Embedding:
     def _take(self, answer: _Answer) -> RagError | None:
         """Take one call's answer; returns the failure that took its host out of the rotation."""
         host, round_, batch, error = answer.host, answer.round, answer.batch, answer.error
+        if error is None:
+            error = self._wrong_size(host, answer.vectors)
         if isinstance(error, rules.InputTooLong):
             if len(batch) == 1:
                 return None  # its vector stays None: the caller splits that chunk
@@ -902,13 +904,6 @@ class Embedding:
             return error
         if error is not None:
             raise error
-        wrong = {len(v) for v in answer.vectors if len(v) != self.dims}
-        if wrong:
-            raise RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
-                           f"Ollama at {host.embedder.host} returned {sorted(wrong)[0]}-dimensional vectors for "
-                           f"{host.embedder.model!r}; the index holds {self.dims}-dimensional ones",
-                           "the model changed under the same name? run ingest again; it rebuilds when /api/show "
-                           "reports the new size")
         used = sum(round_.tokens[i] for i in batch)
         host.sizer.measured(used, answer.seconds)
         host.tuner.measured(used, host.busy_s, answer.epoch)
@@ -919,6 +914,19 @@ class Embedding:
             self.embedded += len(batch)
             self.on_embedded(len(batch))
         return None
+
+    def _wrong_size(self, host: Host, vectors: Any) -> RagError | None:
+        """A host whose vectors are not the index's size serves another model under the name (swapped
+        mid-run): it leaves the rotation like a host that went down, and its texts go to the others."""
+        wrong = {len(v) for v in vectors if len(v) != self.dims}
+        if not wrong:
+            return None
+        model = host.embedder.model
+        return RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
+                        f"Ollama at {host.embedder.host} answered {min(wrong)}-dimensional vectors for {model!r}, "
+                        f"the index holds {self.dims}",
+                        f"the model changed under the same name? `ollama pull {model}` on that host, or leave it "
+                        "out of OLLAMA_HOST; run ingest again: it rebuilds when /api/show reports the new size")
 
     def _others_in_rotation(self, host: Host) -> bool:
         return any(other is not host and other.out is None for other in self.hosts)
@@ -2347,6 +2355,9 @@ class Run:
     # Why nothing can be embedded in this run (Ollama down, or without the model) when the run
     # goes on to index files for keyword search only.
     unembeddable: RagError | None = None
+    # Why the embedding stopped part-way (no host left in the rotation): said even when every file
+    # it left was indexed for keyword search, and the pending passages' hint does not claim Ollama answers.
+    embedding_stopped: RagError | None = None
     full: bool = False  # no vector reused: --full, or new weights under the model's name
 
     def context_length(self) -> int:
@@ -2581,7 +2592,8 @@ def _write(run: Run, prepared: Prepared) -> bool:
     summary.errors = [*sorted(plan.failed.values()), *run_errors]
     if summary.vectors_pending:
         hint = rules.vectors_pending_hint(run.settings.embed_model, run.settings.corpus_dir, run.settings.store_dir,
-                                          embedder_up=run.unembeddable is None and run.model is not None)
+                                          embedder_up=None if run.embedding_stopped is not None
+                                          else run.unembeddable is None and run.model is not None)
         summary.errors.append(f"{summary.vectors_pending} chunks without vectors (found by keyword search only): {hint}")
     return changed_anything
 
@@ -2697,10 +2709,11 @@ def _embed_and_write(run: Run, prepared: Prepared, embedding: Embedding) -> tupl
             raise
         # The embedder went away mid-run (even one chunk at a time timed out): what was committed
         # stays, the rest keeps its old chunks (or, with none, is indexed for keyword search).
+        run.embedding_stopped = exc
         rest = [pf for pf in plan.changed
                 if pf.file.path not in written | keyword_only and pf.file.path not in plan.failed]
         indexed, errors = _index_without_vectors(run, prepared, rest, exc)
-        return written | indexed, errors
+        return written | indexed, errors or [f"{exc.message}; the embedding stopped there ({exc.hint})"]
     finally:
         keyword_line.close()
         progress.finish()
