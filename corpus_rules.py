@@ -4071,7 +4071,7 @@ class FilesFound:
         for row in self.rows():
             said = [f"{row[o]} {o.replace('_', ' ')}" for o in FILE_OUTCOMES if row[o]]
             why = f" ({row['why_not_read']})" if row["why_not_read"] else ""
-            parts.append(f"{row['extension']}: {', '.join(said)}{why}")
+            parts.append(f"{metadata_text(row['extension'])}: {', '.join(said)}{why}")  # a name's tail, as found
         return "; ".join(parts) if parts else "no files"
 
     def to_json(self) -> str:

@@ -2294,6 +2294,14 @@ def dry_run_listing(walk: Walk, plan: Plan, settings: rules.Settings) -> list[di
     return sorted(entries, key=lambda e: (order[e["action"]], e["path"]))
 
 
+def listing_line(entry: Mapping[str, str]) -> str:
+    """A dry-run listing entry as a person reads it: a corpus path (and a rule quoted from an ignore
+    file) reach a terminal here, so each goes through the server CLI's rule (rules.metadata_text:
+    control sequences, bidi overrides and line breaks neutralised), never cut; --json stays exact."""
+    path, reason = (rules.metadata_text(entry[key], max(1, len(entry[key]))) for key in ("path", "reason"))
+    return f"{entry['action']:9} {path}" + (f"  ({reason})" if reason else "")
+
+
 def removal_reason(path: str, plan: Plan, walk: Walk, formats: Collection[str]) -> str:
     """Why an indexed document leaves the index: excluded, ignored (itself or a folder of it), of a
     format no longer read, or gone from the folder."""
@@ -2985,7 +2993,7 @@ def run_once(args: argparse.Namespace, quiet: bool = False,
         log.error("%s", error)
     if summary.dry_run and not args.json:
         for entry in summary.listing:
-            print(f"{entry['action']:9} {entry['path']}" + (f"  ({entry['reason']})" if entry["reason"] else ""))
+            print(listing_line(entry))
     if not quiet:
         print(f"ingest: {summary.line()}", file=sys.stderr)
         if summary.dry_run or found.left_out():
@@ -3140,8 +3148,18 @@ def _watch_line(what: str, status: int, summary: Summary) -> None:
           f"{summary.chunks_reused} reused) in {summary.seconds:.1f} s [{state}]", file=sys.stderr, flush=True)
 
 
+class TerminalSafeFormatter(logging.Formatter):
+    """Log lines as they reach a terminal: a corpus name inside a message (a folder's, an OSError's)
+    has its control sequences neutralised by the rule the server CLI uses (rules.printable_text)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return rules.printable_text(super().format(record))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s: %(message)s", stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(TerminalSafeFormatter("%(name)s: %(levelname)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("watchfiles").setLevel(logging.WARNING)
     args = parse_args(argv)

@@ -1,7 +1,11 @@
-"""Ingest hardening, round three (issue 42): a host answering vectors of another size mid-run."""
+"""Ingest hardening, round three (issue 42): a host answering vectors of another size mid-run;
+corpus names with terminal control sequences in every human line."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +13,12 @@ from pathlib import Path
 import pytest
 from fake_ollama import FakeOllama
 from faultlib import write_handbooks
-from helpers import ingest_in_process
+from helpers import INGEST, Done, child_env, finish, ingest_in_process
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import corpus_rules as rules
+import ingest
 
 CALIBRATION = "task: search result"
 
@@ -71,3 +80,66 @@ def test_every_host_answering_another_size_ends_with_that_cause(
     assert "512-dimensional vectors for 'embeddinggemma', the index holds 768" in said, said
     assert any(fake.host in said for fake in fakes), said
     assert "start Ollama" not in said, said
+
+
+# ---------------------------------------------------------------------------
+# D4: corpus names reach a terminal in the dry run's listing and in every line of ingest; none of
+# their control sequences (ESC, BEL, OSC, bidi overrides) may reach it raw.
+
+# What a terminal acts on: C0/C1 controls but the line break, and the bidi overrides and isolates.
+RAW_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+HOSTILE_NAMES = {"bell\x07.md": "# Bell\n\nring\n",
+                 "dir\x1b]0;pwned\x07/page\x1b[31m.md": "# Page\n\nhello\n",
+                 "clear\x1b[2J.md": "# Clear\n\ntext\n",
+                 "okdir/\u202eevil.md": "# Evil\n\nreversed\n",
+                 "ignored\x1b[7m.draft.md": "# Draft\n",
+                 "blob.\x1b]52;c;aGk=\x07": "not a document\n"}
+
+
+def hostile_corpus(root: Path) -> Path:
+    for name, text in HOSTILE_NAMES.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text, encoding="utf-8")
+    (root / "plain.md").write_text("# Plain\n\nordinary page\n", encoding="utf-8")
+    (root / ".ragignore").write_text("*.draft.md\n", encoding="utf-8")
+    (root / "dir\x1b]0;pwned\x07" / ".ragignore").mkdir()  # not read: a warning names its folder
+    return root
+
+
+def ingest_for_a_person(fake: FakeOllama, corpus: Path, store: Path, *extra: str) -> Done:
+    """`python ingest.py` without --json: the listing and lines a person reads on a terminal."""
+    return finish(subprocess.Popen([sys.executable, str(INGEST), "--corpus", str(corpus), "--store", str(store),
+                                    *extra], env=child_env(fake), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True))
+
+
+@pytest.mark.process
+def test_no_control_sequence_of_a_corpus_name_reaches_the_terminal(fake: FakeOllama, tmp_path: Path) -> None:
+    corpus, store = hostile_corpus(tmp_path / "corpus"), tmp_path / "store"
+    for extra in (("--dry-run",), ()):
+        done = ingest_for_a_person(fake, corpus, store, *extra)
+        assert done.code == 1, done.err  # the hostile names fail alone; plain.md and evil.md are indexed
+        said = done.out + done.err
+        assert not RAW_CONTROL.findall(said), said.encode()
+        assert "dir ]0;pwned /.ragignore not read" in said and ". ]52;c;agk=: 1 not read" in said, said
+        if extra:  # the listing: every name still there to recognise, the failures' reasons exact
+            assert "add       okdir/ evil.md  (1 chunk(s) to embed or reuse)" in done.out, done.out
+            assert ("fail      dir ]0;pwned /page [31m.md  ('dir\\x1b]0;pwned\\x07/page\\x1b[31m.md': its name "
+                    "contains control characters") in done.out, done.out
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(path=st.text(), reason=st.text(), action=st.sampled_from(["add", "fail", "ignore", "remove"]))
+def test_a_listing_line_is_one_line_without_terminal_controls_and_keeps_every_visible_character_of_the_path(
+        path: str, reason: str, action: str) -> None:
+    line = ingest.listing_line({"path": path, "reason": reason, "action": action})
+    assert "\n" not in line and not RAW_CONTROL.findall(line)
+    visible = [ch for ch in path if ch == rules.metadata_text(ch) and not ch.isspace()]
+    assert "".join(visible) in line.replace(" ", "")
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(extension=st.text(min_size=1).map(lambda tail: "." + tail))
+def test_the_files_by_extension_line_shows_no_terminal_controls(extension: str) -> None:
+    line = rules.FilesFound({extension: {"not_read": 1}}).line()
+    assert "\n" not in line and not RAW_CONTROL.findall(line), line
