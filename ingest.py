@@ -1991,6 +1991,10 @@ def _compare_files(plan: Plan, seen: set[str], walk: Walk, registry: dict[str, D
             if (file.disk_path, file.real_path) != (row.disk_path, row.real_path):
                 plan.relocated.append(file)
             continue
+        over = rules.text_file_over_budget(file.path, file.size)
+        if over is not None:  # never read: its bytes alone could outgrow the memory
+            plan.failed[file.path] = over.message
+            continue
         try:
             # Opened beneath the root without following links, and only if it is still the file the
             # walk saw (a swap for a link, FIFO or device in between is refused, never followed).

@@ -1,5 +1,5 @@
 """Ingest hardening, round three (issue 42): a host answering vectors of another size mid-run;
-corpus names with terminal control sequences in every human line."""
+corpus names with terminal control sequences in every human line; a text file too big to read."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from fake_ollama import FakeOllama
 from faultlib import write_handbooks
-from helpers import INGEST, Done, child_env, finish, ingest_in_process
+from helpers import INGEST, Done, child_env, finish, ingest_in_process, keyword_db
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -143,3 +143,57 @@ def test_a_listing_line_is_one_line_without_terminal_controls_and_keeps_every_vi
 def test_the_files_by_extension_line_shows_no_terminal_controls(extension: str) -> None:
     line = rules.FilesFound({extension: {"not_read": 1}}).line()
     assert "\n" not in line and not RAW_CONTROL.findall(line), line
+
+
+# ---------------------------------------------------------------------------
+# D5: a text file over the per-file budget fails alone (document_invalid, naming the budget, its
+# value and the limit) before it is read or parsed; the rest of the corpus is indexed and published.
+
+
+def normal_page(corpus: Path) -> None:
+    corpus.mkdir(parents=True, exist_ok=True)
+    (corpus / "normal.md").write_text("# Rollback\n\nRoll back a deploy with the previous tag.\n", encoding="utf-8")
+
+
+def published_paths(store: Path) -> set[str]:
+    return {path for (path,) in keyword_db(store).execute("SELECT path FROM documents")}
+
+
+def test_a_file_of_more_lines_than_the_budget_fails_alone_and_the_rest_is_published(
+        fake: FakeOllama, tmp_path: Path) -> None:
+    corpus, store = tmp_path / "corpus", tmp_path / "store"
+    normal_page(corpus)
+    lines = rules.TEXT_FILE_MAX_LINES + 1
+    (corpus / "headings.md").write_text("".join(f"# h{i}\n" for i in range(lines)), encoding="utf-8")
+    done = ingest_in_process(fake, corpus, store)
+    assert done.code == 1, done.err
+    assert (done.summary["added"], done.summary["failed"]) == (1, 1), done.summary
+    expected = f"headings.md: {lines:,} lines, more than the {rules.TEXT_FILE_MAX_LINES:,} lines one text file may hold"
+    assert any(error.startswith(expected) for error in done.summary["errors"]), done.summary["errors"]
+    assert published_paths(store) == {"normal.md"}
+
+
+def test_a_file_of_more_bytes_than_the_budget_is_never_read(fake: FakeOllama, tmp_path: Path) -> None:
+    corpus, store = tmp_path / "corpus", tmp_path / "store"
+    normal_page(corpus)
+    with (corpus / "huge.md").open("wb") as huge:  # sparse: NUL bytes, "binary" if it were ever read
+        huge.truncate(rules.TEXT_FILE_MAX_BYTES + (1 << 20))
+    done = ingest_in_process(fake, corpus, store)
+    assert done.code == 1, done.err
+    said = "\n".join(done.summary["errors"])
+    megabytes = rules.TEXT_FILE_MAX_BYTES >> 20
+    assert f"huge.md: {megabytes + 1}.0 MB, more than the {megabytes} MB one text file may hold" in said, said
+    assert "binary" not in said and published_paths(store) == {"normal.md"}
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(text=st.text(alphabet="ab\r\n", max_size=24), limit=st.integers(0, 8))
+def test_the_line_budget_counts_lines_as_the_readers_split_them(text: str, limit: int) -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rules, "TEXT_FILE_MAX_LINES", limit)
+        try:
+            rules.parse_document(text.encode(), "page.txt")
+            refused = False
+        except rules.RagError as exc:
+            refused = "one text file may hold" in exc.message
+    assert refused == (len(rules.split_lines(text)) > limit)
