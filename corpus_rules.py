@@ -789,6 +789,33 @@ def looks_unchanged(size: int, mtime_ns: int, indexed_size: int, indexed_mtime_n
     return size == indexed_size and abs(mtime_ns - indexed_mtime_ns) <= MTIME_TOLERANCE_NS
 
 
+# What one text file may hold. Its reader and the chunker keep every line in memory together, about
+# 2 KB a line at worst (a Markdown heading or list item: 100,000 of them peaked near 200 MB), so a
+# file of a million one-line headings took 1.6 GB and a minute before anything was embedded. The
+# dev set's largest documents (../shared/devset: 270 files of four real doc sites) are 726 KB and
+# 3,106 lines: these are 45 and 30 times that, and leave room for the fault suite's 20 MB handbook.
+# At the limits one file peaks at 200-350 MB (100,000 headings or list items), 700 MB as one
+# 32 MB line. PDFs have limits of their own (the extractor's).
+TEXT_FILE_MAX_BYTES = 32 << 20  # checked on the size the walk saw, before a byte is read
+TEXT_FILE_MAX_LINES = 100_000  # counted in the bytes, before they are decoded and parsed
+
+
+def text_file_over_budget(path: str, size: int, lines: int = 0) -> RagError | None:
+    """Why a file of a text format is not read (document_invalid naming the budget, the file's
+    value and the limit), or None; a file of another format, or none, is not this rule's."""
+    reader = reader_for(path)
+    if reader is None or reader.extracted:
+        return None
+    if size > TEXT_FILE_MAX_BYTES:
+        what = f"{size / (1 << 20):.1f} MB, more than the {TEXT_FILE_MAX_BYTES >> 20} MB"
+    elif lines > TEXT_FILE_MAX_LINES:
+        what = f"{lines:,} lines, more than the {TEXT_FILE_MAX_LINES:,} lines"
+    else:
+        return None
+    return RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: {what} one text file may hold; split it to index it",
+                    "split it into smaller files")
+
+
 def decode_text(raw: bytes, path: str) -> str:
     """A text format's bytes as text: UTF-8 (a BOM dropped), never binary."""
     if b"\x00" in raw:
@@ -1003,6 +1030,9 @@ def parse_document(raw: bytes, path: str) -> SourceDocument:
     if reader is None:
         raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: no reader takes {PurePosixPath(path).suffix or 'it'}",
                        f"the formats read are {', '.join(r.format for r in READERS)}")
+    over = text_file_over_budget(path, len(raw), raw.count(b"\n") + (bool(raw) and not raw.endswith(b"\n")))
+    if over is not None:
+        raise over
     text = reader.read(raw, path)
     keys, warnings = document_keys(text.metadata, path)
     title = keys["title"] or text.title or PurePosixPath(path).stem
@@ -4071,7 +4101,7 @@ class FilesFound:
         for row in self.rows():
             said = [f"{row[o]} {o.replace('_', ' ')}" for o in FILE_OUTCOMES if row[o]]
             why = f" ({row['why_not_read']})" if row["why_not_read"] else ""
-            parts.append(f"{row['extension']}: {', '.join(said)}{why}")
+            parts.append(f"{metadata_text(row['extension'])}: {', '.join(said)}{why}")  # a name's tail, as found
         return "; ".join(parts) if parts else "no files"
 
     def to_json(self) -> str:

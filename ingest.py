@@ -879,6 +879,8 @@ class Embedding:
     def _take(self, answer: _Answer) -> RagError | None:
         """Take one call's answer; returns the failure that took its host out of the rotation."""
         host, round_, batch, error = answer.host, answer.round, answer.batch, answer.error
+        if error is None:
+            error = self._wrong_size(host, answer.vectors)
         if isinstance(error, rules.InputTooLong):
             if len(batch) == 1:
                 return None  # its vector stays None: the caller splits that chunk
@@ -902,13 +904,6 @@ class Embedding:
             return error
         if error is not None:
             raise error
-        wrong = {len(v) for v in answer.vectors if len(v) != self.dims}
-        if wrong:
-            raise RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
-                           f"Ollama at {host.embedder.host} returned {sorted(wrong)[0]}-dimensional vectors for "
-                           f"{host.embedder.model!r}; the index holds {self.dims}-dimensional ones",
-                           "the model changed under the same name? run ingest again; it rebuilds when /api/show "
-                           "reports the new size")
         used = sum(round_.tokens[i] for i in batch)
         host.sizer.measured(used, answer.seconds)
         host.tuner.measured(used, host.busy_s, answer.epoch)
@@ -919,6 +914,19 @@ class Embedding:
             self.embedded += len(batch)
             self.on_embedded(len(batch))
         return None
+
+    def _wrong_size(self, host: Host, vectors: Any) -> RagError | None:
+        """A host whose vectors are not the index's size serves another model under the name (swapped
+        mid-run): it leaves the rotation like a host that went down, and its texts go to the others."""
+        wrong = {len(v) for v in vectors if len(v) != self.dims}
+        if not wrong:
+            return None
+        model = host.embedder.model
+        return RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
+                        f"Ollama at {host.embedder.host} answered {min(wrong)}-dimensional vectors for {model!r}, "
+                        f"the index holds {self.dims}",
+                        f"the model changed under the same name? `ollama pull {model}` on that host, or leave it "
+                        "out of OLLAMA_HOST; run ingest again: it rebuilds when /api/show reports the new size")
 
     def _others_in_rotation(self, host: Host) -> bool:
         return any(other is not host and other.out is None for other in self.hosts)
@@ -1983,6 +1991,10 @@ def _compare_files(plan: Plan, seen: set[str], walk: Walk, registry: dict[str, D
             if (file.disk_path, file.real_path) != (row.disk_path, row.real_path):
                 plan.relocated.append(file)
             continue
+        over = rules.text_file_over_budget(file.path, file.size)
+        if over is not None:  # never read: its bytes alone could outgrow the memory
+            plan.failed[file.path] = over.message
+            continue
         try:
             # Opened beneath the root without following links, and only if it is still the file the
             # walk saw (a swap for a link, FIFO or device in between is refused, never followed).
@@ -2286,6 +2298,14 @@ def dry_run_listing(walk: Walk, plan: Plan, settings: rules.Settings) -> list[di
     return sorted(entries, key=lambda e: (order[e["action"]], e["path"]))
 
 
+def listing_line(entry: Mapping[str, str]) -> str:
+    """A dry-run listing entry as a person reads it: a corpus path (and a rule quoted from an ignore
+    file) reach a terminal here, so each goes through the server CLI's rule (rules.metadata_text:
+    control sequences, bidi overrides and line breaks neutralised), never cut; --json stays exact."""
+    path, reason = (rules.metadata_text(entry[key], max(1, len(entry[key]))) for key in ("path", "reason"))
+    return f"{entry['action']:9} {path}" + (f"  ({reason})" if reason else "")
+
+
 def removal_reason(path: str, plan: Plan, walk: Walk, formats: Collection[str]) -> str:
     """Why an indexed document leaves the index: excluded, ignored (itself or a folder of it), of a
     format no longer read, or gone from the folder."""
@@ -2347,6 +2367,9 @@ class Run:
     # Why nothing can be embedded in this run (Ollama down, or without the model) when the run
     # goes on to index files for keyword search only.
     unembeddable: RagError | None = None
+    # Why the embedding stopped part-way (no host left in the rotation): said even when every file
+    # it left was indexed for keyword search, and the pending passages' hint does not claim Ollama answers.
+    embedding_stopped: RagError | None = None
     full: bool = False  # no vector reused: --full, or new weights under the model's name
 
     def context_length(self) -> int:
@@ -2581,7 +2604,8 @@ def _write(run: Run, prepared: Prepared) -> bool:
     summary.errors = [*sorted(plan.failed.values()), *run_errors]
     if summary.vectors_pending:
         hint = rules.vectors_pending_hint(run.settings.embed_model, run.settings.corpus_dir, run.settings.store_dir,
-                                          embedder_up=run.unembeddable is None and run.model is not None)
+                                          embedder_up=None if run.embedding_stopped is not None
+                                          else run.unembeddable is None and run.model is not None)
         summary.errors.append(f"{summary.vectors_pending} chunks without vectors (found by keyword search only): {hint}")
     return changed_anything
 
@@ -2697,10 +2721,11 @@ def _embed_and_write(run: Run, prepared: Prepared, embedding: Embedding) -> tupl
             raise
         # The embedder went away mid-run (even one chunk at a time timed out): what was committed
         # stays, the rest keeps its old chunks (or, with none, is indexed for keyword search).
+        run.embedding_stopped = exc
         rest = [pf for pf in plan.changed
                 if pf.file.path not in written | keyword_only and pf.file.path not in plan.failed]
         indexed, errors = _index_without_vectors(run, prepared, rest, exc)
-        return written | indexed, errors
+        return written | indexed, errors or [f"{exc.message}; the embedding stopped there ({exc.hint})"]
     finally:
         keyword_line.close()
         progress.finish()
@@ -2972,7 +2997,7 @@ def run_once(args: argparse.Namespace, quiet: bool = False,
         log.error("%s", error)
     if summary.dry_run and not args.json:
         for entry in summary.listing:
-            print(f"{entry['action']:9} {entry['path']}" + (f"  ({entry['reason']})" if entry["reason"] else ""))
+            print(listing_line(entry))
     if not quiet:
         print(f"ingest: {summary.line()}", file=sys.stderr)
         if summary.dry_run or found.left_out():
@@ -3127,8 +3152,18 @@ def _watch_line(what: str, status: int, summary: Summary) -> None:
           f"{summary.chunks_reused} reused) in {summary.seconds:.1f} s [{state}]", file=sys.stderr, flush=True)
 
 
+class TerminalSafeFormatter(logging.Formatter):
+    """Log lines as they reach a terminal: a corpus name inside a message (a folder's, an OSError's)
+    has its control sequences neutralised by the rule the server CLI uses (rules.printable_text)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return rules.printable_text(super().format(record))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s: %(message)s", stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(TerminalSafeFormatter("%(name)s: %(levelname)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("watchfiles").setLevel(logging.WARNING)
     args = parse_args(argv)

@@ -305,6 +305,9 @@ class FakeOllama:
         # arrived, every later call answers 500, and the models in missing_after_carrying are gone.
         self.fail_after_carrying: str | None = None
         self.missing_after_carrying: tuple[str, set[str]] | None = None
+        # (text, dims): once a call carrying the text has arrived, later calls answer vectors of
+        # that many dimensions (a host whose model was swapped under the same name mid-run).
+        self.wrong_dims_after_carrying: tuple[str, int] | None = None
         self.delay_seconds: float = 0.0
         self.max_input_tokens: int | None = None
         self.wrong_dims: int | None = None
@@ -420,6 +423,9 @@ class FakeOllama:
                 elif key == "missing_after_carrying":  # [text, [model, ...]], counted from now on
                     self.missing_after_carrying = None if value is None else (str(value[0]), set(value[1]))
                     self._carried.clear()
+                elif key == "wrong_dims_after_carrying":  # [text, dims], counted from now on
+                    self.wrong_dims_after_carrying = None if value is None else (str(value[0]), int(value[1]))
+                    self._carried.clear()
                 elif key == "hold":
                     (self._released.clear if value else self._released.set)()
                 elif key == "hold_carrying":
@@ -442,6 +448,8 @@ class FakeOllama:
             "fail_after_carrying": self.fail_after_carrying,
             "missing_after_carrying": (None if self.missing_after_carrying is None else
                                        [self.missing_after_carrying[0], sorted(self.missing_after_carrying[1])]),
+            "wrong_dims_after_carrying": (None if self.wrong_dims_after_carrying is None else
+                                          list(self.wrong_dims_after_carrying)),
             "delay_seconds": self.delay_seconds,
             "max_input_tokens": self.max_input_tokens,
             "wrong_dims": self.wrong_dims,
@@ -468,6 +476,7 @@ class FakeOllama:
         self.fail_after = None
         self.fail_after_carrying = None
         self.missing_after_carrying = None
+        self.wrong_dims_after_carrying = None
         self.delay_seconds = 0.0
         self.max_input_tokens = None
         self.wrong_dims = None
@@ -512,6 +521,8 @@ class FakeOllama:
         texts = [self.fail_after_carrying]
         if self.missing_after_carrying is not None:
             texts.append(self.missing_after_carrying[0])
+        if self.wrong_dims_after_carrying is not None:
+            texts.append(self.wrong_dims_after_carrying[0])
         return [text for text in texts if text is not None]
 
     def _available(self, name: str) -> bool:
@@ -647,6 +658,8 @@ class FakeOllama:
             failing = self.fail_after_carrying in self._carried
             if self.missing_after_carrying is not None and self.missing_after_carrying[0] in self._carried:
                 self.missing_models |= self.missing_after_carrying[1]
+            switched = self.wrong_dims_after_carrying
+            switched_dims = switched[1] if switched is not None and switched[0] in self._carried else None
             self._carried |= {text for text in self._carrying_texts() if any(text in item for item in inputs or [])}
             hold = self.hold_carrying
             held = hold if hold is not None and any(hold in item for item in inputs or []) else None
@@ -666,6 +679,7 @@ class FakeOllama:
                 return self._not_found(name)
             limit = self.max_input_tokens if self.max_input_tokens is not None else self.context_length
             dims = self.wrong_dims if self.wrong_dims is not None else self.dims
+            dims = switched_dims if switched_dims is not None else dims
             if self.ignore_dimensions:
                 dimensions = None
 

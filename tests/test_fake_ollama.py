@@ -159,6 +159,14 @@ def test_wrong_dims(fake_ollama: FakeOllama) -> None:
     assert len(_client(fake_ollama).embed(model=MODEL, input="x").embeddings[0]) == 384
 
 
+def test_wrong_dims_after_carrying_switch_the_size_after_the_carrying_call(fake_ollama: FakeOllama) -> None:
+    client = _client(fake_ollama)
+    fake_ollama.configure(wrong_dims_after_carrying=["MARK", 512])
+    assert len(client.embed(model=MODEL, input="has MARK").embeddings[0]) == 768  # the carrying call itself
+    assert len(client.embed(model=MODEL, input="after").embeddings[0]) == 512
+    assert fake_ollama.config()["wrong_dims_after_carrying"] == ["MARK", 512]
+
+
 def test_delay_beyond_client_timeout_raises_httpx_read_timeout(fake_ollama: FakeOllama) -> None:
     fake_ollama.delay_seconds = 0.2
     assert len(_client(fake_ollama, timeout=5).embed(model=MODEL, input="x").embeddings) == 1
