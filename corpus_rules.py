@@ -1248,7 +1248,14 @@ class BodyStructure:
 # A heading's attribute list, as MkDocs (attr_list), VitePress and Pandoc write it: `{#id}`,
 # `{ #cors-policy }`, `{: #id .class key=value }`. Not text a reader of the page sees.
 _ATTRIBUTE = r"(?:[#.][^\s{}]+|[\w-]+=[^\s{}]*)"
-_ANCHOR_SUFFIX = re.compile(rf"\s*\{{:?\s*{_ATTRIBUTE}(?:\s+{_ATTRIBUTE})*\s*\}}\s*$")
+_ANCHOR_SUFFIX = re.compile(rf"\{{:?\s*{_ATTRIBUTE}(?:\s+{_ATTRIBUTE})*\s*\}}\s*")
+
+
+def _without_anchor_suffix(text: str) -> str:
+    """`text` without a trailing attribute list; matched from the last "{" only (an attribute holds
+    no brace), so a run of blanks is not rescanned from each of its positions."""
+    at = text.rfind("{")
+    return text[:at].rstrip() if at >= 0 and _ANCHOR_SUFFIX.fullmatch(text, at) else text
 
 
 def _markdown_tokens(lines: Sequence[str]) -> list[Any]:
@@ -1273,7 +1280,7 @@ def _headings_from_tokens(tokens: Sequence[Any]) -> list[BodyHeading]:
     headings = []
     for i, tok in enumerate(tokens):
         if tok.type == "heading_open" and tok.level == 0 and tok.map:
-            text = _ANCHOR_SUFFIX.sub("", tokens[i + 1].content).strip()
+            text = _without_anchor_suffix(tokens[i + 1].content).strip()
             # Capped here: every chunk of a section carries its heading path, so a heading of a
             # megabyte would cost memory with the square of its length.
             headings.append(BodyHeading(line=tok.map[0], end=tok.map[1], level=int(tok.tag[1]),
@@ -1302,10 +1309,8 @@ def read_markdown(raw: bytes, path: str) -> DocumentText:
 # MDX (Docusaurus, Mintlify, Nextra, Starlight): Markdown with ESM and JSX. Read line by line, as
 # MDX parses it: no indented code and no HTML blocks, so a heading between JSX tags is a heading.
 _MDX_FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})(.*)$")
-_MDX_ATX = re.compile(r"^ {0,3}(#{1,6})(?:[ \t]+(.*?))?(?:[ \t]+#+)?[ \t]*$")
+_MDX_ATX = re.compile(r"^ {0,3}(#{1,6})(?:[ \t]+(.*))?$")
 _MDX_ESM = re.compile(r"^(?:import|export)\b")
-_JSX_COMMENT = re.compile(r"\{/\*.*?\*/\}")
-_HTML_COMMENT = re.compile(r"<!--.*?-->")
 # A JSX or HTML tag on one line: `<Note>`, `</Tab>`, `<Card title="x" icon="y" />`, `<>`. Attribute
 # values are quoted strings or {expressions} without braces inside (bounded, never backtracking).
 _JSX_TAG = re.compile(r"</?[A-Za-z][\w.:-]*(?:\s+[\w:.-]+(?:=(?:\"[^\"]*\"|'[^']*'|\{[^{}]*\}))?)*\s*/?>|</?>")
@@ -1319,11 +1324,32 @@ def _jsx_tag_text(tag: str) -> str:
     return " ".join(a or b for a, b in _SHOWN_ATTRIBUTE.findall(tag))
 
 
+def _without_spans(text: str, opening: str, closing: str) -> str:
+    """`text` without each `opening`…`closing` span (the first closing after each opening), in one
+    pass: once an opening has no closing after it, none after it has."""
+    out, at = [], 0
+    while (start := text.find(opening, at)) >= 0:
+        end = text.find(closing, start + len(opening))
+        if end < 0:
+            break
+        out.append(text[at:start])
+        at = end + len(closing)
+    out.append(text[at:])
+    return "".join(out)
+
+
+def _atx_text(body: str) -> str:
+    """An ATX heading's text without its closing sequence (blanks, then #s) and trailing blanks."""
+    text = body.rstrip(" \t")
+    bare = text.rstrip("#")
+    return bare.rstrip(" \t") if bare != text and bare[-1:] in (" ", "\t") else text
+
+
 def mdx_inline(text: str) -> str:
     """A piece of MDX text as embedded: comments out, JSX tags reduced to their shown attribute
     values, character references decoded (&nbsp; &#x7B;: generated reference pages are full of
     them), URL payloads shortened."""
-    text = _HTML_COMMENT.sub("", _JSX_COMMENT.sub("", text))
+    text = _without_spans(_without_spans(text, "{/*", "*/}"), "<!--", "-->")
     if "<" in text:
         text = _JSX_TAG.sub(lambda tag: _jsx_tag_text(tag.group()), text)
     if "&" in text:
@@ -1378,7 +1404,7 @@ def _mdx_line(line: str, state: _MdxState) -> tuple[str, bool, BodyHeading | Non
             return mdx_inline(line[:at]), True, None
     atx = _MDX_ATX.match(line)
     if atx:
-        text = metadata_text(nfc(mdx_inline(_ANCHOR_SUFFIX.sub("", atx.group(2) or ""))))
+        text = metadata_text(nfc(mdx_inline(_without_anchor_suffix(_atx_text(atx.group(2) or "")))))
         return text, True, BodyHeading(0, 0, len(atx.group(1)), text)
     opened = _JSX_TAG_START.search(line)
     if opened and ">" not in line[opened.end():]:

@@ -2454,10 +2454,11 @@ HOSTILE_READS: dict[str, tuple[Callable[[], str], dict[str, Callable[[], str]]]]
     "a 1 MB line of markup": (lambda: "*a* `b` [c](d) " * 66_000, {
         "mdx": lambda: '<Tab title="x">a</Tab> ' * 43_000, "rst": lambda: ":func:`a` ``b`` *c* " * 50_000,
         "asciidoc": lambda: "*a* `b` xref:c[d] " * 55_000}),
-    "100,000 headings": (lambda: "".join(f"# Title {k}\n\ntext\n\n" for k in range(100_000)), {
-        "mdx": lambda: "".join(f"# Title {k}\n\ntext\n\n" for k in range(100_000)),
-        "rst": lambda: "".join(f"Title {k}\n{'=' * 12}\n\ntext\n\n" for k in range(100_000)),
-        "asciidoc": lambda: "".join(f"== Title {k}\n\ntext\n\n" for k in range(100_000))}),
+    # 20,000 headings of 4-5 lines each: as many as a text file may hold (TEXT_FILE_MAX_LINES).
+    "20,000 headings": (lambda: "".join(f"# Title {k}\n\ntext\n\n" for k in range(20_000)), {
+        "mdx": lambda: "".join(f"# Title {k}\n\ntext\n\n" for k in range(20_000)),
+        "rst": lambda: "".join(f"Title {k}\n{'=' * 12}\n\ntext\n\n" for k in range(20_000)),
+        "asciidoc": lambda: "".join(f"== Title {k}\n\ntext\n\n" for k in range(20_000))}),
     # Nesting by indentation or by ever longer delimiters grows the file with the square of the depth:
     # deep enough to be past any recursion limit (1,000), about a megabyte each.
     "1,000 nested blocks": (lambda: "".join("> " * k + "x\n" for k in range(1, 1_000)), {
