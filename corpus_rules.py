@@ -1023,6 +1023,49 @@ def document_keys(metadata: Mapping[str, Any], path: str) -> tuple[dict[str, Any
     return values, tuple(warnings)
 
 
+# Credentials never enter the index: a file whose text (or its format's keys) holds one is
+# refused by name, saying what and where, and nothing of it is stored. Each kind by its issuer's
+# documented shape; a value with EXAMPLE in it is a documented placeholder (AWS's
+# AKIAIOSFODNN7EXAMPLE), and a shape too loose to tell a secret from prose ("password:") is none.
+CREDENTIALS = {
+    "private_key": ("a private key", r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"),
+    "aws_key_id": ("an AWS access key ID", r"\b(?:AKIA|ASIA|ABIA|ACCA)[0-9A-Z]{16}\b"),
+    "aws_secret": ("an AWS secret access key", r"(?i:aws_?secret_?access_?key)[\s\"':=]{1,6}[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+])"),
+    "github": ("a GitHub token", r"\bgh[pousr]_[A-Za-z0-9]{36,}\b|\bgithub_pat_[A-Za-z0-9_]{60,}"),
+    "gitlab": ("a GitLab token", r"\bglpat-[A-Za-z0-9_-]{20,}"),
+    "slack": ("a Slack token", r"\bxox[abposr]-[0-9A-Za-z-]{10,}"),
+    "google": ("a Google API key", r"\bAIza[0-9A-Za-z_-]{35}(?![0-9A-Za-z_-])"),
+    "stripe": ("a Stripe live key", r"\b[rs]k_live_[0-9A-Za-z]{24,}"),
+    "ai_key": ("an OpenAI or Anthropic API key", r"\bsk-(?:ant-[a-z0-9]+-|proj-)?[A-Za-z0-9_-]{40,}"),
+}
+_CREDENTIAL = re.compile("|".join(f"(?P<{name}>{pattern})" for name, (_, pattern) in CREDENTIALS.items()))
+CREDENTIAL_PLACEHOLDER = "EXAMPLE"
+
+
+@dataclass(frozen=True)
+class CredentialFound:
+    kind: str  # as CREDENTIALS names it
+    where: str  # "line 12", or the key that holds it
+
+    def refusal(self, path: str) -> RagError:
+        return RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: {self.where} holds what looks like {self.kind}; a "
+                        "file with a credential is never indexed",
+                        "remove the credential from the file (or keep the file out with rag: false or "
+                        ".ragignore); a documented placeholder (with EXAMPLE in it) is not refused")
+
+
+def credential_in(text: DocumentText) -> CredentialFound | None:
+    """The first credential a reader's text holds, in its lines (as stored, or extracted) or the
+    string values of its keys; None when there is none."""
+    values = [(f"line {n}", line) for n, line in enumerate(text.lines, start=1)]
+    values += [(f"the {key!r} key", value) for key, value in text.metadata.items() if isinstance(value, str)]
+    for where, value in values:
+        for found in _CREDENTIAL.finditer(value):
+            if CREDENTIAL_PLACEHOLDER not in found.group():
+                return CredentialFound(CREDENTIALS[found.lastgroup or ""][0], where)
+    return None
+
+
 def parse_document(raw: bytes, path: str) -> SourceDocument:
     """Read one file with the reader its extension names and apply the document keys.
     Raises RagError(document_invalid)."""
@@ -1035,6 +1078,8 @@ def parse_document(raw: bytes, path: str) -> SourceDocument:
         raise over
     text = reader.read(raw, path)
     keys, warnings = document_keys(text.metadata, path)
+    if keys["rag"] and (found := credential_in(text)) is not None:  # rag: false keeps it out already
+        raise found.refusal(path)
     title = keys["title"] or text.title or PurePosixPath(path).stem
     return SourceDocument(path=path, title=metadata_text(nfc(title)), rag=keys["rag"], chunk_mode=keys["rag_chunk"],
                           lifecycle=keys["lifecycle"], text=text, superseded_by=keys["superseded_by"],

@@ -166,7 +166,7 @@ CHUNK_VECTOR_CACHE_SIZE = 4096
 PASSAGE_COUNT_CACHE_SIZE = 50_000  # terms, per open index generation
 PASSAGE_TERMS_CACHE_SIZE = 4096  # passages
 DOCUMENT_LANGUAGE_CACHE_SIZE = 20_000  # documents, per open index generation
-HEADINGS_CACHE_SIZE = 256  # documents' headings (section contexts), per open index generation
+HEADINGS_CACHE_SIZE = 256  # documents' headings (section contexts), by content
 KEYWORD_RANKING_CACHE_SIZE = 64  # a search's keyword rankings, for its superseded check (see ranked_ids)
 # The staleness hint stats every indexed file; once every few seconds keeps searches cheap.
 STALENESS_TTL_S = 5.0
@@ -1387,8 +1387,8 @@ class OpenIndex:
         # A generation's counts never change; they go with it (a new generation opens afresh).
         self._passage_counts: LRU[str, int] = LRU(PASSAGE_COUNT_CACHE_SIZE)
         self._document_languages: LRU[str, tuple[float | None]] = LRU(DOCUMENT_LANGUAGE_CACHE_SIZE)
-        self._headings: LRU[str, tuple[tuple[rules.Heading, ...] | None]] = LRU(HEADINGS_CACHE_SIZE)
-        self._rankings: LRU[tuple[str, tuple[str, ...], str | None, int], tuple[tuple[str, str], ...]] = LRU(
+        self._headings: LRU[tuple[str, str], tuple[tuple[rules.Heading, ...] | None]] = LRU(HEADINGS_CACHE_SIZE)
+        self._rankings: LRU[tuple[int, str, tuple[str, ...], str | None, int], tuple[tuple[str, str], ...]] = LRU(
             KEYWORD_RANKING_CACHE_SIZE)
 
     def _open_keywords(self) -> sqlite3.Connection:
@@ -1679,8 +1679,10 @@ class OpenIndex:
         Where the index holds superseded documents and these lifecycles leave them out, one query
         ranks both: a search then ranks again with them (see _superseded_ahead), and a chunk's BM25
         does not depend on the filter, so the narrower ranking is the wider one's first n of these
-        lifecycles. Both are kept for the generation (a few searches' worth)."""
-        key = (expression, tuple(lifecycles), prefix, n)
+        lifecycles. Both are kept until the next commit (a few searches' worth)."""
+        # Keyed by the database's data_version too: an ingest commits into the live generation.
+        version = self._sql("PRAGMA data_version")[0][0]
+        key = (version, expression, tuple(lifecycles), prefix, n)
         known = self._rankings.get(key)
         if known is not None:
             return list(known)
@@ -1688,7 +1690,7 @@ class OpenIndex:
         ranked: tuple[tuple[str, str], ...] | None = None
         if wide != key[1] and self.counts_by_lifecycle().get("superseded"):
             both = self._ranked_rows(expression, wide, prefix, 2 * n)
-            self._rankings.put((expression, wide, prefix, n), both[:n])
+            self._rankings.put((version, expression, wide, prefix, n), both[:n])
             narrow = tuple(row for row in both if row[1] in lifecycles)
             if len(narrow) >= n or len(both) < 2 * n:  # else n superseded ones came first: ask again
                 ranked = narrow[:n]
@@ -1738,16 +1740,17 @@ class OpenIndex:
         rows = self._sql("SELECT text FROM extracted WHERE path = ?", [path]) if self.schema >= 6 else []
         return str(rows[0][0]) if rows else None
 
-    def headings(self, path: str, raw: bytes) -> tuple[rules.Heading, ...] | None:
+    def headings(self, doc: rules.DocumentRow, raw: bytes) -> tuple[rules.Heading, ...] | None:
         """An indexed file's headings as its reader finds them in `raw` (the file as indexed: the
-        caller has checked it is unchanged), read once per generation; None when it no longer reads."""
-        known = self._headings.get(path)
+        caller has checked it is unchanged), read once per content; None when it no longer reads."""
+        key = (doc.path, doc.content_hash)
+        known = self._headings.get(key)
         if known is None:
             try:
-                known = (rules.parse_document(raw, path).text.headings,)
+                known = (rules.parse_document(raw, doc.path).text.headings,)
             except RagError:
                 known = (None,)
-            self._headings.put(path, known)
+            self._headings.put(key, known)
         return known[0]
 
     def chunks_of(self, path: str) -> list[rules.ChunkRow]:
@@ -1817,10 +1820,6 @@ class OpenIndex:
         return out
 
     def counts_by_lifecycle(self) -> dict[str, int]:
-        return dict(self._lifecycle_counts)
-
-    @functools.cached_property
-    def _lifecycle_counts(self) -> dict[str, int]:
         return {str(lc): int(n) for lc, n in self._sql("SELECT lifecycle, count(*) FROM documents GROUP BY lifecycle")}
 
 
@@ -2670,9 +2669,9 @@ class RetrievalService:
             if row.path not in files:
                 doc = index.document(row.path)
                 read = document_lines(corpus, doc, index.current.corpus_id, index.extracted_text) if doc else None
-                parsed = read is not None and read[1] == "disk" and args.context == "section"
+                parsed = doc is not None and read is not None and read[1] == "disk" and args.context == "section"
                 files[row.path] = (index.chunks_of(row.path), read[0] if read else None,
-                                   index.headings(row.path, read[2]) if parsed else None)
+                                   index.headings(doc, read[2]) if doc and read and parsed else None)
             chunks, lines, headings = files[row.path]
             if lines is None or row.end_line > len(lines):
                 out.append(None)

@@ -1306,3 +1306,37 @@ def test_a_misspelt_variable_is_named_with_the_one_meant() -> None:
     assert warnings == ["RAG_NOTHING_LIKE_IT is set but is no variable of local-rag-mcp; see the README's Configuration",
                         "RAG_STORE is set but is no variable of local-rag-mcp (did you mean RAG_STORE_DIR?)"]
     assert rules.unknown_variables({name: "1" for name in rules.ENVIRONMENT}) == []
+
+
+CREDENTIAL_SAMPLES = {
+    "a private key": "-----BEGIN RSA PRIVATE KEY-----",
+    "an AWS access key ID": "aws_access_key_id = AKIAQ3EGUTZ2Y7NBR4KD",
+    "an AWS secret access key": "aws_secret_access_key = 9dRk2XyQvB7mT0pLsW4nHc8JfA6eZuG1oKi3VbN5",
+    "a GitHub token": "token: ghp_" + "Zq8" * 12,
+    "a GitLab token": "glpat-" + "x7Y_" * 5,
+    "a Slack token": "xoxb-2048-" + "a1B2c3D4e5",
+    "a Google API key": "key=AIza" + "Sy0_-" * 7,
+    "a Stripe live key": "sk_live_" + "4eC39HqLyjWDarjtT1zdp7dc",
+    "an OpenAI or Anthropic API key": "sk-ant-api03-" + "Qw9" * 15,
+}
+
+
+@pytest.mark.parametrize(("kind", "line"), list(CREDENTIAL_SAMPLES.items()))
+def test_a_credential_is_found_with_its_kind_and_line(kind: str, line: str) -> None:
+    text = rules.DocumentText(lines=("# Notes", "", f"Use {line} here."), searchable=(), body_start=1, headings=(),
+                              block_starts=())
+    assert rules.credential_in(text) == rules.CredentialFound(kind, "line 3")
+    keyed = rules.DocumentText(lines=("x",), searchable=(), body_start=1, headings=(), block_starts=(),
+                               metadata={"description": line})
+    assert rules.credential_in(keyed) == rules.CredentialFound(kind, "the 'description' key")
+
+
+@given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=300))
+def test_documented_placeholders_and_ordinary_prose_are_not_credentials(prose: str) -> None:
+    placeholders = ("aws_access_key_id = AKIAIOSFODNN7EXAMPLE",
+                    "aws_secret_access_key = wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+                    "password: hunter2", "export GITHUB_TOKEN=github_pat_asdf", "sk-...", "-----BEGIN PUBLIC KEY-----")
+    text = rules.DocumentText(lines=(*placeholders, prose.replace("\n", " ")), searchable=(), body_start=1,
+                              headings=(), block_starts=())
+    found = rules.credential_in(text)
+    assert found is None or found.where == f"line {len(placeholders) + 1}"
