@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pdf_fixtures as fx
 import pytest
+from budgets import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -409,7 +410,7 @@ def quick_extractor() -> Iterator[PdfExtractor]:
 
 
 @pytest.mark.process
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(edits=EDITS)
 def test_a_mutated_book_is_read_or_refused_never_more(quick_extractor: PdfExtractor,
                                                       edits: list[tuple[str, int, int]]) -> None:
