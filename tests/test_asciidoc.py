@@ -533,6 +533,7 @@ def timed(name: str, run: Callable[[], object]) -> object:
     return run()
 
 
+@pytest.mark.heavy  # hostile input whose size is the point: `pytest --all` only (tests/README.md)
 @pytest.mark.parametrize("unit", ["word ", "*", "`", "[", "_b ", "a*", "+a", "#", "((", "<<", "xref:", "https://",
                                   "link:x[", "[[a,", "pass:[", "kbd:[", "\\*", "++", "+++a", ":: ", "<1>", "|a ",
                                   "*`[_#^~+<>(:\\ "])
@@ -544,6 +545,7 @@ def test_one_megabyte_line(unit: str) -> None:
         assert isinstance(reading, Reading) and len(reading.searchable) == len(context)
 
 
+@pytest.mark.heavy  # hostile input whose size is the point: `pytest --all` only (tests/README.md)
 def test_ten_thousand_nested_blocks() -> None:
     depth = 10_000
     lines = ["=" * (4 + k) for k in range(depth)] + ["text"] + ["=" * (4 + k) for k in reversed(range(depth))]
@@ -558,6 +560,7 @@ def test_ten_thousand_nested_blocks() -> None:
     assert isinstance(unclosed, Reading) and unclosed.headings == () and len(unclosed.warnings) == 1
 
 
+@pytest.mark.heavy  # hostile input whose size is the point: `pytest --all` only (tests/README.md)
 def test_hundred_thousand_section_titles() -> None:
     lines = [f"{'=' * (2 + k % 5)} Title {k}" for k in range(100_000)]
     reading = timed("100,000 section titles", lambda: read_asciidoc(lines))

@@ -1260,6 +1260,7 @@ def test_word_pieces_are_what_the_expression_finds(word: str) -> None:
     assert list(rules._word_pieces(word)) == [m.group(0) for m in REFERENCE_WORD_PIECES.finditer(word)]
 
 
+@pytest.mark.heavy  # hostile input whose size is the point: `pytest --all` only (tests/README.md)
 @pytest.mark.parametrize("unit", ["https://", "a.", "ab+c.", "http://x?", "x.https://a/b"])
 def test_a_megabyte_line_of_url_starts_is_made_searchable_and_cut_whole(unit: str) -> None:
     """Each of these took minutes before URLs were found in one pass (the expression scanned the

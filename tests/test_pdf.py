@@ -139,6 +139,7 @@ def test_an_empty_user_password_opens(algorithm: str) -> None:
     assert fx.ENCRYPTED_SENTENCE in text.pages[0].text
 
 
+@pytest.mark.heavy  # hostile input whose size is the point: `pytest --all` only (tests/README.md)
 def test_more_text_than_the_limit_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(corpus_rules, "TEXT_LIMIT_CHARS", 500_000)
     extract_pdf_text(fx.book_pdf(extra_pages=100))  # ~390,000 characters

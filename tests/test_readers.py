@@ -565,6 +565,7 @@ HOSTILE: list[tuple[str, str, Callable[[], str]]] = [
 ]
 
 
+@pytest.mark.heavy  # hostile input whose size is the point: `pytest --all` only (tests/README.md)
 @pytest.mark.parametrize(("extension", "make"), [(e, m) for _, e, m in HOSTILE], ids=[n for n, _, _ in HOSTILE])
 def test_hostile_input_is_read_whole(extension: str, make: Callable[[], str]) -> None:
     raw = make().encode()

@@ -1378,7 +1378,11 @@ def test_an_index_from_another_chunker_version_is_served_with_a_hint(base: Built
 RANKING_QUERIES = ("rate limit headers", "OLLAMA_KEEP_ALIVE", "E4091", "how do I roll back a deploy")
 
 
-@pytest.mark.parametrize("mode", ["hybrid", "vector", "keyword"])
+# The sweep over every k through the whole service: hybrid and vector (which embed each query) run
+# in `pytest --all`; the fast tier keeps keyword here and the property on the ranking itself
+# (test_ranking.py::test_the_results_for_k_are_the_first_k_for_k_plus_one).
+@pytest.mark.parametrize("mode", [pytest.param("hybrid", marks=pytest.mark.heavy),
+                                  pytest.param("vector", marks=pytest.mark.heavy), "keyword"])
 def test_the_results_for_k_are_the_first_k_of_the_results_for_20(base: Built, mode: str) -> None:
     """The issue-25 reproduction: `--k 1` showed reference/api.md:50, `--k 2` two other hits.
     For every k the results are the first k of one order, with path_prefix, queries, min_score."""
