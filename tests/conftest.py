@@ -1,7 +1,9 @@
-"""Shared pytest setup: repo root importable, plus fake-Ollama fixtures."""
+"""Shared pytest setup: repo root importable, the tiers, the hypothesis profile, plus fake-Ollama
+fixtures."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,8 +16,10 @@ for _p in (str(ROOT), str(TESTS_DIR)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from fake_ollama import FakeOllama  # after the sys.path entries above
+import budgets  # after the sys.path entries above; registers the hypothesis profiles
+from fake_ollama import FakeOllama
 from helpers import copy_index, copy_sample, ingest_in_process
+from hypothesis import settings
 
 FAST_TIER = "not slow and not process and not heavy"
 EVERY_TIER = "not slow"  # the fault loops marked slow run only when asked for: -m slow
@@ -41,6 +45,22 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         config.option.numprocesses = ALL_WORKERS
         config.option.dist = "loadfile"
         config.option.loadscopereorder = False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The hypothesis profile (tests/budgets.py), loaded before any test module is imported: the
+    one HYPOTHESIS_PROFILE names, else "ci" under --all (CI's full budgets) and "dev" (a tenth of
+    each budget) for the edit-and-test loop. hypothesis's own --hypothesis-profile wins over both."""
+    if config.getoption("hypothesis_profile", None):
+        return
+    name = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if config.option.all else "dev")
+    if name not in budgets.PROFILES:
+        raise pytest.UsageError(f"HYPOTHESIS_PROFILE={name!r}: the profiles are {', '.join(budgets.PROFILES)}")
+    settings.load_profile(name)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"hypothesis profile: {settings.get_current_profile_name()} (tests/budgets.py)"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pytest
+from budgets import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -532,6 +533,7 @@ def timed(name: str, run: Callable[[], object]) -> object:
     return run()
 
 
+@pytest.mark.heavy  # hostile input whose size is the point: `pytest --all` only (tests/README.md)
 @pytest.mark.parametrize("unit", ["word ", "*", "`", "[", "_b ", "a*", "+a", "#", "((", "<<", "xref:", "https://",
                                   "link:x[", "[[a,", "pass:[", "kbd:[", "\\*", "++", "+++a", ":: ", "<1>", "|a ",
                                   "*`[_#^~+<>(:\\ "])
@@ -543,6 +545,7 @@ def test_one_megabyte_line(unit: str) -> None:
         assert isinstance(reading, Reading) and len(reading.searchable) == len(context)
 
 
+@pytest.mark.heavy  # hostile input whose size is the point: `pytest --all` only (tests/README.md)
 def test_ten_thousand_nested_blocks() -> None:
     depth = 10_000
     lines = ["=" * (4 + k) for k in range(depth)] + ["text"] + ["=" * (4 + k) for k in reversed(range(depth))]
@@ -557,6 +560,7 @@ def test_ten_thousand_nested_blocks() -> None:
     assert isinstance(unclosed, Reading) and unclosed.headings == () and len(unclosed.warnings) == 1
 
 
+@pytest.mark.heavy  # hostile input whose size is the point: `pytest --all` only (tests/README.md)
 def test_hundred_thousand_section_titles() -> None:
     lines = [f"{'=' * (2 + k % 5)} Title {k}" for k in range(100_000)]
     reading = timed("100,000 section titles", lambda: read_asciidoc(lines))
@@ -798,7 +802,7 @@ def check_invariants(lines: list[str], reading: Reading) -> None:
     assert 1 <= reading.body_start <= len(lines) + 1
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(documents())
 def test_generated_documents(doc: Generated) -> None:
     lines = [line.text for line in doc.lines]
@@ -833,7 +837,7 @@ SOUP = ["", "== Title", "=== Sub", "= Part", "## Md", "======= seven", "==NoSpac
         "'''", "<<<", "  indented", "|a |b", "a|", "2+|x", "#hash", "xref:a[b] <<c>> `d` [[e]]"]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.sampled_from(SOUP) | st.text(TEXT, max_size=12), max_size=40))
 def test_line_soup_agrees_with_the_reference(lines: list[str]) -> None:
     lines = [line.replace("\n", " ") for line in lines]
@@ -844,14 +848,14 @@ def test_line_soup_agrees_with_the_reference(lines: list[str]) -> None:
         assert [(h.line, h.level) for h in reading.headings] == titles
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.text(TEXT))
 def test_arbitrary_text_never_raises(text: str) -> None:
     lines = text.split("\n")
     check_invariants(lines, read_asciidoc(lines))
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(st.text(alphabet=st.sampled_from(list("*_`#^~+[]<>():,\\!=|.- ab1\x00")) | st.characters(), max_size=60))
 def test_inline_is_total_and_never_longer(text: str) -> None:
     reduced = asciidoc_inline(text)

@@ -14,6 +14,7 @@ from itertools import pairwise
 from pathlib import Path
 
 import pytest
+from budgets import examples
 from fake_ollama import FakeOllama, count_tokens
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "sample-corpus"
 CJK_RE = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff]")
 
-HYPOTHESIS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+HYPOTHESIS = settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _doc(text: str | bytes, path: str = "doc.md") -> SourceDocument:
@@ -1109,7 +1110,7 @@ def test_vitepress_line_over_the_context_is_cut_outside_urls_into_real_pieces() 
             assert any(c.start_line <= number <= c.end_line and line in c.text for c in chunks)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.integers(min_value=0, max_value=200_000), st.integers(min_value=1, max_value=4),
        st.text(alphabet=st.sampled_from("ab \u202e\u2028\x1b"), max_size=50))
 def test_titles_and_headings_are_capped_whatever_their_length(length: int, depth: int, noise: str) -> None:
@@ -1218,7 +1219,7 @@ _ROW_TEXT = st.text(alphabet=st.sampled_from(list("abcXYZ019 _.-/:$@()`'\"\n\tÉ
                     max_size=40)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(title=_ROW_TEXT, heading=_ROW_TEXT, body=_ROW_TEXT)
 @example(title="Ärger İstanbul", heading="ﬁle STRASSE", body="ログ収集 `OLLAMA_KEEP_ALIVE` defineProps()")
 def test_row_terms_are_the_tokens_fts5_indexes_for_the_row(title: str, heading: str, body: str) -> None:
@@ -1243,7 +1244,7 @@ URL_SOUP = st.lists(st.sampled_from(list("ahtps:/.?#+-_,;=1é x") + ["://", "htt
                     max_size=30).map("".join)
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=examples(1500), deadline=None)
 @given(URL_SOUP)
 def test_url_payloads_are_what_the_expression_finds(text: str) -> None:
     expected = rules._DATA_URI.sub(rf"\g<1>{rules.PAYLOAD_MARK}", text)
@@ -1253,12 +1254,13 @@ def test_url_payloads_are_what_the_expression_finds(text: str) -> None:
     assert got == expected
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=examples(1500), deadline=None)
 @given(URL_SOUP)
 def test_word_pieces_are_what_the_expression_finds(word: str) -> None:
     assert list(rules._word_pieces(word)) == [m.group(0) for m in REFERENCE_WORD_PIECES.finditer(word)]
 
 
+@pytest.mark.heavy  # hostile input whose size is the point: `pytest --all` only (tests/README.md)
 @pytest.mark.parametrize("unit", ["https://", "a.", "ab+c.", "http://x?", "x.https://a/b"])
 def test_a_megabyte_line_of_url_starts_is_made_searchable_and_cut_whole(unit: str) -> None:
     """Each of these took minutes before URLs were found in one pass (the expression scanned the
@@ -1271,7 +1273,7 @@ def test_a_megabyte_line_of_url_starts_is_made_searchable_and_cut_whole(unit: st
 _STEP = st.from_regex(r"[a-z][a-z0-9]{0,5}(?:_[a-z0-9]{1,5}){0,2}|[A-Z][a-z]{1,5}[A-Z][a-z]{1,4}", fullmatch=True)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(_STEP, min_size=2, max_size=6), st.lists(st.sampled_from([".", "::", "/"]), min_size=5, max_size=5))
 def test_an_identifier_inside_a_path_is_one_of_its_terms(steps: list[str], separators: list[str]) -> None:
     """Each step of a dotted, :: or / path, and each two steps that follow one another, is a keyword

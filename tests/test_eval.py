@@ -271,14 +271,13 @@ def test_eval_runs_end_to_end_on_sample_corpus(tmp_path: Path) -> None:
     assert same.returncode == 0 and "0 better, 0 worse, 0 mixed (queries)" in same.stdout, same.stderr
 
 
-def test_a_thinned_copy_is_a_store_whose_ingest_stopped_while_embedding(tmp_path: Path) -> None:
-    from helpers import chroma_state, copy_sample, ingest_index, keyword_db
+def test_a_thinned_copy_is_a_store_whose_ingest_stopped_while_embedding(sample_index: tuple[Path, Path],
+                                                                         tmp_path: Path) -> None:
+    from helpers import chroma_state, keyword_db
 
     from corpus_rules import StoreLayout
 
-    corpus, store, thin = copy_sample(tmp_path), tmp_path / "store", tmp_path / "thin"
-    with FakeOllama() as fake:
-        assert ingest_index(corpus, store, fake.host).returncode == 0
+    store, thin = sample_index[1], tmp_path / "thin"  # the sample as ingest indexed it (conftest)
     before = {lc: set(col) for lc, col in chroma_state(store).items()}
     rag_eval.thinned_copy(store, 0.5, thin)
     assert {lc: set(col) for lc, col in chroma_state(store).items()} == before, "the original is untouched"
@@ -293,15 +292,15 @@ def test_a_thinned_copy_is_a_store_whose_ingest_stopped_while_embedding(tmp_path
     assert abs((current.stamp.chunks - current.stamp.vectors_pending) / current.stamp.chunks - 0.5) < 0.3
 
 
-def test_while_vectors_wait_hybrid_ranks_the_waiting_passages_and_judges_them_by_their_terms(tmp_path: Path) -> None:
-    from helpers import Built, copy_sample, in_process_service, ingest_index, keyword_db
+def test_while_vectors_wait_hybrid_ranks_the_waiting_passages_and_judges_them_by_their_terms(
+        sample_index: tuple[Path, Path], tmp_path: Path) -> None:
+    from helpers import Built, in_process_service, keyword_db
 
     import server
 
-    corpus, store, thin = copy_sample(tmp_path), tmp_path / "store", tmp_path / "thin"
+    (corpus, store), thin = sample_index, tmp_path / "thin"  # the sample as ingest indexed it (conftest)
+    rag_eval.thinned_copy(store, 0.5, thin)
     with FakeOllama() as fake:
-        assert ingest_index(corpus, store, fake.host).returncode == 0
-        rag_eval.thinned_copy(store, 0.5, thin)
         svc = in_process_service(Built(corpus, thin, fake.host))
         hybrid = svc.search(server.SearchCorpusInput(query="how do I roll back a deploy"))
         svc.close(timeout=10)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from budgets import examples
 from fake_ollama import FakeOllama
 from helpers import RawServer, call, copy_index, raw_server, tool_payload
 from hypothesis import HealthCheck, given, settings
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 
 pytestmark = pytest.mark.process  # real processes (servers, ingest, Chroma): only in `pytest --all` (tests/README.md)
 
-EXAMPLES = 500
+EXAMPLES = examples(500)
 # Codes bad input may legitimately produce; `internal` would mean a crash path.
 INPUT_CODES = {"invalid_argument", "path_rejected", "not_indexed"}
 BIG_NUMBER = "\x00BIGNUM\x00"  # replaced in the JSON text by a 5000-digit number (json.dumps cannot write it)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from budgets import examples
 from fake_ollama import FakeOllama
 from faultlib import write_handbooks
 from helpers import SERVER, copy_sample, dispatched, in_process_service, ingest_in_process, sample_built, snapshot
@@ -104,7 +105,7 @@ def settle(slots: int, per_group_s: float = 1.0, tokens: float = 1000.0) -> inge
     return tuner
 
 
-@settings(max_examples=100, deadline=None, derandomize=True)
+@settings(max_examples=examples(100), deadline=None, derandomize=True)
 @given(slots=st.integers(1, 40), per_group_s=st.floats(0.01, 30.0))
 def test_the_measured_level_reaches_the_hosts_throughput_without_flooding_it(slots: int, per_group_s: float) -> None:
     tuner = settle(slots, per_group_s)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from budgets import examples
 from fake_ollama import FakeOllama
 from faultlib import committed_hashes, index_dir, poll, write_handbooks
 from helpers import (
@@ -53,7 +54,7 @@ def embedded_texts(fake: FakeOllama) -> list[str]:
 # Batch sizing: a pure function of the measured pace.
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+@settings(max_examples=examples(200), deadline=None, derandomize=True)
 @given(tokens=st.lists(st.integers(1, 600), min_size=1, max_size=200), pace=st.floats(1.0, 1e6),
        target=st.floats(0.1, 10.0))
 def test_batch_sizes_stay_within_one_chunk_and_the_cap(tokens: list[int], pace: float, target: float) -> None:

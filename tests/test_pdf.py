@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pdf_fixtures as fx
 import pytest
+from budgets import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -138,6 +139,7 @@ def test_an_empty_user_password_opens(algorithm: str) -> None:
     assert fx.ENCRYPTED_SENTENCE in text.pages[0].text
 
 
+@pytest.mark.heavy  # hostile input whose size is the point: `pytest --all` only (tests/README.md)
 def test_more_text_than_the_limit_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(corpus_rules, "TEXT_LIMIT_CHARS", 500_000)
     extract_pdf_text(fx.book_pdf(extra_pages=100))  # ~390,000 characters
@@ -409,7 +411,7 @@ def quick_extractor() -> Iterator[PdfExtractor]:
 
 
 @pytest.mark.process
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(edits=EDITS)
 def test_a_mutated_book_is_read_or_refused_never_more(quick_extractor: PdfExtractor,
                                                       edits: list[tuple[str, int, int]]) -> None:

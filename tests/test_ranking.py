@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from budgets import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -41,7 +42,7 @@ def order_of(entries: list[tuple[str, float]]) -> list[str]:
 modes = st.sampled_from(["hybrid", "vector", "keyword"])
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(ranked_lists, holders, modes, st.randoms(use_true_random=False))
 def test_rank_orders_every_candidate_once_whichever_channel_answered_first(
         lists: list[server.RankedList], whole: dict[str, set[str]], mode: str, shuffler: random.Random) -> None:
@@ -52,7 +53,7 @@ def test_rank_orders_every_candidate_once_whichever_channel_answered_first(
     assert order_of(server.rank(candidates(shuffled, whole), mode)) == ranked
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(ranked_lists, holders, modes, st.integers(min_value=1, max_value=20))
 def test_the_results_for_k_are_the_first_k_for_k_plus_one(
         lists: list[server.RankedList], whole: dict[str, set[str]], mode: str, k: int) -> None:
@@ -151,7 +152,7 @@ _OPS = st.lists(st.tuples(st.sampled_from(["get", "put", "get_many", "put_many"]
                           st.lists(st.integers(0, 6), min_size=1, max_size=3), st.integers()), max_size=60)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(size=st.integers(1, 4), ops=_OPS)
 def test_the_lru_keeps_the_most_recently_used_entries(size: int, ops: list[tuple[str, list[int], int]]) -> None:
     """Against a plain model: a list of keys, most recent last, at most `size` of them."""

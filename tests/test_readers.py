@@ -14,13 +14,14 @@ from collections.abc import Callable, Sequence
 from itertools import pairwise
 
 import pytest
+from budgets import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import corpus_rules as rules
 from corpus_rules import DocumentText, SourceDocument
 
-HYPOTHESIS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+HYPOTHESIS = settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def read(text: str, path: str) -> DocumentText:
@@ -564,6 +565,7 @@ HOSTILE: list[tuple[str, str, Callable[[], str]]] = [
 ]
 
 
+@pytest.mark.heavy  # hostile input whose size is the point: `pytest --all` only (tests/README.md)
 @pytest.mark.parametrize(("extension", "make"), [(e, m) for _, e, m in HOSTILE], ids=[n for n, _, _ in HOSTILE])
 def test_hostile_input_is_read_whole(extension: str, make: Callable[[], str]) -> None:
     raw = make().encode()

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+from budgets import examples
 from fake_ollama import FakeOllama
 from helpers import Built, build, dispatched, in_process_service
 from hypothesis import given, settings
@@ -39,7 +40,7 @@ escapable_lines = st.lists(st.text(alphabet=st.sampled_from(['a', 'b', ' ', '"',
                                    max_size=80), max_size=40)
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(escapable_lines, st.integers(min_value=1, max_value=400), st.integers(min_value=1, max_value=45))
 def test_a_cut_plus_its_continuations_reassemble_the_file(lines: list[str], cap: int, first: int) -> None:
     """Read from any start line, page after page from next_start_line: every page costs at most

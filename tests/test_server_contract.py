@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from budgets import examples
 from fake_ollama import FakeOllama, fake_embedding
 from helpers import (
     SAMPLE,
@@ -340,7 +341,7 @@ def test_no_passage_stands_out_more_than_a_phrasings_own_best(maps: list[dict[st
 hit_texts = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=4000)
 
 
-@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(hit_texts, max_size=20), st.integers(min_value=3000, max_value=30000))
 def test_fit_hits_keeps_the_response_under_budget(texts: list[str], budget: int) -> None:
     payload = {"query": "q", "results": [{"path": f"p{i}.md", "text": t, "truncated": False} for i, t in enumerate(texts)]}
@@ -364,7 +365,7 @@ def test_fit_hits_shrinks_the_longest_texts_first() -> None:
 JSON_CHAR_MAX = 6
 
 
-@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(hit_texts, st.integers(min_value=0, max_value=40_000)), min_size=1, max_size=20),
        st.integers(min_value=15_000, max_value=30_000))
 def test_fit_hits_spends_the_budget_per_hit(hits: list[tuple[str, int]], budget: int) -> None:
@@ -530,7 +531,7 @@ lines_strategy = st.lists(st.text(alphabet=st.characters(codec="utf-8", exclude_
                                                          exclude_characters="\n\r"), max_size=300), max_size=60)
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(lines_strategy, st.integers(min_value=50, max_value=2000))
 def test_slice_lines_pages_reassemble_the_file(lines: list[str], cap: int) -> None:
     got: list[str] = []
@@ -579,7 +580,7 @@ segments = st.sampled_from(["a", "ab", "a-b", "b", "runbooks", "runbooks-old", "
 rel_paths = st.lists(segments, min_size=1, max_size=4).map("/".join)
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(st.lists(rel_paths, max_size=20), st.one_of(st.just(""), rel_paths))
 def test_prefix_sql_is_path_matches_prefix(paths: list[str], prefix: str) -> None:
     db = sqlite3.connect(":memory:")
@@ -688,7 +689,7 @@ weird_text = st.text(alphabet=st.characters(), max_size=60) | st.sampled_from(
     ["", " ", "../x", "/abs", "a\\b", "a\x00b", "\ud800", "%2e%2e/x", "~", "runbooks", "x" * 3000])
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.sampled_from(["search_corpus", "get_file", "list_documents"]),
        st.dictionaries(arg_keys, json_values | weird_text, max_size=5))
 def test_any_arguments_get_a_structured_answer(no_store: tuple[server.RetrievalService, Path], tool: str,
@@ -1076,7 +1077,7 @@ def test_thin_result_message_names_each_case() -> None:
     assert many.endswith("replaced by 'new/0.md', 'new/1.md', 'new/2.md', 'new/3.md', 'new/4.md' and 2 more")
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(hits=st.integers(0, 20), low=st.booleans(), empty=st.none() | st.just("no indexed document under x"),
        dropped=st.integers(0, 5), plan_kind=st.sampled_from([None, "rare", "no_terms", "too_common"]),
        missing=st.lists(st.from_regex(r"[A-Z]{2,8}_[A-Z]{2,8}", fullmatch=True), max_size=3).map(tuple),
@@ -1105,7 +1106,7 @@ def test_a_thin_search_always_says_why_and_a_confident_one_only_what_it_hides_fi
     assert ("since the last ingest" in message) == bool(changed)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(prefix=st.from_regex(r"[a-z]{1,6}(/[a-z]{1,6}){0,2}", fullmatch=True),
        folders=st.lists(st.from_regex(r"[a-z]{1,6}(/[a-z]{1,6}){0,2}", fullmatch=True), max_size=12))
 def test_nearest_folders_are_indexed_folders_the_deepest_ancestor_first(prefix: str, folders: list[str]) -> None:
@@ -1161,7 +1162,7 @@ def test_keyword_channel_filters_in_sql_before_the_limit(base: Built) -> None:
     assert in_oncall and all(r.path.startswith("oncall/") for r in index.chunks_by_id(in_oncall).values())
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(term=st.sampled_from(["deploy", "rollback", "push", "kubectl", "service", "the"]), n=st.integers(1, 60),
        order=st.permutations([("active",), ("active", "superseded"), ("superseded",)]))
 def test_a_ranking_shared_with_the_superseded_check_is_the_one_asked_alone(
@@ -1517,7 +1518,11 @@ def test_an_index_from_another_chunker_version_is_served_with_a_hint(base: Built
 RANKING_QUERIES = ("rate limit headers", "OLLAMA_KEEP_ALIVE", "E4091", "how do I roll back a deploy")
 
 
-@pytest.mark.parametrize("mode", ["hybrid", "vector", "keyword"])
+# The sweep over every k through the whole service: hybrid and vector (which embed each query) run
+# in `pytest --all`; the fast tier keeps keyword here and the property on the ranking itself
+# (test_ranking.py::test_the_results_for_k_are_the_first_k_for_k_plus_one).
+@pytest.mark.parametrize("mode", [pytest.param("hybrid", marks=pytest.mark.heavy),
+                                  pytest.param("vector", marks=pytest.mark.heavy), "keyword"])
 def test_the_results_for_k_are_the_first_k_of_the_results_for_20(base: Built, mode: str) -> None:
     """The issue-25 reproduction: `--k 1` showed reference/api.md:50, `--k 2` two other hits.
     For every k the results are the first k of one order, with path_prefix, queries, min_score."""
