@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from fake_ollama import FakeOllama
+from budgets import examples
 from faultlib import write_handbooks
 from helpers import INGEST, Done, child_env, finish, ingest_in_process, keyword_db
 from hypothesis import given, settings
@@ -128,7 +129,7 @@ def test_no_control_sequence_of_a_corpus_name_reaches_the_terminal(fake: FakeOll
                     "contains control characters") in done.out, done.out
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+@settings(max_examples=examples(200), deadline=None, derandomize=True)
 @given(path=st.text(), reason=st.text(), action=st.sampled_from(["add", "fail", "ignore", "remove"]))
 def test_a_listing_line_is_one_line_without_terminal_controls_and_keeps_every_visible_character_of_the_path(
         path: str, reason: str, action: str) -> None:
@@ -138,7 +139,7 @@ def test_a_listing_line_is_one_line_without_terminal_controls_and_keeps_every_vi
     assert "".join(visible) in line.replace(" ", "")
 
 
-@settings(max_examples=100, deadline=None, derandomize=True)
+@settings(max_examples=examples(100), deadline=None, derandomize=True)
 @given(extension=st.text(min_size=1).map(lambda tail: "." + tail))
 def test_the_files_by_extension_line_shows_no_terminal_controls(extension: str) -> None:
     line = rules.FilesFound({extension: {"not_read": 1}}).line()
@@ -186,7 +187,7 @@ def test_a_file_of_more_bytes_than_the_budget_is_never_read(fake: FakeOllama, tm
     assert "binary" not in said and published_paths(store) == {"normal.md"}
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
+@settings(max_examples=examples(300), deadline=None, derandomize=True)
 @given(text=st.text(alphabet="ab\r\n", max_size=24), limit=st.integers(0, 8))
 def test_the_line_budget_counts_lines_as_the_readers_split_them(text: str, limit: int) -> None:
     with pytest.MonkeyPatch.context() as patch:

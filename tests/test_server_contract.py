@@ -408,7 +408,7 @@ def hits_with_contexts(draw: st.DrawFn) -> tuple[list[dict[str, Any]], list[serv
     return hits, contexts
 
 
-@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), suppress_health_check=[HealthCheck.too_slow])
 @given(hits_with_contexts(), st.integers(min_value=2000, max_value=30_000))
 def test_a_context_stays_in_its_file_holds_its_passage_and_the_budget(
         drawn: tuple[list[dict[str, Any]], list[server.HitContext | None]], budget: int) -> None:
@@ -432,7 +432,7 @@ def test_a_context_stays_in_its_file_holds_its_passage_and_the_budget(
         assert grown == 0
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(st.lists(st.tuples(st.integers(1, 4), st.sampled_from("ABC")), min_size=1, max_size=20), st.data())
 def test_a_section_runs_from_its_heading_to_the_next_of_its_level_or_higher(
         outline: list[tuple[int, str]], data: st.DataObject) -> None:
@@ -489,7 +489,7 @@ def test_a_section_context_puts_an_answer_far_below_its_heading_in_hand(fake: Fa
     assert neighbours["context"] == "neighbours" and neighbours["text_end_line"] > passage["end_line"]
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(st.lists(st.tuples(st.sampled_from(["a.md", "b.md", "c.md"]), st.sampled_from(["A", "A > B", "C"])),
                 min_size=1, max_size=30), st.integers(1, 20))
 def test_one_hit_per_section_keeps_every_passage_and_the_first_k_of_k_plus_one(
@@ -512,7 +512,7 @@ def test_one_hit_per_section_keeps_every_passage_and_the_first_k_of_k_plus_one(
         assert sum(1 + len(g[2]) for g in groups) == len(keys), "every passage of every section listed"
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(st.lists(st.integers(0, 500), min_size=1, max_size=60), st.data())
 def test_a_grown_window_is_the_widest_alternating_one_that_fits(costs: list[int], data: st.DataObject) -> None:
     first = data.draw(st.integers(0, len(costs) - 1))
