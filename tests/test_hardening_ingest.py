@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from fake_ollama import FakeOllama
 from budgets import examples
+from fake_ollama import FakeOllama
 from faultlib import write_handbooks
 from helpers import INGEST, Done, child_env, finish, ingest_in_process, keyword_db
 from hypothesis import given, settings
