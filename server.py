@@ -2668,7 +2668,10 @@ class RetrievalService:
                 continue
             if row.path not in files:
                 doc = index.document(row.path)
-                read = document_lines(corpus, doc, index.current.corpus_id, index.extracted_text) if doc else None
+                try:
+                    read = document_lines(corpus, doc, index.current.corpus_id, index.extracted_text) if doc else None
+                except RagError:  # not readable as get_file would serve it (another folder, a link): its passage
+                    read = None
                 parsed = doc is not None and read is not None and read[1] == "disk" and args.context == "section"
                 files[row.path] = (index.chunks_of(row.path), read[0] if read else None,
                                    index.headings(doc, read[2]) if doc and read and parsed else None)

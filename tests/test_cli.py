@@ -265,8 +265,11 @@ def test_a_store_of_another_corpus_is_a_warning_and_the_hint_names_a_command_tha
     done = run_cli({**built.server_env(fake.host), "RAG_CORPUS_DIR": str(other)}, "search", "sev-1", "--json")
     assert done.returncode == 0, done.stderr
     assert done.stderr.startswith("warning: RAG_CORPUS_DIR") and "was built from" in done.stderr, done.stderr
-    hint = json_answer(done, "search_corpus")["staleness"]["hint"]
+    answer = json_answer(done, "search_corpus")
+    hint = answer["staleness"]["hint"]
     assert "--replace-corpus" in hint and "changed on disk" not in hint, hint
+    # a file get_file would refuse gives its hit no section: the passage, and the search answers
+    assert answer["results"] and all(hit["context"] == "passage" for hit in answer["results"]), answer["results"]
 
 
 def test_the_human_view_says_why_a_search_is_thin_and_what_replaces_a_superseded_hit(
