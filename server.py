@@ -976,7 +976,9 @@ def context_range(chunks: Sequence[rules.ChunkRow], hit: rules.ChunkRow, kind: L
     if kind == "section" and headings is not None and (found := section_lines(headings, hit)) is not None:
         return min(found[0], hit.start_line), max(found[1], hit.end_line)
     ordered = sorted(chunks, key=lambda c: (c.start_line, c.end_line, c.id))
-    at = next(n for n, c in enumerate(ordered) if c.id == hit.id)
+    at = next((n for n, c in enumerate(ordered) if c.id == hit.id), None)
+    if at is None:  # an ingest replaced the file's passages since the hit was read: the passage alone
+        return hit.start_line, hit.end_line
     if kind == "neighbours":
         before, after = ordered[max(0, at - 1)], ordered[min(len(ordered) - 1, at + 1)]
         return min(before.start_line, hit.start_line), max(after.end_line, hit.end_line)

@@ -1567,3 +1567,15 @@ def test_warm_up_can_be_joined_while_it_is_being_started(monkeypatch: pytest.Mon
     assert starting.wait(5)
     warmup.join(5)  # raised "cannot join thread before it is started"
     starter.join(5)
+
+
+def test_a_context_of_a_passage_replaced_meanwhile_is_the_passage() -> None:
+    """An ingest may replace a file's passages between the hit's row and its context: the passage stands."""
+    def row(n: int, start: int, end: int, heading: str = "Doc > A") -> rules.ChunkRow:
+        return rules.ChunkRow(id=f"c{n}", path="p.md", chunk_index=n, start_line=start, end_line=end,
+                              heading=heading, lifecycle="active", text="x", title="T")
+
+    hit, others = row(9, 10, 14), [row(0, 1, 9), row(1, 15, 30)]
+    for kind in ("section", "neighbours"):
+        assert server.context_range(others, hit, kind) == (10, 14)
+    assert server.context_range([*others, hit], hit, "neighbours") == (1, 30)
