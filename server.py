@@ -1392,6 +1392,7 @@ class OpenIndex:
         self._headings: LRU[tuple[str, str], tuple[tuple[rules.Heading, ...] | None]] = LRU(HEADINGS_CACHE_SIZE)
         self._rankings: LRU[tuple[int, str, tuple[str, ...], str | None, int], tuple[tuple[str, str], ...]] = LRU(
             KEYWORD_RANKING_CACHE_SIZE)
+        self._lifecycle_counts: tuple[int, dict[str, int]] | None = None  # (data_version, counts)
 
     def _open_keywords(self) -> sqlite3.Connection:
         path = self.keyword_path
@@ -1682,8 +1683,7 @@ class OpenIndex:
         ranks both: a search then ranks again with them (see _superseded_ahead), and a chunk's BM25
         does not depend on the filter, so the narrower ranking is the wider one's first n of these
         lifecycles. Both are kept until the next commit (a few searches' worth)."""
-        # Keyed by the database's data_version too: an ingest commits into the live generation.
-        version = self._sql("PRAGMA data_version")[0][0]
+        version = self._data_version()
         key = (version, expression, tuple(lifecycles), prefix, n)
         known = self._rankings.get(key)
         if known is not None:
@@ -1821,8 +1821,18 @@ class OpenIndex:
             out.setdefault(str(lifecycle), []).append(str(path))
         return out
 
+    def _data_version(self) -> int:
+        """PRAGMA data_version: it changes when another connection commits. Ingest commits into the
+        live generation, so what is kept of the keyword index is kept under the version it was read at."""
+        return int(self._sql("PRAGMA data_version")[0][0])
+
     def counts_by_lifecycle(self) -> dict[str, int]:
-        return {str(lc): int(n) for lc, n in self._sql("SELECT lifecycle, count(*) FROM documents GROUP BY lifecycle")}
+        """Documents per lifecycle (asked by every keyword ranking: read again only after a commit)."""
+        version = self._data_version()
+        if self._lifecycle_counts is None or self._lifecycle_counts[0] != version:
+            counts = {str(lc): int(n) for lc, n in self._sql("SELECT lifecycle, count(*) FROM documents GROUP BY lifecycle")}
+            self._lifecycle_counts = (version, counts)
+        return dict(self._lifecycle_counts[1])
 
 
 @dataclass
