@@ -4098,19 +4098,18 @@ def page_lines(pages: Sequence[Page], line_count: int, first: int, last: int | N
 META_CORPUS_FACTS = "corpus_facts"
 META_CALIBRATION = "calibration"
 META_CALIBRATED_AT = "calibrated_at_chunks"  # the active chunk count at the last calibration attempt
-FACTS_FOLDERS_MAX = 8
 
 
 @dataclass(frozen=True)
 class CorpusFacts:
     """What an agent should know before it phrases a search: how many documents, in which
-    languages (a document is Japanese/CJK when at least CJK_DOCUMENT of its letters are), and the
-    biggest top-level folders."""
+    languages (a document is Japanese/CJK when at least CJK_DOCUMENT of its letters are), and in
+    how many top-level folders (counted, never named: a folder name is corpus text)."""
 
     documents: int
     superseded: int
     cjk_documents: int
-    folders: tuple[tuple[str, int], ...]
+    folders: int | None  # None: facts written before the count (they named folders instead)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -4118,23 +4117,23 @@ class CorpusFacts:
     @classmethod
     def from_json(cls, raw: str) -> CorpusFacts:
         data = json_value(raw)
+        folders = data.get("folders")
         return cls(documents=int(data["documents"]), superseded=int(data["superseded"]),
                    cjk_documents=int(data["cjk_documents"]),
-                   folders=tuple((str(name), int(count)) for name, count in data["folders"]))
+                   folders=folders if isinstance(folders, int) and not isinstance(folders, bool) else None)
 
 
 def corpus_facts(rows: Iterable[tuple[str, str, float | None]]) -> CorpusFacts:
     """Facts from (path, lifecycle, cjk_share) of every document."""
     documents = superseded = cjk = 0
-    folders: dict[str, int] = {}
+    folders: set[str] = set()
     for path, lifecycle, share in rows:
         documents += 1
         superseded += lifecycle == "superseded"
         cjk += reads_as_cjk(share or 0.0)
-        top = path.split("/", 1)[0] + "/" if "/" in path else "(top level)"
-        folders[top] = folders.get(top, 0) + 1
-    biggest = sorted(folders.items(), key=lambda item: (-item[1], item[0]))[:FACTS_FOLDERS_MAX]
-    return CorpusFacts(documents, superseded, cjk, tuple(biggest))
+        if "/" in path:
+            folders.add(path.split("/", 1)[0])
+    return CorpusFacts(documents, superseded, cjk, len(folders))
 
 
 META_FILES_FOUND = "files_found"

@@ -3952,9 +3952,6 @@ def index_facts(settings_loader: Callable[[], rules.Settings] = rules.load_setti
         try:
             db.execute("PRAGMA query_only = 1")
             row = db.execute("SELECT value FROM meta WHERE key = ?", (rules.META_CORPUS_FACTS,)).fetchone()
-            # Counted, never named: a folder name is corpus text, and the instructions carry none.
-            folders = int(db.execute("SELECT count(DISTINCT substr(path, 1, instr(path, '/'))) FROM documents "
-                                     "WHERE instr(path, '/') > 0").fetchone()[0])
         finally:
             db.close()
         facts = rules.CorpusFacts.from_json(row[0]) if row else None
@@ -3970,9 +3967,11 @@ def index_facts(settings_loader: Callable[[], rules.Settings] = rules.load_setti
     languages = (f"{facts.cjk_documents} in Japanese/CJK, {facts.documents - facts.cjk_documents} in other "
                  "languages (mostly English)" if facts.cjk_documents else "none in Japanese/CJK")
     superseded = f"; {facts.superseded} superseded" if facts.superseded else ""
-    where = (f"in {folders} top-level folder{'s' if folders != 1 else ''} (list_documents names them)" if folders
-             else "all at the top level")
-    return (f"This index: {facts.documents} documents ({languages}){superseded}, {where}; "
+    # Counted, never named (CorpusFacts): the instructions carry no corpus text.
+    folders = facts.folders
+    where = ("" if folders is None else ", all at the top level" if not folders else
+             f", in {folders} top-level folder{'s' if folders != 1 else ''} (list_documents names them)")
+    return (f"This index: {facts.documents} documents ({languages}){superseded}{where}; "
             f"{stamp.chunks} passages, {built}.")
 
 

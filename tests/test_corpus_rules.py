@@ -1031,13 +1031,16 @@ def test_a_text_reads_as_cjk_from_a_tenth_of_its_letters() -> None:
     assert not rules.reads_as_cjk(0.0)
 
 
-def test_corpus_facts_count_languages_and_biggest_folders() -> None:
+def test_corpus_facts_count_languages_and_top_level_folders() -> None:
     rows = [("docs/a.md", "active", 0.0), ("docs/b.md", "superseded", 0.01), ("guide/c.md", "active", 0.9),
             ("guide/code-heavy.md", "active", 0.29), ("README.md", "active", None)]
     facts = rules.corpus_facts(rows)
     assert (facts.documents, facts.superseded, facts.cjk_documents) == (5, 1, 2)
-    assert facts.folders == (("docs/", 2), ("guide/", 2), ("(top level)", 1))
+    assert facts.folders == 2, "docs/ and guide/: counted, never named"
     assert rules.CorpusFacts.from_json(facts.to_json()) == facts
+    # Facts an older ingest wrote named the biggest folders: no count is made of them.
+    legacy = '{"documents": 5, "superseded": 1, "cjk_documents": 2, "folders": [["docs/", 2]]}'
+    assert rules.CorpusFacts.from_json(legacy).folders is None
 
 
 def test_calibration_sample_is_spread_and_stable() -> None:
