@@ -79,6 +79,13 @@ def fake() -> Iterator[FakeOllama]:
 
 
 @pytest.fixture
+def fakes() -> Iterator[tuple[FakeOllama, FakeOllama]]:
+    """Two fake Ollamas, fresh per test: hosts of one OLLAMA_HOST (helpers.Hosts)."""
+    with FakeOllama() as first, FakeOllama() as second:
+        yield first, second
+
+
+@pytest.fixture
 def fake_ollama() -> Iterator[FakeOllama]:
     fake = FakeOllama().start()
     try:

@@ -444,6 +444,26 @@ def ingest_log_captured(err: io.StringIO) -> Iterator[None]:
         logger.propagate = saved[1]
 
 
+# Several fake Ollamas as one OLLAMA_HOST, and what they embedded besides calibration.
+CALIBRATION = "task: search result"  # the prefix of the similarity calibration's query texts
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """Several fakes as one OLLAMA_HOST value."""
+
+    fakes: tuple[FakeOllama, ...]
+
+    @property
+    def host(self) -> str:
+        return ",".join(fake.host for fake in self.fakes)
+
+
+def chunk_inputs(fake: FakeOllama, key: str = "answered_inputs") -> list[str]:
+    """The texts a fake embedded (or `key`'s other list) that are chunks, not calibration queries."""
+    return [text for text in fake.calls()[key] if not text.startswith(CALIBRATION)]
+
+
 def ingest_in_process(fake: HasHost | None, corpus: Path, store: Path, *extra: str, as_json: bool = True,
                       **env: str) -> Done:
     """What run_ingest returns, from a run in this process (fake None: in the environment as it is;

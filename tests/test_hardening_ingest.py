@@ -6,44 +6,18 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from budgets import examples
 from fake_ollama import FakeOllama
 from faultlib import write_handbooks
-from helpers import INGEST, Done, child_env, finish, ingest_in_process, keyword_db
+from helpers import INGEST, Done, Hosts, child_env, finish, ingest_in_process, keyword_db
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import corpus_rules as rules
 import ingest
-
-CALIBRATION = "task: search result"
-
-
-@dataclass(frozen=True)
-class Hosts:
-    """Several fakes as one OLLAMA_HOST value."""
-
-    fakes: tuple[FakeOllama, ...]
-
-    @property
-    def host(self) -> str:
-        return ",".join(fake.host for fake in self.fakes)
-
-
-@pytest.fixture
-def fakes() -> Iterator[tuple[FakeOllama, FakeOllama]]:
-    with FakeOllama() as first, FakeOllama() as second:
-        yield first, second
-
-
-def chunk_inputs(fake: FakeOllama) -> list[str]:
-    return [text for text in fake.calls()["answered_inputs"] if not text.startswith(CALIBRATION)]
-
 
 # ---------------------------------------------------------------------------
 # D1: a host whose vectors change size mid-run leaves the rotation; the others finish the run.

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,37 +22,23 @@ import pytest
 from budgets import examples
 from fake_ollama import FakeOllama
 from faultlib import write_handbooks
-from helpers import SERVER, copy_sample, dispatched, in_process_service, ingest_in_process, sample_built, snapshot
+from helpers import (
+    SERVER,
+    Hosts,
+    chunk_inputs,
+    copy_sample,
+    dispatched,
+    in_process_service,
+    ingest_in_process,
+    sample_built,
+    snapshot,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import corpus_rules as rules
 import ingest
 import server
-
-CALIBRATION = "task: search result"
-
-
-@dataclass(frozen=True)
-class Hosts:
-    """Several fakes as one OLLAMA_HOST value."""
-
-    fakes: tuple[FakeOllama, ...]
-
-    @property
-    def host(self) -> str:
-        return ",".join(fake.host for fake in self.fakes)
-
-
-@pytest.fixture
-def fakes() -> tuple[FakeOllama, FakeOllama]:
-    with FakeOllama() as first, FakeOllama() as second:
-        yield first, second
-
-
-def chunk_inputs(fake: FakeOllama, key: str = "answered_inputs") -> list[str]:
-    return [text for text in fake.calls()[key] if not text.startswith(CALIBRATION)]
-
 
 # ---------------------------------------------------------------------------
 # The settings.
