@@ -22,6 +22,7 @@ from fake_ollama import FakeOllama
 from faultlib import committed_hashes, index_dir, poll, write_handbooks
 from helpers import (
     ROOT,
+    Done,
     child_env,
     copy_sample,
     current_of,
@@ -143,17 +144,22 @@ def test_an_embedder_that_times_out_on_one_chunk_stops_quickly_and_loses_nothing
     assert again.code == 0 and again.summary["updated"] == 2
 
 
+def interrupted_ingest(fake: FakeOllama, corpus: Path, store: Path, files: int, committed: int,
+                       signum: signal.Signals) -> Done:
+    """A real ingest of `files` handbooks, sent `signum` once `committed` of them are committed."""
+    write_handbooks(corpus, {f"h{i:02d}.md": 30 for i in range(files)}, "A")
+    fake.configure(delay_seconds=0.2)
+    proc = start_ingest(fake, corpus, store)
+    poll(lambda: len(_committed(store)) >= committed or proc.poll() is not None, timeout=120, interval=0.05)
+    proc.send_signal(signum)
+    return finish(proc)
+
+
 @pytest.mark.process
 def test_sigterm_ends_a_run_as_ctrl_c_does(fake: FakeOllama, tmp_path: Path) -> None:
     """kill (a supervisor, a CI job's timeout) ends a run with 130 and the same message as Ctrl-C,
     not 143 and nothing said (issue 41)."""
-    corpus, store = tmp_path / "corpus", tmp_path / "store"
-    write_handbooks(corpus, {f"h{i:02d}.md": 30 for i in range(6)}, "A")
-    fake.configure(delay_seconds=0.2)
-    proc = start_ingest(fake, corpus, store)
-    poll(lambda: len(_committed(store)) >= 1 or proc.poll() is not None, timeout=120, interval=0.05)
-    proc.send_signal(signal.SIGTERM)
-    done = finish(proc)
+    done = interrupted_ingest(fake, tmp_path / "corpus", tmp_path / "store", 6, 1, signal.SIGTERM)
     assert done.code == 130, done.err
     assert "Traceback" not in done.err and "interrupted; what was committed is kept" in done.err
 
@@ -161,13 +167,8 @@ def test_sigterm_ends_a_run_as_ctrl_c_does(fake: FakeOllama, tmp_path: Path) -> 
 @pytest.mark.process
 def test_ctrl_c_keeps_what_was_committed_and_the_next_run_continues(fake: FakeOllama, tmp_path: Path) -> None:
     corpus, store = tmp_path / "corpus", tmp_path / "store"
-    write_handbooks(corpus, {f"h{i:02d}.md": 30 for i in range(12)}, "A")
-    fake.configure(delay_seconds=0.2)
-    proc = start_ingest(fake, corpus, store)
     # Once a few files are committed with their vectors, Ctrl-C.
-    poll(lambda: len(_committed(store)) >= 3 or proc.poll() is not None, timeout=120, interval=0.05)
-    proc.send_signal(signal.SIGINT)
-    done = finish(proc)
+    done = interrupted_ingest(fake, corpus, store, 12, 3, signal.SIGINT)
     assert done.code == 130, done.err
     assert "Traceback" not in done.err and "interrupted" in done.err
     committed = _committed(store)
