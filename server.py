@@ -2019,7 +2019,8 @@ class QueryEmbeddings:
             share of the time (QUERY_HEDGE_S at most) is not given up on: the next is asked
             beside it, and whichever answers first is used."""
             deadline, share = sent_at + timeout, min(timeout / len(ready), QUERY_HEDGE_S)
-            asking, failures = [ready[0]], list[RagError]()
+            asking: list[str] = [ready[0]]
+            failures: list[RagError] = []
             following, next_at = 1, sent_at + share
             while True:
                 now = time.monotonic()
@@ -2684,9 +2685,9 @@ class RetrievalService:
                     read = document_lines(corpus, doc, index.current.corpus_id, index.extracted_text) if doc else None
                 except RagError:  # not readable as get_file would serve it (another folder, a link): its passage
                     read = None
-                parsed = doc is not None and read is not None and read[1] == "disk" and args.context == "section"
-                files[row.path] = (index.chunks_of(row.path), read[0] if read else None,
-                                   index.headings(doc, read[2]) if doc and read and parsed else None)
+                headings = (index.headings(doc, read[2]) if doc is not None and read is not None and read[1] == "disk"
+                            and args.context == "section" else None)
+                files[row.path] = (index.chunks_of(row.path), read[0] if read else None, headings)
             chunks, lines, headings = files[row.path]
             if lines is None or row.end_line > len(lines):
                 out.append(None)
