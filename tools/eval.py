@@ -646,7 +646,7 @@ def error_text(result: Any) -> str:
 
 
 async def run_queries(client: Any, queries: Sequence[Query], modes: Sequence[str], k: int,
-                      context: str = "passage") -> dict[str, list[Outcome]]:
+                      context: str | None = None) -> dict[str, list[Outcome]]:
     outcomes: dict[str, list[Outcome]] = {mode: [] for mode in modes}
     # One untimed pass embeds every query, so each mode is timed on the same footing (the
     # server caches query embeddings); the pass's own latency is reported separately.
@@ -660,7 +660,7 @@ async def run_queries(client: Any, queries: Sequence[Query], modes: Sequence[str
         for query in queries:
             started = time.perf_counter()
             result = await client.call_tool("search_corpus", {**arguments(query), "k": k, "mode": mode,
-                                                              "context": context})
+                                                              **({"context": context} if context else {})})
             seconds = time.perf_counter() - started
             if result.is_error:
                 outcomes[mode].append(Outcome(query, [], seconds, error_text(result)))
@@ -762,7 +762,7 @@ def k_report(sweeps: Mapping[str, int], violations: Sequence[KViolation]) -> str
 
 
 async def in_session(env: Mapping[str, str], queries: Sequence[Query], modes: Sequence[str], k: int,
-                     k_check: bool, context: str = "passage",
+                     k_check: bool, context: str | None = None,
                      ) -> tuple[dict[str, list[Outcome]], tuple[dict[str, int], list[KViolation]] | None]:
     """The evaluation run, then the k check if asked for, on one MCP client session of `python server.py`."""
     from mcp import Client, StdioServerParameters
@@ -897,8 +897,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="search a copy of the index in which only documents holding about X (0-1) of the "
                              "chunks have vectors, as an ingest stopped while embedding leaves it")
     parser.add_argument("--phrasings", type=Path, help="extra phrasings per query id (JSON lines {id, queries})")
-    parser.add_argument("--context", choices=("passage", "section", "neighbours"), default="passage",
-                        help="search_corpus's context for every search (evidence@5 needs --evidence's quotes)")
+    parser.add_argument("--context", choices=("passage", "section", "neighbours"),
+                        help="search_corpus's context for every search (default: none sent, the server's "
+                             "own default; evidence@5 needs --evidence's quotes)")
     parser.add_argument("--evidence", type=Path, help="the dev set's evidence.jsonl: gold sections' line ranges as "
                                                       "it defines them (needed for formats other than Markdown)")
     parser.add_argument("--write-readme", nargs="?", const=str(readme_section.README), metavar="PATH",
@@ -948,7 +949,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                "OLLAMA_HOST": os.environ.get("OLLAMA_HOST", "http://127.0.0.1:11434")}
         outcomes, k_checked = asyncio.run(in_session(env, queries, modes, args.k, args.check_k, args.context))
     settings = {"corpus": args.query_corpus or corpus.name, "corpus_dir": str(corpus), "modes": modes,
-                "phrasings": any(q.phrasings for q in queries), "k": args.k, "context": args.context,
+                "phrasings": any(q.phrasings for q in queries), "k": args.k,
+                "context": args.context,  # None: the server's default
                 "embedder_host": env["OLLAMA_HOST"],
                 "embedder_model": current.manifest.model if current else None, "commit": commit, "dirty": dirty,
                 "vectors_pending": current.stamp.vectors_pending if current else None}
