@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import datetime
 import errno
 import functools
 import hashlib
@@ -750,6 +751,8 @@ class SourceDocument:
     lifecycle: str
     text: DocumentText = field(repr=False)
     superseded_by: tuple[str, ...] = ()  # corpus-relative paths of the documents that replace it
+    tags: tuple[str, ...] = ()
+    dated: str | None = None  # YYYY-MM-DD: the document's own date (its `updated`, else its `date`)
     # What the reader and the keys ignored and the user should hear about (ingest logs it).
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
@@ -987,6 +990,47 @@ def _read_successors(value: Any, path: str, known: Mapping[str, Any]) -> tuple[t
     return successors_of(value, path, known["lifecycle"])
 
 
+TAGS_MAX = 50  # tags one document keeps; a longer list is a mistake (or a keyword dump), not tags
+TAG_MAX_CHARS = 100
+
+
+def _read_tags(value: Any, path: str, known: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Tags: a list, or one comma-separated string (PDF /Keywords, AsciiDoc :keywords:). Like a
+    successor, a tag is a pointer for readers: what cannot be used is left out with a warning."""
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else None
+    if items is None:
+        return (), (f"{path}: tags must be a list or a comma-separated string, got {shown(value, 80)}; ignored",)
+    tags: dict[str, str] = {}  # by match_key: "Deploy" and "deploy" are one tag
+    for item in items[:2 * TAGS_MAX]:
+        text = metadata_text(nfc(str(item)), TAG_MAX_CHARS) if isinstance(item, str | int | float) else ""
+        if text and not isinstance(item, bool):
+            tags.setdefault(match_key(text), text)
+    warnings = (f"{path}: more than {TAGS_MAX} tags; the rest are ignored",) if len(tags) > TAGS_MAX else ()
+    return tuple(tags.values())[:TAGS_MAX], warnings
+
+
+_ISO_DATE = re.compile(r"(\d{4})-(\d{2})-(\d{2})(?![0-9])")
+_PDF_DATE = re.compile(r"D:(\d{4})(\d{2})(\d{2})")
+
+
+def _read_date(value: Any, path: str, known: Mapping[str, Any]) -> tuple[str | None, tuple[str, ...]]:
+    """A date as YYYY-MM-DD: YAML's and TOML's dates and datetimes, text starting with an ISO date
+    (a time after it is dropped: dates filter by day), or a PDF date (D:YYYYMMDD...)."""
+    if isinstance(value, datetime.date):  # datetime.datetime is one too
+        return value.strftime("%Y-%m-%d"), ()
+    found = (_ISO_DATE.match(value.strip()) or _PDF_DATE.match(value.strip())) if isinstance(value, str) else None
+    if found is not None:
+        with contextlib.suppress(ValueError):
+            return datetime.date(*map(int, found.groups())).isoformat(), ()
+    return None, (f"{path}: a date must be YYYY-MM-DD, got {shown(value, 80)}; ignored",)
+
+
+def match_key(text: str) -> str:
+    """How a name is compared when an agent or a user types it (a title, a file name, a tag):
+    NFKC (a pasted NFD name, full-width letters), case-folded, whitespace collapsed and trimmed."""
+    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+
+
 @dataclass(frozen=True)
 class DocumentKey:
     """A key a document may set, the same in every format: YAML, TOML or JSON frontmatter (Markdown,
@@ -998,6 +1042,9 @@ class DocumentKey:
     name: str
     default: Any
     read: Callable[[Any, str, Mapping[str, Any]], tuple[Any, tuple[str, ...]]]
+    # The same key as other formats or generators spell it (PDF /Keywords, AsciiDoc :revdate:,
+    # Hugo's lastmod), read when the key itself is missing, in this order.
+    also: tuple[str, ...] = ()
 
 
 # In the order they are read: a key's reader sees the keys before it (superseded_by, lifecycle).
@@ -1007,6 +1054,10 @@ DOCUMENT_KEYS = (
     DocumentKey("lifecycle", "active", _read_choice("lifecycle", LIFECYCLES, "lifecycle: superseded")),
     DocumentKey("superseded_by", (), _read_successors),
     DocumentKey("title", None, _read_title),
+    DocumentKey("tags", (), _read_tags, also=("keywords", "Keywords")),
+    # A document's own date: `updated` first, else `date` (see SourceDocument.dated).
+    DocumentKey("updated", None, _read_date, also=("lastmod", "last_modified", "modified", "ModDate")),
+    DocumentKey("date", None, _read_date, also=("revdate", "CreationDate")),
 )
 
 
@@ -1015,10 +1066,11 @@ def document_keys(metadata: Mapping[str, Any], path: str) -> tuple[dict[str, Any
     values: dict[str, Any] = {}
     warnings: list[str] = []
     for key in DOCUMENT_KEYS:
-        if key.name not in metadata:
+        name = next((name for name in (key.name, *key.also) if name in metadata), None)
+        if name is None:
             values[key.name] = key.default
             continue
-        values[key.name], said = key.read(metadata[key.name], path, values)
+        values[key.name], said = key.read(metadata[name], path, values)
         warnings.extend(said)
     return values, tuple(warnings)
 
@@ -1083,7 +1135,7 @@ def parse_document(raw: bytes, path: str) -> SourceDocument:
     title = keys["title"] or text.title or PurePosixPath(path).stem
     return SourceDocument(path=path, title=metadata_text(nfc(title)), rag=keys["rag"], chunk_mode=keys["rag_chunk"],
                           lifecycle=keys["lifecycle"], text=text, superseded_by=keys["superseded_by"],
-                          warnings=text.warnings + warnings)
+                          tags=keys["tags"], dated=keys["updated"] or keys["date"], warnings=text.warnings + warnings)
 
 
 def successors_of(value: Any, path: str, lifecycle: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -1118,6 +1170,16 @@ def successors_of(value: Any, path: str, lifecycle: str) -> tuple[tuple[str, ...
         elif successor not in kept:
             kept.append(successor)
     return tuple(kept), tuple(warnings)
+
+
+def tags_column(tags: Sequence[str]) -> str:
+    """How the keyword index's documents.tags holds a document's tags."""
+    return json.dumps(list(tags), ensure_ascii=False)
+
+
+def tags_from_column(raw: str | None) -> tuple[str, ...]:
+    """The tags documents.tags holds; none for NULL (not recorded) or a value this module did not write."""
+    return successors_from_column(raw)  # the same shape: a JSON list of text
 
 
 def successors_column(successors: Sequence[str]) -> str:
@@ -3920,6 +3982,10 @@ KEYWORD_MIGRATIONS = (
     # they make a passage hold an identifier, and change no passage's keyword rank (FTS5's bm25
     # measures a row's length over all its columns).
     Migration(7, (_FTS_TABLE.format(name="chunk_steps", columns="steps"),), _fill_steps),
+    # A document's tags (tags_column()) and its own date (YYYY-MM-DD, "" for none), which search
+    # filters on; NULL: not recorded yet (ingest reads the file again to record them, see keys_unrecorded).
+    Migration(8, ("ALTER TABLE documents ADD COLUMN tags TEXT",
+                  "ALTER TABLE documents ADD COLUMN dated TEXT")),
 )
 KEYWORD_SCHEMA_VERSION = KEYWORD_MIGRATIONS[-1].number
 _ADD_COLUMN = re.compile(r"ALTER TABLE (\w+) ADD COLUMN (\w+)")
@@ -3990,17 +4056,20 @@ class DocumentRow:
     chunk_count: int
     superseded_by: str | None  # as stored (successors_from_column reads it); None: not recorded
     pages: str | None = None  # a paged document's pages (pages_from_column reads it); None: not paged
+    tags: str | None = None  # as stored (tags_from_column reads it); None: not recorded
+    dated: str | None = None  # the document's own date, "" for none; None: not recorded
 
-    def successors_unrecorded(self) -> bool:
-        """A superseded document of a store written before successors were recorded."""
-        return self.lifecycle == "superseded" and self.superseded_by is None
+    def keys_unrecorded(self) -> bool:
+        """A document of a store written before all its document keys were recorded (successors,
+        tags, its date): ingest reads it again to record them."""
+        return self.tags is None or (self.lifecycle == "superseded" and self.superseded_by is None)
 
 
 # The migration that added each column of a row type a reader selects: an older index reads NULL there.
-_COLUMN_SINCE = {"superseded_by": 4, "pages": 6, "searchable": 6}
+_COLUMN_SINCE = {"superseded_by": 4, "pages": 6, "searchable": 6, "tags": 8, "dated": 8}
 
 
-def _columns(names: Iterable[str], version: int, table: str = "") -> str:
+def select_columns(names: Iterable[str], version: int, table: str = "") -> str:
     return ", ".join(f"NULL AS {name}" if _COLUMN_SINCE.get(name, 0) > version else f"{table}{name}" for name in names)
 
 
@@ -4008,7 +4077,7 @@ def document_columns(version: int = KEYWORD_SCHEMA_VERSION) -> str:
     """DocumentRow's columns as a select list for an index of this schema_version: an older one
     reads NULL for a column it lacks (not recorded), so the server reads it as it is (it never
     writes) and ingest adds the column when it opens the index."""
-    return _columns(DocumentRow.__dataclass_fields__, version)
+    return select_columns(DocumentRow.__dataclass_fields__, version)
 
 
 @dataclass(frozen=True)
@@ -4035,9 +4104,9 @@ class ChunkRow:
 
 def chunk_select(version: int = KEYWORD_SCHEMA_VERSION) -> str:
     """SELECT of ChunkRow's columns (the passage, its document's title) for an index of this schema_version."""
-    columns = _columns(("id", "path", "chunk_index", "start_line", "end_line", "heading", "lifecycle", "text"), version,
+    columns = select_columns(("id", "path", "chunk_index", "start_line", "end_line", "heading", "lifecycle", "text"), version,
                        "c.")
-    return (f"SELECT {columns}, coalesce(d.title, c.path), {_columns(('searchable',), version, 'c.')} "
+    return (f"SELECT {columns}, coalesce(d.title, c.path), {select_columns(('searchable',), version, 'c.')} "
             "FROM chunks c LEFT JOIN documents d ON d.path = c.path")
 
 

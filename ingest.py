@@ -314,6 +314,11 @@ def _walk(root: Path, root_fd: int, scope: Scope, walk: Walk, formats: Collectio
 # The keyword index / registry (SQLite), the commit point.
 
 
+def _key_columns(doc: rules.SourceDocument) -> tuple[str, str, str]:
+    """documents.superseded_by, tags and dated for a document, as the keyword index holds them."""
+    return rules.successors_column(doc.superseded_by), rules.tags_column(doc.tags), doc.dated or ""
+
+
 def open_keyword_db(path: Path, scheme: rules.PrefixScheme) -> sqlite3.Connection:
     """The keyword index at `path`, created or migrated to the current schema."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1329,11 +1334,11 @@ class Store:
         # by the next group before the rows that make them findable are committed.
         self._sent_vectors: dict[str, Any] = {}
 
-    def record_successors(self, successors: Mapping[str, Sequence[str]]) -> None:
-        """Successors read from unchanged superseded files (see successors_unrecorded)."""
+    def record_keys(self, docs: Iterable[rules.SourceDocument]) -> None:
+        """The document keys of unchanged files read again (see DocumentRow.keys_unrecorded)."""
         with transaction(self.db):
-            self.db.executemany("UPDATE documents SET superseded_by = ? WHERE path = ?",
-                                [(rules.successors_column(named), path) for path, named in successors.items()])
+            self.db.executemany("UPDATE documents SET superseded_by = ?, tags = ?, dated = ? WHERE path = ?",
+                                [(*_key_columns(doc), doc.path) for doc in docs])
             self._mark_unpublished()
 
     def unindexed_successors(self) -> list[tuple[str, str]]:
@@ -1625,12 +1630,12 @@ class Store:
         self._count_common_terms(fts_rows, 1)
         self.db.execute(
             "INSERT INTO documents(path, title, lifecycle, chunk_mode, content_hash, size, mtime_ns, disk_path, "
-            "real_path, line_count, chunk_count, cjk_share, superseded_by, pages) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "real_path, line_count, chunk_count, cjk_share, pages, superseded_by, tags, dated) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (path, doc.title, doc.lifecycle, doc.chunk_mode, pf.content_hash, pf.file.size, pf.file.mtime_ns,
              pf.file.disk_path, pf.file.real_path, doc.line_count, len(pf.chunks),
              round(rules.cjk_share("\n".join(doc.text.searchable[doc.body_start - 1:])), 4),
-             rules.successors_column(doc.superseded_by), rules.pages_column(doc.text.pages)))
+             rules.pages_column(doc.text.pages), *_key_columns(doc)))
         if doc.reader.extracted:
             self.db.execute("INSERT INTO extracted(path, text) VALUES (?, ?)", (path, "\n".join(doc.lines)))
 
@@ -1946,8 +1951,9 @@ class Plan:
     # that can be indexed for keyword search first. `waiting_as_they_were`: waiting, content the same.
     without_vectors: set[str] = field(default_factory=set)
     waiting_as_they_were: set[str] = field(default_factory=set)
-    # Unchanged superseded files read again because the store had not recorded their successors.
-    successors: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Unchanged files read again because the store had not recorded all their document keys
+    # (see DocumentRow.keys_unrecorded): what to record for each.
+    keys: dict[str, rules.SourceDocument] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # of the files parsed (SourceDocument.warnings)
 
     def writes_vectors(self) -> bool:
@@ -1985,7 +1991,7 @@ def _compare_files(plan: Plan, seen: set[str], walk: Walk, registry: dict[str, D
         row = registry.get(file.path)
         waits = file.path in waiting
         stat_unchanged = row is not None and rules.looks_unchanged(file.size, file.mtime_ns, row.size, row.mtime_ns)
-        unrecorded = row is not None and row.successors_unrecorded()
+        unrecorded = row is not None and row.keys_unrecorded()
         if row and not full and not waits and stat_unchanged and not unrecorded:
             plan.unchanged.append(file)
             if (file.disk_path, file.real_path) != (row.disk_path, row.real_path):
@@ -2013,7 +2019,7 @@ def _compare_files(plan: Plan, seen: set[str], walk: Walk, registry: dict[str, D
                 except RagError as exc:
                     plan.failed[file.path] = exc.message
                     continue
-                plan.successors[file.path] = doc.superseded_by
+                plan.keys[file.path] = doc
                 plan.warnings.extend(doc.warnings)
             if stat_unchanged:
                 plan.unchanged.append(file)
@@ -2567,8 +2573,8 @@ def _write(run: Run, prepared: Prepared) -> bool:
     if plan.relocated:
         store.relocate(plan.relocated)
         changed_anything = True
-    if plan.successors:
-        store.record_successors(plan.successors)
+    if plan.keys:
+        store.record_keys(plan.keys.values())
         changed_anything = True
     # --full is the way to force every chunk through the embedder: no reuse then (and
     # new weights under the model's name make every stored vector unusable).

@@ -109,6 +109,8 @@ EXTRA_PHRASING_WEIGHT = 0.7
 KEYWORD_WEIGHT_FLOOR = 0.2
 KEYWORD_EVIDENCE_FULL = 0.3
 QUERIES_MAX = 4
+TAGS_FILTER_MAX = 20  # tags one search may name (any of them)
+NEAREST_NAMES = 3  # titles or tags a document or tag filter that matches none is pointed to
 # Ranking (see rank): in hybrid mode a passage holding every query identifier whole gains what a
 # first place in one more list gives, for identifiers no more common than IDENTIFIER_COMMON_SHARE
 # of the passages (see distinctive_identifiers); at most FILE_LEAD passages of a document precede
@@ -203,7 +205,8 @@ INSTRUCTIONS = (
     "cover it instead of citing a near miss (an identifier you only guessed in queries and that is "
     "missing is just a wrong guess).\n\n"
     "More: superseded (outdated) documents are hidden unless include_superseded=true, and then "
-    "carry lifecycle=\"superseded\"; prefer active ones. path_prefix limits a search to a folder. "
+    "carry lifecycle=\"superseded\"; prefer active ones. path_prefix limits a search to a folder; "
+    "document (a title or file name), tags and modified_after/modified_before to documents. "
     "mode=\"keyword\" works without the embedder (Ollama). score is cosine similarity; min_score "
     "drops weak hits. Errors come as {\"error\": {code, message, hint}}; follow the hint "
     f"(index_missing or a staleness hint: run {rules.ingest_command()}).\n\n"
@@ -226,6 +229,14 @@ def _clean_query(value: str) -> str:
         raise ValueError("is empty")
     if len(text) > QUERY_MAX_CHARS:
         raise ValueError(f"is {len(text)} characters; the limit is {QUERY_MAX_CHARS}")
+    return text
+
+
+def _clean_name(value: str) -> str:
+    """A document title, file name or tag as typed: the checks of a query, compared by match_key."""
+    text = _clean_query(value)
+    if len(text) > rules.METADATA_MAX_CHARS:
+        raise ValueError(f"is {len(text)} characters; the limit is {rules.METADATA_MAX_CHARS}")
     return text
 
 
@@ -318,6 +329,17 @@ class SearchCorpusInput(_ToolInput):
         description=f"Up to {QUERIES_MAX} extra phrasings of the same need, searched together with query: a "
                     "translation into the corpus's language, the exact identifiers, a sentence the answer "
                     "would contain. A passage several phrasings find ranks higher; query counts most.")
+    document: str | None = Field(
+        None, max_length=rules.METADATA_MAX_CHARS,
+        description="Only search this document: its title or file name as list_documents shows them (case, "
+                    "Unicode form and spacing do not matter).")
+    tags: list[str] | None = Field(None, max_length=TAGS_FILTER_MAX,
+                                   description="Only search documents with any of these tags (their "
+                                               "frontmatter's tags; list_documents shows them).")
+    modified_after: str | None = Field(
+        None, description="Only documents dated on or after this day, YYYY-MM-DD: their frontmatter's updated "
+                          "(else date), else the file's modification time when it was indexed.")
+    modified_before: str | None = Field(None, description="Only documents dated on or before this day, YYYY-MM-DD.")
     context: Literal["passage", "section", "neighbours"] = Field(
         "section", description="What each hit's text holds: its whole section (default: from its heading to "
                                "the next heading of the same or a higher level, one hit per section); the "
@@ -343,6 +365,40 @@ class SearchCorpusInput(_ToolInput):
     @classmethod
     def _prefix(cls, value: str | None) -> str | None:
         return _clean_prefix(value)
+
+    @field_validator("document")
+    @classmethod
+    def _document(cls, value: str | None) -> str | None:
+        return None if value is None else _clean_name(value)
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, value: list[str] | None) -> list[str] | None:
+        return [_clean_name(tag) for tag in value] if value else None
+
+    @field_validator("modified_after", "modified_before")
+    @classmethod
+    def _day(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            return datetime.strptime(value.strip()[:10], "%Y-%m-%d").date().isoformat()
+        except ValueError:
+            raise ValueError(f"{value[:40]!r} is not a date: write YYYY-MM-DD") from None
+
+    @model_validator(mode="after")
+    def _days_in_order(self) -> SearchCorpusInput:
+        if self.modified_after and self.modified_before and self.modified_before < self.modified_after:
+            raise ValueError(f"modified_before {self.modified_before} is before modified_after {self.modified_after}")
+        return self
+
+    def chosen_documents(self) -> DocumentFilter | None:
+        """The document, tag and date pre-filters, or None when the search names none."""
+        if self.document is None and not self.tags and self.modified_after is None and self.modified_before is None:
+            return None
+        return DocumentFilter(rules.match_key(self.document) if self.document else None,
+                              frozenset(rules.match_key(tag) for tag in self.tags or ()),
+                              self.modified_after, self.modified_before)
 
 
 class GetFileInput(_ToolInput):
@@ -528,6 +584,9 @@ class DocumentEntry(BaseModel):
     chunks: int
     lines: int
     mtime: str
+    tags: list[str] = Field(default_factory=list, description="Its frontmatter's tags (search_corpus's tags filter).")
+    date: str | None = Field(None, description="Its own date, YYYY-MM-DD (frontmatter updated, else date); "
+                                               "search_corpus's modified_after/before use mtime where it has none.")
 
 
 class FilesOfExtension(BaseModel):
@@ -1178,6 +1237,82 @@ def prefix_sql(column: str, prefix: str | None) -> tuple[str, list[Any]]:
 
 
 @dataclass(frozen=True)
+class Within:
+    """The documents a keyword query may rank: those under `prefix`, and of them only `paths`
+    where a document filter chose them (None: every one)."""
+
+    prefix: str | None = None
+    paths: tuple[str, ...] | None = None  # sorted
+
+    def sql(self, column: str) -> tuple[str, list[Any]]:
+        where, params = prefix_sql(column, self.prefix)
+        if self.paths is None:
+            return where, params
+        # One parameter, however many documents: json_each has no host-parameter limit.
+        return f"{where} AND {column} IN (SELECT value FROM json_each(?))", [*params, json.dumps(self.paths)]
+
+
+@dataclass(frozen=True)
+class DocumentFacts:
+    """What the document, tag and date pre-filters compare, per document (match_key forms)."""
+
+    path: str
+    lifecycle: str
+    title: str  # as stored
+    names: frozenset[str]  # its title, file name, file name without extension and path, as match_keys
+    tags: tuple[str, ...]  # as stored
+    tag_keys: frozenset[str]
+    day: str  # YYYY-MM-DD: its own date (updated, else date), else its mtime when indexed (UTC)
+
+
+def document_facts(path: str, lifecycle: str, title: str, mtime_ns: int, tags: str | None,
+                   dated: str | None) -> DocumentFacts:
+    name = path.rsplit("/", 1)[-1]
+    shown_tags = rules.tags_from_column(tags)
+    day = dated or datetime.fromtimestamp(mtime_ns / 1e9, UTC).date().isoformat()
+    return DocumentFacts(path, lifecycle, title,
+                         frozenset(rules.match_key(n) for n in (title, name, name.rsplit(".", 1)[0], path)),
+                         shown_tags, frozenset(rules.match_key(tag) for tag in shown_tags), day)
+
+
+@dataclass(frozen=True)
+class DocumentFilter:
+    """search_corpus's document, tags and date pre-filters (names as match_keys, days as YYYY-MM-DD)."""
+
+    document: str | None
+    tags: frozenset[str]
+    after: str | None
+    before: str | None
+
+    def admits(self, doc: DocumentFacts) -> bool:
+        return ((self.document is None or self.document in doc.names)
+                and (not self.tags or not self.tags.isdisjoint(doc.tag_keys))
+                and (self.after is None or doc.day >= self.after)
+                and (self.before is None or doc.day <= self.before))
+
+    def matches_none(self, docs: Sequence[DocumentFacts]) -> str:
+        """Why no document passes: the first filter that matches none alone, with the nearest titles
+        or tags; else that they match none together."""
+        if self.document is not None and not any(self.document in doc.names for doc in docs):
+            titles = {rules.match_key(doc.title): doc.title for doc in docs}
+            near = difflib.get_close_matches(self.document, titles, NEAREST_NAMES, 0.5)
+            return (f"no indexed document has the title or file name {rules.shown(self.document)}"
+                    + (f"; the nearest titles: {', '.join(rules.shown(titles[key]) for key in near)}" if near else ""))
+        if self.tags and not any(not self.tags.isdisjoint(doc.tag_keys) for doc in docs):
+            known = {rules.match_key(tag): tag for doc in docs for tag in doc.tags}
+            if not known:
+                return "no indexed document has tags (frontmatter `tags`)"
+            near = dict.fromkeys(k for tag in sorted(self.tags) for k in difflib.get_close_matches(tag, known, NEAREST_NAMES, 0.5))
+            return (f"no indexed document has the tag {' or '.join(rules.shown(tag) for tag in sorted(self.tags))}"
+                    + (f"; the nearest tags: {', '.join(rules.shown(known[key]) for key in near)}" if near
+                       else f"; {len(known)} tags are indexed, see list_documents"))
+        days = [doc.day for doc in docs]
+        if days and ((self.after and max(days) < self.after) or (self.before and min(days) > self.before)):
+            return f"no indexed document is dated in that range (the documents are dated {min(days)} to {max(days)})"
+        return "no indexed document matches the document, tags and date filters together"
+
+
+@dataclass(frozen=True)
 class KeywordPlan:
     expression: str | None
     terms: list[str]
@@ -1393,6 +1528,7 @@ class OpenIndex:
         self._rankings: LRU[tuple[int, str, tuple[str, ...], str | None, int], tuple[tuple[str, str], ...]] = LRU(
             KEYWORD_RANKING_CACHE_SIZE)
         self._lifecycle_counts: tuple[int, dict[str, int]] | None = None  # (data_version, counts)
+        self._document_facts: tuple[int, tuple[DocumentFacts, ...]] | None = None  # (data_version, facts)
 
     def _open_keywords(self) -> sqlite3.Connection:
         path = self.keyword_path
@@ -1466,6 +1602,15 @@ class OpenIndex:
                 f"SELECT path FROM documents WHERE path IN ({','.join('?' * len(batch))})", batch))
         return {path: kept for path, successors in named.items()
                 if (kept := tuple(s for s in successors if s in indexed))}
+
+    def document_facts(self) -> tuple[DocumentFacts, ...]:
+        """Every document's DocumentFacts (read again only after a commit)."""
+        version = self._data_version()
+        if self._document_facts is None or self._document_facts[0] != version:
+            columns = rules.select_columns(("path", "lifecycle", "title", "mtime_ns", "tags", "dated"), self.schema)
+            self._document_facts = (version, tuple(document_facts(*row) for row in self._sql(
+                f"SELECT {columns} FROM documents ORDER BY path")))
+        return self._document_facts[1]
 
     def successors_of(self, paths: Iterable[str]) -> tuple[str, ...]:
         """The indexed successors of these documents, in order, once each."""
@@ -1665,18 +1810,18 @@ class OpenIndex:
                 return KeywordPlan(rules.fts_every(chosen), chosen, "together")
         return KeywordPlan(None, terms, "too_common")
 
-    def keyword_ranking(self, query: str, lifecycles: Sequence[str], prefix: str | None, n: int,
+    def keyword_ranking(self, query: str, lifecycles: Sequence[str], within: Within, n: int,
                         budget: int | None = None,
                         together: bool = False) -> tuple[list[tuple[str, str]], KeywordPlan]:
-        """The best n committed chunks by BM25 as (id, lifecycle), lifecycle and prefix filtered
+        """The best n committed chunks by BM25 as (id, lifecycle), lifecycle and documents filtered
         inside the query (before the LIMIT), so a filtered-out chunk can never take a candidate
         slot. `budget`: KEYWORD_MATCH_BUDGET unless given; `together`: see keyword_plan."""
         plan = self.keyword_plan(query, KEYWORD_MATCH_BUDGET if budget is None else budget, together)
         if plan.expression is None:
             return [], plan
-        return self.ranked_ids(plan.expression, lifecycles, prefix, n), plan
+        return self.ranked_ids(plan.expression, lifecycles, within, n), plan
 
-    def ranked_ids(self, expression: str, lifecycles: Sequence[str], prefix: str | None,
+    def ranked_ids(self, expression: str, lifecycles: Sequence[str], within: Within,
                    n: int) -> list[tuple[str, str]]:
         """The best n committed chunks matching an FTS5 expression, by BM25, as (id, lifecycle).
         Where the index holds superseded documents and these lifecycles leave them out, one query
@@ -1684,28 +1829,28 @@ class OpenIndex:
         does not depend on the filter, so the narrower ranking is the wider one's first n of these
         lifecycles. Both are kept until the next commit (a few searches' worth)."""
         version = self._data_version()
-        key = (version, expression, tuple(lifecycles), prefix, n)
+        key = (version, expression, tuple(lifecycles), within, n)
         known = self._rankings.get(key)
         if known is not None:
             return list(known)
         wide = tuple(dict.fromkeys((*lifecycles, "superseded")))
         ranked: tuple[tuple[str, str], ...] | None = None
         if wide != key[1] and self.counts_by_lifecycle().get("superseded"):
-            both = self._ranked_rows(expression, wide, prefix, 2 * n)
-            self._rankings.put((version, expression, wide, prefix, n), both[:n])
+            both = self._ranked_rows(expression, wide, within, 2 * n)
+            self._rankings.put((version, expression, wide, within, n), both[:n])
             narrow = tuple(row for row in both if row[1] in lifecycles)
             if len(narrow) >= n or len(both) < 2 * n:  # else n superseded ones came first: ask again
                 ranked = narrow[:n]
         if ranked is None:
-            ranked = self._ranked_rows(expression, lifecycles, prefix, n)
+            ranked = self._ranked_rows(expression, lifecycles, within, n)
         self._rankings.put(key, ranked)
         return list(ranked)
 
-    def _ranked_rows(self, expression: str, lifecycles: Sequence[str], prefix: str | None,
+    def _ranked_rows(self, expression: str, lifecycles: Sequence[str], within: Within,
                      n: int) -> tuple[tuple[str, str], ...]:
         """ranked_ids' query. Rows are read for the few a search looks at (measured at 10k chunks:
         0.58 ms for the ranking, 1.16 ms with the 50 winners' rows and texts)."""
-        where, params = prefix_sql("c.path", prefix)
+        where, params = within.sql("c.path")
         marks = ",".join("?" * len(lifecycles))
         weights = ", ".join(str(float(w)) for w in rules.FTS_WEIGHTS)
         return tuple((str(i), str(lc)) for i, lc in self._sql(
@@ -2245,12 +2390,12 @@ class StalenessCheck:
 
 @dataclass(frozen=True)
 class SearchScope:
-    """What the pre-filter lets through, before any ranking: the lifecycles, the path prefix, and
-    per lifecycle the whole collection (None) or only these documents. `empty` says why nothing
-    can match, when nothing passes."""
+    """What the pre-filter lets through, before any ranking: the lifecycles, the documents the
+    keyword channel may rank (`within`), and per lifecycle the whole collection (None) or only these
+    documents (the vector channel's). `empty` says why nothing can match, when nothing passes."""
 
     lifecycles: tuple[str, ...]
-    prefix: str | None
+    within: Within
     paths: Mapping[str, list[str] | None]
     empty: str | None = None
 
@@ -2743,23 +2888,27 @@ class RetrievalService:
         return row.path if row is not None and row.lifecycle == "superseded" else None
 
     def _prefilter(self, index: OpenIndex, args: SearchCorpusInput) -> SearchScope:
-        """Lifecycle and path_prefix, applied before ranking in both channels so a filtered-out
-        chunk never takes a slot."""
+        """Lifecycle, path_prefix and the document filters (document, tags, dates), applied before
+        ranking in both channels so a filtered-out chunk never takes a slot."""
         lifecycles = ("active", "superseded") if args.include_superseded else ("active",)
         prefix = args.path_prefix
-        if not prefix:
-            return SearchScope(lifecycles, None, {lc: None for lc in lifecycles})
+        chosen = args.chosen_documents()
+        if not prefix and chosen is None:
+            return SearchScope(lifecycles, Within(), {lc: None for lc in lifecycles})
+        within = Within(prefix)
         by_lc = index.paths_by_lifecycle(prefix)
+        if chosen is not None:
+            docs = index.document_facts()
+            admitted = {doc.path for doc in docs if chosen.admits(doc)}
+            if not admitted:
+                return SearchScope(lifecycles, within, {}, empty=f"{chosen.matches_none(docs)}; see list_documents")
+            by_lc = {lc: [path for path in paths if path in admitted] for lc, paths in by_lc.items()}
+            within = Within(prefix, None if len(admitted) == len(docs) else tuple(sorted(admitted)))
         if not any(by_lc.get(lc) for lc in lifecycles):
-            if args.include_superseded or not by_lc.get("superseded"):
-                empty = no_documents_under(index, prefix)
-            else:
-                empty = (f"no indexed document under path_prefix {rules.shown(prefix)} (only superseded documents are "
-                         f"there: pass include_superseded=true{replaced_by(index.successors_of(by_lc['superseded']))})")
-            return SearchScope(lifecycles, prefix, {}, empty=f"{empty}; see list_documents for the indexed paths")
+            return SearchScope(lifecycles, within, {}, empty=nothing_in_scope(index, args, by_lc))
         totals = index.counts_by_lifecycle()
-        # A prefix covering every document of a collection needs no where clause (the fast path).
-        return SearchScope(lifecycles, prefix, {lc: None if len(by_lc.get(lc, [])) == totals.get(lc, 0)
+        # A scope covering every document of a collection needs no where clause (the fast path).
+        return SearchScope(lifecycles, within, {lc: None if len(by_lc.get(lc, [])) == totals.get(lc, 0)
                                                 else by_lc.get(lc, []) for lc in lifecycles})
 
     def _passage_reading(self, index: OpenIndex) -> PassageReading:
@@ -2785,7 +2934,7 @@ class RetrievalService:
         for p, phrasing in enumerate(phrasings):
             terms = rules.query_terms(phrasing.text)
             weights[p] = term_weights(terms, index.passages_with(terms), total)
-            ranked, phrasing_plan = index.keyword_ranking(phrasing.text, scope.lifecycles, scope.prefix,
+            ranked, phrasing_plan = index.keyword_ranking(phrasing.text, scope.lifecycles, scope.within,
                                                           CHANNEL_CANDIDATES, together=alone)
             if p == 0:
                 plan = phrasing_plan
@@ -3025,7 +3174,7 @@ class RetrievalService:
             return 0, ()
         found: dict[str, None] = {}
         for text in args.phrasings():
-            ranked, _ = index.keyword_ranking(text, ("superseded",), scope.prefix, HIDDEN_COUNT_MAX + 1,
+            ranked, _ = index.keyword_ranking(text, ("superseded",), scope.within, HIDDEN_COUNT_MAX + 1,
                                               together=args.mode == "keyword")
             found.update(dict.fromkeys(item for item, _ in ranked))
         if not found:
@@ -3112,7 +3261,8 @@ class RetrievalService:
             found = index.files_found
         entries = [DocumentEntry(path=d.path, title=rules.metadata_text(d.title), lifecycle=_lifecycle(d.lifecycle),
                                  superseded_by=list(successors.get(d.path, ())), chunks=d.chunk_count,
-                                 lines=d.line_count, mtime=iso_from_ns(d.mtime_ns)) for d in docs]
+                                 lines=d.line_count, mtime=iso_from_ns(d.mtime_ns),
+                                 tags=list(rules.tags_from_column(d.tags)), date=d.dated or None) for d in docs]
         end = args.offset + len(entries)
         message = None
         if total == 0:
@@ -3176,6 +3326,21 @@ def index_empty(index: OpenIndex) -> RagError:
     return RagError(ErrorCode.INDEX_EMPTY, f"the index holds no document: {what}",
                     "point RAG_CORPUS_DIR (ingest --corpus) at the documentation folder, or add its formats to "
                     f"RAG_FORMATS, then run {rules.ingest_command()}")
+
+
+def nothing_in_scope(index: OpenIndex, args: SearchCorpusInput, by_lc: Mapping[str, list[str]]) -> str:
+    """Why a search's scope holds no document it may search: nothing under its path_prefix, only
+    superseded documents there, or none there that the document filters admit."""
+    prefix, filtered = args.path_prefix, args.chosen_documents() is not None
+    if not args.include_superseded and by_lc.get("superseded"):
+        scope = " ".join(([f"under path_prefix {rules.shown(prefix)}"] if prefix else [])
+                         + (["that the document, tags and date filters admit"] if filtered else []))
+        return (f"no indexed document {scope} (only superseded documents are there: pass include_superseded=true"
+                f"{replaced_by(index.successors_of(by_lc['superseded']))}); see list_documents for the indexed paths")
+    if filtered and prefix and index.count_documents(prefix):
+        return (f"no indexed document under path_prefix {rules.shown(prefix)} matches the document, tags and date "
+                "filters; see list_documents")
+    return f"{no_documents_under(index, prefix)}; see list_documents for the indexed paths"
 
 
 def no_documents_under(index: OpenIndex, prefix: str) -> str:

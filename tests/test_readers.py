@@ -15,6 +15,7 @@ from itertools import pairwise
 
 import pytest
 from budgets import examples
+from helpers import ROOT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -197,6 +198,13 @@ def test_every_format_reads_the_same_document_keys() -> None:
     with pytest.raises(rules.RagError, match="lifecycle must be one of") as caught:
         rules.parse_document(b":lifecycle: retired\n\nT\n=\n", "x.rst")
     assert caught.value.code is rules.ErrorCode.DOCUMENT_INVALID
+
+
+def test_the_readme_lists_exactly_the_document_keys() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("| key | values | effect |", 1)[1].split("\n\n", 1)[0]
+    listed = re.findall(r"^\| `([a-z_]+)` \|", table, re.MULTILINE)
+    assert listed == [key.name for key in rules.DOCUMENT_KEYS]
 
 
 # ---------------------------------------------------------------------------

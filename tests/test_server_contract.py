@@ -1152,7 +1152,7 @@ def test_keyword_channel_filters_in_sql_before_the_limit(base: Built) -> None:
     index = service(base).manager.open()
     query = "kubectl-deploy push --all-at-once"
     def ids(query: str, lifecycles: list[str], prefix: str | None, n: int) -> list[str]:
-        return [item for item, _ in index.keyword_ranking(query, lifecycles, prefix, n)[0]]
+        return [item for item, _ in index.keyword_ranking(query, lifecycles, server.Within(prefix), n)[0]]
 
     assert ids(query, ["active", "superseded"], None, 1) == ids(
         query, ["superseded"], None, 1), "the superseded runbook is the best keyword match overall"
@@ -1160,6 +1160,10 @@ def test_keyword_channel_filters_in_sql_before_the_limit(base: Built) -> None:
     assert index.chunks_by_id([best_active])[best_active].lifecycle == "active"
     in_oncall = ids("sev-1 rollback", ["active"], "oncall", 50)
     assert in_oncall and all(r.path.startswith("oncall/") for r in index.chunks_by_id(in_oncall).values())
+    # A document filter's paths, inside the query as well.
+    chosen = server.Within(None, ("oncall/escalation.md", "runbooks/deploy.md"))
+    only = [item for item, _ in index.keyword_ranking("sev-1 rollback deploy", ["active"], chosen, 50)[0]]
+    assert {r.path for r in index.chunks_by_id(only).values()} == set(chosen.paths)
 
 
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -1172,8 +1176,8 @@ def test_a_ranking_shared_with_the_superseded_check_is_the_one_asked_alone(
     index = service(base).manager.open()
     expression = rules.fts_any([term])
     for lifecycles in order:
-        assert index.ranked_ids(expression, lifecycles, None, n) == list(
-            index._ranked_rows(expression, lifecycles, None, n))
+        assert index.ranked_ids(expression, lifecycles, server.Within(), n) == list(
+            index._ranked_rows(expression, lifecycles, server.Within(), n))
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "vector", "keyword"])
@@ -1435,7 +1439,7 @@ def test_keyword_plan_keeps_rare_terms_when_common_ones_would_blow_the_budget(ba
     assert index.keyword_plan("deploy rollback E4091", budget=chunks).kind == "all"
     plan = index.keyword_plan("deploy rollback E4091", budget=5)
     assert plan.kind == "rare" and "e4091" in plan.terms and "deploy" not in plan.terms
-    ranked, plan = index.keyword_ranking("deploy rollback E4091", ["active"], None, 10, budget=5)
+    ranked, plan = index.keyword_ranking("deploy rollback E4091", ["active"], server.Within(), 10, budget=5)
     assert ranked and "E4091" in index.chunks_by_id([ranked[0][0]])[ranked[0][0]].text
     # Only common words: nothing; the vector channel carries such a query.
     assert index.keyword_plan("deploy rollout canary", budget=5).kind == "too_common"
@@ -1451,7 +1455,7 @@ def test_keyword_mode_ranks_the_passages_holding_the_rarest_common_words_togethe
     query = "deploy rollout canary"
     plan = index.keyword_plan(query, budget=11, together=True)
     assert (plan.kind, plan.terms) == ("together", ["canary", "rollout"])
-    ranked, _ = index.keyword_ranking(query, ["active"], None, 20, budget=11, together=True)
+    ranked, _ = index.keyword_ranking(query, ["active"], server.Within(), 20, budget=11, together=True)
     rows = index.chunks_by_id([i for i, _ in ranked]).values()
     assert rows and all(word in f"{row.title} {row.heading} {row.text}".lower() for row in rows
                         for word in ("canary", "rollout"))
