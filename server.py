@@ -1524,6 +1524,7 @@ class OpenIndex:
         # A generation's counts never change; they go with it (a new generation opens afresh).
         self._passage_counts: LRU[str, int] = LRU(PASSAGE_COUNT_CACHE_SIZE)
         self._document_languages: LRU[str, tuple[float | None]] = LRU(DOCUMENT_LANGUAGE_CACHE_SIZE)
+        self._counted_at: int | None = None  # the data_version those two caches were read at
         self._headings: LRU[tuple[str, str], tuple[tuple[rules.Heading, ...] | None]] = LRU(HEADINGS_CACHE_SIZE)
         self._rankings: LRU[tuple[int, str, tuple[str, ...], str | None, int], tuple[tuple[str, str], ...]] = LRU(
             KEYWORD_RANKING_CACHE_SIZE)
@@ -1627,8 +1628,12 @@ class OpenIndex:
 
     def passages_with(self, terms: Sequence[str]) -> dict[str, int]:
         """How many passages contain each term (as the keyword index holds it): a common word's
-        from common_terms, the others from FTS5. Cached: a generation's counts never change, and
-        queries share most of their words."""
+        from common_terms, the others from FTS5. Cached, with the documents' languages, until the
+        next commit (see _data_version): queries share most of their words."""
+        version = self._data_version()
+        if version != self._counted_at:
+            self._passage_counts, self._counted_at = LRU(PASSAGE_COUNT_CACHE_SIZE), version
+            self._document_languages = LRU(DOCUMENT_LANGUAGE_CACHE_SIZE)
         counts = self._passage_counts.get_many(terms)
         unknown = [term for term in dict.fromkeys(terms) if term not in counts]
         if unknown:

@@ -1166,6 +1166,21 @@ def test_keyword_channel_filters_in_sql_before_the_limit(base: Built) -> None:
     assert {r.path for r in index.chunks_by_id(only).values()} == set(chosen.paths)
 
 
+def test_what_a_search_keeps_of_the_keyword_index_is_read_again_after_a_commit(fresh: Built) -> None:
+    """Ingest commits into the live generation (keyword rows first, vectors after): term counts,
+    documents' languages and rankings kept by the server follow each commit."""
+    index = service(fresh).manager.open()
+    assert index.passages_with(["zyzzyva"]) == {}
+    assert index.keyword_ranking("zyzzyva", ["active"], server.Within(), 5)[0] == []
+    db = sqlite3.connect(fresh.index_dir / rules.KEYWORD_DB)
+    (rowid,) = db.execute("SELECT rowid FROM chunks WHERE lifecycle = 'active' LIMIT 1").fetchone()
+    db.execute("UPDATE chunks_fts SET body = body || ' zyzzyva' WHERE rowid = ?", (rowid,))
+    db.commit()
+    db.close()
+    assert index.passages_with(["zyzzyva"]) == {"zyzzyva": 1}
+    assert len(index.keyword_ranking("zyzzyva", ["active"], server.Within(), 5)[0]) == 1
+
+
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(term=st.sampled_from(["deploy", "rollback", "push", "kubectl", "service", "the"]), n=st.integers(1, 60),
        order=st.permutations([("active",), ("active", "superseded"), ("superseded",)]))
