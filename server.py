@@ -139,7 +139,7 @@ KEYWORD_MATCH_BUDGET = 1000
 # this together, so its cost does not grow with the corpus.
 KEYWORD_POSTINGS_BUDGET = 100_000
 HIT_TEXT_MAX_CHARS = 2000
-SECTION_LOOKAHEAD = 3  # rows read for 3k candidates to find k sections (see RetrievalService._sections)
+SECTION_LOOKAHEAD = 3  # rows read for 3k candidates to find k sections (see RetrievalService._groups)
 # Clients cut tool output around 25k tokens; characters are a safe, cheap proxy. Each budget counts
 # the compact JSON, and is declared to clients as the tool's anthropic/maxResultSizeChars
 # (ToolSpec.max_result_chars), so Claude Code shows it whole instead of spilling it to a file.
@@ -509,6 +509,9 @@ class SearchHit(BaseModel):
     exact_matches: list[str] = Field(description="The query's identifiers this passage contains whole.")
     pages: PageRange | None = Field(None, description=PAGES, exclude_if=lambda value: value is None)
     text: str
+    also_in: list[str] = Field(
+        default_factory=list, description="Other documents holding the same passage (or nearly: versioned or "
+                                          "copied pages), ranked below this one: one hit for them all.")
     more_passages: list[tuple[int, int]] = Field(
         default_factory=list, description="With context=section: the other passages of this section that "
                                           "matched, ranked below this one, as [start_line, end_line] (one hit "
@@ -999,20 +1002,56 @@ def json_len(value: Any) -> int:
     return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
 
 
-def one_per_section(ranked: Sequence[tuple[str, float]], rows: Mapping[str, rules.ChunkRow],
-                    k: int) -> list[tuple[str, float, tuple[str, ...]]]:
-    """The first k sections of a ranking, each as its best passage (id and value) with the other
-    passages of the section found below it, in rank order: pieces of one section never fill the
+@dataclass
+class HitGroup:
+    """A result: its best passage (id, rank value), the other passages of its section found below
+    it (`members`, with context="section"), and the other documents holding the same passage
+    (`also_in`: versioned or copied pages)."""
+
+    item: str
+    value: float
+    shingles: frozenset[str]
+    members: list[str] = field(default_factory=list)
+    also_in: dict[str, None] = field(default_factory=dict)
+
+
+DUPLICATE_MIN_SHINGLES = 20  # a shorter passage (a heading, a one-line command) is not merged across documents
+DUPLICATE_SIMILARITY = 0.8  # Jaccard of word trigrams from which two passages count as the same text
+
+
+def passage_shingles(text: str) -> frozenset[str]:
+    """The passage's word trigrams (case-folded), what near_duplicate compares; none for a passage
+    too short to tell a copy from a coincidence."""
+    words = rules.match_key(text).split()
+    found = frozenset(" ".join(words[n:n + 3]) for n in range(len(words) - 2))
+    return found if len(found) >= DUPLICATE_MIN_SHINGLES else frozenset()
+
+
+def near_duplicate(a: frozenset[str], b: frozenset[str]) -> bool:
+    return bool(a and b) and len(a & b) >= DUPLICATE_SIMILARITY * len(a | b)
+
+
+def group_hits(ranked: Sequence[tuple[str, float]], rows: Mapping[str, rules.ChunkRow], k: int,
+               by_section: bool) -> list[HitGroup]:
+    """The first k results of a ranking: a passage whose text another document's result already
+    holds (the same or nearly: near_duplicate) joins that result's also_in; with `by_section`, a
+    passage of a section already listed joins its members, so pieces of one section never fill the
     results. Greedy in rank order, so the first k are the same whatever k (and the top one)."""
-    groups: dict[tuple[str, str], list[Any]] = {}
+    groups: list[HitGroup] = []
+    sections: dict[tuple[str, str], HitGroup] = {}
     for item, value in ranked:
         row = rows[item]
-        key = (row.path, row.heading)
-        if key in groups:
-            groups[key][2].append(item)
+        if by_section and (row.path, row.heading) in sections:
+            sections[(row.path, row.heading)].members.append(item)
+            continue
+        shingles = passage_shingles(row.indexed_text)
+        copied = next((g for g in groups if rows[g.item].path != row.path and near_duplicate(shingles, g.shingles)), None)
+        if copied is not None:
+            copied.also_in.setdefault(row.path)
         elif len(groups) < k:
-            groups[key] = [item, value, []]
-    return [(item, value, tuple(members)) for item, value, members in groups.values()]
+            groups.append(HitGroup(item, value, shingles))
+            sections.setdefault((row.path, row.heading), groups[-1])
+    return groups
 
 
 @dataclass(frozen=True)
@@ -2798,14 +2837,15 @@ class RetrievalService:
             prefetch = Prefetch(index.key, self._prefilter(index, args), wide=self._wide_scope(index, args))
         scope = prefetch.scope
         facts, candidates = self._candidates(index, args, scope, phrasings, degraded, prefetch, loading_until)
-        # 7. rank (with context="section", a section once: its text holds the passages merged)
-        sections = self._sections(index, rank(candidates, args.mode), candidates, args.k, args.context == "section")
-        ranked = [(item, value) for item, value, _ in sections]
+        # 7. rank (a copied passage once; with context="section", a section once: its text holds
+        # the passages merged)
+        groups = self._groups(index, rank(candidates, args.mode), candidates, args.k, args.context == "section")
+        ranked = [(group.item, group.value) for group in groups]
         # 8. hits, and what their texts may grow to
         hits = self._hits(index, ranked, candidates, facts, phrasings)
         hits = [hit.model_copy(update={"more_passages": [(candidates.rows[m].start_line, candidates.rows[m].end_line)
-                                                         for m in members]}) if members else hit
-                for hit, (_, _, members) in zip(hits, sections, strict=True)]
+                                                         for m in group.members], "also_in": list(group.also_in)})
+                if group.members or group.also_in else hit for hit, group in zip(hits, groups, strict=True)]
         hits = self._with_freshness(index, hits)
         contexts = self._contexts(index, args, [candidates.rows[item] for item, _ in ranked], hits)
         # 9. confidence
@@ -3059,19 +3099,16 @@ class RetrievalService:
         kept = valid[:CHANNEL_CANDIDATES]
         return [i for i, _ in kept], {i: 1.0 - d for i, d in kept}
 
-    def _sections(self, index: OpenIndex, order: list[tuple[str, float]], candidates: ChannelCandidates,
-                  k: int, merged: bool) -> list[tuple[str, float, tuple[str, ...]]]:
-        """The first k results of the ranking, with their rows read; `merged`: the first k sections
-        (one_per_section), the rows read for as many candidates as that takes: a few more than k,
-        all of them when sections repeat. (Passages are not merged: a merged passage's text would
-        be lost, measured as answers no longer in hand.)"""
-        if not merged:
-            return [(item, value, ()) for item, value in self._with_rows(index, order[:k], candidates)]
+    def _groups(self, index: OpenIndex, order: list[tuple[str, float]], candidates: ChannelCandidates,
+                k: int, by_section: bool) -> list[HitGroup]:
+        """The first k results of the ranking (group_hits), the rows read for as many candidates as
+        that takes: a few more than k, all of them when sections or copies repeat. (Passages are not
+        merged: a merged passage's text would be lost, measured as answers no longer in hand.)"""
         read = self._with_rows(index, order[:SECTION_LOOKAHEAD * k], candidates)
-        sections = one_per_section(read, candidates.rows, k)
-        if len(sections) < k and len(order) > SECTION_LOOKAHEAD * k:
-            sections = one_per_section(self._with_rows(index, order, candidates), candidates.rows, k)
-        return sections
+        groups = group_hits(read, candidates.rows, k, by_section)
+        if len(groups) < k and len(order) > SECTION_LOOKAHEAD * k:
+            groups = group_hits(self._with_rows(index, order, candidates), candidates.rows, k, by_section)
+        return groups
 
     @staticmethod
     def _with_rows(index: OpenIndex, ranked: list[tuple[str, float]],

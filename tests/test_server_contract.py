@@ -8,6 +8,7 @@ the same through the real `python server.py` over stdio.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -498,9 +499,9 @@ def test_one_hit_per_section_keeps_every_passage_and_the_first_k_of_k_plus_one(
                                     heading=heading, lifecycle="active", text="x", title="T")
             for n, (path, heading) in enumerate(keys)}
     ranked = [(f"c{n}", 1.0 / (n + 1)) for n in range(len(keys))]
-    groups = server.one_per_section(ranked, rows, k)
-    more = server.one_per_section(ranked, rows, k + 1)
-    assert [g[:2] for g in groups] == [g[:2] for g in more[:k]], "the first k whatever k"
+    groups = [(g.item, g.value, g.members) for g in server.group_hits(ranked, rows, k, by_section=True)]
+    more = [(g.item, g.value) for g in server.group_hits(ranked, rows, k + 1, by_section=True)]
+    assert [g[:2] for g in groups] == more[:k], "the first k whatever k"
     assert len(groups) == min(k, len(set(keys)))
     sections = [(rows[leader].path, rows[leader].heading) for leader, _, _ in groups]
     assert len(set(sections)) == len(sections), "a section once"
@@ -510,6 +511,63 @@ def test_one_hit_per_section_keeps_every_passage_and_the_first_k_of_k_plus_one(
         assert all((rows[m].path, rows[m].heading) == key and order.index(m) > order.index(leader) for m in members)
     if len(groups) == len(set(keys)):
         assert sum(1 + len(g[2]) for g in groups) == len(keys), "every passage of every section listed"
+
+
+@pytest.mark.parametrize("context", ["passage", "section"])
+def test_five_versions_of_a_section_take_one_place(fake: FakeOllama, tmp_path: Path, context: str) -> None:
+    """A docs site keeping every released version of its specification: the section once, the
+    other versions in its also_in, the other places for other answers."""
+    source = tmp_path / "source"
+    page = ("# Transports\n\n## Session resumption\n\nA client that lost its connection resumes the session by "
+            "sending the Last-Event-ID header with the id of the last event it received; the server replays "
+            "the events after it on the new stream, in order, and then continues with new events.{}\n")
+    for n in range(1, 6):
+        (source / f"v{n}").mkdir(parents=True)
+        (source / f"v{n}" / "transports.md").write_text(page.format(" Since version 1." if n > 3 else ""))
+    (source / "guide.md").write_text("# Guide\n\n## Reconnecting\n\nWhen a connection drops, resume the session "
+                                     "with the last event id so that no event is lost.\n")
+    built = build(tmp_path, fake.host, source)
+    is_error, payload = call(service(built), "search_corpus", query="resume a session after the connection dropped",
+                             context=context, k=5)
+    assert not is_error
+    paths = [hit["path"] for hit in payload["results"]]
+    assert "guide.md" in paths
+    versions = [hit for hit in payload["results"] if hit["path"].startswith("v")]
+    assert len(versions) == 1
+    assert sorted([versions[0]["path"], *versions[0]["also_in"]]) == [f"v{n}/transports.md" for n in range(1, 6)]
+
+
+COPIES = [" ".join(f"w{(seed * 7 + n) % 97}" for n in range(40)) for seed in range(4)]
+
+
+@settings(max_examples=examples(200))
+@given(st.lists(st.tuples(st.sampled_from(["v1/a.md", "v2/a.md", "v3/a.md", "b.md"]), st.integers(0, 3),
+                          st.booleans()), min_size=1, max_size=30), st.integers(1, 10), st.booleans())
+def test_copies_of_a_passage_are_one_hit_listing_the_other_documents(
+        found: list[tuple[str, int, bool]], k: int, by_section: bool) -> None:
+    """Versioned pages: the same passage (or nearly: a word changed) in several documents is the
+    best-ranked one's hit, the others in its also_in; the first k whatever k; nothing is lost."""
+    rows = {}
+    for n, (path, text, edited) in enumerate(found):
+        words = COPIES[text].split()
+        if edited:
+            words[5] = "changed"
+        rows[f"c{n}"] = rules.ChunkRow(id=f"c{n}", path=path, chunk_index=n, start_line=n + 1, end_line=n + 1,
+                                       heading=f"H{n}", lifecycle="active", text=" ".join(words), title="T")
+    ranked = [(f"c{n}", 1.0 / (n + 1)) for n in range(len(found))]
+    groups = server.group_hits(ranked, rows, k, by_section)
+    more = server.group_hits(ranked, rows, k + 1, by_section)
+    assert [(g.item, g.value) for g in groups] == [(g.item, g.value) for g in more[:k]], "the first k whatever k"
+    for group in groups:
+        assert rows[group.item].path not in group.also_in
+    held = {text for g in groups for text in [found[int(g.item[1:])][1]]}
+    listed = {rows[g.item].path for g in groups} | {p for g in groups for p in g.also_in}
+    for path, text, _ in found:
+        if text in held:
+            assert path in listed, "a copy is a hit or in a hit's also_in"
+    # Two hits never hold the same text from different documents.
+    texts = [(found[int(g.item[1:])][1], rows[g.item].path) for g in groups]
+    assert all(a[0] != b[0] or a[1] == b[1] for a, b in itertools.combinations(texts, 2))
 
 
 @settings(max_examples=examples(200))
