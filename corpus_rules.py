@@ -319,6 +319,8 @@ class Settings:
     store_timeout_s: float = DEFAULT_STORE_TIMEOUT_S
     log_level: str = "INFO"
     server_warmup: bool = True
+    # Server: keep the index fresh with an `ingest.py --watch` child (RAG_WATCH, or `server.py --watch`).
+    watch: bool = False
     # Vectors on a Chroma server instead of the embedded store (RAG_CHROMA_URL), and the headers
     # its requests carry (RAG_CHROMA_HEADERS, a JSON object: an auth proxy's token, say).
     chroma_url: str | None = None
@@ -354,7 +356,7 @@ class Settings:
 ENVIRONMENT = ("RAG_CORPUS_DIR", "RAG_STORE_DIR", "OLLAMA_HOST", "RAG_EMBED_MODEL", "RAG_EMBED_TIMEOUT",
                "RAG_EMBED_CONCURRENCY", "RAG_EMBED_DIMENSIONS", "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS",
                "RAG_STORE_TIMEOUT", "RAG_LOG_LEVEL",
-               "RAG_SERVER_WARMUP", "RAG_CHROMA_URL", "RAG_CHROMA_HEADERS", "RAG_RESPECT_GITIGNORE", "RAG_FORMATS", "RAG_HTTP_HOST",
+               "RAG_SERVER_WARMUP", "RAG_WATCH", "RAG_CHROMA_URL", "RAG_CHROMA_HEADERS", "RAG_RESPECT_GITIGNORE", "RAG_FORMATS", "RAG_HTTP_HOST",
                "RAG_HTTP_PORT", "RAG_HTTP_TOKEN", "RAG_HTTP_ALLOWED_HOSTS", "RAG_HTTP_ALLOWED_ORIGINS",
                "RAG_HTTP_MAX_IN_FLIGHT", "RAG_HTTP_READ_TIMEOUT", "RAG_HTTP_MAX_CONNECTIONS", "RAG_TOOL_TIMEOUT")
 
@@ -389,6 +391,7 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
         store_timeout_s=_seconds_env(env, "RAG_STORE_TIMEOUT", DEFAULT_STORE_TIMEOUT_S),
         log_level=_choice_env(env, "RAG_LOG_LEVEL", "INFO", LOG_LEVELS),
         server_warmup=_flag_env(env, "RAG_SERVER_WARMUP", True),
+        watch=_flag_env(env, "RAG_WATCH", False),
         chroma_url=_url_env(env, "RAG_CHROMA_URL"),
         chroma_headers=_headers_env(env, "RAG_CHROMA_HEADERS"),
         respect_gitignore=_flag_env(env, "RAG_RESPECT_GITIGNORE", True),
@@ -3853,6 +3856,12 @@ STORE_ID = re.compile(r"[0-9a-f]{16}")
 CURRENT_MAX_BYTES = 1 << 20
 INDEX_NAME = re.compile(r"idx-[0-9a-f]{12}")
 LOCK_FILE = "ingest.lock"
+# An ingest watcher (`ingest.py --watch`, alone or started by `server.py --watch`): the lock it
+# holds while it lives (one watcher a store; the kernel frees it when the holder dies, so a
+# crashed watcher never blocks the next) and what it is doing, for the server to tell.
+WATCH_LOCK_FILE = "watch.lock"
+WATCH_STATUS_FILE = "WATCH.json"
+WATCH_STATUS_MAX_BYTES = 1 << 16
 CHROMA_SUBDIR = "chroma"
 KEYWORD_DB = "keywords.sqlite3"
 COLLECTION_BY_LIFECYCLE = {"active": "chunks_active", "superseded": "chunks_superseded"}
@@ -4525,6 +4534,76 @@ def _no_link(path: Path, kind_ok: Callable[[int], bool]) -> Path:
     return path
 
 
+def _replace_file(path: Path, text: str) -> None:
+    """Write `path` by atomic replace: a reader sees the old or the new file, never half of one.
+    The temporary file is created anew (O_EXCL, O_NOFOLLOW): a link planted under its name is
+    removed, never written through."""
+    tmp = path.with_suffix(".tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+    with open(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+# How a watcher's run ended: all done; done but some files failed (each kept what it had);
+# files or vectors left for the next run (the embedder down: retried by itself); nothing done.
+WATCH_OUTCOMES = ("ok", "some_files_failed", "unfinished", "could_not_finish")
+
+
+@dataclass(frozen=True)
+class WatchRun:
+    """One finished run of a watcher."""
+
+    finished_at: str  # ISO 8601, UTC
+    outcome: str  # one of WATCH_OUTCOMES
+    added: int = 0
+    updated: int = 0
+    removed: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+    error: str | None = None  # the first error the run logged
+
+
+@dataclass(frozen=True)
+class WatchStatus:
+    """What an ingest watcher is doing (WATCH_STATUS_FILE, written by the watcher that holds the
+    watch lock, read by the server): whether a run is going and since when, how many changed
+    files wait for one (a running run's batch; after a run, the files it left for the next),
+    and the last finished run."""
+
+    pid: int
+    running: bool
+    since: str  # when the current state began (ISO 8601, UTC)
+    files_waiting: int = 0
+    last_run: WatchRun | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> WatchStatus:
+        data = json_value(text)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        last = data.get("last_run")
+        run = None
+        if last is not None:
+            if not isinstance(last, dict) or last.get("outcome") not in WATCH_OUTCOMES:
+                raise ValueError("last_run is not a run")
+            run = WatchRun(finished_at=str(last["finished_at"]), outcome=last["outcome"],
+                           **{name: _whole(last.get(name, 0), name) for name in ("added", "updated", "removed", "failed")},
+                           seconds=float(last.get("seconds", 0.0)),
+                           error=None if last.get("error") is None else str(last["error"])[:500])
+        if not isinstance(data.get("running"), bool):
+            raise ValueError("running must be true or false")
+        return cls(pid=_whole(data.get("pid"), "pid"), running=data["running"], since=str(data["since"]),
+                   files_waiting=_whole(data.get("files_waiting", 0), "files_waiting"), last_run=run)
+
+
 @dataclass(frozen=True)
 class StoreLayout:
     root: Path
@@ -4575,19 +4654,58 @@ class StoreLayout:
             os.close(fd)
 
     def write_current(self, current: CurrentIndex) -> None:
-        """Atomic replace: a reader sees the old or the new pointer, never half a file. The
-        temporary file is created anew (O_EXCL, O_NOFOLLOW): a link planted under its name is
-        removed, never written through."""
-        tmp = self.current_file.with_suffix(".tmp")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
-        with open(fd, "w", encoding="utf-8") as fh:
-            fh.write(current.to_json())
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.current_file)
+        """Atomic replace: a reader sees the old or the new pointer, never half a file."""
+        _replace_file(self.current_file, current.to_json())
         _fsync_dir(self.root)
+
+    @property
+    def watch_lock_file(self) -> Path:
+        return self.root / WATCH_LOCK_FILE
+
+    @property
+    def watch_status_file(self) -> Path:
+        return self.root / WATCH_STATUS_FILE
+
+    def watcher_pid(self) -> int | None:
+        """The pid of the process holding this store's watch lock; None when no process holds it
+        (a pid in the file of a watcher that died is not believed: the lock is the truth). Tried
+        with a shared lock taken and dropped at once: a watcher starting at that moment waits a
+        second for it (ingest.watch_lock). Read-only: the server never creates the file."""
+        import fcntl
+
+        try:
+            fd = os.open(self.watch_lock_file, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
+        except OSError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                return int(text) if text.isdigit() else 0  # held, its pid not written yet
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)
+
+    def write_watch_status(self, status: WatchStatus) -> None:
+        _replace_file(self.watch_status_file, status.to_json())
+
+    def read_watch_status(self) -> WatchStatus | None:
+        """What the watcher last wrote; None when there is nothing readable (the report is a
+        courtesy: a damaged file only hides it)."""
+        try:
+            fd = os.open(self.watch_status_file, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
+        except OSError:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            return WatchStatus.from_json(os.read(fd, WATCH_STATUS_MAX_BYTES + 1).decode("utf-8"))
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+        finally:
+            os.close(fd)
 
 
     def store_id(self, create: bool) -> str:
@@ -5416,7 +5534,7 @@ def serve_pdf_extraction(memory_limit: int = CHILD_MEMORY_LIMIT) -> None:
 
     requests, answers = _take_pdf_protocol_streams()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the parent decides
-    _end_with_parent()
+    end_with_parent()
     with contextlib.suppress(ValueError, OSError):  # macOS may refuse it (and does not enforce it): the deadline remains
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
     import pypdf  # noqa: F401 - imported once, before the first request arrives
@@ -5439,20 +5557,21 @@ def _take_pdf_protocol_streams() -> tuple[io.BufferedReader, io.BufferedWriter]:
     return requests, answers
 
 
-def _end_with_parent() -> None:
-    """End this process soon after the process that started it ends (kill -9 included): a thread
-    watches for the child being handed to another parent. Not prctl's PR_SET_PDEATHSIG, which
-    fires when the *thread* that started the child ends: the caller's worker threads come and go
-    (measured: a child started from a finished thread was killed mid-request). The half second
-    an orphan may run on costs nothing: this process writes nothing anywhere."""
+def end_with_parent(end: Callable[[], Any] = lambda: os._exit(1)) -> None:
+    """Call `end` (by default: exit at once) soon after the process that started this one ends
+    (kill -9 included): a thread watches for the child being handed to another parent. Not
+    prctl's PR_SET_PDEATHSIG, which fires when the *thread* that started the child ends: the
+    caller's worker threads come and go (measured: a child started from a finished thread was
+    killed mid-request). The PDF extractor may run on half a second as an orphan: it writes
+    nothing anywhere; a server's watcher stops as on Ctrl-C (what it committed is kept)."""
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
-        os._exit(1)
+        end()
 
-    threading.Thread(target=watch, name="pdf-extractor-parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _read_request(stream: io.BufferedReader) -> bytes | None:

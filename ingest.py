@@ -1769,6 +1769,38 @@ def ingest_lock(layout: rules.StoreLayout) -> Iterator[None]:
         os.close(fd)
 
 
+WATCH_LOCK_RETRY_S = 1.0  # a watcher waiting for another to stop looks again this often
+
+
+@contextlib.contextmanager
+def watch_lock(layout: rules.StoreLayout) -> Iterator[None]:
+    """One watcher a store: the store's watch lock, held while this watcher lives (the kernel lets
+    go of it when the process dies, kill -9 included, so a crashed watcher never blocks the next).
+    When another process holds it, say so once and wait: this one takes over when that one
+    stops (a systemd watcher restarted beside a server's, say). Ctrl-C ends the wait."""
+    layout.root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(layout.watch_lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    try:
+        said = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not said:
+                    log.warning("another watcher (pid %s) keeps %s fresh; this one waits and takes over when it stops",
+                                _lock_holder(fd), layout.root)
+                    said = True
+                time.sleep(WATCH_LOCK_RETRY_S)
+        if said:
+            log.warning("the other watcher stopped; this one watches %s now", layout.root)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _lock_holder(fd: int) -> str:
     """The pid the lock's holder wrote into the lock file. It writes it just after taking the lock,
     so an ingest started at the same moment can look before it is there (measured: 1 in 6 runs
@@ -2958,6 +2990,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="after the run, keep watching the corpus and re-run once changes settle (Ctrl-C stops)")
     parser.add_argument("--settle", type=float, default=WATCH_SETTLE_S, metavar="SECONDS",
                         help="with --watch: how long changes must be quiet before a run (default: %(default)s)")
+    parser.add_argument("--exit-with-parent", action="store_true",
+                        help="with --watch: stop as on Ctrl-C when the process that started it ends (server.py "
+                             "--watch starts its watcher so, and it must not outlive a server killed with -9)")
     parser.add_argument("--replace-corpus", action="store_true",
                         help="index this corpus into a store built from another folder (a moved corpus, or a "
                              "deliberate switch); without it such a run is refused")
@@ -3041,27 +3076,48 @@ def relevant_change(path: str) -> bool:
 
 
 def watch(args: argparse.Namespace) -> int:
-    """Index, then keep the index fresh: a run after every burst of changes once it settles. The
-    ingest lock is held only while a run is active, so a manual `python ingest.py` can run between;
-    a run that could not finish (Ollama down, another ingest holding the lock, files left) is
-    retried with a back-off. One line per run. Ctrl-C (or SIGTERM) stops cleanly."""
+    """Index, then keep the index fresh: a run after every burst of changes once it settles.
+
+    1. the store's watch lock (watch_lock): one watcher a store, waiting while another runs;
+    2. a first run, then one after each settled burst of changes; a run that could not finish
+       (Ollama down, another ingest holding the ingest lock, files left) is retried with a back-off;
+    3. at each run's start and end, the status file says what the watcher does (WatchReport).
+
+    The ingest lock is held only while a run is active, so a manual `python ingest.py` can run
+    between. One line per run. Ctrl-C (or SIGTERM, or with --exit-with-parent the end of the
+    process that started it) stops cleanly."""
     import watchfiles
 
     settings = rules.load_settings(corpus_dir=args.corpus, store_dir=args.store)
     corpus = settings.corpus_dir
     if not corpus.is_dir():  # nothing to watch: the run says why (not configured, or not there)
         return run_once(args)[0]
+    if args.exit_with_parent:
+        rules.end_with_parent(_stop_orphan)
+    layout = rules.StoreLayout(settings.store_dir)
+    try:
+        with watch_lock(layout):
+            return _watch(args, watchfiles, corpus, WatchReport(layout))
+    except OSError as exc:  # the watch lock could not be made (a read-only store, a link in its place)
+        raise rules.store_failure(exc, str(layout.watch_lock_file)) from None
+
+
+def _watch(args: argparse.Namespace, watchfiles: Any, corpus: Path, report: WatchReport) -> int:
     settle_ms = int(args.settle * 1000)
     log.info("watching %s (runs once changes have settled for %.1f s)", corpus, args.settle)
     vectors = VectorProcess()  # one for every run: Chroma's import and a process start are paid once
+    # One watcher for the whole watch, watching before the first run: what changes while a run
+    # is busy is kept for the next batch (a watcher set up after the first run missed an edit
+    # made during it, after its walk; one set up anew after each run, one made in that gap).
+    batches = _change_batches(watchfiles, corpus, settle_ms)
+    identity = folder_identity(corpus)
+    next(batches)  # starts the watcher: a second at most; what it saw, the first run sees too
+    report.running(0)
     status, summary = run_once(args, quiet=True, vectors=vectors)
+    report.finished(status, summary)
     _watch_line("start", status, summary)
     retries = 0
     logging.getLogger("ingest").setLevel(logging.WARNING)  # one line per run from here on
-    # One watcher for the whole watch: what changes while a run is busy is kept for the next
-    # batch (a watcher set up anew after each run missed an edit made during that gap).
-    batches = _change_batches(watchfiles, corpus, settle_ms)
-    identity = folder_identity(corpus)
     try:
         while True:
             due = WATCH_RETRY_S[min(retries, len(WATCH_RETRY_S) - 1)] if _unfinished(status, summary) else None
@@ -3083,7 +3139,9 @@ def watch(args: argparse.Namespace) -> int:
             if not vectors.usable():  # killed from outside, or a write failed: the next run gets a new one
                 vectors.shut()
                 vectors = VectorProcess()
+            report.running(len(changes) if isinstance(changes, set) else 0)
             status, summary = run_once(args, quiet=True, vectors=vectors)
+            report.finished(status, summary)
             retries = retries + 1 if _unfinished(status, summary) and not changes else 0
             _watch_line(what, status, summary)
     except KeyboardInterrupt:
@@ -3092,6 +3150,67 @@ def watch(args: argparse.Namespace) -> int:
     finally:
         batches.close()
         vectors.shut()
+        report.close()
+
+
+class WatchReport(logging.Handler):
+    """The watcher's status file (rules.WatchStatus in the store): rewritten when a run starts and
+    when it ends, with the first error the run logged (this handler hears the ingest log). A
+    status that cannot be written is said once and costs the watch nothing."""
+
+    def __init__(self, layout: rules.StoreLayout) -> None:
+        super().__init__(logging.ERROR)
+        self.layout = layout
+        self.last: rules.WatchRun | None = None
+        self.error: str | None = None
+        self._unwritable = False
+        log.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.error is None:
+            self.error = record.getMessage()[:500]
+
+    def running(self, files_waiting: int) -> None:
+        self.error = None
+        self._write(rules.WatchStatus(pid=os.getpid(), running=True, since=_now(), files_waiting=files_waiting,
+                                      last_run=self.last))
+
+    def finished(self, status: int, summary: Summary) -> None:
+        outcome = ("could_not_finish" if status not in (0, 1) else "unfinished" if _unfinished(status, summary)
+                   else "some_files_failed" if status else "ok")
+        self.last = rules.WatchRun(finished_at=_now(), outcome=outcome, added=summary.added, updated=summary.updated,
+                                   removed=summary.removed, failed=summary.failed, seconds=round(summary.seconds, 3),
+                                   error=self.error if status else None)
+        self._write(rules.WatchStatus(pid=os.getpid(), running=False, since=self.last.finished_at,
+                                      files_waiting=summary.left_for_next_run, last_run=self.last))
+
+    def _write(self, status: rules.WatchStatus) -> None:
+        try:
+            self.layout.write_watch_status(status)
+        except OSError as exc:
+            if not self._unwritable:
+                log.warning("the watch status (%s) cannot be written: %s", self.layout.watch_status_file, exc)
+                self._unwritable = True
+
+    def close(self) -> None:
+        log.removeHandler(self)
+        super().close()
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+WATCH_ORPHAN_GRACE_S = 30.0  # a watcher whose server is gone stops as on Ctrl-C; past this, at once
+
+
+def _stop_orphan() -> None:
+    """--exit-with-parent: the process that started this watcher is gone (a server killed with
+    -9): stop as SIGTERM does, and exit outright if that has not happened within the grace."""
+    log.warning("the process that started this watcher is gone; stopping")
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(WATCH_ORPHAN_GRACE_S)
+    os._exit(1)
 
 
 def _interrupt(*_: Any) -> None:
