@@ -40,6 +40,7 @@ import stat
 os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
 
 import base64
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -51,7 +52,9 @@ import logging
 import math
 import queue
 import re
+import signal
 import sqlite3
+import subprocess
 import sys
 import threading
 import time
@@ -460,6 +463,30 @@ class IndexInfo(BaseModel):
     vectors_pending: int = Field(0, description="Passages indexed for keyword search whose vectors wait for "
                                                 "Ollama: vector search cannot find them until an ingest "
                                                 "with Ollama up embeds them.")
+    refreshing: bool = Field(False, description="True while an ingest watcher's run is updating the index: "
+                                                "search again in a few seconds for what just changed.")
+    watch: WatchInfo | None = Field(None, description="The ingest watcher keeping this index fresh; null when "
+                                                      "none runs.")
+
+
+class WatchInfo(BaseModel):
+    by: Literal["this server", "another process"] = Field(
+        description="Whose ingest watcher keeps the index fresh: this server's (--watch, RAG_WATCH=1) or another "
+                    "process's (a watcher already running on this store, left alone).")
+    pid: int | None = None
+    state: Literal["starting", "running", "waiting", "restarting"] = Field(
+        description="running: a run is updating the index (results may change within seconds); waiting: for "
+                    "files to change; starting: before its first run; restarting: it stopped and is started "
+                    "again after a back-off (note says why).")
+    files_waiting: int = Field(0, description="Changed files not in the index yet: the running run's batch, or "
+                                              "after a run the files it left for the next (Ollama down, say).")
+    last_run_at: str | None = None
+    last_run_outcome: Literal["ok", "some_files_failed", "unfinished", "could_not_finish"] | None = Field(
+        None, description="ok; some_files_failed (each kept what it had); unfinished: files or vectors were left "
+                          "for the next run (the embedder down, say: retried by itself); could_not_finish: nothing "
+                          "was done (retried by itself). last_run_error says why.")
+    last_run_error: str | None = None
+    note: str | None = None
 
 
 class Staleness(BaseModel):
@@ -2371,6 +2398,132 @@ class WarmUp:
         log.info("warm-up: done in %.0f ms", (time.perf_counter() - started) * 1000)
 
 
+# ---------------------------------------------------------------------------
+# Fresh by itself: `server.py --watch` supervises an `ingest.py --watch` child (ingest stays the
+# only writer); the server picks up each generation it publishes as it picks up any ingest's.
+
+INGEST_PROGRAM = Path(__file__).resolve().with_name("ingest.py")  # beside this file, in a clone and installed
+WATCH_BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 60.0)  # a watcher that died is started again after these, then the last
+WATCH_HEALTHY_S = 60.0  # a watcher that ran this long before it died starts the back-off anew
+WATCH_ELSEWHERE_PROBE_S = 5.0  # while another process's watcher holds the store, look again this often
+WATCH_STOP_S = 10.0  # a watcher asked to stop (SIGTERM) has this long before it is killed
+WATCH_OUTPUT_KEPT = 5  # the last lines of a watcher's output, for the reason it stopped
+
+
+class WatchSupervisor:
+    """The server's ingest watcher: `ingest.py --watch --exit-with-parent` on the server's corpus
+    and store, in the server's environment, as a child process.
+
+    1. start(): after the MCP handshake (stdio) or once listening (HTTP), so start-up stays fast;
+    2. on a thread of its own: while another process holds the store's watch lock (a systemd
+       watcher, another server's), start none and look again every WATCH_ELSEWHERE_PROBE_S;
+       otherwise start the child in a session of its own (a Ctrl-C at the terminal is the
+       server's to handle), its output going to the server's stderr line by line, prefixed;
+    3. when the child stops: log why, and start it again after a back-off (WATCH_BACKOFF_S);
+    4. stop(): SIGTERM, then SIGKILL after WATCH_STOP_S. A server killed with -9 cannot do that:
+       the child sees its parent gone (--exit-with-parent) and stops by itself.
+
+    `state` and `note` are what responses say while no child holds the lock (None: nothing to say)."""
+
+    def __init__(self, settings: rules.Settings, corpus_dir: Path, settle_s: float | None = None) -> None:
+        self.settings, self.corpus_dir, self.settle_s = settings, corpus_dir, settle_s
+        self.state: Literal["starting", "restarting"] | None = None
+        self.note: str | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()  # a child is started, or stopped, under it
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int | None:
+        proc = self._proc
+        return proc.pid if proc is not None else None
+
+    def command(self) -> list[str]:
+        command = [sys.executable, str(INGEST_PROGRAM), "--watch", "--exit-with-parent", "--corpus",
+                   str(self.corpus_dir), "--store", str(self.settings.store_dir)]
+        return command + (["--settle", f"{self.settle_s:g}"] if self.settle_s is not None else [])
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None and not self._stopping.is_set():
+                self.state = "starting"
+                self._thread = threading.Thread(target=self._supervise, name="rag-watch", daemon=True)
+                self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping.set()
+            proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(WATCH_STOP_S)
+        except subprocess.TimeoutExpired:
+            log.warning("the index watcher (pid %d) did not stop within %g s; killing it", proc.pid, WATCH_STOP_S)
+            proc.kill()
+            proc.wait()
+
+    def _supervise(self) -> None:
+        layout = rules.StoreLayout(self.settings.store_dir)
+        failures, elsewhere = 0, None
+        while not self._stopping.is_set():
+            holder = layout.watcher_pid()
+            if holder is not None:
+                if holder != elsewhere:
+                    log.warning("another watcher (pid %s) keeps %s fresh; this server starts none while it runs",
+                                holder or "unknown", self.settings.store_dir)
+                    elsewhere = holder
+                self.state = None
+                self._stopping.wait(WATCH_ELSEWHERE_PROBE_S)
+                continue
+            elsewhere = None
+            started = time.monotonic()
+            code, last_lines = self._run_child()
+            if code is None:
+                return  # stopping
+            failures = 1 if time.monotonic() - started >= WATCH_HEALTHY_S else failures + 1
+            delay = WATCH_BACKOFF_S[min(failures, len(WATCH_BACKOFF_S)) - 1]
+            why = exit_description(code) + (f": {last_lines[-1]}" if code > 0 and last_lines else "")
+            log.warning("the index watcher stopped (%s); starting it again in %g s", why, delay)
+            self.state, self.note = "restarting", f"the watcher stopped ({why}); starting it again in {delay:g} s"
+            self._stopping.wait(delay)
+
+    def _run_child(self) -> tuple[int | None, list[str]]:
+        """Start the child and relay its output until it ends: (its exit status, its last lines);
+        None when the server is stopping."""
+        with self._lock:
+            if self._stopping.is_set():
+                return None, []
+            try:
+                proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                        start_new_session=True)
+            except OSError as exc:
+                return 127, [f"cannot start {INGEST_PROGRAM}: {exc}"]
+            self._proc = proc
+            self.state, self.note = "starting", None
+        log.info("index watcher started (pid %d): %s", proc.pid, " ".join(self.command()[1:]))
+        last: collections.deque[str] = collections.deque(maxlen=WATCH_OUTPUT_KEPT)
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip()
+            last.append(line)
+            print(f"watch[{proc.pid}] {line}", file=sys.stderr, flush=True)
+        code = proc.wait()
+        return (None if self._stopping.is_set() else code), list(last)
+
+
+def exit_description(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
 class StalenessCheck:
     """How many indexed files changed on disk since ingest. Counted once per generation, by the
     first call that needs it or ahead of it (begin); after that a stale count is served while a
@@ -2647,6 +2800,7 @@ class RetrievalService:
         self._init_lock = threading.Lock()
         self.queries = QueryEmbeddings()
         self.staleness = StalenessCheck()
+        self.watcher: WatchSupervisor | None = None  # server.py --watch
         # Stored vectors of keyword-only hits, for their scores, by (index, chunk id).
         self._chunk_vectors: LRU[tuple[str, str], Any] = LRU(CHUNK_VECTOR_CACHE_SIZE)
         self._passage_terms = PassageTerms(PASSAGE_TERMS_CACHE_SIZE)
@@ -2685,9 +2839,51 @@ class RetrievalService:
     # shared pieces ----------------------------------------------------------------------------
     def _index_info(self, current: rules.CurrentIndex) -> IndexInfo:
         stamp = current.stamp
+        watch = self.watch_info()
         return IndexInfo(commit=stamp.commit, dirty=stamp.dirty, ingested_at=stamp.ingested_at,
                          model=current.manifest.model, generation=current.generation,
-                         files=stamp.files, chunks=stamp.chunks, vectors_pending=stamp.vectors_pending)
+                         files=stamp.files, chunks=stamp.chunks, vectors_pending=stamp.vectors_pending,
+                         refreshing=watch is not None and watch.state == "running", watch=watch)
+
+    def while_watching(self, error: RagError) -> RagError:
+        """index_missing while a watcher builds the first index: say so, rather than ask the user to
+        run ingest."""
+        if error.code is not ErrorCode.INDEX_MISSING:
+            return error
+        try:
+            watch = self.watch_info()
+        except RagError:
+            return error
+        if watch is None:
+            return error
+        whose = "this server's" if watch.by == "this server" else "another process's"
+        return RagError(error.code, error.message, f"{whose} index watcher builds it now ({watch.state}): search "
+                        "again in a moment; the server picks the index up when it is published")
+
+    def watch_info(self) -> WatchInfo | None:
+        """What the store's ingest watcher is doing: this server's child (self.watcher) or another
+        process's; None when none runs. A few syscalls: the watch lock's holder and its status file."""
+        layout = rules.StoreLayout(self.settings.store_dir)
+        holder = layout.watcher_pid()
+        supervisor = self.watcher
+        if holder is None and (supervisor is None or supervisor.state is None):
+            return None
+        status = layout.read_watch_status()
+        last = status.last_run if status is not None else None
+        fields: dict[str, Any] = {"last_run_at": last and last.finished_at, "last_run_outcome": last and last.outcome,
+                                  "last_run_error": last and last.error}
+        if holder is None:
+            assert supervisor is not None
+            return WatchInfo(by="this server", pid=supervisor.pid, state=supervisor.state, note=supervisor.note,
+                             **fields)
+        ours = supervisor is not None and supervisor.pid == holder
+        live = status if status is not None and status.pid == holder else None
+        if supervisor is not None and not ours:
+            fields["note"] = ("another process's watcher runs on this store: this server starts none while it "
+                              "does")
+        return WatchInfo(by="this server" if ours else "another process", pid=holder,
+                         state="starting" if live is None else ("running" if live.running else "waiting"),
+                         files_waiting=live.files_waiting if live is not None else 0, **fields)
 
     def _staleness(self, index: OpenIndex) -> Staleness:
         def recount() -> tuple[tuple[str, int], int]:
@@ -3610,7 +3806,7 @@ def dispatch(service: RetrievalService, name: str, arguments: Mapping[str, Any] 
             raise RagError(ErrorCode.INVALID_ARGUMENT, describe_validation_error(exc), _argument_hint(spec)) from None
         outcome = Outcome(name, payload=spec.answer(service, args))
     except RagError as exc:
-        outcome = Outcome(name, error=exc)
+        outcome = Outcome(name, error=service.while_watching(exc))
     except ModuleNotFoundError as exc:  # a library this interpreter lacks, imported on first use
         outcome = Outcome(name, error=rules.missing_dependency(exc, "server.py"))
     except Exception:  # noqa: BLE001 - the boundary: a crash must become a structured error
@@ -3708,7 +3904,15 @@ def told_remotely(outcome: Outcome) -> Outcome:
             payload[key] = redact(payload[key], places)
     if isinstance(payload.get("staleness"), dict) and isinstance(payload["staleness"].get("hint"), str):
         payload["staleness"] = {**payload["staleness"], "hint": redact(payload["staleness"]["hint"], places)}
+    if isinstance(payload.get("index"), dict) and isinstance(payload["index"].get("watch"), dict):
+        payload["index"] = {**payload["index"], "watch": watch_told_remotely(payload["index"]["watch"], places)}
     return dataclasses.replace(outcome, payload=payload)
+
+
+def watch_told_remotely(watch: Mapping[str, Any], places: Sequence[str]) -> dict[str, Any]:
+    """A WatchInfo's notes (why the watcher stopped, the last run's error) with paths redacted."""
+    return {key: redact(value, places) if key in ("note", "last_run_error") and isinstance(value, str) else value
+            for key, value in watch.items()}
 
 
 # ---------------------------------------------------------------------------
@@ -3949,6 +4153,8 @@ def build_server(service: RetrievalService, instructions: str, warmup: WarmUp, *
     async def list_tools(context: Any, params: Any) -> Any:
         # The client has what it needs to start; now pay the heavy imports in the background.
         warmup.start()
+        if service.watcher is not None:
+            service.watcher.start()
         return ListToolsResult(tools=definitions)
 
     async def call_tool(context: Any, params: Any) -> Any:
@@ -4368,9 +4574,16 @@ class HealthProbe:
         if isinstance(vector_store, RagError):
             problems.append({"part": "vector_store", **redacted(vector_store).payload()["error"],
                              "note": KEYWORDS_SERVE_MEANWHILE})
+        try:
+            watch = self.service.watch_info()
+        except RagError:  # a configuration error: the index part says it
+            watch = None
         body = {"status": "ok" if not problems else "degraded", "uptime": round(time.monotonic() - self.started, 3),
                 "servers": {SERVER_NAME: "available" if index_ok else "unavailable"},
-                "embedder": _probed(embedder), "vectors_pending": vectors_pending, "files": files, "problems": problems}
+                "embedder": _probed(embedder), "vectors_pending": vectors_pending, "files": files,
+                "refreshing": watch is not None and watch.state == "running",
+                "watch": None if watch is None else watch_told_remotely(watch.model_dump(mode="json"), local_places()),
+                "problems": problems}
         if self.service.settings.chroma_url is not None:
             body["vector_store"] = _probed(vector_store)
         return (200 if index_ok else 503), body
@@ -4959,6 +5172,8 @@ def serve_http(service: RetrievalService, settings: rules.Settings, instructions
                 rules.TOOL_VERSION, shown_host, settings.http_port)
     health.start()
     warmup.start()
+    if service.watcher is not None:
+        service.watcher.start()
     try:
         DrainingServer(config).run(sockets=[sock])
     except KeyboardInterrupt:
@@ -5088,6 +5303,20 @@ def notes_of(payload: Mapping[str, Any]) -> list[str]:
     return [note for note in notes if note]
 
 
+def watch_supervisor(settings: rules.Settings | None, asked: bool, settle_s: float | None) -> WatchSupervisor | None:
+    """The server's watcher, when --watch or RAG_WATCH=1 asks for one: on the corpus the server
+    reads (RAG_CORPUS_DIR, else the folder the index was built from) and its store."""
+    if settings is None or not (asked or settings.watch):
+        return None
+    corpus = settings.corpus_dir
+    if not settings.corpus_dir_explicit:
+        with contextlib.suppress(RagError):  # no readable index: ingest's first run says what is wrong
+            current = rules.StoreLayout(settings.store_dir).read_current()
+            if current is not None and current.corpus_dir:
+                corpus = Path(current.corpus_dir)
+    return WatchSupervisor(settings, corpus, settle_s)
+
+
 def parse_args(argv: Sequence[str] | None) -> Any:
     import argparse
 
@@ -5101,6 +5330,10 @@ def parse_args(argv: Sequence[str] | None) -> Any:
                         "API (/mcp/call, /mcp/tools, /health), instead of stdio")
     parser.add_argument("--host", help="with --http: address to listen on (default $RAG_HTTP_HOST or 127.0.0.1)")
     parser.add_argument("--port", type=int, help="with --http: port (default $RAG_HTTP_PORT or 8765; 0: any free)")
+    parser.add_argument("--watch", action="store_true", help="keep the index fresh: run `ingest.py --watch` as a "
+                        "child while serving (as RAG_WATCH=1), unless a watcher already runs on the store")
+    parser.add_argument("--settle", type=float, metavar="SECONDS", help="with --watch: how long changes must be "
+                        "quiet before a run (default: ingest's)")
     commands = parser.add_subparsers(dest="command", metavar="{" + ",".join(CLI_COMMANDS) + "}")
     subparsers: dict[str, argparse.ArgumentParser] = {}
     for command, spec in CLI_COMMANDS.items():
@@ -5111,6 +5344,8 @@ def parse_args(argv: Sequence[str] | None) -> Any:
         sub.add_argument("--json", action="store_true", help="print the tool's JSON (or its error) on stdout")
     tokens = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(_dash_positionals_kept(tokens, subparsers))
+    if args.settle is not None and not 0 < args.settle <= 3600:
+        parser.error("--settle takes seconds, more than 0 and at most 3600")
     for name, value in vars(args).items():
         if isinstance(value, str) and value.startswith(DASH_KEPT):
             setattr(args, name, value[len(DASH_KEPT):])
@@ -5174,6 +5409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for problem in [*problems, *rules.unknown_variables()]:
             log.warning("%s", problem)
     warmup = WarmUp(service)
+    service.watcher = watch_supervisor(settings, args.watch, args.settle)
     abandoned = False
     try:
         if args.http:
@@ -5188,6 +5424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.info("local-rag-mcp %s starting (stdio)", rules.TOOL_VERSION)
             import anyio
 
+            if service.watcher is not None:  # SIGTERM ends the session as Ctrl-C does: the watcher is stopped
+                signal.signal(signal.SIGTERM, signal.default_int_handler)
+
             anyio.run(serve_stdio, build_server(service, instructions_with(problems, index_facts()), warmup))
     except KeyboardInterrupt:
         pass
@@ -5197,6 +5436,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if error.hint:
             log.error("next: %s", error.hint)
         return 2
+    finally:
+        if service.watcher is not None:
+            service.watcher.stop()
     store_timeout = settings.store_timeout_s if settings else rules.DEFAULT_STORE_TIMEOUT_S
     warmup.join(store_timeout)
     closed = service.close(timeout=store_timeout)

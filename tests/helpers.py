@@ -535,10 +535,10 @@ def build(tmp: Path, host: str, source: Path = SAMPLE, *, symlinks: bool = True)
 class RawServer:
     """`python server.py` spoken to line by line; every stdout and stderr line is kept."""
 
-    def __init__(self, env: dict[str, str], python_flags: tuple[str, ...] = ()) -> None:
+    def __init__(self, env: dict[str, str], python_flags: tuple[str, ...] = (), args: tuple[str, ...] = ()) -> None:
         full_env = {**os.environ, **env}
         full_env.pop("RAG_EMBED_MODEL", None)
-        self.proc = subprocess.Popen([sys.executable, *python_flags, str(SERVER)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, *python_flags, str(SERVER), *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env, cwd=str(ROOT.parent))
         self.stdout_lines: list[bytes] = []
         self.stderr_lines: list[str] = []
