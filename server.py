@@ -491,7 +491,9 @@ class WatchInfo(BaseModel):
 
 class Staleness(BaseModel):
     changed_files: int = Field(description="Indexed files whose size or mtime on disk differ from the index, "
-                                           "or that are gone (new files are not counted).")
+                                           "or that are gone.")
+    added_files: int = Field(0, description="Files ingest would index that the index does not hold, added (or "
+                                            "changed, for one it kept out) since it was built.")
     hint: str | None = None
 
 
@@ -952,7 +954,7 @@ class ThinEvidence:
     thin_result_message reads it. `empty` is the pre-filter's reason nothing could match;
     `plan_kind` keyword mode's plan; `hidden` the passages of superseded documents the query's
     words match (counted up to HIDDEN_COUNT_MAX + 1) and `successors` what replaces those
-    documents; `stale` the staleness hint when indexed files changed on disk since ingest."""
+    documents; `stale` the staleness hint when files changed on disk or were added since ingest."""
 
     hits: int
     low: bool
@@ -964,6 +966,7 @@ class ThinEvidence:
     hidden: int = 0
     successors: tuple[str, ...] = ()
     stale: str | None = None
+    refreshing: bool = False  # an ingest watcher's run is updating the index now
     ahead: str | None = None  # a superseded document whose passage would come before the first hit
     ahead_successors: tuple[str, ...] = ()
 
@@ -1000,7 +1003,9 @@ def thin_result_message(evidence: ThinEvidence) -> str | None:
         count = f"more than {HIDDEN_COUNT_MAX}" if e.hidden > HIDDEN_COUNT_MAX else str(e.hidden)
         parts.append(f"{count} passage(s) of superseded (outdated) documents match the query's words and are hidden: "
                      "pass include_superseded=true to see them" + replaced_by(e.successors))
-    if e.stale:
+    if e.refreshing:
+        parts.append("the index is being refreshed from changed files right now: search again in a few seconds")
+    elif e.stale:
         parts.append(e.stale)
     return "; ".join(parts)
 
@@ -2011,6 +2016,18 @@ class OpenIndex:
         except sqlite3.Error as exc:
             raise rules.store_failure(exc, f"keyword index {self.keyword_path}") from None
 
+    def count_indexed(self, paths: Sequence[str]) -> int:
+        """How many of these paths the index holds (on a connection of its own, as indexed_files)."""
+        try:
+            db = read_only_db(self.keyword_path)
+            try:
+                return sum(db.execute(f"SELECT count(*) FROM documents WHERE path IN ({','.join('?' * len(part))})",
+                                      part).fetchone()[0] for part in rules.batched(paths, 500))  # the parameter limit
+            finally:
+                db.close()
+        except sqlite3.Error as exc:
+            raise rules.store_failure(exc, f"keyword index {self.keyword_path}") from None
+
     def documents_after(self, path: str, limit: int) -> list[rules.DocumentRow]:
         """Documents in path order after `path` (keyset paging: a page never shifts when an
         ingest adds or removes documents before it)."""
@@ -2524,15 +2541,22 @@ def exit_description(code: int) -> str:
     return f"exit status {code}"
 
 
-class StalenessCheck:
-    """How many indexed files changed on disk since ingest. Counted once per generation, by the
-    first call that needs it or ahead of it (begin); after that a stale count is served while a
-    background thread recounts every STALENESS_TTL_S, so no search waits for thousands of stat
-    calls. Callers hold the store lock (StoreManager.lock); the count itself reads the documents
-    through a connection of its own (see OpenIndex.indexed_files)."""
+class DiskChanges(typing.NamedTuple):
+    changed: int  # indexed files whose size or mtime differ on disk, or that are gone
+    added: int  # files ingest would index that the index does not hold, new on disk since it was built
 
-    def __init__(self) -> None:
-        self._cache: tuple[tuple[str, int], float, int] | None = None
+
+class StalenessCheck:
+    """How many indexed files changed on disk since ingest, and how many were added. Counted once
+    per generation, by the first call that needs it or ahead of it (begin); after that a stale
+    count is served while a background thread recounts every STALENESS_TTL_S, so no search waits
+    for thousands of stat calls. Callers hold the store lock (StoreManager.lock); the count itself
+    reads the documents through a connection of its own (see OpenIndex.indexed_files). `count`
+    makes one count (count_disk_changes with the service's settings)."""
+
+    def __init__(self, count: Callable[[OpenIndex, Path], DiskChanges]) -> None:
+        self._count = count
+        self._cache: tuple[tuple[str, int], float, DiskChanges] | None = None
         self._first: tuple[tuple[str, int], rules.BoundedCall] | None = None
         self._refreshing = False
 
@@ -2541,22 +2565,23 @@ class StalenessCheck:
         counted: the warm-up and a generation's first search overlap it with the vector index load."""
         known = self._cache is not None and self._cache[0] == index.key
         if not known and not (self._first is not None and self._first[0] == index.key):
-            self._first = (index.key, rules.on_call_thread(lambda: count_changed_files(corpus_dir, index.indexed_files())))
+            self._first = (index.key, rules.on_call_thread(lambda: self._count(index, corpus_dir)))
 
-    def of(self, index: OpenIndex, corpus_dir: Path, recount: Callable[[], tuple[tuple[str, int], int]]) -> Staleness:
+    def of(self, index: OpenIndex, corpus_dir: Path,
+           recount: Callable[[], tuple[tuple[str, int], DiskChanges]]) -> Staleness:
         now = time.monotonic()
         cached = self._cache
         if cached is None or cached[0] != index.key:
             first, self._first = self._first, None  # a count that failed is not read twice
             try:
-                changed = (first[1].result() if first is not None and first[0] == index.key
-                           else count_changed_files(corpus_dir, index.indexed_files()))
-                self._cache = (index.key, now, changed)
+                changes = (first[1].result() if first is not None and first[0] == index.key
+                           else self._count(index, corpus_dir))
+                self._cache = (index.key, now, changes)
             except RagError as exc:  # a hint is not worth a failed call: the next call counts again
                 log.warning("indexed files not compared with the disk: %s", exc.message)
-                changed = 0
+                changes = DiskChanges(0, 0)
         else:
-            changed = cached[2]
+            changes = cached[2]
             if now - cached[1] >= STALENESS_TTL_S and not self._refreshing:
                 self._refreshing = True
                 threading.Thread(target=self._refresh, args=(recount,), name="rag-staleness", daemon=True).start()
@@ -2565,20 +2590,21 @@ class StalenessCheck:
             # Files are compared with another folder's, and a plain ingest would refuse (corpus_mismatch).
             hints.append("RAG_CORPUS_DIR is not the folder this index was built from: point both at the same "
                          f"folder, or make this store index it with {rules.ingest_command('--replace-corpus')}")
-        elif changed:
-            hints.append(f"{changed} indexed file(s) changed on disk since the last ingest; results may be out of "
-                         f"date: {rules.INGEST_HINT}")
+        elif changes.changed or changes.added:
+            what = [f"{changes.changed} indexed file(s) changed on disk"] if changes.changed else []
+            what += [f"{changes.added} file(s) added"] if changes.added else []
+            hints.append(f"{' and '.join(what)} since the last ingest; results may be out of date: {rules.INGEST_HINT}")
         if index.current.manifest.chunker_version != rules.CHUNKER_VERSION:
             # Still served (queries and index use the same words mostly), but keyword terms or
             # chunking changed since: ingest rebuilds the index on its next run.
             hints.append(f"the index was built by chunker version {index.current.manifest.chunker_version}, this "
                          f"server uses {rules.CHUNKER_VERSION}: run {rules.ingest_command()} to rebuild it")
-        return Staleness(changed_files=changed, hint=" ".join(hints) or None)
+        return Staleness(changed_files=changes.changed, added_files=changes.added, hint=" ".join(hints) or None)
 
-    def _refresh(self, recount: Callable[[], tuple[tuple[str, int], int]]) -> None:
+    def _refresh(self, recount: Callable[[], tuple[tuple[str, int], DiskChanges]]) -> None:
         try:
-            key, changed = recount()
-            self._cache = (key, time.monotonic(), changed)
+            key, changes = recount()
+            self._cache = (key, time.monotonic(), changes)
         except Exception:  # noqa: BLE001 - a hint is not worth a crash; the next call retries
             log.debug("staleness refresh failed:\n%s", traceback.format_exc())
         finally:
@@ -2799,7 +2825,7 @@ class RetrievalService:
         self._manager: StoreManager | None = None
         self._init_lock = threading.Lock()
         self.queries = QueryEmbeddings()
-        self.staleness = StalenessCheck()
+        self.staleness = StalenessCheck(lambda index, corpus_dir: count_disk_changes(corpus_dir, index, self.settings))
         self.watcher: WatchSupervisor | None = None  # server.py --watch
         # Stored vectors of keyword-only hits, for their scores, by (index, chunk id).
         self._chunk_vectors: LRU[tuple[str, str], Any] = LRU(CHUNK_VECTOR_CACHE_SIZE)
@@ -2886,10 +2912,10 @@ class RetrievalService:
                          files_waiting=live.files_waiting if live is not None else 0, **fields)
 
     def _staleness(self, index: OpenIndex) -> Staleness:
-        def recount() -> tuple[tuple[str, int], int]:
+        def recount() -> tuple[tuple[str, int], DiskChanges]:
             with self.manager.lock:
                 latest = self.manager.open()
-            return latest.key, count_changed_files(self.corpus_dir(latest.current), latest.indexed_files())
+            return latest.key, count_disk_changes(self.corpus_dir(latest.current), latest, self.settings)
 
         return self.staleness.of(index, self.corpus_dir(index.current), recount)
 
@@ -3390,16 +3416,19 @@ class RetrievalService:
                          confidence_reason=confidence.reason)
         plan = facts.keyword_plan
         staleness = self._staleness(index)
+        info = self._index_info(index.current)
         low = confidence is not None and confidence.level == "low"
         hidden, successors = self._hidden_superseded(index, args, scope) if low or not hits else (0, ())
         message = thin_result_message(ThinEvidence(
             hits=len(hits), low=low, empty=scope.empty, dropped=len(candidates.dropped), min_score=args.min_score,
             plan_kind=plan.kind if args.mode == "keyword" and plan is not None else None, missing=tuple(facts.missing),
-            hidden=hidden, successors=successors, stale=staleness.hint if staleness.changed_files else None,
+            hidden=hidden, successors=successors,
+            stale=staleness.hint if staleness.changed_files or staleness.added_files else None,
+            refreshing=info.refreshing,
             ahead=superseded_ahead, ahead_successors=index.successors_of([superseded_ahead]) if superseded_ahead else ()))
         response = SearchResponse(query=args.query, mode=args.mode, results=hits,
                                   dropped_below_min_score=len(candidates.dropped), message=message,
-                                  missing_identifiers=list(facts.missing), index=self._index_info(index.current),
+                                  missing_identifiers=list(facts.missing), index=info,
                                   staleness=staleness, **extra)
         return fit_hits(response.model_dump(mode="json"), contexts=contexts)
 
@@ -3618,6 +3647,31 @@ def disk_state(corpus_dir: Path, doc: rules.DocumentRow | IndexedFile) -> Litera
 def count_changed_files(corpus_dir: Path, docs: Iterable[rules.DocumentRow | IndexedFile]) -> int:
     """Indexed files whose size or mtime differ on disk, or that are gone (a cheap stat each)."""
     return sum(disk_state(corpus_dir, doc) != "unchanged" for doc in docs)
+
+
+def count_disk_changes(corpus_dir: Path, index: OpenIndex, settings: rules.Settings) -> DiskChanges:
+    return DiskChanges(count_changed_files(corpus_dir, index.indexed_files()), count_added_files(corpus_dir, index, settings))
+
+
+def count_added_files(corpus_dir: Path, index: OpenIndex, settings: rules.Settings) -> int:
+    """Files ingest would take (its walk and scope rules: ignore files, git, RAG_FORMATS) that the
+    index does not hold and that appeared or changed on disk after it was published (CURRENT.json's
+    mtime, to the nanosecond where ingested_at has seconds): by ctime, which a file moved or copied
+    in with its old mtime gets anew. A file that ingest kept out (`rag: false`, or failed) counts
+    once it changes. 0 when the folder cannot be walked: the changed count says it then."""
+    import ingest  # the walk ingest makes: one copy of its rules
+
+    try:
+        built = os.stat(index.layout.current_file).st_mtime_ns
+        walk = ingest.walk_corpus(corpus_dir, settings.respect_gitignore, settings.formats)
+    except (RagError, OSError):
+        return 0
+    fresh = []
+    for file in walk.files:
+        with contextlib.suppress(OSError):
+            if os.stat(file.real_path).st_ctime_ns > built:
+                fresh.append(file.path)
+    return len(fresh) - index.count_indexed(fresh) if fresh else 0
 
 
 def _reject(path: str, why: str) -> RagError:

@@ -123,3 +123,27 @@ def test_the_staleness_count_streams_every_document_once_and_a_failed_count_fail
         hidden.rename(keywords)
     _, payload = dispatched(svc, "search_corpus", query="rollback", mode="keyword")
     assert payload["staleness"]["changed_files"] == 1, payload
+
+
+def test_files_added_since_ingest_are_counted_and_a_thin_search_says_so(fresh: Built) -> None:
+    """A file ingest would take that the index does not hold counts as added until ingest runs
+    (moved in with an old mtime too: by its ctime); files the scope leaves out, files no reader
+    takes, and the file kept out by `rag: false` at ingest do not."""
+    svc = in_process_service(fresh)
+    is_error, payload = dispatched(svc, "search_corpus", query="rollback", mode="keyword")
+    assert not is_error and payload["staleness"]["added_files"] == 0, payload
+    notes = fresh.corpus / "notes"
+    notes.mkdir()
+    (notes / "new.md").write_text("# New\n\nA page written after the ingest.\n", encoding="utf-8")
+    moved = fresh.corpus.parent / "moved.md"
+    moved.write_text("# Moved\n\nA page moved in with its old mtime.\n", encoding="utf-8")
+    os.utime(moved, (1_000_000_000, 1_000_000_000))
+    moved.rename(notes / "moved.md")
+    (notes / "diagram.png").write_bytes(b"\x89PNG")  # no reader takes it
+    (fresh.corpus / "node_modules").mkdir()
+    (fresh.corpus / "node_modules" / "readme.md").write_text("# Vendored\n", encoding="utf-8")  # left out
+    fresh_svc = in_process_service(fresh)  # a new service: the count is made once a generation
+    is_error, payload = dispatched(fresh_svc, "search_corpus", query="qwxzyv", mode="keyword")
+    assert not is_error and not payload["results"], payload
+    assert payload["staleness"]["added_files"] == 2 and payload["staleness"]["changed_files"] == 0, payload
+    assert "2 file(s) added since the last ingest" in payload["message"], payload["message"]
