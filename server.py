@@ -5,7 +5,9 @@ search/get/list CLI for scripts).
 It serves three tools over what ingest.py wrote into the store (corpus_rules.StoreLayout):
 `search_corpus` (hybrid vector + keyword search), `get_file` (read an indexed file around a hit)
 and `list_documents`. It never creates the store and never changes the index's content (Chroma
-and SQLite do write their own bookkeeping files when they open it).
+and SQLite do write their own bookkeeping files when they open it). With --watch (RAG_WATCH=1)
+it keeps the index fresh through a child `ingest.py --watch` (WatchSupervisor): ingest still
+writes, the server picks up each generation it publishes.
 
 The file is in three parts, each using only what is above it (and corpus_rules, the contract
 with ingest, imported as `rules`; the tool table's callables look up what they call when called):
