@@ -4616,6 +4616,14 @@ class StoreLayout:
     def lock_file(self) -> Path:
         return self.root / LOCK_FILE
 
+    @property
+    def watch_lock_file(self) -> Path:
+        return self.root / WATCH_LOCK_FILE
+
+    @property
+    def watch_status_file(self) -> Path:
+        return self.root / WATCH_STATUS_FILE
+
     def index_dir(self, name: str) -> Path:
         # Every index path is built here: only names ingest creates, and only folders (no links),
         # so a tampered CURRENT.json or a link planted in the store can never point ingest (which
@@ -4657,14 +4665,6 @@ class StoreLayout:
         """Atomic replace: a reader sees the old or the new pointer, never half a file."""
         _replace_file(self.current_file, current.to_json())
         _fsync_dir(self.root)
-
-    @property
-    def watch_lock_file(self) -> Path:
-        return self.root / WATCH_LOCK_FILE
-
-    @property
-    def watch_status_file(self) -> Path:
-        return self.root / WATCH_STATUS_FILE
 
     def watcher_pid(self) -> int | None:
         """The pid of the process holding this store's watch lock; None when no process holds it
