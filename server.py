@@ -4445,8 +4445,14 @@ def index_facts(settings_loader: Callable[[], rules.Settings] = rules.load_setti
             f"{stamp.chunks} passages, {built}.")
 
 
-def instructions_with(problems: Sequence[str], facts: str | None = None) -> str:
-    text = INSTRUCTIONS + (f"\n\n{facts}" if facts else "")
+# Said to the agent when the server keeps its own index fresh (--watch, RAG_WATCH=1).
+WATCHING_NOTE = ("This server keeps its index fresh by itself: files changed on disk are indexed again within "
+                 "seconds. While index.refreshing is true, search again shortly rather than asking the user to "
+                 "run ingest.")
+
+
+def instructions_with(problems: Sequence[str], facts: str | None = None, watching: bool = False) -> str:
+    text = INSTRUCTIONS + (f"\n\n{facts}" if facts else "") + (f"\n\n{WATCHING_NOTE}" if watching else "")
     return text + ("\n\nNot ready: " + " ".join(problems) if problems else "")
 
 
@@ -5474,7 +5480,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             assert settings is not None
             settings = dataclasses.replace(settings, http_host=args.host or settings.http_host,
                                            http_port=settings.http_port if args.port is None else args.port)
-            abandoned = serve_http(service, settings, instructions_with(startup_problems(remote=True), index_facts()),
+            abandoned = serve_http(service, settings, instructions_with(startup_problems(remote=True), index_facts(),
+                                                                        service.watcher is not None),
                                    warmup)
         else:
             log.info("local-rag-mcp %s starting (stdio)", rules.TOOL_VERSION)
@@ -5483,7 +5490,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if service.watcher is not None:  # SIGTERM ends the session as Ctrl-C does: the watcher is stopped
                 signal.signal(signal.SIGTERM, signal.default_int_handler)
 
-            anyio.run(serve_stdio, build_server(service, instructions_with(problems, index_facts()), warmup))
+            instructions = instructions_with(problems, index_facts(), service.watcher is not None)
+            anyio.run(serve_stdio, build_server(service, instructions, warmup))
     except KeyboardInterrupt:
         pass
     except (RagError, ModuleNotFoundError) as exc:
