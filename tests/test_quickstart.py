@@ -69,6 +69,7 @@ def test_indexes_and_prints_registration_commands_with_absolute_paths(tmp_path: 
     assert f"claude mcp add -s user local-rag -e RAG_STORE_DIR={store} -- {sys.executable} {server}" in out
     assert f"codex mcp add --env RAG_STORE_DIR={store} local-rag -- {sys.executable} {server}" in out
     assert "claude mcp list" in out
+    assert "add -e RAG_WATCH=1 (Codex: --env RAG_WATCH=1)" in out  # a server that keeps its index fresh
     assert codex_table(out) == {"command": sys.executable, "args": [server], "env": {"RAG_STORE_DIR": str(store)},
                                 "startup_timeout_sec": 30}
     # Again: nothing to do, same answer.

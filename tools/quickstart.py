@@ -211,7 +211,8 @@ def registration(python: Path, env: dict[str, str], name: str = "local-rag") -> 
         "Then ask your agent something the documents answer; it calls search_corpus.\n"
         f"Re-index after editing the documents: {shlex.quote(str(python))} {shlex.quote(str(PROJECT_DIR / 'ingest.py'))}"
         + "".join(f" --{'corpus' if k == 'RAG_CORPUS_DIR' else 'store'} {shlex.quote(v)}" for k, v in env.items())
-        + "\n"
+        + "\nOr let the server keep it fresh by itself: add -e RAG_WATCH=1 (Codex: --env RAG_WATCH=1) to the "
+        "registration, or --watch after server.py.\n"
     )
 
 
