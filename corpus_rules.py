@@ -4582,7 +4582,8 @@ class WatchStatus:
     last_run: WatchRun | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), ensure_ascii=False)
+        # ASCII: an error naming a file whose name is not UTF-8 (surrogate escapes) is still written.
+        return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> WatchStatus:

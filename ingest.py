@@ -3187,7 +3187,7 @@ class WatchReport(logging.Handler):
     def _write(self, status: rules.WatchStatus) -> None:
         try:
             self.layout.write_watch_status(status)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             if not self._unwritable:
                 log.warning("the watch status (%s) cannot be written: %s", self.layout.watch_status_file, exc)
                 self._unwritable = True

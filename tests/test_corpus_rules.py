@@ -1345,3 +1345,48 @@ def test_documented_placeholders_and_ordinary_prose_are_not_credentials(prose: s
                               headings=(), block_starts=())
     found = rules.credential_in(text)
     assert found is None or found.where == f"line {len(placeholders) + 1}"
+
+
+# ---------------------------------------------------------------------------
+# The watcher's files in the store (issue 46): its lock and its status.
+
+_WATCH_RUNS = st.builds(rules.WatchRun, finished_at=st.text(max_size=30), outcome=st.sampled_from(rules.WATCH_OUTCOMES),
+                        added=st.integers(0, 10**6), updated=st.integers(0, 10**6), removed=st.integers(0, 10**6),
+                        failed=st.integers(0, 10**6), seconds=st.floats(0, 1e6),
+                        error=st.none() | st.text(max_size=500))
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(status=st.builds(rules.WatchStatus, pid=st.integers(1, 2**31), running=st.booleans(), since=st.text(max_size=30),
+                        files_waiting=st.integers(0, 10**6), last_run=st.none() | _WATCH_RUNS))
+@example(status=rules.WatchStatus(pid=1, running=False, since="",
+                                  last_run=rules.WatchRun("", "some_files_failed", error="caf\udce9.md: not UTF-8")))
+def test_a_watch_status_reads_back_as_written(status: rules.WatchStatus, tmp_path_factory: pytest.TempPathFactory) -> None:
+    layout = rules.StoreLayout(tmp_path_factory.mktemp("store"))
+    layout.write_watch_status(status)  # any text, lone surrogates of a non-UTF-8 file name included
+    assert layout.read_watch_status() == status
+
+
+def test_a_damaged_watch_status_is_no_status_and_the_lock_says_who_watches(tmp_path: Path) -> None:
+    import fcntl
+    import os
+
+    layout = rules.StoreLayout(tmp_path)
+    assert layout.read_watch_status() is None and layout.watcher_pid() is None  # nothing there yet
+    for damaged in ('{"pid": -1, "running": true, "since": ""}', '{"pid": 1, "running": "yes", "since": ""}',
+                    '{"pid": 1, "running": true, "since": "", "last_run": {"outcome": "fine"}}', "[]", "{", ""):
+        layout.watch_status_file.write_text(damaged, encoding="utf-8")
+        assert layout.read_watch_status() is None, damaged
+    status = rules.WatchStatus(pid=7, running=False, since="2026-12-07T00:00:00+00:00")
+    layout.write_watch_status(status)
+    assert layout.read_watch_status() == status and not list(tmp_path.glob("*.tmp"))
+    # The lock, not the pid written in it, says whether a watcher lives.
+    layout.watch_lock_file.write_text("4242", encoding="ascii")
+    assert layout.watcher_pid() is None
+    fd = os.open(layout.watch_lock_file, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert layout.watcher_pid() == 4242
+    finally:
+        os.close(fd)
+    assert layout.watcher_pid() is None
