@@ -191,8 +191,23 @@ def test_a_watcher_already_running_on_the_store_is_left_alone(indexed: tuple, tm
             (corpus / "elsewhere.md").write_text("# Elsewhere\n\nELSEWHERETOKEN kept fresh.\n", encoding="utf-8")
             visible(first, "ELSEWHERETOKEN", "elsewhere.md")
             assert "index watcher started" not in stderr_text(first) + stderr_text(second)
+            # The outside watcher stops: one of the servers takes over, the other tells of it.
+            outside.send_signal(signal.SIGINT)
+            assert outside.wait(timeout=60) == 0
+
+            def one_took_over() -> tuple[dict[str, Any], dict[str, Any]] | None:
+                watches = sorted((watch_of(first), watch_of(second)), key=lambda w: (w or {}).get("by", ""))
+                other, ours = watches
+                if not (ours and other and ours["by"] == "this server" and ours["state"] == "waiting"):
+                    return None
+                return (ours, other) if other["by"] == "another process" and other["pid"] == ours["pid"] else None
+
+            poll(one_took_over, timeout=60, interval=0.1)
+            (corpus / "takeover.md").write_text("# Takeover\n\nTAKEOVERTOKEN kept fresh.\n", encoding="utf-8")
+            visible(second, "TAKEOVERTOKEN", "takeover.md")
     finally:
-        outside.send_signal(signal.SIGINT)
+        if outside.poll() is None:
+            outside.send_signal(signal.SIGINT)
         outside.wait(timeout=60)
 
 

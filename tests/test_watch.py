@@ -245,3 +245,41 @@ def test_a_replaced_corpus_folder_is_watched_again_and_a_gone_one_exits_non_zero
         finally:
             watcher.stop()
         assert code == 2 and "is gone" in "".join(watcher.lines), "".join(watcher.lines)[-2000:]
+
+
+def test_a_second_watcher_on_the_store_waits_and_takes_over_when_the_first_stops(tmp_path: Path) -> None:
+    """One watcher a store (issue 46): a second `ingest.py --watch` on it says who holds the store's
+    watch lock and waits, running nothing; once the first stops it takes over and indexes what
+    changed meanwhile. A crashed holder frees the lock too: the kernel lets go of it."""
+    with FakeOllama() as fake:
+        corpus, store = copy_sample(tmp_path), tmp_path / "store"
+        first = Watcher(fake, corpus, store)
+        try:
+            _second_watcher_takes_over(fake, corpus, store, first)
+        finally:
+            first.proc.kill()
+            first.proc.wait(timeout=30)
+
+
+def _second_watcher_takes_over(fake: FakeOllama, corpus: Path, store: Path, first: Watcher) -> None:
+    second = subprocess.Popen([sys.executable, str(ROOT / "ingest.py"), "--corpus", str(corpus), "--store", str(store),
+                               "--watch", "--settle", str(SETTLE_S)], env=child_env(fake), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT.parent)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(second.stderr), daemon=True).start()  # type: ignore[arg-type]
+    try:
+        poll(lambda: any(f"another watcher (pid {first.proc.pid}) keeps" in line for line in lines), timeout=60,
+             interval=0.05)
+        time.sleep(SETTLE_S * 5)
+        assert not any(line.startswith("ingest: watch ") for line in lines), lines
+        first.proc.kill()  # a crash: no clean stop
+        first.proc.wait(timeout=30)
+        (corpus / "handover.md").write_text("# Handover\n\nHANDOVERTOKEN after the first watcher died.\n",
+                                            encoding="utf-8")
+        poll(lambda: any(line.startswith("ingest: watch start") for line in lines), timeout=60, interval=0.05)
+        assert any("the other watcher stopped" in line for line in lines), lines
+        with raw_server(store, corpus, fake.host) as server:
+            assert paths_found(server, "HANDOVERTOKEN") == {"handover.md"}
+    finally:
+        second.send_signal(signal.SIGINT)
+        assert second.wait(timeout=60) == 0, "".join(lines)[-2000:]
