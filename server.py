@@ -2569,8 +2569,10 @@ class StalenessCheck:
         if not known and not (self._first is not None and self._first[0] == index.key):
             self._first = (index.key, rules.on_call_thread(lambda: self._count(index, corpus_dir)))
 
-    def of(self, index: OpenIndex, corpus_dir: Path,
-           recount: Callable[[], tuple[tuple[str, int], DiskChanges]]) -> Staleness:
+    def of(self, index: OpenIndex, corpus_dir: Path, recount: Callable[[], tuple[tuple[str, int], DiskChanges]],
+           watched: bool = False) -> Staleness:
+        """The staleness block; `watched`: an ingest watcher runs on the store, and indexes the
+        changes by itself (the hint says so instead of asking for an ingest)."""
         now = time.monotonic()
         cached = self._cache
         if cached is None or cached[0] != index.key:
@@ -2595,7 +2597,8 @@ class StalenessCheck:
         elif changes.changed or changes.added:
             what = [f"{changes.changed} indexed file(s) changed on disk"] if changes.changed else []
             what += [f"{changes.added} file(s) added"] if changes.added else []
-            hints.append(f"{' and '.join(what)} since the last ingest; results may be out of date: {rules.INGEST_HINT}")
+            then = "the index watcher indexes them within seconds" if watched else rules.INGEST_HINT
+            hints.append(f"{' and '.join(what)} since the last ingest; results may be out of date: {then}")
         if index.current.manifest.chunker_version != rules.CHUNKER_VERSION:
             # Still served (queries and index use the same words mostly), but keyword terms or
             # chunking changed since: ingest rebuilds the index on its next run.
@@ -2913,13 +2916,13 @@ class RetrievalService:
                          state="starting" if live is None else ("running" if live.running else "waiting"),
                          files_waiting=live.files_waiting if live is not None else 0, **fields)
 
-    def _staleness(self, index: OpenIndex) -> Staleness:
+    def _staleness(self, index: OpenIndex, watched: bool = False) -> Staleness:
         def recount() -> tuple[tuple[str, int], DiskChanges]:
             with self.manager.lock:
                 latest = self.manager.open()
             return latest.key, count_disk_changes(self.corpus_dir(latest.current), latest, self.settings)
 
-        return self.staleness.of(index, self.corpus_dir(index.current), recount)
+        return self.staleness.of(index, self.corpus_dir(index.current), recount, watched)
 
     def _vectors_waiting(self, current: rules.CurrentIndex, embedder_up: bool | None = None) -> RagError | None:
         return vectors_waiting(current, self.settings.store_dir, self.corpus_dir(current), embedder_up)
@@ -3417,8 +3420,8 @@ class RetrievalService:
             extra.update(confidence=confidence.level, confidence_score=confidence.score,
                          confidence_reason=confidence.reason)
         plan = facts.keyword_plan
-        staleness = self._staleness(index)
         info = self._index_info(index.current)
+        staleness = self._staleness(index, watched=info.watch is not None)
         low = confidence is not None and confidence.level == "low"
         hidden, successors = self._hidden_superseded(index, args, scope) if low or not hits else (0, ())
         message = thin_result_message(ThinEvidence(
@@ -3524,7 +3527,7 @@ class RetrievalService:
             total = index.count_documents(args.path_prefix)
             docs = index.documents(args.path_prefix, args.offset, args.limit)
             info = self._index_info(index.current)
-            staleness = self._staleness(index)
+            staleness = self._staleness(index, watched=info.watch is not None)
             successors = index.successors
             nothing_under = no_documents_under(index, args.path_prefix) if args.path_prefix and not total else None
             found = index.files_found

@@ -147,3 +147,15 @@ def test_files_added_since_ingest_are_counted_and_a_thin_search_says_so(fresh: B
     assert not is_error and not payload["results"], payload
     assert payload["staleness"]["added_files"] == 2 and payload["staleness"]["changed_files"] == 0, payload
     assert "2 file(s) added since the last ingest" in payload["message"], payload["message"]
+    # With a watcher on the store (here: this process holds its watch lock), the hint says it
+    # indexes them by itself, rather than asking for an ingest.
+    import fcntl
+
+    fd = os.open(rules.StoreLayout(fresh.store).watch_lock_file, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _, payload = dispatched(in_process_service(fresh), "search_corpus", query="qwxzyv", mode="keyword")
+        assert payload["index"]["watch"]["by"] == "another process", payload["index"]
+        assert "the index watcher indexes them within seconds" in payload["staleness"]["hint"], payload["staleness"]
+    finally:
+        os.close(fd)
