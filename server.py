@@ -2427,6 +2427,7 @@ WATCH_HEALTHY_S = 60.0  # a watcher that ran this long before it died starts the
 WATCH_ELSEWHERE_PROBE_S = 5.0  # while another process's watcher holds the store, look again this often
 WATCH_STOP_S = 10.0  # a watcher asked to stop (SIGTERM) has this long before it is killed
 WATCH_OUTPUT_KEPT = 5  # the last lines of a watcher's output, for the reason it stopped
+WATCH_INFO_TTL_S = 0.2  # what a response says of the watcher is at most this old
 
 
 class WatchSupervisor:
@@ -2832,6 +2833,7 @@ class RetrievalService:
         self.queries = QueryEmbeddings()
         self.staleness = StalenessCheck(lambda index, corpus_dir: count_disk_changes(corpus_dir, index, self.settings))
         self.watcher: WatchSupervisor | None = None  # server.py --watch
+        self._watch_info: tuple[float, WatchInfo | None] | None = None  # (when read, what was read)
         # Stored vectors of keyword-only hits, for their scores, by (index, chunk id).
         self._chunk_vectors: LRU[tuple[str, str], Any] = LRU(CHUNK_VECTOR_CACHE_SIZE)
         self._passage_terms = PassageTerms(PASSAGE_TERMS_CACHE_SIZE)
@@ -2893,7 +2895,17 @@ class RetrievalService:
 
     def watch_info(self) -> WatchInfo | None:
         """What the store's ingest watcher is doing: this server's child (self.watcher) or another
-        process's; None when none runs. A few syscalls: the watch lock's holder and its status file."""
+        process's; None when none runs. Read again at most every WATCH_INFO_TTL_S: a search must
+        not pay the watch lock's probe and the status file's read each time."""
+        now = time.monotonic()
+        cached = self._watch_info
+        if cached is not None and now - cached[0] < WATCH_INFO_TTL_S:
+            return cached[1]
+        info = self._read_watch_info()
+        self._watch_info = (now, info)
+        return info
+
+    def _read_watch_info(self) -> WatchInfo | None:
         layout = rules.StoreLayout(self.settings.store_dir)
         holder = layout.watcher_pid()
         supervisor = self.watcher
