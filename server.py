@@ -2428,6 +2428,7 @@ WATCH_ELSEWHERE_PROBE_S = 5.0  # while another process's watcher holds the store
 WATCH_STOP_S = 10.0  # a watcher asked to stop (SIGTERM) has this long before it is killed
 WATCH_OUTPUT_KEPT = 5  # the last lines of a watcher's output, for the reason it stopped
 WATCH_INFO_TTL_S = 0.2  # what a response says of the watcher is at most this old
+WATCH_START_LATEST_S = 5.0  # stdio: the watcher starts after the handshake, or this long after start-up
 
 
 class WatchSupervisor:
@@ -4229,6 +4230,8 @@ def build_server(service: RetrievalService, instructions: str, warmup: WarmUp, *
         return ListToolsResult(tools=definitions)
 
     async def call_tool(context: Any, params: Any) -> Any:
+        if service.watcher is not None:  # a client that reused a cached tools/list did not start it
+            service.watcher.start()
         if params.name not in TOOLS:  # the spec puts an unknown tool among the protocol's errors
             raise protocol_error(INVALID_PARAMS, told(unknown_tool(params.name)))
         # Each request runs in a task of its own, so this lasts for the call; its worker thread inherits it.
@@ -5504,6 +5507,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             if service.watcher is not None:  # SIGTERM ends the session as Ctrl-C does: the watcher is stopped
                 signal.signal(signal.SIGTERM, signal.default_int_handler)
+                # Started once the client lists the tools or calls one; at the latest after this long.
+                latest = threading.Timer(WATCH_START_LATEST_S, service.watcher.start)
+                latest.daemon = True
+                latest.start()
 
             instructions = instructions_with(problems, index_facts(), service.watcher is not None)
             anyio.run(serve_stdio, build_server(service, instructions, warmup))

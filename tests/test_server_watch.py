@@ -267,3 +267,20 @@ def rules_layout(store: Path) -> Any:
     import corpus_rules
 
     return corpus_rules.StoreLayout(store)
+
+
+def test_the_watcher_starts_without_tools_list(indexed: tuple) -> None:
+    """A client that reuses a cached tools/list sends only initialize: the watcher starts all the
+    same, a few seconds after start-up."""
+    fake, corpus, store = indexed
+    server = RawServer(server_env(store, corpus, fake.host), args=("--watch", "--settle", str(SETTLE_S)))
+    try:
+        init = server.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                                             "clientInfo": {"name": "cached", "version": "0"}})
+        assert "This server keeps its index fresh by itself" in init["result"]["instructions"]
+        server.notify("notifications/initialized")
+        pid = poll(lambda: rules_layout(store).watcher_pid(), timeout=60, interval=0.1)
+        assert f"index watcher started (pid {pid})" in stderr_text(server)
+    finally:
+        assert server.close() == 0
+    poll(lambda: gone(pid), timeout=30, interval=0.05)
