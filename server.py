@@ -2439,7 +2439,9 @@ class WatchSupervisor:
     2. on a thread of its own: while another process holds the store's watch lock (a systemd
        watcher, another server's), start none and look again every WATCH_ELSEWHERE_PROBE_S;
        otherwise start the child in a session of its own (a Ctrl-C at the terminal is the
-       server's to handle), its output going to the server's stderr line by line, prefixed;
+       server's to handle), its output going to the server's stderr line by line, prefixed.
+       Two servers that look at the same moment may both start one: the second waits on the
+       lock (ingest.watch_lock) and runs nothing while the first lives;
     3. when the child stops: log why, and start it again after a back-off (WATCH_BACKOFF_S);
     4. stop(): SIGTERM, then SIGKILL after WATCH_STOP_S. A server killed with -9 cannot do that:
        the child sees its parent gone (--exit-with-parent) and stops by itself.
