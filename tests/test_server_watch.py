@@ -21,7 +21,9 @@ from typing import Any
 import pytest
 from fake_ollama import FakeOllama
 from faultlib import gone, poll
-from helpers import ROOT, RawServer, call, child_env, copy_sample, run_ingest, server_env, stderr_text
+from helpers import ROOT, RawServer, call, child_env, copy_sample, free_port, run_ingest, server_env, stderr_text
+
+import corpus_rules as rules
 
 pytestmark = pytest.mark.process  # real processes: only in `pytest --all` (tests/README.md)
 
@@ -170,7 +172,7 @@ def test_no_watcher_outlives_its_server(indexed: tuple, how: str) -> None:
     if how == "SIGTERM":
         assert code == 0, stderr_text(server)[-3000:]
     # The store's watch lock is free again: a manual watcher gets it at once.
-    assert rules_layout(store).watcher_pid() is None
+    assert rules.StoreLayout(store).watcher_pid() is None
 
 
 def test_a_watcher_already_running_on_the_store_is_left_alone(indexed: tuple, tmp_path: Path) -> None:
@@ -182,7 +184,7 @@ def test_a_watcher_already_running_on_the_store_is_left_alone(indexed: tuple, tm
                                 str(store), "--watch", "--settle", str(SETTLE_S)], env=child_env(fake),
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT.parent)
     try:
-        poll(lambda: rules_layout(store).watcher_pid() == outside.pid, timeout=60, interval=0.05)
+        poll(lambda: rules.StoreLayout(store).watcher_pid() == outside.pid, timeout=60, interval=0.05)
         with watching_server(fake, corpus, store) as first, watching_server(fake, corpus, store, "--watch") as second:
             for server in (first, second):
                 watch = poll(lambda s=server: watch_of(s), timeout=30, interval=0.1)
@@ -231,8 +233,6 @@ def test_rag_watch_in_the_clients_env_and_a_store_with_no_index_yet(tmp_path: Pa
 def test_health_says_what_the_watcher_does(indexed: tuple) -> None:
     import urllib.request
 
-    from helpers import free_port
-
     fake, corpus, store = indexed
     port = free_port()
     env = {**os.environ, **server_env(store, corpus, fake.host)}
@@ -263,12 +263,6 @@ def test_health_says_what_the_watcher_does(indexed: tuple) -> None:
         proc.wait(timeout=30)
 
 
-def rules_layout(store: Path) -> Any:
-    import corpus_rules
-
-    return corpus_rules.StoreLayout(store)
-
-
 def test_the_watcher_starts_without_tools_list(indexed: tuple) -> None:
     """A client that reuses a cached tools/list sends only initialize: the watcher starts all the
     same, a few seconds after start-up."""
@@ -279,7 +273,7 @@ def test_the_watcher_starts_without_tools_list(indexed: tuple) -> None:
                                              "clientInfo": {"name": "cached", "version": "0"}})
         assert "This server keeps its index fresh by itself" in init["result"]["instructions"]
         server.notify("notifications/initialized")
-        pid = poll(lambda: rules_layout(store).watcher_pid(), timeout=60, interval=0.1)
+        pid = poll(lambda: rules.StoreLayout(store).watcher_pid(), timeout=60, interval=0.1)
         assert f"index watcher started (pid {pid})" in stderr_text(server)
     finally:
         assert server.close() == 0
