@@ -142,6 +142,22 @@ def _hung_up(connection: socket.socket) -> bool:
         return True
 
 
+def other_weights(vec: list[float], salt: str, noise: float, call: int) -> list[float]:
+    """`vec` as other weights would give it: each dimension's sign flipped by the salt (similarity
+    between texts kept, similarity to the plain model's vectors gone), then moved by up to
+    `noise` (differently in every call, as a GPU runner's float noise)."""
+    if salt:
+        signs = hashlib.blake2b(salt.encode("utf-8"), digest_size=64).digest()
+        vec = [-v if (signs[(i // 8) % 64] >> (i % 8)) & 1 else v for i, v in enumerate(vec)]
+        vec = [vec[-1], *vec[:-1]]  # a rotation too: a salt flipping no sign still changes the vector
+    if noise:
+        import random
+
+        jitter = random.Random(call)
+        vec = _renormalize([v + jitter.uniform(-noise, noise) for v in vec])
+    return vec
+
+
 def _renormalize(vec: list[float]) -> list[float]:
     norm = math.sqrt(sum(v * v for v in vec))
     return [v / norm for v in vec] if norm else vec
@@ -320,7 +336,11 @@ class FakeOllama:
         # OLLAMA_NUM_PARALLEL; more wait their turn), the work dropped when the client disconnects.
         self.delay_per_text_seconds: float = 0.0
         self.slots = 1
-        self.weights = ""  # folded into the model digest
+        self.weights = ""  # folded into the model digest and the vectors (a re-pull: other weights)
+        # Vectors of another model (quantisation, proxy, mistake) under the same name and digest.
+        self.embeds_as = ""
+        # Float noise of a real runner: each value moved by up to this much, differently every call.
+        self.vector_noise = 0.0
         # Cleared by configure(hold=True): embed calls wait until configure(hold=False), so a test
         # can act while a call is in flight however slow the machine is.
         self._released = threading.Event()
@@ -417,6 +437,10 @@ class FakeOllama:
                     self.nan_for = None if value is None else str(value)
                 elif key == "weights":  # a re-pull under the same name: another digest in /api/tags
                     self.weights = str(value)
+                elif key == "embeds_as":
+                    self.embeds_as = str(value)
+                elif key == "vector_noise":
+                    self.vector_noise = float(value)
                 elif key == "fail_after_carrying":  # counted from now on
                     self.fail_after_carrying = None if value is None else str(value)
                     self._carried.clear()
@@ -459,6 +483,8 @@ class FakeOllama:
             "delay_per_text_seconds": self.delay_per_text_seconds,
             "slots": self.slots,
             "weights": self.weights,
+            "embeds_as": self.embeds_as,
+            "vector_noise": self.vector_noise,
             "hold": not self._released.is_set(),
             "hold_carrying": self.hold_carrying,
         }
@@ -489,6 +515,8 @@ class FakeOllama:
         self.slots = 1
         self._runner = threading.BoundedSemaphore(1)
         self.weights = ""
+        self.embeds_as = ""
+        self.vector_noise = 0.0
         self.most_embeds_in_flight = 0
         self.embed_calls = 0
         self.embedded_inputs = []
@@ -689,7 +717,9 @@ class FakeOllama:
         if dimensions is not None and (not isinstance(dimensions, int) or dimensions <= 0):
             return 400, {"error": "dimensions must be a positive integer"}
 
-        vectors = [fake_embedding(text, dims) for text in inputs]
+        with self._lock:
+            salt, noise = self.weights + self.embeds_as, self.vector_noise
+        vectors = [other_weights(fake_embedding(text, dims), salt, noise, call_number) for text in inputs]
         if dimensions is not None and dimensions < dims:
             vectors = [_renormalize(v[:dimensions]) for v in vectors]
         with self._lock:

@@ -460,8 +460,10 @@ class Hosts:
 
 
 def chunk_inputs(fake: FakeOllama, key: str = "answered_inputs") -> list[str]:
-    """The texts a fake embedded (or `key`'s other list) that are chunks, not calibration queries."""
-    return [text for text in fake.calls()[key] if not text.startswith(CALIBRATION)]
+    """The texts a fake embedded (or `key`'s other list) that are chunks, not calibration queries
+    or the model fingerprint's probe."""
+    return [text for text in fake.calls()[key]
+            if not text.startswith(CALIBRATION) and text != rules.FINGERPRINT_TEXT]
 
 
 def ingest_in_process(fake: HasHost | None, corpus: Path, store: Path, *extra: str, as_json: bool = True,
