@@ -5713,10 +5713,9 @@ class OpenAIEmbedder(Embedder):
         return httpx.Client(base_url=self.host + "/", timeout=self.timeout_s, headers=headers,
                             transport=_deadline_transport_class()(self.timeout_s))
 
-    @staticmethod
-    def _json(response: Any) -> Any:
-        if response.status_code >= 400:
-            raise _Refused(response.status_code, response.text[:2000], response.headers.get("retry-after"))
+    def _json(self, response: Any) -> Any:
+        if response.status_code >= 400:  # redacted at once: the exception may be chained and logged
+            raise _Refused(response.status_code, self.redact(response.text[:2000]), response.headers.get("retry-after"))
         return json_value(response.content)
 
     def _embed_call(self, client: Any, texts: Sequence[str]) -> tuple[Any, str | None]:
@@ -5778,8 +5777,20 @@ class OpenAIEmbedder(Embedder):
                             "embeddings API (POST <url>/embeddings)")
         return exc
 
+    @staticmethod
+    def _said(body: str) -> str:
+        """What an error answer says: its JSON's error message where it has one (OpenAI's
+        {"error": {"message": ...}}, TEI's {"error": ...}), else the body."""
+        try:
+            data = json_value(body)
+        except ValueError:
+            data = None
+        error = data.get("error") if isinstance(data, dict) else None
+        message = error.get("message") if isinstance(error, dict) else error
+        return shown(message if isinstance(message, str) else body, 300)
+
     def _refusal(self, exc: _Refused) -> BaseException:
-        status, said = exc.status, shown(exc.body, 300)
+        status, said = exc.status, self._said(exc.body)
         if status in (401, 403):
             return RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
                             f"{self.where} refused the API key (HTTP {status})" if self.api_key else

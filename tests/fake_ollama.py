@@ -248,14 +248,25 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if not path.startswith("/_fake/"):
             fake._record(method, path, body)
-        if path == "/api/embed":
+        refused = fake._refuse(path, self.headers)
+        if refused is not None:
+            status, payload = refused
+        elif path == fake.EMBED_PATH:
             with fake._embedding():
                 if not fake._work_per_text(body, self.connection):
                     return  # the client hung up while its texts were being "embedded"
                 status, payload = fake._handle(method, path, body)
         else:
             status, payload = fake._handle(method, path, body)
-        if isinstance(payload, _Trickle):
+        if isinstance(payload, Reply):
+            body_bytes = json.dumps(payload.payload).encode("utf-8")
+            self.send_response(status)
+            for name, value in {"Content-Type": "application/json", **payload.headers}.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(body_bytes)))
+            self.end_headers()
+            self.wfile.write(body_bytes)
+        elif isinstance(payload, _Trickle):
             self._send_trickling(status, payload)
         elif isinstance(payload, str):
             self._send(status, payload.encode("utf-8"), "text/plain; charset=utf-8")
@@ -285,6 +296,13 @@ class _Trickle:
         self.payload, self.interval = payload, interval
 
 
+class Reply:
+    """A JSON answer with headers of its own (Retry-After, say)."""
+
+    def __init__(self, payload: Any, headers: dict[str, str]) -> None:
+        self.payload, self.headers = payload, headers
+
+
 def calls_carrying(call_inputs: list[list[str]], text: str) -> int:
     """How many embed calls (their inputs, as in calls()["call_inputs"]) carried an input
     containing `text`."""
@@ -293,6 +311,8 @@ def calls_carrying(call_inputs: list[list[str]], text: str) -> int:
 
 class FakeOllama:
     """In-process fake Ollama server on 127.0.0.1 with switchable faults and a call record."""
+
+    EMBED_PATH = "/api/embed"  # the calls that count as embedding (slots, per-text delays, holds)
 
     def __init__(
         self,
@@ -544,6 +564,10 @@ class FakeOllama:
     def _record(self, method: str, path: str, body: Any) -> None:
         with self._lock:
             self.requests.append((method, path, body))
+
+    def _refuse(self, path: str, headers: Any) -> tuple[int, Any] | None:
+        """An answer given before the request is handled (FakeOpenAI's key check); None: handle it."""
+        return None
 
     def _carrying_texts(self) -> list[str]:
         texts = [self.fail_after_carrying]
