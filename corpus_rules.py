@@ -4506,18 +4506,23 @@ class IndexStamp:
 
 
 def vectors_pending_hint(model: str, corpus: str | os.PathLike[str], store: str | os.PathLike[str],
-                         embedder_up: bool | None = None) -> str:
+                         embedder_up: bool | None = None, api: str = "ollama") -> str:
     """What to do about passages that wait for their vectors: the same words from ingest, search,
     list_documents and /health. The command names this corpus and store (typed as shown, it must
-    not index the sample corpus into the default store), and Ollama is said to be down only when
-    it is known to be (None: not known)."""
+    not index the sample corpus into the default store), and the embedding server (of `api`) is
+    said to be down only when it is known to be (None: not known)."""
     command = ingest_command("--corpus", shlex.quote(str(corpus)), "--store", shlex.quote(str(store)))
+    if api == "ollama":
+        server, running, start = ("Ollama", "with Ollama running (`ollama serve`) and the model pulled "
+                                  f"(`ollama pull {model}`)", f"start Ollama (`ollama serve`) and `ollama pull {model}`")
+    else:
+        server, running, start = ("the embedding server", f"with the embedding server (RAG_EMBED_URL) serving {model!r}",
+                                  f"start the embedding server (RAG_EMBED_URL) with {model!r} loaded")
     if embedder_up:
-        return f"Ollama answers: run {command} (unless an ingest is running now): it embeds only the waiting passages"
+        return f"{server} answers: run {command} (unless an ingest is running now): it embeds only the waiting passages"
     if embedder_up is None:
-        return (f"with Ollama running (`ollama serve`) and the model pulled (`ollama pull {model}`), run {command}: "
-                "it embeds only the waiting passages")
-    return f"start Ollama (`ollama serve`) and `ollama pull {model}`, then run {command}: it embeds only the waiting passages"
+        return f"{running}, run {command}: it embeds only the waiting passages"
+    return f"{start}, then run {command}: it embeds only the waiting passages"
 
 
 @dataclass(frozen=True)
@@ -5350,9 +5355,10 @@ FINGERPRINT_TEXT = ("local-rag-mcp model fingerprint: the vectors of this senten
                     "quantisation or size from another. 0123456789")
 FINGERPRINT_SKETCH = 64
 FINGERPRINT_SEED = 46
-# Cosine of two sketches at and above which they are one model. Float noise of one model across
-# calls, batch positions and CPU/GPU (~1e-3 per value) keeps it above 0.9999; another model, or the
-# same one at another quantisation level or size, falls well below (see tools/README.md).
+# Cosine of two sketches at and above which they are one model's: float noise of ±1e-3 in every
+# value (more than one model shows across calls, batch positions and CPU/GPU) keeps it above
+# 0.9998; another model, the same one asked for queries, or another size falls well below, and
+# outputs rounded to 4 bits (0.993) too (measured: tools/README.md, "Model fingerprint").
 FINGERPRINT_MIN_COSINE = 0.999
 
 

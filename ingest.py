@@ -2676,7 +2676,8 @@ def _write(run: Run, prepared: Prepared) -> bool:
     if summary.vectors_pending:
         hint = rules.vectors_pending_hint(run.settings.embed_model, run.settings.corpus_dir, run.settings.store_dir,
                                           embedder_up=None if run.embedding_stopped is not None
-                                          else run.unembeddable is None and run.model is not None)
+                                          else run.unembeddable is None and run.model is not None,
+                                          api=run.settings.embed_api)
         summary.errors.append(f"{summary.vectors_pending} chunks without vectors (found by keyword search only): {hint}")
     return changed_anything
 

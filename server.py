@@ -2349,14 +2349,14 @@ def tell_progress(message: str) -> None:
 
 
 def vectors_waiting(current: rules.CurrentIndex, store_dir: Path, corpus_dir: Path,
-                    embedder_up: bool | None = None) -> RagError | None:
+                    embedder_up: bool | None = None, api: str = "ollama") -> RagError | None:
     """VECTORS_PENDING when passages of this generation wait for their vectors (ingest ran while
     Ollama was away), None when every passage has one. The hint names this store and corpus, and
     says Ollama is down only when known (`embedder_up`)."""
     stamp = current.stamp
     if current.manifest.dims and not stamp.vectors_pending:
         return None
-    hint = rules.vectors_pending_hint(current.manifest.model, corpus_dir, store_dir, embedder_up)
+    hint = rules.vectors_pending_hint(current.manifest.model, corpus_dir, store_dir, embedder_up, api)
     if without_vectors(current):
         return RagError(ErrorCode.VECTORS_PENDING, f"none of the index's {stamp.chunks} passages has a vector yet",
                         hint)
@@ -2747,7 +2747,8 @@ class RetrievalService:
         return self.staleness.of(index, self.corpus_dir(index.current), recount)
 
     def _vectors_waiting(self, current: rules.CurrentIndex, embedder_up: bool | None = None) -> RagError | None:
-        return vectors_waiting(current, self.settings.store_dir, self.corpus_dir(current), embedder_up)
+        return vectors_waiting(current, self.settings.store_dir, self.corpus_dir(current), embedder_up,
+                               self.settings.embed_api)
 
     def corpus_dir(self, current: rules.CurrentIndex) -> Path:
         """RAG_CORPUS_DIR when set, else the folder the index was built from."""
