@@ -832,7 +832,7 @@ class Embedding:
             # 2. no host left
             if not any(r.in_flight for r in self._rounds):
                 for round_ in [r for r in self._rounds if r.has_work()]:
-                    round_.fail(failure or RagError(ErrorCode.EMBEDDER_UNAVAILABLE, "no Ollama host to embed with"))
+                    round_.fail(failure or RagError(ErrorCode.EMBEDDER_UNAVAILABLE, "no embedding host to embed with"))
             # 3. the next answer
             message = self._inbox.get()  # every call is bounded: one answers, or fails, in time
             if message is None:
@@ -1857,7 +1857,7 @@ class Progress:
             line = (f"ingest: {self.files_done}/{self.files} files, {self.chunks_done}/{self.chunks} chunks embedded "
                     f"or reused, {rate:.1f} chunks/s, {eta}")
             if waiting >= PROGRESS_EVERY_S and left:
-                line += f"; waiting {waiting:.0f} s for Ollama"
+                line += f"; waiting {waiting:.0f} s for the embedding server"
             return line
 
     def _print_if_due(self, every: float) -> None:
@@ -2096,7 +2096,9 @@ def probe_model(embedder: rules.Embedder, scheme: rules.PrefixScheme, settings: 
         dims = len(embedder.embed(probe)[0])  # the embedder checks it is the size asked for
     try:
         fingerprint = embedder.fingerprint()
-    except rules.EmbedderTimeout as exc:  # a slow host still embeds: its model is then not known this run
+    except RagError as exc:  # a slow or failing host: its calls say what they get; its model is not known
+        if exc.code not in EMBEDDER_DOWN:
+            raise
         log.warning("%s: the model's fingerprint is not known this run (%s)", exc.message, exc.hint)
         fingerprint = None
     try:
@@ -2527,7 +2529,7 @@ def _look_before_the_lock(run: Run, vectors: rules.Vectors) -> Look | None:
         except RagError as exc:
             if exc.code not in EMBEDDER_DOWN or not keyword_first_possible(run, look):
                 raise
-            log.warning("%s: new files are indexed for keyword search only; their vectors wait for Ollama",
+            log.warning("%s: new files are indexed for keyword search only; their vectors wait for the embedding server",
                         exc.message)
             run.unembeddable = exc
     else:

@@ -1157,7 +1157,7 @@ def test_progress_keeps_talking_while_a_slow_call_runs(tmp_path: Path, fake_olla
     assert run.code == 0, run.err
     lines = [line for line in run.err.splitlines() if line.startswith("ingest: 0/6 files")]
     assert len(lines) >= 3, run.err
-    assert any("waiting" in line and "for Ollama" in line for line in lines), lines
+    assert any("waiting" in line and "for the embedding server" in line for line in lines), lines
     assert "chunks/s" in lines[0] and "ETA" in lines[0]
     final = [line for line in run.err.splitlines() if line.startswith("ingest: 6/6 files")]
     assert final and f"{sample_chunk_count()}/{sample_chunk_count()} chunks embedded" in final[-1]
@@ -1209,7 +1209,7 @@ def test_progress_says_when_files_are_indexed_for_keyword_search_first() -> None
             done(3)
             assert progress.line() == ("ingest: indexing 8 files for keyword search first, their vectors after: "
                                        "3/8 files")
-        assert "for Ollama" not in progress.line() and "0/10 files" in progress.line()
+        assert "for the embedding server" not in progress.line() and "0/10 files" in progress.line()
     finally:
         progress.finish()
 

@@ -247,7 +247,8 @@ def registration(python: Path, env: dict[str, str], name: str = "local-rag") -> 
         f"    claude mcp add --transport http -s user {name} http://127.0.0.1:8765/mcp\n\n"
         "Then ask your agent something the documents answer; it calls search_corpus.\n"
         f"Re-index after editing the documents: {shlex.quote(str(python))} {shlex.quote(str(PROJECT_DIR / 'ingest.py'))}"
-        + "".join(f" --{'corpus' if k == 'RAG_CORPUS_DIR' else 'store'} {shlex.quote(v)}" for k, v in env.items())
+        + "".join(f" --{'corpus' if k == 'RAG_CORPUS_DIR' else 'store'} {shlex.quote(v)}" for k, v in env.items()
+                  if k in ("RAG_CORPUS_DIR", "RAG_STORE_DIR"))
         + "\n"
     )
 
