@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fake_ollama import FakeOllama
 from fake_openai import TOO_LONG_WORDS, FakeOpenAI
@@ -358,3 +359,57 @@ def test_ingest_and_search_over_stdio_with_an_openai_server_and_a_key(openai: Fa
                          env=cli_env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert "refused the API key" in cli.stdout, cli.stdout + cli.stderr
     assert KEY not in cli.stdout + cli.stderr
+
+
+@pytest.mark.process
+def test_health_over_http_says_a_refused_key_without_the_key(openai: FakeOpenAI, indexed_sample: tuple[Path, Path],
+                                                             tmp_path: Path) -> None:
+    from test_http import bridge, http_server
+
+    built = sample_built(indexed_sample, tmp_path, openai.host)
+    openai.configure(api_key="the-right-one")
+    env = built.server_env(openai.host, **openai_env(openai, RAG_EMBED_API_KEY=KEY))
+    with http_server(env) as server:
+        deadline = time.monotonic() + 60
+        while (body := httpx.get(f"{server.base}/health").json())["embedder"] == "not probed yet":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        said = json.dumps(body)
+        assert "refused the API key" in said and "RAG_EMBED_API_KEY" in said, body
+        answer = bridge(server, "search_corpus", {"query": QUESTION})  # hybrid: keywords, saying why
+        assert answer.status_code == 200 and "refused the API key" in answer.text, answer.text
+        assert KEY not in said + answer.text
+    assert KEY not in server.stderr
+
+
+# ---------------------------------------------------------------------------
+# The README's examples, as written.
+
+
+def readme_examples() -> list[dict[str, str]]:
+    """The variables each example of the README's "Embedding servers" exports."""
+    import re
+    import shlex
+
+    readme = (Path(rules.__file__).parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Embedding servers", 1)[1].split("\n## ", 1)[0]
+    examples = []
+    for line in re.findall(r"^export (RAG_.*)$", section, flags=re.M):
+        examples.append(dict(word.split("=", 1) for word in shlex.split(line, posix=True)))
+    return examples
+
+
+def test_the_readme_examples_of_embedding_servers_work_as_written(openai: FakeOpenAI) -> None:
+    """Each example's variables, its address moved to the fake (which serves any model name, as
+    llama-server and TEI do, and wants the key when the example gives one)."""
+    examples = readme_examples()
+    assert len(examples) == 3 and {e["RAG_EMBED_API"] for e in examples} == {"openai"}
+    openai.configure(any_model=True)
+    for example in examples:
+        settings = rules.load_settings({**example, "RAG_EMBED_API_KEY": KEY if "RAG_EMBED_API_KEY" in example else ""})
+        url = settings.ollama_host
+        assert url.endswith("/v1") and settings.embed_model == example["RAG_EMBED_MODEL"]
+        assert rules.prefix_scheme_for(settings.embed_model) is rules.PREFIX_SCHEMES["embeddinggemma"]
+        openai.configure(api_key=KEY if settings.embed_api_key else None, served_as=settings.embed_model)
+        client = settings.embedder(openai.host)
+        assert client.embed(["x"]).shape == (1, 768) and client.served_model == settings.embed_model
