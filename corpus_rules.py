@@ -5445,6 +5445,8 @@ class Embedder:
     SERVER: ClassVar[str] = "the embedding server"
     HOSTS_VARIABLE: ClassVar[str] = "RAG_EMBED_URL"
     DIMENSIONS_FIX: ClassVar[str] = "use a server that honours `dimensions` (vLLM, Ollama's /v1, LM Studio)"
+    ADDRESS_HINT: ClassVar[str] = ("check that RAG_EMBED_URL is the base URL of an OpenAI-compatible embeddings API "
+                                   "(POST <url>/embeddings)")
 
     @property
     def where(self) -> str:
@@ -5477,6 +5479,23 @@ class Embedder:
         raise NotImplementedError
 
     # Shared -----------------------------------------------------------------------------------
+    def _transport_error(self, exc: BaseException) -> BaseException:
+        """A failure below the API's own answers (no connection, a timeout, not its JSON) in the
+        vocabulary; anything else as it is."""
+        import httpx
+
+        if isinstance(exc, (ConnectionError, httpx.ConnectError)):
+            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"cannot reach {self.where}", self.start_hint())
+        if isinstance(exc, httpx.TimeoutException):
+            return self.timed_out()
+        if isinstance(exc, httpx.HTTPError):
+            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"HTTP error talking to {self.where}: {shown(exc, 300)}",
+                            self.ADDRESS_HINT)
+        if isinstance(exc, (ValueError, TypeError, KeyError)):  # an answer that is not the API's JSON
+            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"{self.where} gave an unreadable answer: "
+                            f"{shown(exc, 200)}", self.ADDRESS_HINT)
+        return exc
+
     def _get_client(self) -> Any:
         if self._client is None:
             self._client = self._new_client()
@@ -5610,6 +5629,7 @@ class OllamaEmbedder(Embedder):
     SERVER: ClassVar[str] = "Ollama"
     HOSTS_VARIABLE: ClassVar[str] = "OLLAMA_HOST"
     DIMENSIONS_FIX: ClassVar[str] = "upgrade Ollama (versions before September 2025 ignore it)"
+    ADDRESS_HINT: ClassVar[str] = "check that OLLAMA_HOST points to an Ollama server"
 
     def _new_client(self) -> Any:
         ollama = import_heavy("ollama")
@@ -5631,7 +5651,6 @@ class OllamaEmbedder(Embedder):
         return f"re-pull it with `ollama pull {self.model}`"
 
     def _translate(self, exc: BaseException) -> BaseException:
-        import httpx
         import ollama
 
         if isinstance(exc, ollama.ResponseError):
@@ -5645,17 +5664,7 @@ class OllamaEmbedder(Embedder):
             return RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
                             f"Ollama at {self.host} answered HTTP {exc.status_code}: {shown(exc.error, 300)}",
                             "check the Ollama server log; retry when it is healthy")
-        if isinstance(exc, (ConnectionError, httpx.ConnectError)):
-            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"cannot reach Ollama at {self.host}", self.start_hint())
-        if isinstance(exc, httpx.TimeoutException):
-            return self.timed_out()
-        if isinstance(exc, httpx.HTTPError):
-            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"HTTP error talking to Ollama at {self.host}: {shown(exc, 300)}",
-                            "check that OLLAMA_HOST points to an Ollama server")
-        if isinstance(exc, (ValueError, TypeError)):  # an answer that is not Ollama's JSON
-            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"Ollama at {self.host} gave an unreadable answer: "
-                            f"{shown(exc, 200)}", "check that OLLAMA_HOST points to an Ollama server")
-        return exc
+        return self._transport_error(exc)
 
     def model_digest(self) -> str | None:
         """The model's digest as Ollama lists it (`/api/tags`); None when it is not listed there."""
@@ -5766,22 +5775,9 @@ class OpenAIEmbedder(Embedder):
         return f"load {self.model!r} on that server again (GET {self.host}/models lists what it serves)"
 
     def _translate(self, exc: BaseException) -> BaseException:
-        import httpx
-
         if isinstance(exc, _Refused):
             return self._refusal(exc)
-        if isinstance(exc, httpx.ConnectError):
-            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"cannot reach {self.where}", self.start_hint())
-        if isinstance(exc, httpx.TimeoutException):
-            return self.timed_out()
-        if isinstance(exc, httpx.HTTPError):
-            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"HTTP error talking to {self.where}: {shown(exc, 300)}",
-                            "check that RAG_EMBED_URL is the server's base URL")
-        if isinstance(exc, (ValueError, TypeError, KeyError)):  # not the embeddings API's JSON
-            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"{self.where} gave an unreadable answer: "
-                            f"{shown(exc, 200)}", "check that RAG_EMBED_URL is the base URL of an OpenAI-compatible "
-                            "embeddings API (POST <url>/embeddings)")
-        return exc
+        return self._transport_error(exc)
 
     @staticmethod
     def _said(body: str) -> str:

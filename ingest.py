@@ -2094,13 +2094,7 @@ def probe_model(embedder: rules.Embedder, scheme: rules.PrefixScheme, settings: 
                            "fewer (a size the model was trained for: EmbeddingGemma's are 768, 512, 256 and 128), "
                            "or unset it for the model's own size")
         dims = len(embedder.embed(probe)[0])  # the embedder checks it is the size asked for
-    try:
-        fingerprint = embedder.fingerprint()
-    except RagError as exc:  # a slow or failing host: its calls say what they get; its model is not known
-        if exc.code not in EMBEDDER_DOWN:
-            raise
-        log.warning("%s: the model's fingerprint is not known this run (%s)", exc.message, exc.hint)
-        fingerprint = None
+    fingerprint = fingerprint_of(embedder, dims)
     try:
         digest = embedder.model_digest()
     except RagError as exc:  # only a safeguard: a server that cannot list its models still embeds
@@ -2109,6 +2103,21 @@ def probe_model(embedder: rules.Embedder, scheme: rules.PrefixScheme, settings: 
         digest = None
     return ModelFacts(dims=dims, context_length=info.context_length or settings.chunk_max_tokens, digest=digest,
                       fingerprint=fingerprint)
+
+
+def fingerprint_of(embedder: rules.Embedder, dims: int) -> rules.ModelFingerprint | None:
+    """The host's model fingerprint; None (not known this run) for a host that fails the probe or
+    answers it in another size than it reports: its embedding calls say what is wrong with them."""
+    try:
+        fingerprint = embedder.fingerprint()
+    except rules.InputTooLong:  # a context shorter than one sentence: nothing to embed chunks with either
+        return None
+    except RagError as exc:
+        if exc.code not in EMBEDDER_DOWN:
+            raise
+        log.warning("%s: the model's fingerprint is not known this run (%s)", exc.message, exc.hint)
+        return None
+    return fingerprint if fingerprint.dims == dims else None
 
 
 def weights_changed(current: rules.CurrentIndex | None, index_name: str, model: ModelFacts | None) -> bool:

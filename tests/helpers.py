@@ -466,6 +466,12 @@ def chunk_inputs(fake: FakeOllama, key: str = "answered_inputs") -> list[str]:
             if not text.startswith(CALIBRATION) and text != rules.FINGERPRINT_TEXT]
 
 
+def chunk_calls(fake: FakeOllama) -> int:
+    """The embed calls a fake answered or refused that carried more than the model fingerprint's
+    probe (which ingest sends once per host and run, alone)."""
+    return sum(1 for inputs in fake.calls()["call_inputs"] if inputs != [rules.FINGERPRINT_TEXT])
+
+
 def ingest_in_process(fake: HasHost | None, corpus: Path, store: Path, *extra: str, as_json: bool = True,
                       **env: str) -> Done:
     """What run_ingest returns, from a run in this process (fake None: in the environment as it is;
