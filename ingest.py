@@ -2149,9 +2149,9 @@ def probe_hosts(embedders: Sequence[rules.Embedder], scheme: rules.PrefixScheme,
     model differs (its fingerprint: another model, quantisation or size behind the name) are left
     out by name (see agreeing_hosts): vectors from them could not be compared with the others'."""
     if len(embedders) == 1:
-        facts_ = probe_model(embedders[0], scheme, settings)
-        warn_if_served_model_differs(embedders[0], facts_, scheme)
-        return facts_, list(embedders)
+        model = probe_model(embedders[0], scheme, settings)
+        warn_if_served_model_differs(embedders[0], model, scheme)
+        return model, list(embedders)
     calls = [rules.on_call_thread(functools.partial(probe_model, embedder, scheme, settings)) for embedder in embedders]
     facts: dict[str, ModelFacts] = {}
     failures: list[RagError] = []
@@ -2199,10 +2199,13 @@ def agreeing_hosts(embedders: Sequence[rules.Embedder], facts: Mapping[str, Mode
         if embedder in kept:
             continue
         fp = facts[embedder.host].fingerprint
-        similarity = fp.similarity(chosen) if fp is not None and chosen is not None else 0.0
+        if fp is None:  # said by fingerprint_of; its vectors could not be compared with the others'
+            log.warning("%s could not be checked against %s: that host is left out of this run", embedder.where,
+                        against)
+            continue
         log.warning("%s embeds with another model than %s (%s; fingerprint similarity %.3f, %s needed): that host "
-                    "is left out of this run (%s, or leave it out of %s)", embedder.where, against,
-                    fp.describe() if fp is not None else "no fingerprint", similarity, rules.FINGERPRINT_MIN_COSINE,
+                    "is left out of this run (%s, or leave it out of %s)", embedder.where, against, fp.describe(),
+                    fp.similarity(chosen) if chosen is not None else 0.0, rules.FINGERPRINT_MIN_COSINE,
                     embedder.model_hint(), embedder.HOSTS_VARIABLE)
     return kept
 
