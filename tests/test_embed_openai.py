@@ -413,3 +413,19 @@ def test_the_readme_examples_of_embedding_servers_work_as_written(openai: FakeOp
         openai.configure(api_key=KEY if settings.embed_api_key else None, served_as=settings.embed_model)
         client = settings.embedder(openai.host)
         assert client.embed(["x"]).shape == (1, 768) and client.served_model == settings.embed_model
+
+
+@pytest.mark.process
+def test_the_real_cli_skips_a_host_of_another_model_by_name(indexed_sample: tuple[Path, Path], tmp_path: Path) -> None:
+    """Issue 42 D3 through the real process: `server.py search` with the liar listed first."""
+    with FakeOllama() as liar, FakeOllama() as good:
+        liar.configure(embeds_as="Q2_K")
+        built = sample_built(indexed_sample, tmp_path, Hosts((liar, good)).host)
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RAG_", "OLLAMA_"))},
+               **built.server_env(Hosts((liar, good)).host)}
+        done = subprocess.run([sys.executable, str(SERVER), "search", "--json", "--mode", "vector", QUESTION],
+                              env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        payload = json.loads(done.stdout)
+        assert done.returncode == 0 and payload["results"][0]["path"].startswith("oncall/"), done.stderr
+        assert f"Ollama at {liar.host} embeds with another model than the index was built with" in done.stderr
+        assert good.calls_carrying(rules.FINGERPRINT_TEXT) == 1
