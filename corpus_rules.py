@@ -13,8 +13,10 @@ wrote. Its sections, in file order:
 - Store layout, ids, metadata keys and the manifest (StoreLayout, CURRENT.json).
 - The vector-store seam: VectorStore (embedded Chroma) and ServerVectors (a Chroma server),
   one collection per lifecycle, their failures in the vocabulary.
-- The embedder: OllamaEmbedder, the one Ollama client of both programs, with its own call
-  threads and deadlines (an embedding call is bounded even when Ollama stops answering).
+- The embedder: Embedder, the one embedding client of both programs (OllamaEmbedder for Ollama's
+  API, OpenAIEmbedder for the OpenAI-compatible one: RAG_EMBED_API), with its own call threads and
+  deadlines (an embedding call is bounded even when the server stops answering), and the model
+  fingerprint (ModelFingerprint) that tells one model's vectors from another's.
 
 Heavy libraries (ollama, chromadb, markdown-it, frontmatter) are imported inside the
 functions that need them: the server must answer the MCP handshake before paying for them.
@@ -58,7 +60,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 PROJECT_DIR = Path(__file__).resolve().parent
 
@@ -214,6 +216,9 @@ def store_failure(exc: BaseException, what: str) -> RagError:
 # Configuration.
 
 DEFAULT_OLLAMA_HOST = "http://127.0.0.1:11434"
+# RAG_EMBED_API: the embedding server's HTTP API. "openai" is the OpenAI-compatible embeddings API
+# that LM Studio, llama.cpp's llama-server, vLLM, TEI and Infinity serve (POST {url}/embeddings).
+EMBED_APIS = ("ollama", "openai")
 DEFAULT_EMBED_MODEL = "embeddinggemma"
 DEFAULT_STORE_DIR = "~/.local-rag-mcp/store"
 DEFAULT_EMBED_TIMEOUT_S = 60.0
@@ -299,8 +304,8 @@ class Settings:
     # False when corpus_dir is the default: the server then prefers the folder the index records.
     corpus_dir_explicit: bool
     store_dir: Path
-    # The hosts of OLLAMA_HOST (a comma list): ingest spreads its calls over them, the server embeds
-    # queries with the first that answers (ollama_host is the first).
+    # The embedding servers (OLLAMA_HOST's comma list, or RAG_EMBED_URL's): ingest spreads its calls
+    # over them, the server embeds queries with the first that answers (ollama_host is the first).
     ollama_hosts: tuple[str, ...]
     embed_model: str
     # True when RAG_EMBED_MODEL was set explicitly: the server then insists it matches the index.
@@ -342,18 +347,32 @@ class Settings:
     tool_timeout_s: float = 30.0
     http_read_timeout_s: float = 10.0
     http_max_connections: int = 1000
+    # The API the embedding servers speak (RAG_EMBED_API, one of EMBED_APIS), the bearer token sent
+    # to them (RAG_EMBED_API_KEY: never logged, stored or shown), and the prefix scheme named for a
+    # model PREFIX_SCHEMES does not know (RAG_EMBED_PREFIXES; None: the model's own, by its name).
+    embed_api: str = "ollama"
+    embed_api_key: str | None = field(default=None, repr=False)
+    embed_prefixes: str | None = None
 
     @property
     def ollama_host(self) -> str:
         return self.ollama_hosts[0]
 
+    def embedder(self, host: str, *, model: str | None = None, timeout_s: float | None = None,
+                 keep_alive: str | None = None, dimensions: int | None = None) -> Embedder:
+        """The client of one embedding server of these settings (its API, its key)."""
+        return EMBEDDERS[self.embed_api](host, model or self.embed_model,
+                                         self.embed_timeout_s if timeout_s is None else timeout_s,
+                                         keep_alive=keep_alive, dimensions=dimensions, api_key=self.embed_api_key)
+
     def describe(self) -> str:
-        return (f"corpus={self.corpus_dir} store={self.store_dir} ollama={','.join(self.ollama_hosts)} "
+        return (f"corpus={self.corpus_dir} store={self.store_dir} {self.embed_api}={','.join(self.ollama_hosts)} "
                 f"model={self.embed_model}")
 
 
 # Every variable load_settings reads, in the README's order (a test holds the three together).
-ENVIRONMENT = ("RAG_CORPUS_DIR", "RAG_STORE_DIR", "OLLAMA_HOST", "RAG_EMBED_MODEL", "RAG_EMBED_TIMEOUT",
+ENVIRONMENT = ("RAG_CORPUS_DIR", "RAG_STORE_DIR", "OLLAMA_HOST", "RAG_EMBED_API", "RAG_EMBED_URL",
+               "RAG_EMBED_API_KEY", "RAG_EMBED_MODEL", "RAG_EMBED_PREFIXES", "RAG_EMBED_TIMEOUT",
                "RAG_EMBED_CONCURRENCY", "RAG_EMBED_DIMENSIONS", "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS",
                "RAG_STORE_TIMEOUT", "RAG_LOG_LEVEL",
                "RAG_SERVER_WARMUP", "RAG_WATCH", "RAG_CHROMA_URL", "RAG_CHROMA_HEADERS", "RAG_RESPECT_GITIGNORE", "RAG_FORMATS", "RAG_HTTP_HOST",
@@ -376,11 +395,17 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
         raise _setting_error("RAG_CHUNK_MIN_TOKENS", str(min_tokens),
                              f"a whole number up to RAG_CHUNK_MAX_TOKENS ({max_tokens})")
     corpus_choice = corpus_dir or env.get("RAG_CORPUS_DIR", "").strip()
+    api = env.get("RAG_EMBED_API", "").strip().lower() or "ollama"
+    if api not in EMBED_APIS:
+        raise _setting_error("RAG_EMBED_API", api, "one of " + ", ".join(EMBED_APIS))
     return Settings(
         corpus_dir=_abs_path(corpus_choice or PROJECT_DIR / "sample-corpus"),
         corpus_dir_explicit=bool(corpus_choice),
         store_dir=_abs_path(store_dir or env.get("RAG_STORE_DIR", "").strip() or DEFAULT_STORE_DIR),
-        ollama_hosts=_ollama_hosts_env(env, "OLLAMA_HOST"),
+        ollama_hosts=_embed_hosts_env(env, api),
+        embed_api=api,
+        embed_api_key=_secret_env(env, "RAG_EMBED_API_KEY"),
+        embed_prefixes=_prefixes_env(env, "RAG_EMBED_PREFIXES"),
         embed_concurrency=_int_env(env, "RAG_EMBED_CONCURRENCY", 0, 1, MAX_EMBED_CONCURRENCY) or None,
         embed_model=model or DEFAULT_EMBED_MODEL,
         embed_model_explicit=bool(model),
@@ -452,6 +477,35 @@ def _token_env(env: Mapping[str, str], name: str) -> str | None:
     return raw
 
 
+def _secret_env(env: Mapping[str, str], name: str) -> str | None:
+    """A bearer token as the other side issued it: any printable text without spaces (never shown
+    back, not even in the error)."""
+    raw = env.get(name, "").strip()
+    if raw and any(ch.isspace() or not ch.isprintable() for ch in raw):
+        raise _setting_error(name, "(hidden)", "a token of printable characters without spaces")
+    return raw or None
+
+
+def _prefixes_env(env: Mapping[str, str], name: str) -> str | None:
+    raw = env.get(name, "").strip().lower()
+    if raw and raw not in PREFIX_SCHEMES:
+        raise _setting_error(name, raw, "one of " + ", ".join(PREFIX_SCHEMES))
+    return raw or None
+
+
+def _embed_hosts_env(env: Mapping[str, str], api: str) -> tuple[str, ...]:
+    """The embedding servers: RAG_EMBED_URL's comma list when set (either API), else OLLAMA_HOST's
+    (Ollama only: an OpenAI-compatible server has no default address to assume)."""
+    raw_url, raw_ollama = env.get("RAG_EMBED_URL", "").strip(), env.get("OLLAMA_HOST", "")
+    if raw_url:
+        return _ollama_hosts_env(env, "RAG_EMBED_URL")
+    if api == "ollama":
+        return _ollama_hosts_env({"OLLAMA_HOST": raw_ollama}, "OLLAMA_HOST")
+    raise RagError(ErrorCode.INVALID_ARGUMENT, "configuration error: RAG_EMBED_API=openai needs RAG_EMBED_URL",
+                   "set RAG_EMBED_URL to the server's base URL as it documents it, e.g. http://127.0.0.1:1234/v1 "
+                   "(LM Studio) or http://127.0.0.1:8080/v1 (llama-server); a comma list for several")
+
+
 def _list_env(env: Mapping[str, str], name: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in env.get(name, "").split(",") if item.strip())
 
@@ -467,16 +521,21 @@ def _addresses_env(env: Mapping[str, str], name: str, pattern: re.Pattern[str], 
 
 
 def _ollama_hosts_env(env: Mapping[str, str], name: str) -> tuple[str, ...]:
-    """OLLAMA_HOST: one Ollama address, or a comma list of them (ingest spreads its calls over
-    them; the server embeds queries with the first that answers). Each is checked as _ollama_host reads it; the
-    same host twice is one host."""
+    """OLLAMA_HOST (or RAG_EMBED_URL): one server address, or a comma list of them (ingest spreads
+    its calls over them; the server embeds queries with the first that answers). Each is checked as
+    _ollama_host reads it; the same host twice is one host."""
     raw = env.get(name, "").strip()
     if not raw:
         return (DEFAULT_OLLAMA_HOST,)
     hosts = [_ollama_host(name, item.strip()) for item in raw.split(",") if item.strip()]
     if not hosts:
-        raise _setting_error(name, raw, "an Ollama address such as 127.0.0.1:11434 or http://gpu-box:11434")
+        raise _setting_error(name, raw, _ADDRESS_WANTED[name])
     return tuple(dict.fromkeys(hosts))
+
+
+_ADDRESS_WANTED = {"OLLAMA_HOST": "an Ollama address such as 127.0.0.1:11434 or http://gpu-box:11434",
+                   "RAG_EMBED_URL": "a base URL such as http://127.0.0.1:1234/v1, without credentials in it "
+                                    "(the key goes in RAG_EMBED_API_KEY)"}
 
 
 def _ollama_host(name: str, raw: str) -> str:
@@ -489,11 +548,13 @@ def _ollama_host(name: str, raw: str) -> str:
     try:
         parts = urlsplit(url)
         valid = (parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port is None or parts.port > 0)
-                 and not (parts.query or parts.fragment) and not any(char.isspace() for char in url))
+                 and not (parts.query or parts.fragment) and not any(char.isspace() for char in url)
+                 # user:password@ in the address would be shown wherever the host is named
+                 and not (name == "RAG_EMBED_URL" and (parts.username or parts.password)))
     except ValueError:  # a port that is not a number from 0 to 65535
         valid = False
     if not valid:
-        raise _setting_error(name, raw, "an Ollama address such as 127.0.0.1:11434 or http://gpu-box:11434")
+        raise _setting_error(name, "(hidden)" if "@" in raw else raw, _ADDRESS_WANTED[name])
     return url.rstrip("/")
 
 
@@ -3597,9 +3658,13 @@ _FAMILY_PATTERNS = (
 
 
 def model_base_name(model: str) -> str:
-    """'library/EmbeddingGemma:latest' -> 'embeddinggemma' (namespace and tag do not change the family)."""
+    """'library/EmbeddingGemma:latest' -> 'embeddinggemma' (namespace and tag do not change the
+    family); the names OpenAI-compatible servers report are read alike: a file name
+    ('/models/embeddinggemma-300M-Q8_0.gguf' -> 'embeddinggemma-300m-q8_0') and LM Studio's
+    'text-embedding-' prefix ('text-embedding-nomic-embed-text-v1.5' -> 'nomic-embed-text-v1.5')."""
     name = model.strip().lower().rsplit("/", 1)[-1]
-    return name.split(":", 1)[0]
+    name = name.split(":", 1)[0].removesuffix(".gguf")
+    return name.removeprefix("text-embedding-") if name != "text-embedding-" else name
 
 
 def canonical_model_name(model: str) -> str:
@@ -4433,21 +4498,40 @@ class IndexStamp:
     # not say): weights re-pulled under the same name make every stored vector stale.
     model_digest: str | None = None
     vectors_pending: int = 0  # chunks found by keyword only: their vectors wait for Ollama
+    # What the vectors' model is, whatever the server calls it or lists as digest (see
+    # ModelFingerprint); None for an index built before fingerprints: its model is not known.
+    fingerprint: ModelFingerprint | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["fingerprint"] = self.fingerprint.to_dict() if self.fingerprint is not None else None
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> IndexStamp:
+        fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        fields["fingerprint"] = ModelFingerprint.from_dict(data.get("fingerprint"))
+        return cls(**fields)
 
 
 def vectors_pending_hint(model: str, corpus: str | os.PathLike[str], store: str | os.PathLike[str],
-                         embedder_up: bool | None = None) -> str:
+                         embedder_up: bool | None = None, api: str = "ollama") -> str:
     """What to do about passages that wait for their vectors: the same words from ingest, search,
     list_documents and /health. The command names this corpus and store (typed as shown, it must
-    not index the sample corpus into the default store), and Ollama is said to be down only when
-    it is known to be (None: not known)."""
+    not index the sample corpus into the default store), and the embedding server (of `api`) is
+    said to be down only when it is known to be (None: not known)."""
     command = ingest_command("--corpus", shlex.quote(str(corpus)), "--store", shlex.quote(str(store)))
+    if api == "ollama":
+        server, running, start = ("Ollama", "with Ollama running (`ollama serve`) and the model pulled "
+                                  f"(`ollama pull {model}`)", f"start Ollama (`ollama serve`) and `ollama pull {model}`")
+    else:
+        server, running, start = ("the embedding server", f"with the embedding server (RAG_EMBED_URL) serving {model!r}",
+                                  f"start the embedding server (RAG_EMBED_URL) with {model!r} loaded")
     if embedder_up:
-        return f"Ollama answers: run {command} (unless an ingest is running now): it embeds only the waiting passages"
+        return f"{server} answers: run {command} (unless an ingest is running now): it embeds only the waiting passages"
     if embedder_up is None:
-        return (f"with Ollama running (`ollama serve`) and the model pulled (`ollama pull {model}`), run {command}: "
-                "it embeds only the waiting passages")
-    return f"start Ollama (`ollama serve`) and `ollama pull {model}`, then run {command}: it embeds only the waiting passages"
+        return f"{running}, run {command}: it embeds only the waiting passages"
+    return f"{start}, then run {command}: it embeds only the waiting passages"
 
 
 @dataclass(frozen=True)
@@ -4468,7 +4552,7 @@ class CurrentIndex:
 
     def to_json(self) -> str:
         return json.dumps({"format": 1, "index": self.index, "generation": self.generation,
-                           "manifest": self.manifest.to_dict(), "stamp": asdict(self.stamp),
+                           "manifest": self.manifest.to_dict(), "stamp": self.stamp.to_dict(),
                            "corpus_dir": self.corpus_dir,
                            "corpus_id": list(self.corpus_id) if self.corpus_id else None}, indent=2, sort_keys=True)
 
@@ -4498,7 +4582,7 @@ class CurrentIndex:
             _whole(getattr(parsed_manifest, name), f"manifest.{name}")
         if parsed_manifest.embed_dimensions is not None:
             _whole(parsed_manifest.embed_dimensions, "manifest.embed_dimensions")
-        parsed_stamp = IndexStamp(**stamp)
+        parsed_stamp = IndexStamp.from_dict(stamp)
         if parsed_stamp.model_digest is not None and not isinstance(parsed_stamp.model_digest, str):
             raise ValueError("stamp.model_digest must be text")
         _whole(parsed_stamp.files, "stamp.files")
@@ -5168,7 +5252,8 @@ class Vectors(Protocol):
 
 
 class InputTooLong(Exception):
-    """Ollama refused an input as longer than the model's context (truncate=False)."""
+    """The server refused an input as longer than the model's context (Ollama with truncate=False,
+    or an OpenAI-compatible server's own words for it)."""
 
 
 @dataclass
@@ -5184,12 +5269,12 @@ REGISTRY_CONTEXT_LENGTH = {"embeddinggemma": 2048, "nomic-embed-text": 2048, "mx
 
 
 class InvalidVectors(RagError):
-    """Ollama answered, but with vectors that cannot be stored or compared: NaN or infinite values,
+    """The embedding server answered, but with vectors that cannot be stored or compared: NaN or infinite values,
     or rows of different lengths. The texts of that call fail; the embedder is not declared down."""
 
 
 class EmbedderTimeout(RagError):
-    """Ollama did not answer a call within its time (down hard, stalled, or overloaded)."""
+    """The embedding server did not answer a call within its time (down hard, stalled, or overloaded)."""
 
 
 _HEAVY_IMPORTS = threading.Lock()
@@ -5354,101 +5439,235 @@ def _deadline_transport_class() -> type:
     return DeadlineTransport
 
 
+class RetryLater(Exception):
+    """The server asked to be called again later (HTTP 429 with Retry-After, or Ollama's "server
+    busy"): the call waits that long, within its own time, and asks again."""
+
+    def __init__(self, seconds: float, message: str) -> None:
+        super().__init__(message)
+        self.seconds = seconds
+
+
+RATE_LIMIT_WAIT_MAX_S = 10.0  # the longest Retry-After honoured in one wait: a longer one is a hint, not a plan
+RATE_LIMIT_RETRIES = 3  # asked again at most this often per call, each within the call's time
+
+
+def retry_after_seconds(value: str | None) -> float:
+    """A Retry-After header (seconds, or an HTTP date) as a wait of 0..RATE_LIMIT_WAIT_MAX_S s;
+    1 s when it is absent or unreadable."""
+    from email.utils import parsedate_to_datetime
+
+    seconds = 1.0
+    if value:
+        try:
+            seconds = float(value.strip())
+        except ValueError:
+            with contextlib.suppress(TypeError, ValueError, IndexError):
+                seconds = parsedate_to_datetime(value).timestamp() - time.time()
+    return min(max(seconds, 0.0), RATE_LIMIT_WAIT_MAX_S) if math.isfinite(seconds) else 1.0
+
+
+# The model fingerprint: a fixed text embedded by every host, its vector kept in a short sketch
+# (a fixed random projection, so sparse and dense vectors alike keep their shape in 64 numbers). Two
+# hosts serve the same model, quantisation and size when their sketches point the same way.
+FINGERPRINT_TEXT = ("local-rag-mcp model fingerprint: the vectors of this sentence tell one embedding model, "
+                    "quantisation or size from another. 0123456789")
+FINGERPRINT_SKETCH = 64
+FINGERPRINT_SEED = 46
+# Cosine of two sketches at and above which they are one model's: float noise of ±1e-3 in every
+# value (more than one model shows across calls, batch positions and CPU/GPU) keeps it above
+# 0.9998; another model, the same one asked for queries, or another size falls well below, and
+# outputs rounded to 4 bits (0.993) too (measured: tools/README.md, "Model fingerprint").
+FINGERPRINT_MIN_COSINE = 0.999
+
+
+@functools.cache
+def _sketch_projection(dims: int) -> Any:
+    np = import_heavy("numpy")
+    # RandomState's stream is fixed across numpy versions: one vector, one sketch, for ever.
+    return np.random.RandomState(FINGERPRINT_SEED).standard_normal((dims, FINGERPRINT_SKETCH))
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """What identifies the model behind an endpoint, whatever its name or digest: its vectors'
+    size, the sketch of FINGERPRINT_TEXT's vector, and the model name the endpoint reported."""
+
+    dims: int
+    sketch: tuple[float, ...]
+    served_model: str | None = None
+
+    @classmethod
+    def of(cls, vector: Any, served_model: str | None = None) -> ModelFingerprint:
+        np = import_heavy("numpy")
+        vector = np.asarray(vector, dtype=np.float64)
+        sketch = vector @ _sketch_projection(len(vector))
+        norm = float(np.linalg.norm(sketch))
+        sketch = sketch / norm if norm else sketch
+        return cls(len(vector), tuple(round(float(x), 5) for x in sketch),
+                   metadata_text(served_model, 200) if served_model else None)
+
+    def similarity(self, other: ModelFingerprint) -> float:
+        """The sketches' cosine; 0 when the sizes differ."""
+        if self.dims != other.dims or len(self.sketch) != len(other.sketch):
+            return 0.0
+        dot = sum(a * b for a, b in zip(self.sketch, other.sketch, strict=True))
+        norms = math.sqrt(sum(a * a for a in self.sketch) * sum(b * b for b in other.sketch))
+        return dot / norms if norms else 0.0
+
+    def agrees(self, other: ModelFingerprint) -> bool:
+        return self.similarity(other) >= FINGERPRINT_MIN_COSINE
+
+    def describe(self) -> str:
+        name = f"{self.served_model!r}, " if self.served_model else ""
+        return f"{name}{self.dims} dimensions"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dims": self.dims, "sketch": list(self.sketch), "served_model": self.served_model}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ModelFingerprint | None:
+        """The fingerprint CURRENT.json records; None when there is none or it is unreadable (an
+        index from before fingerprints, or a hand-edited one: its model is then not known)."""
+        if not isinstance(data, dict):
+            return None
+        dims, sketch, served = data.get("dims"), data.get("sketch"), data.get("served_model")
+        if not (isinstance(dims, int) and not isinstance(dims, bool) and dims > 0 and isinstance(sketch, list)
+                and len(sketch) == FINGERPRINT_SKETCH and (served is None or isinstance(served, str))
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in sketch)):
+            return None
+        return cls(dims, tuple(float(x) for x in sketch), served)
+
+
 @dataclass
-class OllamaEmbedder:
-    """The embedder client: every call bounded as a whole by `timeout_s`, every failure mapped to
-    the error vocabulary, every vector checked before anyone stores or compares it."""
+class Embedder:
+    """The client of one embedding server, whatever its API: every call bounded as a whole by
+    `timeout_s`, every failure mapped to the error vocabulary, every vector checked before anyone
+    stores or compares it. Ingest (its dispatcher, probes) and the server (query vectors, health)
+    use it alike; the APIs differ only in the requests (OllamaEmbedder, OpenAIEmbedder)."""
 
     host: str
     model: str
     timeout_s: float
-    # Asked of Ollama with every embed call: how long to keep the model loaded afterwards
-    # (ingest keeps it for the run; None leaves Ollama's default).
+    # Asked with every embed call (Ollama only): how long to keep the model loaded afterwards
+    # (ingest keeps it for the run; None leaves the server's default).
     keep_alive: str | None = None
-    # Asked of Ollama with every embed call: vectors truncated and renormalised to this many
-    # dimensions (see Settings.embed_dimensions); None asks nothing, the model's native size.
+    # Asked with every embed call: vectors truncated and renormalised to this many dimensions (see
+    # Settings.embed_dimensions); None asks nothing, the model's native size.
     dimensions: int | None = None
+    # Sent as a bearer token (RAG_EMBED_API_KEY); never shown: every message is redacted of it.
+    api_key: str | None = field(default=None, repr=False)
     _client: Any = field(default=None, init=False, repr=False)
+    # The model name the server reported with its last vectors (None until then, or if it said none).
+    served_model: str | None = field(default=None, init=False, repr=False)
+
+    SERVER: ClassVar[str] = "the embedding server"
+    HOSTS_VARIABLE: ClassVar[str] = "RAG_EMBED_URL"
+    DIMENSIONS_FIX: ClassVar[str] = "use a server that honours `dimensions` (vLLM, Ollama's /v1, LM Studio)"
+    ADDRESS_HINT: ClassVar[str] = ("check that RAG_EMBED_URL is the base URL of an OpenAI-compatible embeddings API "
+                                   "(POST <url>/embeddings)")
+
+    @property
+    def where(self) -> str:
+        return f"{self.SERVER} at {self.host}"
+
+    # What each API does its own way ------------------------------------------------------------
+    def _new_client(self) -> Any:
+        raise NotImplementedError
+
+    def _embed_call(self, client: Any, texts: Sequence[str]) -> tuple[Any, str | None]:
+        """The raw vectors (a list of lists) and the model name the server reported."""
+        raise NotImplementedError
+
+    def _translate(self, exc: BaseException) -> BaseException:
+        raise NotImplementedError
+
+    def model_digest(self) -> str | None:
+        """The model's digest as the server lists it; None when it does not say."""
+        return None
+
+    def model_info(self) -> ModelInfo:
+        raise NotImplementedError
+
+    def start_hint(self) -> str:
+        """What to do when the server does not answer."""
+        raise NotImplementedError
+
+    def model_hint(self) -> str:
+        """How to get this server to serve the model (what the index needs)."""
+        raise NotImplementedError
+
+    # Shared -----------------------------------------------------------------------------------
+    def _transport_error(self, exc: BaseException) -> BaseException:
+        """A failure below the API's own answers (no connection, a timeout, not its JSON) in the
+        vocabulary; anything else as it is."""
+        import httpx
+
+        if isinstance(exc, (ConnectionError, httpx.ConnectError)):
+            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"cannot reach {self.where}", self.start_hint())
+        if isinstance(exc, httpx.TimeoutException):
+            return self.timed_out()
+        if isinstance(exc, httpx.HTTPError):
+            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"HTTP error talking to {self.where}: {shown(exc, 300)}",
+                            self.ADDRESS_HINT)
+        if isinstance(exc, (ValueError, TypeError, KeyError)):  # an answer that is not the API's JSON
+            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"{self.where} gave an unreadable answer: "
+                            f"{shown(exc, 200)}", self.ADDRESS_HINT)
+        return exc
 
     def _get_client(self) -> Any:
         if self._client is None:
-            ollama = import_heavy("ollama")
-
-            self._client = ollama.Client(host=self.host, timeout=self.timeout_s,
-                                         transport=_deadline_transport_class()(self.timeout_s))
+            self._client = self._new_client()
         return self._client
 
+    def redact(self, text: str) -> str:
+        """`text` without the API key (a server may echo it in an error)."""
+        return text.replace(self.api_key, "(the API key)") if self.api_key else text
+
     def _call(self, fn: Callable[[Any], Any]) -> Any:
-        # The client is built (ollama and httpx imported) before the clock starts: on a loaded
+        # The client is built (the HTTP libraries imported) before the clock starts: on a loaded
         # machine the imports alone can outlast a short RAG_EMBED_TIMEOUT.
         client = self._get_client()
         return self.answer(on_call_thread(lambda: fn(client)))
 
     def answer(self, call: BoundedCall, seconds: float | None = None) -> Any:
-        """What a call to this Ollama gave within `seconds` (timeout_s unless said), its failures
+        """What a call to this server gave within `seconds` (timeout_s unless said), its failures
         in the error vocabulary."""
         seconds = self.timeout_s if seconds is None else seconds
         try:
             return call.result(seconds)
         except TimeoutError:
             raise self.timed_out(seconds) from None
+        except RetryLater as exc:
+            raise self.rate_limited(exc) from None
         except Exception as exc:  # translated below
-            raise self._translate(exc) from exc
+            raise self._translated(exc) from exc
+
+    def _translated(self, exc: BaseException) -> BaseException:
+        error = self._translate(exc)
+        if isinstance(error, RagError) and self.api_key:
+            return type(error)(error.code, self.redact(error.message), self.redact(error.hint))
+        if isinstance(error, (RetryLater, InputTooLong)) and self.api_key and self.api_key in str(error):
+            return RetryLater(error.seconds, self.redact(str(error))) if isinstance(error, RetryLater) \
+                else InputTooLong(self.redact(str(error)))
+        return error
 
     def timed_out(self, seconds: float | None = None) -> RagError:
-        return EmbedderTimeout(ErrorCode.EMBEDDER_UNAVAILABLE, f"Ollama at {self.host} did not answer within "
+        return EmbedderTimeout(ErrorCode.EMBEDDER_UNAVAILABLE, f"{self.where} did not answer within "
                                f"{self.timeout_s if seconds is None else seconds:g} s",
-                               "retry; if Ollama is loading the model, wait for it, or raise RAG_EMBED_TIMEOUT")
+                               "retry; if the server is loading the model, wait for it, or raise RAG_EMBED_TIMEOUT")
 
-    def _translate(self, exc: BaseException) -> BaseException:
-        import httpx
-        import ollama
+    def rate_limited(self, exc: RetryLater) -> RagError:
+        return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"{self.where} is refusing calls for now ({exc})",
+                        "retry later; with several processes on one server, lower RAG_EMBED_CONCURRENCY")
 
-        if isinstance(exc, ollama.ResponseError):
-            if exc.status_code == 404:
-                return RagError(ErrorCode.MODEL_NOT_FOUND, f"Ollama at {self.host} has no model {self.model!r}",
-                                f"run `ollama pull {self.model}`")
-            if exc.status_code == 400 and "context length" in str(exc.error):
-                return InputTooLong(str(exc.error))
-            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
-                            f"Ollama at {self.host} answered HTTP {exc.status_code}: {shown(exc.error, 300)}",
-                            "check the Ollama server log; retry when it is healthy")
-        if isinstance(exc, (ConnectionError, httpx.ConnectError)):
-            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"cannot reach Ollama at {self.host}",
-                            f"start Ollama (`ollama serve`) and `ollama pull {self.model}`, or set OLLAMA_HOST")
-        if isinstance(exc, httpx.TimeoutException):
-            return self.timed_out()
-        if isinstance(exc, httpx.HTTPError):
-            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"HTTP error talking to Ollama at {self.host}: {shown(exc, 300)}",
-                            "check that OLLAMA_HOST points to an Ollama server")
-        if isinstance(exc, (ValueError, TypeError)):  # an answer that is not Ollama's JSON
-            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"Ollama at {self.host} gave an unreadable answer: "
-                            f"{shown(exc, 200)}", "check that OLLAMA_HOST points to an Ollama server")
-        return exc
-
-    def model_digest(self) -> str | None:
-        """The model's digest as Ollama lists it (`/api/tags`); None when it is not listed there."""
-        listed = self._call(lambda client: client.list())
-        for entry in listed.models or []:
-            if entry.model and same_model(entry.model, self.model):
-                return entry.digest or None
-        return None
-
-    def model_info(self) -> ModelInfo:
-        """Context length and dimensions from `POST /api/show`, registry values as fallback."""
-        shown_model = self._call(lambda client: client.show(self.model))
-        info = dict(shown_model.modelinfo or {})
-        arch = info.get("general.architecture")
-        context = info.get(f"{arch}.context_length") if arch else None
-        dims = info.get(f"{arch}.embedding_length") if arch else None
-        if not isinstance(context, int) or isinstance(context, bool) or context <= 0:
-            family = prefix_scheme_for(self.model)
-            context = REGISTRY_CONTEXT_LENGTH.get(family.name if family else "", None)
-        return ModelInfo(context_length=context,
-                         dims=dims if isinstance(dims, int) and not isinstance(dims, bool) and dims > 0 else None)
+    def fingerprint(self) -> ModelFingerprint:
+        """FINGERPRINT_TEXT embedded alone (no prefix: the same text for every model)."""
+        vector = self.embed([FINGERPRINT_TEXT])[0]
+        return ModelFingerprint.of(vector, self.served_model)
 
     def embed(self, texts: Sequence[str]) -> Any:
-        """One vector per text, as a float32 matrix (rows in order). InvalidVectors when Ollama's
+        """One vector per text, as a float32 matrix (rows in order). InvalidVectors when the
         answer holds NaN or infinite values, or rows of different lengths."""
         return self.begin_embed(texts)()
 
@@ -5458,19 +5677,27 @@ class OllamaEmbedder:
         timeout_s) and gives what embed() gives, or then(that matrix) when `then` is given. `then`
         runs on the thread that received the answer, as soon as it arrives: a search starts its
         vector queries from there rather than waking another thread to do it; `failed(error)`
-        runs there when the call (or `then`) fails, for a caller that does not wait."""
-        options: dict[str, Any] = {"keep_alive": self.keep_alive} if self.keep_alive is not None else {}
-        if self.dimensions is not None:
-            options["dimensions"] = self.dimensions
+        runs there when the call (or `then`) fails, for a caller that does not wait. A server that
+        asks to be called later (RetryLater) is asked again after the wait it names, within the
+        call's time."""
         client = self._get_client()  # outside the timed call, as in _call
+        deadline = time.monotonic() + self.timeout_s
 
         def fetch() -> Any:
             try:
-                try:
-                    response = client.embed(model=self.model, input=list(texts), truncate=False, **options)
-                except Exception as exc:  # translated here, raised to the waiter
-                    raise self._translate(exc) from exc
-                matrix = self._vectors(texts, response)
+                for attempt in itertools.count():
+                    try:
+                        raw, self.served_model = self._embed_call(client, texts)
+                        break
+                    except Exception as exc:  # translated here, raised to the waiter
+                        error = self._translated(exc)
+                        if not isinstance(error, RetryLater):
+                            raise error from exc
+                        if attempt >= RATE_LIMIT_RETRIES or time.monotonic() + error.seconds >= deadline:
+                            raise self.rate_limited(error) from None
+                        logging.getLogger("local-rag.embedder").info("%s asks to be called again in %.1f s (%s)", self.where, error.seconds, error)
+                        time.sleep(error.seconds)
+                matrix = self._vectors(texts, raw)
                 return then(matrix) if then is not None else matrix
             except BaseException as exc:
                 if failed is not None:
@@ -5487,30 +5714,240 @@ class OllamaEmbedder:
 
         return wait
 
-    def _vectors(self, texts: Sequence[str], response: Any) -> Any:
+    def _vectors(self, texts: Sequence[str], embeddings: Any) -> Any:
         np = import_heavy("numpy")
 
-        if len(response.embeddings) != len(texts):
+        if not isinstance(embeddings, list) or len(embeddings) != len(texts):
+            count = len(embeddings) if isinstance(embeddings, list) else "no"
             raise RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
-                           f"Ollama returned {len(response.embeddings)} embeddings for {len(texts)} inputs", "retry")
+                           f"{self.where} returned {count} embeddings for {len(texts)} inputs", "retry")
         try:
-            matrix = np.asarray(response.embeddings, dtype=np.float32)
+            matrix = np.asarray(embeddings, dtype=np.float32)
         except (ValueError, TypeError):
             matrix = None
         if matrix is None or matrix.ndim != 2 or matrix.shape[1] == 0:
-            raise InvalidVectors(ErrorCode.EMBEDDER_UNAVAILABLE, f"Ollama at {self.host} returned vectors of "
-                                 "different lengths", "check the model; re-pull it with `ollama pull " f"{self.model}`")
+            raise InvalidVectors(ErrorCode.EMBEDDER_UNAVAILABLE, f"{self.where} returned vectors of "
+                                 "different lengths", f"check the model: {self.model_hint()}")
         if not np.isfinite(matrix).all():
-            raise InvalidVectors(ErrorCode.EMBEDDER_UNAVAILABLE, f"Ollama at {self.host} returned vectors with NaN or "
-                                 "infinite values", f"check the model; re-pull it with `ollama pull {self.model}`")
+            raise InvalidVectors(ErrorCode.EMBEDDER_UNAVAILABLE, f"{self.where} returned vectors with NaN or "
+                                 "infinite values", f"check the model: {self.model_hint()}")
         if self.dimensions is not None and matrix.shape[1] != self.dimensions:
-            # Not a fault of the embedder to wait out: an Ollama too old for `dimensions` ignores it.
+            # Not a fault of the embedder to wait out: a server too old for `dimensions` ignores it.
             raise RagError(ErrorCode.INVALID_ARGUMENT,
-                           f"configuration error: Ollama at {self.host} returned {matrix.shape[1]}-dimensional vectors "
+                           f"configuration error: {self.where} returned {matrix.shape[1]}-dimensional vectors "
                            f"for {self.model!r} when asked for {self.dimensions} (RAG_EMBED_DIMENSIONS): it ignores "
-                           "`dimensions`", "upgrade Ollama (versions before September 2025 ignore it), or unset "
-                           f"RAG_EMBED_DIMENSIONS and run {ingest_command()}")
+                           "`dimensions`", f"{self.DIMENSIONS_FIX}, or unset RAG_EMBED_DIMENSIONS and run "
+                           f"{ingest_command()}")
         return matrix
+
+
+@dataclass
+class OllamaEmbedder(Embedder):
+    """Ollama's own API (POST /api/embed, /api/show, /api/tags) through the `ollama` client."""
+
+    SERVER: ClassVar[str] = "Ollama"
+    HOSTS_VARIABLE: ClassVar[str] = "OLLAMA_HOST"
+    DIMENSIONS_FIX: ClassVar[str] = "upgrade Ollama (versions before September 2025 ignore it)"
+    ADDRESS_HINT: ClassVar[str] = "check that OLLAMA_HOST points to an Ollama server"
+
+    def _new_client(self) -> Any:
+        ollama = import_heavy("ollama")
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        return ollama.Client(host=self.host, timeout=self.timeout_s, headers=headers,
+                             transport=_deadline_transport_class()(self.timeout_s))
+
+    def _embed_call(self, client: Any, texts: Sequence[str]) -> tuple[Any, str | None]:
+        options: dict[str, Any] = {"keep_alive": self.keep_alive} if self.keep_alive is not None else {}
+        if self.dimensions is not None:
+            options["dimensions"] = self.dimensions
+        response = client.embed(model=self.model, input=list(texts), truncate=False, **options)
+        return list(response.embeddings or []), response.model
+
+    def start_hint(self) -> str:
+        return f"start Ollama (`ollama serve`) and `ollama pull {self.model}`, or set OLLAMA_HOST"
+
+    def model_hint(self) -> str:
+        return f"re-pull it with `ollama pull {self.model}`"
+
+    def _translate(self, exc: BaseException) -> BaseException:
+        import ollama
+
+        if isinstance(exc, ollama.ResponseError):
+            if exc.status_code == 404:
+                return RagError(ErrorCode.MODEL_NOT_FOUND, f"Ollama at {self.host} has no model {self.model!r}",
+                                f"run `ollama pull {self.model}`")
+            if exc.status_code == 400 and "context length" in str(exc.error):
+                return InputTooLong(str(exc.error))
+            if exc.status_code == 429 or (exc.status_code == 503 and "busy" in str(exc.error)):
+                return RetryLater(1.0, f"HTTP {exc.status_code}: {shown(exc.error, 200)}")
+            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
+                            f"Ollama at {self.host} answered HTTP {exc.status_code}: {shown(exc.error, 300)}",
+                            "check the Ollama server log; retry when it is healthy")
+        return self._transport_error(exc)
+
+    def model_digest(self) -> str | None:
+        """The model's digest as Ollama lists it (`/api/tags`); None when it is not listed there."""
+        listed = self._call(lambda client: client.list())
+        for entry in listed.models or []:
+            if entry.model and same_model(entry.model, self.model):
+                return entry.digest or None
+        return None
+
+    def model_info(self) -> ModelInfo:
+        """Context length and dimensions from `POST /api/show`, registry values as fallback."""
+        shown_model = self._call(lambda client: client.show(self.model))
+        info = dict(shown_model.modelinfo or {})
+        arch = info.get("general.architecture")
+        context = info.get(f"{arch}.context_length") if arch else None
+        dims = info.get(f"{arch}.embedding_length") if arch else None
+        return ModelInfo(context_length=_whole_or(context, registry_context_length(self.model)),
+                         dims=_whole_or(dims, None))
+
+
+def _whole_or(value: Any, default: int | None) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+
+def registry_context_length(model: str) -> int | None:
+    family = prefix_scheme_for(model)
+    return REGISTRY_CONTEXT_LENGTH.get(family.name if family else "", None)
+
+
+class _Refused(Exception):
+    """An OpenAI-compatible server's HTTP error answer."""
+
+    def __init__(self, status: int, body: str, retry_after: str | None) -> None:
+        super().__init__(f"HTTP {status}: {body}")
+        self.status, self.body, self.retry_after = status, body, retry_after
+
+
+# The words OpenAI-compatible servers use to refuse an input longer than the model takes:
+# llama-server ("input is too large to process"), vLLM ("maximum context length is 512 tokens"),
+# TEI ("`inputs` must have less than 512 tokens"), LM Studio and Ollama's /v1 ("exceeds the context
+# length"). Ingest then splits the chunk, as with Ollama's own refusal.
+_TOO_LONG = re.compile(r"context length|context window|too (?:long|large)|maximum (?:context|input|sequence)"
+                       r"|must have less than|exceeds? the|longer than the|max_model_len|n_ubatch|physical batch",
+                       re.IGNORECASE)
+_REFUSED_TOO_LONG = (400, 413, 422, 500)
+
+
+@dataclass
+class OpenAIEmbedder(Embedder):
+    """The OpenAI-compatible embeddings API (POST {url}/embeddings, GET {url}/models) of LM Studio,
+    llama-server, vLLM, TEI, Infinity and Ollama's /v1. Plain httpx rather than the `openai`
+    package: httpx is already installed (ollama and mcp use it), so no new dependency, and the
+    same DeadlineTransport bounds a call's whole answer as for Ollama."""
+
+    SERVER: ClassVar[str] = "the embedding server"
+    HOSTS_VARIABLE: ClassVar[str] = "RAG_EMBED_URL"
+
+    def _new_client(self) -> Any:
+        httpx = import_heavy("httpx")
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.host + "/", timeout=self.timeout_s, headers=headers,
+                            transport=_deadline_transport_class()(self.timeout_s))
+
+    def _json(self, response: Any) -> Any:
+        if response.status_code >= 400:  # redacted at once: the exception may be chained and logged
+            raise _Refused(response.status_code, self.redact(response.text[:2000]), response.headers.get("retry-after"))
+        return json_value(response.content)
+
+    def _embed_call(self, client: Any, texts: Sequence[str]) -> tuple[Any, str | None]:
+        body: dict[str, Any] = {"model": self.model, "input": list(texts), "encoding_format": "float"}
+        if self.dimensions is not None:
+            body["dimensions"] = self.dimensions
+        answer = self._json(client.post("embeddings", json=body))
+        if not isinstance(answer, dict) or not isinstance(answer.get("data"), list):
+            raise ValueError("no `data` list in the answer")
+        rows = answer["data"]
+        if all(isinstance(row, dict) and isinstance(row.get("index"), int) for row in rows):
+            rows = sorted(rows, key=lambda row: row["index"])
+        served = answer.get("model")
+        return [row.get("embedding") if isinstance(row, dict) else None for row in rows], \
+            served if isinstance(served, str) else None
+
+    def _listed(self) -> list[dict[str, Any]]:
+        """GET {url}/models' entries; [] where the server has no such route."""
+        try:
+            answer = self._json(self._get_client().get("models"))
+        except _Refused as exc:
+            if exc.status == 404:
+                return []
+            raise
+        data = answer.get("data") if isinstance(answer, dict) else None
+        return [entry for entry in data if isinstance(entry, dict) and isinstance(entry.get("id"), str)] \
+            if isinstance(data, list) else []
+
+    def _listed_names(self) -> str:
+        """The model names the server lists, for a hint (empty when it cannot say)."""
+        try:
+            names = [printable_text(entry["id"])[:120] for entry in self._listed()]
+        except Exception:  # noqa: BLE001 - only a hint: the call's own error is what is raised
+            return ""
+        return ", ".join(repr(name) for name in names[:8]) + (" …" if len(names) > 8 else "")
+
+    def start_hint(self) -> str:
+        return ("start the embedding server (LM Studio's server, `llama-server --embeddings`, vLLM, TEI), or set "
+                "RAG_EMBED_URL to its base URL as it documents it (e.g. http://127.0.0.1:1234/v1)")
+
+    def model_hint(self) -> str:
+        return f"load {self.model!r} on that server again (GET {self.host}/models lists what it serves)"
+
+    def _translate(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, _Refused):
+            return self._refusal(exc)
+        return self._transport_error(exc)
+
+    @staticmethod
+    def _said(body: str) -> str:
+        """What an error answer says: its JSON's error message where it has one (OpenAI's
+        {"error": {"message": ...}}, TEI's {"error": ...}), else the body."""
+        try:
+            data = json_value(body)
+        except ValueError:
+            data = None
+        error = data.get("error") if isinstance(data, dict) else None
+        message = error.get("message") if isinstance(error, dict) else error
+        return shown(message if isinstance(message, str) else body, 300)
+
+    def _refusal(self, exc: _Refused) -> BaseException:
+        status, said = exc.status, self._said(exc.body)
+        if status in (401, 403):
+            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
+                            f"{self.where} refused the API key (HTTP {status})" if self.api_key else
+                            f"{self.where} asks for an API key (HTTP {status})",
+                            "set RAG_EMBED_API_KEY to a key that server accepts (it is sent as a bearer token)")
+        if status == 429 or (status == 503 and exc.retry_after is not None):
+            return RetryLater(retry_after_seconds(exc.retry_after), f"HTTP {status}")
+        if status in _REFUSED_TOO_LONG and _TOO_LONG.search(exc.body):
+            return InputTooLong(said)
+        if status in (400, 404) and "model" in exc.body.lower():
+            listed = self._listed_names()
+            return RagError(ErrorCode.MODEL_NOT_FOUND, f"{self.where} does not serve the model {self.model!r}: {said}",
+                            f"set RAG_EMBED_MODEL to a model it serves ({listed})" if listed else
+                            f"load {self.model!r} on that server, or set RAG_EMBED_MODEL to a model it serves")
+        if status == 404:
+            return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"{self.where} has no embeddings API at "
+                            f"{self.host}/embeddings (HTTP 404)", "set RAG_EMBED_URL to the base URL the server "
+                            "documents, usually ending in /v1 (e.g. http://127.0.0.1:1234/v1)")
+        return RagError(ErrorCode.EMBEDDER_UNAVAILABLE, f"{self.where} answered HTTP {status}: {said}",
+                        "check the embedding server's log; retry when it is healthy")
+
+    def model_info(self) -> ModelInfo:
+        """Context length and dimensions where GET /models says them (vLLM's max_model_len,
+        llama-server's meta), the registry's context length as fallback. The list is not
+        required to name the model: llama-server and TEI serve one model under a file name."""
+        entries = self._call(lambda client: self._listed())
+        chosen = next((e for e in entries if same_model(e["id"], self.model)), None) \
+            or next((e for e in entries if model_base_name(e["id"]) == model_base_name(self.model)), None) \
+            or (entries[0] if len(entries) == 1 else {})
+        meta = chosen.get("meta") if isinstance(chosen.get("meta"), dict) else {}
+        context = _whole_or(chosen.get("max_model_len"), None) or _whole_or(meta.get("n_ctx_train"), None)
+        return ModelInfo(context_length=context or registry_context_length(self.model),
+                         dims=_whole_or(meta.get("n_embd"), None))
+
+
+EMBEDDERS: dict[str, type[Embedder]] = {"ollama": OllamaEmbedder, "openai": OpenAIEmbedder}
 
 
 def batched(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:

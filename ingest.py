@@ -529,7 +529,7 @@ class Host:
     """One Ollama host of the run as Embedding uses it: its own batch sizes and calls in flight
     (a GPU box and a laptop embed at different paces), and why it left the rotation, if it did."""
 
-    embedder: rules.OllamaEmbedder
+    embedder: rules.Embedder
     sizer: BatchSizer
     tuner: ConcurrencyTuner
     in_flight: int = 0
@@ -648,7 +648,7 @@ class Embedding:
     unavailable. No text is sent to two hosts at once. A chunk Ollama refuses as too long is split
     and its pieces embedded; nothing is ever truncated."""
 
-    def __init__(self, embedders: Sequence[rules.OllamaEmbedder], scheme: rules.PrefixScheme, dims: int,
+    def __init__(self, embedders: Sequence[rules.Embedder], scheme: rules.PrefixScheme, dims: int,
                  reuse: Callable[[Sequence[str]], dict[str, Any]], concurrency: int | None = None) -> None:
         self.hosts = [Host(embedder, BatchSizer(target_s=min(EMBED_CALL_TARGET_S,
                                                              embedder.timeout_s * EMBED_CALL_SHARE_OF_TIMEOUT)),
@@ -832,7 +832,7 @@ class Embedding:
             # 2. no host left
             if not any(r.in_flight for r in self._rounds):
                 for round_ in [r for r in self._rounds if r.has_work()]:
-                    round_.fail(failure or RagError(ErrorCode.EMBEDDER_UNAVAILABLE, "no Ollama host to embed with"))
+                    round_.fail(failure or RagError(ErrorCode.EMBEDDER_UNAVAILABLE, "no embedding host to embed with"))
             # 3. the next answer
             message = self._inbox.get()  # every call is bounded: one answers, or fails, in time
             if message is None:
@@ -926,12 +926,12 @@ class Embedding:
         wrong = {len(v) for v in vectors if len(v) != self.dims}
         if not wrong:
             return None
-        model = host.embedder.model
+        embedder = host.embedder
         return RagError(ErrorCode.EMBEDDER_UNAVAILABLE,
-                        f"Ollama at {host.embedder.host} answered {min(wrong)}-dimensional vectors for {model!r}, "
+                        f"{embedder.where} answered {min(wrong)}-dimensional vectors for {embedder.model!r}, "
                         f"the index holds {self.dims}",
-                        f"the model changed under the same name? `ollama pull {model}` on that host, or leave it "
-                        "out of OLLAMA_HOST; run ingest again: it rebuilds when /api/show reports the new size")
+                        f"the model changed under the same name? {embedder.model_hint()}, or leave that host out "
+                        f"of {embedder.HOSTS_VARIABLE}; run ingest again: it rebuilds when the model's size changed")
 
     def _others_in_rotation(self, host: Host) -> bool:
         return any(other is not host and other.out is None for other in self.hosts)
@@ -1691,7 +1691,7 @@ class Store:
         vector store's metadata too."""
         facts = rules.corpus_facts(self.db.execute("SELECT path, lifecycle, cjk_share FROM documents"))
         with transaction(self.db):
-            self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('stamp', ?)", (json.dumps(asdict(stamp)),))
+            self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('stamp', ?)", (json.dumps(stamp.to_dict()),))
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
                             (rules.META_CORPUS_FACTS, facts.to_json()))
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
@@ -1699,7 +1699,9 @@ class Store:
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('manifest', ?)",
                             (json.dumps(self.manifest.to_dict()),))
         if in_vectors:
-            self.vectors.merge_metadata({f"stamp_{k}": v for k, v in asdict(stamp).items() if v is not None})
+            # A store's metadata takes scalars only: the fingerprint goes as its JSON text.
+            self.vectors.merge_metadata({f"stamp_{k}": json.dumps(v) if isinstance(v, dict) else v
+                                         for k, v in stamp.to_dict().items() if v is not None})
 
 
 # ---------------------------------------------------------------------------
@@ -1887,7 +1889,7 @@ class Progress:
             line = (f"ingest: {self.files_done}/{self.files} files, {self.chunks_done}/{self.chunks} chunks embedded "
                     f"or reused, {rate:.1f} chunks/s, {eta}")
             if waiting >= PROGRESS_EVERY_S and left:
-                line += f"; waiting {waiting:.0f} s for Ollama"
+                line += f"; waiting {waiting:.0f} s for the embedding server"
             return line
 
     def _print_if_due(self, every: float) -> None:
@@ -2099,18 +2101,19 @@ class Budget:
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What ingest needs to know about the embedding model, asked of Ollama once per run."""
+    """What ingest needs to know about the embedding model, asked of the server once per run."""
 
     dims: int
     context_length: int
-    digest: str | None = None  # as /api/tags lists it; None where Ollama does not say
+    digest: str | None = None  # as Ollama's /api/tags lists it; None where the server does not say
+    fingerprint: rules.ModelFingerprint | None = None  # None only for facts made without asking
 
 
-def probe_model(embedder: rules.OllamaEmbedder, scheme: rules.PrefixScheme, settings: rules.Settings) -> ModelFacts:
-    """Ask Ollama for the model's dimensions and context length (RagError when it is down or lacks
-    the model). Called before the store is touched whenever anything may need embedding. With
-    RAG_EMBED_DIMENSIONS the dimensions are the ones asked for, once one vector shows that Ollama
-    honours them."""
+def probe_model(embedder: rules.Embedder, scheme: rules.PrefixScheme, settings: rules.Settings) -> ModelFacts:
+    """Ask the server for the model's dimensions, context length and fingerprint (RagError when it
+    is down or lacks the model). Called before the store is touched whenever anything may need
+    embedding. With RAG_EMBED_DIMENSIONS the dimensions are the ones asked for, once one vector
+    shows that the server honours them."""
     info = embedder.model_info()
     probe = [scheme.query_text("dimension probe")]
     native = info.dims or len(replace(embedder, dimensions=None).embed(probe)[0])
@@ -2123,30 +2126,64 @@ def probe_model(embedder: rules.OllamaEmbedder, scheme: rules.PrefixScheme, sett
                            "fewer (a size the model was trained for: EmbeddingGemma's are 768, 512, 256 and 128), "
                            "or unset it for the model's own size")
         dims = len(embedder.embed(probe)[0])  # the embedder checks it is the size asked for
+    fingerprint = fingerprint_of(embedder, dims)
     try:
         digest = embedder.model_digest()
-    except RagError as exc:  # only a safeguard: an Ollama that cannot list its models still embeds
-        log.info("Ollama did not list its models (%s); re-pulled weights go unnoticed this run", exc.message)
+    except RagError as exc:  # only a safeguard: a server that cannot list its models still embeds
+        log.info("%s did not list its models (%s); re-pulled weights are noticed by the fingerprint alone",
+                 embedder.where, exc.message)
         digest = None
-    return ModelFacts(dims=dims, context_length=info.context_length or settings.chunk_max_tokens, digest=digest)
+    return ModelFacts(dims=dims, context_length=info.context_length or settings.chunk_max_tokens, digest=digest,
+                      fingerprint=fingerprint)
+
+
+def fingerprint_of(embedder: rules.Embedder, dims: int) -> rules.ModelFingerprint | None:
+    """The host's model fingerprint; None (not known this run) for a host that fails the probe or
+    answers it in another size than it reports: its embedding calls say what is wrong with them."""
+    try:
+        fingerprint = embedder.fingerprint()
+    except rules.InputTooLong:  # a context shorter than one sentence: nothing to embed chunks with either
+        return None
+    except RagError as exc:
+        if exc.code not in EMBEDDER_DOWN:
+            raise
+        log.warning("%s: the model's fingerprint is not known this run (%s)", exc.message, exc.hint)
+        return None
+    return fingerprint if fingerprint.dims == dims else None
 
 
 def weights_changed(current: rules.CurrentIndex | None, index_name: str, model: ModelFacts | None) -> bool:
-    """Whether Ollama now lists other weights under the model name than the live index was
-    embedded with (a re-pull): every stored vector is then stale, even with the same dimensions."""
-    return (current is not None and current.index == index_name and model is not None
-            and None not in (model.digest, current.stamp.model_digest) and model.digest != current.stamp.model_digest)
+    """Whether the server's model is not the one the live index was embedded with, under the same
+    name: another digest listed (a re-pull), or vectors whose fingerprint disagrees (another
+    quantisation or model behind the name, whatever the server lists). Every stored vector is then
+    stale, even with the same dimensions."""
+    if current is None or current.index != index_name or model is None:
+        return False
+    digest_moved = None not in (model.digest, current.stamp.model_digest) and model.digest != current.stamp.model_digest
+    recorded = current.stamp.fingerprint
+    return digest_moved or (None not in (recorded, model.fingerprint)
+                            and not model.fingerprint.agrees(recorded))  # type: ignore[union-attr]  # both known
 
 
-def probe_hosts(embedders: Sequence[rules.OllamaEmbedder], scheme: rules.PrefixScheme,
-                settings: rules.Settings) -> tuple[ModelFacts, list[rules.OllamaEmbedder]]:
+def how_the_model_changed(current: rules.CurrentIndex, model: ModelFacts) -> str:
+    recorded, now = current.stamp.fingerprint, model.fingerprint
+    if recorded is not None and now is not None and not now.agrees(recorded):
+        return (f"its vectors' fingerprint moved: {recorded.describe()} then, {now.describe()} now, similarity "
+                f"{now.similarity(recorded):.3f}")
+    return f"digest {(current.stamp.model_digest or '?')[:12]}, now {(model.digest or '?')[:12]}"
+
+
+def probe_hosts(embedders: Sequence[rules.Embedder], scheme: rules.PrefixScheme, settings: rules.Settings,
+                reference: rules.ModelFingerprint | None = None) -> tuple[ModelFacts, list[rules.Embedder]]:
     """The model's facts and the hosts that embed with it in this run. One host: probe_model's
     facts, or its error. Several: asked at once; a host that is down or lacks the model is left
-    out of the run (a warning), and the error is raised only when no host answers. Hosts that
-    serve other weights or dimensions under the model's name are refused: vectors from them could
-    not be compared with each other."""
+    out of the run (a warning), and the error is raised only when no host answers. Hosts whose
+    model differs (its fingerprint: another model, quantisation or size behind the name) are left
+    out by name (see agreeing_hosts): vectors from them could not be compared with the others'."""
     if len(embedders) == 1:
-        return probe_model(embedders[0], scheme, settings), list(embedders)
+        model = probe_model(embedders[0], scheme, settings)
+        warn_if_served_model_differs(embedders[0], model, scheme)
+        return model, list(embedders)
     calls = [rules.on_call_thread(functools.partial(probe_model, embedder, scheme, settings)) for embedder in embedders]
     facts: dict[str, ModelFacts] = {}
     failures: list[RagError] = []
@@ -2163,43 +2200,76 @@ def probe_hosts(embedders: Sequence[rules.OllamaEmbedder], scheme: rules.PrefixS
         raise failures[0]
     for exc in failures:
         log.warning("%s: that host is left out of this run (%s)", exc.message, exc.hint)
-    check_same_model(settings.embed_model, facts)
-    first = next(iter(facts.values()))
-    return (ModelFacts(dims=first.dims, context_length=min(f.context_length for f in facts.values()),
-                       digest=first.digest), [embedder for embedder in embedders if embedder.host in facts])
+    kept = agreeing_hosts(embedders, facts, reference)
+    first = facts[kept[0].host]
+    warn_if_served_model_differs(kept[0], first, scheme)
+    return (ModelFacts(dims=first.dims, context_length=min(facts[e.host].context_length for e in kept),
+                       digest=first.digest, fingerprint=first.fingerprint), kept)
 
 
-def check_same_model(model: str, facts: Mapping[str, ModelFacts]) -> None:
-    """Refuse hosts whose model differs (digest as /api/tags lists it, or dimensions): one index
-    holds vectors of one model's weights only. A host that does not list its digest cannot be
-    checked, so it is refused too."""
-    digests, dims = {f.digest for f in facts.values()}, {f.dims for f in facts.values()}
-    if len(facts) < 2 or (len(digests) == len(dims) == 1 and None not in digests):
-        return
-    each = "; ".join(f"{host}: {(f.digest or 'no digest listed')[:12]}, {f.dims} dimensions"
-                     for host, f in facts.items())
-    raise RagError(ErrorCode.INVALID_ARGUMENT,
-                   f"configuration error: the hosts of OLLAMA_HOST do not serve the same {model!r} ({each})",
-                   f"run `ollama pull {model}` on every host so they list the same digest, or leave the others "
-                   "out of OLLAMA_HOST")
+def agreeing_hosts(embedders: Sequence[rules.Embedder], facts: Mapping[str, ModelFacts],
+                   reference: rules.ModelFingerprint | None) -> list[rules.Embedder]:
+    """The hosts (of those that answered) whose fingerprints agree: with the index's when some
+    host's does (`reference`), else the largest group (the earliest host's on a tie: the one a
+    user lists first). Each host left out is named, with how far its vectors are from the others'."""
+    answered = [e for e in embedders if e.host in facts]
+
+    if all(facts[e.host].fingerprint is None for e in answered):
+        return answered  # none could be checked (each too slow for the probe): the dimensions are, per call
+
+    def group(fingerprint: rules.ModelFingerprint | None) -> list[rules.Embedder]:
+        return [e for e in answered if fingerprint is not None and (fp := facts[e.host].fingerprint) is not None
+                and fp.agrees(fingerprint)]
+
+    by_index = group(reference)
+    if by_index:
+        kept, chosen, against = by_index, reference, "the index's vectors"
+    else:
+        kept = max((group(facts[e.host].fingerprint) for e in answered), key=len)
+        chosen, against = facts[kept[0].host].fingerprint, kept[0].where
+    for embedder in answered:
+        if embedder in kept:
+            continue
+        fp = facts[embedder.host].fingerprint
+        if fp is None:  # said by fingerprint_of; its vectors could not be compared with the others'
+            log.warning("%s could not be checked against %s: that host is left out of this run", embedder.where,
+                        against)
+            continue
+        log.warning("%s embeds with another model than %s (%s; fingerprint similarity %.3f, %s needed): that host "
+                    "is left out of this run (%s, or leave it out of %s)", embedder.where, against, fp.describe(),
+                    fp.similarity(chosen) if chosen is not None else 0.0, rules.FINGERPRINT_MIN_COSINE,
+                    embedder.model_hint(), embedder.HOSTS_VARIABLE)
+    return kept
 
 
-def probe_model_if_reachable(settings: rules.Settings, scheme: rules.PrefixScheme) -> ModelFacts | None:
-    quick = [rules.OllamaEmbedder(host, settings.embed_model, min(settings.embed_timeout_s, OPTIONAL_PROBE_TIMEOUT_S),
-                                  dimensions=settings.embed_dimensions)
+def warn_if_served_model_differs(embedder: rules.Embedder, facts: ModelFacts, scheme: rules.PrefixScheme) -> None:
+    """The prefixes follow RAG_EMBED_MODEL (or RAG_EMBED_PREFIXES): say so when the server reports
+    a model of another known family (an OpenAI-compatible server serves what it loaded, whatever
+    the request names)."""
+    served = facts.fingerprint.served_model if facts.fingerprint is not None else None
+    family = rules.prefix_scheme_for(served) if served else None
+    if family is not None and family.name != scheme.name:
+        log.warning("%s reports the model %r (%s prefixes) but this run uses %s prefixes for %r: set RAG_EMBED_MODEL "
+                    "(or RAG_EMBED_PREFIXES) to match what it serves", embedder.where, served, family.name,
+                    scheme.name, embedder.model)
+
+
+def probe_model_if_reachable(settings: rules.Settings, scheme: rules.PrefixScheme,
+                             reference: rules.ModelFingerprint | None = None) -> ModelFacts | None:
+    quick = [settings.embedder(host, timeout_s=min(settings.embed_timeout_s, OPTIONAL_PROBE_TIMEOUT_S),
+                               dimensions=settings.embed_dimensions)
              for host in settings.ollama_hosts]
     try:
-        return probe_hosts(quick, scheme, settings)[0]
+        return probe_hosts(quick, scheme, settings, reference)[0]
     except RagError as exc:
-        log.info("nothing to embed, so this run goes on without Ollama (%s)", exc.message)
+        log.info("nothing to embed, so this run goes on without the embedding server (%s)", exc.message)
         return None
 
 
 def context_length_if_reachable(settings: rules.Settings) -> int | None:
     """The model's context length as the first host of OLLAMA_HOST reports it, within
     OPTIONAL_PROBE_TIMEOUT_S; None when it does not say."""
-    embedder = rules.OllamaEmbedder(settings.ollama_host, settings.embed_model,
-                                    min(settings.embed_timeout_s, OPTIONAL_PROBE_TIMEOUT_S))
+    embedder = settings.embedder(settings.ollama_host, timeout_s=min(settings.embed_timeout_s, OPTIONAL_PROBE_TIMEOUT_S))
     try:
         return embedder.model_info().context_length
     except RagError:
@@ -2211,10 +2281,17 @@ def assumed_context_length(settings: rules.Settings, scheme: rules.PrefixScheme)
     return rules.REGISTRY_CONTEXT_LENGTH.get(scheme.name, settings.chunk_max_tokens)
 
 
-def scheme_for(model: str) -> rules.PrefixScheme:
+def scheme_for(settings: rules.Settings) -> rules.PrefixScheme:
+    """The model's query and document prefixes: RAG_EMBED_PREFIXES' scheme when set, else the one
+    of RAG_EMBED_MODEL's family (whatever the API: EmbeddingGemma through llama-server is still
+    EmbeddingGemma), else none."""
+    if settings.embed_prefixes is not None:
+        return rules.PREFIX_SCHEMES[settings.embed_prefixes]
+    model = settings.embed_model
     scheme = rules.prefix_scheme_for(model)
     if scheme is None:
-        log.warning("unknown embedding model %r: no query/document prefixes will be used", model)
+        log.warning("unknown embedding model %r: no query/document prefixes will be used (RAG_EMBED_PREFIXES names "
+                    "a scheme for it)", model)
         return rules.PREFIX_SCHEMES["none"]
     return scheme
 
@@ -2292,7 +2369,7 @@ def dry_run(args: argparse.Namespace, settings: rules.Settings, layout: rules.St
     """What a real run would change, without Ollama and without writing anything."""
     registry, waiting = _registry_of(layout, current), _waiting_of(layout, current)
     _guard_empty(walk, registry, args.allow_empty)
-    scheme = scheme_for(settings.embed_model)
+    scheme = scheme_for(settings)
     # Ollama is asked the model's context length, which cuts the chunks as a run would (/api/show,
     # briefly; nothing is embedded); when it does not answer, the registry's stands in. The live
     # index's dimensions stand in for the model's (a dimension change alone goes unnoticed).
@@ -2398,10 +2475,10 @@ class Run:
     summary: Summary
     walk: Walk
     scheme: rules.PrefixScheme
-    embedders: list[rules.OllamaEmbedder]  # one per host of OLLAMA_HOST
+    embedders: list[rules.Embedder]  # one per host of OLLAMA_HOST
     current: rules.CurrentIndex | None  # the live index; read again under the lock
     model: ModelFacts | None = None  # None: Ollama did not answer, or was not needed
-    hosts: list[rules.OllamaEmbedder] = field(default_factory=list)  # those that embed in this run (probed)
+    hosts: list[rules.Embedder] = field(default_factory=list)  # those that embed in this run (probed)
     # Why nothing can be embedded in this run (Ollama down, or without the model) when the run
     # goes on to index files for keyword search only.
     unembeddable: RagError | None = None
@@ -2419,6 +2496,10 @@ class Run:
 
     def index_name(self, dims: int) -> str:
         return rules.manifest_for(self.settings, self.scheme.name, dims).index_name()
+
+    def recorded_fingerprint(self) -> rules.ModelFingerprint | None:
+        """The live index's model fingerprint, which the hosts of this run are checked against."""
+        return self.current.stamp.fingerprint if self.current is not None else None
 
 
 @dataclass
@@ -2459,10 +2540,9 @@ def _run_in(args: argparse.Namespace, summary: Summary, settings: rules.Settings
         dry_run(args, settings, layout, walk, current, summary)
         return
     assert vectors is not None
-    embedders = [rules.OllamaEmbedder(host, settings.embed_model, settings.embed_timeout_s, keep_alive=KEEP_ALIVE,
-                                      dimensions=settings.embed_dimensions)
+    embedders = [settings.embedder(host, keep_alive=KEEP_ALIVE, dimensions=settings.embed_dimensions)
                  for host in settings.ollama_hosts]
-    run = Run(args, settings, layout, summary, walk, scheme_for(settings.embed_model), embedders, current)
+    run = Run(args, settings, layout, summary, walk, scheme_for(settings), embedders, current)
     look = _look_before_the_lock(run, vectors)
     with ingest_lock(layout):
         prepared = _prepare(run, vectors, look)
@@ -2489,15 +2569,15 @@ def _look_before_the_lock(run: Run, vectors: rules.Vectors) -> Look | None:
     if look is None or look.plan.changed:
         vectors.start()  # Chroma's import overlaps the probe, planning and chunking
         try:
-            run.model, run.hosts = probe_hosts(run.embedders, run.scheme, run.settings)
+            run.model, run.hosts = probe_hosts(run.embedders, run.scheme, run.settings, run.recorded_fingerprint())
         except RagError as exc:
             if exc.code not in EMBEDDER_DOWN or not keyword_first_possible(run, look):
                 raise
-            log.warning("%s: new files are indexed for keyword search only; their vectors wait for Ollama",
+            log.warning("%s: new files are indexed for keyword search only; their vectors wait for the embedding server",
                         exc.message)
             run.unembeddable = exc
     else:
-        run.model = probe_model_if_reachable(run.settings, run.scheme)
+        run.model = probe_model_if_reachable(run.settings, run.scheme, run.recorded_fingerprint())
     return look
 
 
@@ -2523,7 +2603,7 @@ def _prepare(run: Run, vectors: rules.Vectors, look: Look | None) -> Prepared:
     try:
         if prepared.plan.changed and run.model is None and run.unembeddable is None:
             # Another ingest or an editor changed files since the look before the lock.
-            run.model, run.hosts = probe_hosts(run.embedders, run.scheme, run.settings)
+            run.model, run.hosts = probe_hosts(run.embedders, run.scheme, run.settings, run.recorded_fingerprint())
             if run.model.dims != dims:
                 prepared.store.close()
                 prepared = _open_and_plan(run, run.model.dims, vectors, None)
@@ -2549,9 +2629,8 @@ def _dims_under_the_lock(run: Run) -> int:
     dims = run.model.dims if run.model is not None else current.manifest.dims if current is not None else 0
     run.summary.model_changed = weights_changed(current, run.index_name(dims), run.model)
     if run.summary.model_changed:
-        log.warning("Ollama's %s is not the one this index was embedded with (digest %s, now %s): "
-                    "re-embedding every chunk", run.settings.embed_model,
-                    current.stamp.model_digest[:12], run.model.digest[:12])  # type: ignore[union-attr]  # changed: both known
+        log.warning("the embedding server's %s is not the one this index was embedded with (%s): re-embedding every "
+                    "chunk", run.settings.embed_model, how_the_model_changed(current, run.model))  # type: ignore[arg-type]  # changed: both known
     run.full = run.args.full or run.summary.model_changed
     return dims
 
@@ -2643,7 +2722,8 @@ def _write(run: Run, prepared: Prepared) -> bool:
     if summary.vectors_pending:
         hint = rules.vectors_pending_hint(run.settings.embed_model, run.settings.corpus_dir, run.settings.store_dir,
                                           embedder_up=None if run.embedding_stopped is not None
-                                          else run.unembeddable is None and run.model is not None)
+                                          else run.unembeddable is None and run.model is not None,
+                                          api=run.settings.embed_api)
         summary.errors.append(f"{summary.vectors_pending} chunks without vectors (found by keyword search only): {hint}")
     return changed_anything
 
@@ -2849,17 +2929,15 @@ def _embedded(embedding: Embedding, job: FilesJob, plan: Plan) -> list[PreparedF
     return group
 
 
-def _digest_to_record(current: rules.CurrentIndex | None, model: ModelFacts | None, summary: Summary,
-                      plan: Plan) -> str | None:
-    """The model digest the index's vectors now come from: the one Ollama lists, unless new weights
-    were found and not every file was re-embedded (then the old one stays, so the next run re-embeds
-    again); the recorded one when this run did not ask Ollama."""
-    old = current.stamp.model_digest if current is not None else None
-    if model is None or model.digest is None:
+def _model_to_record(current: rules.CurrentIndex | None, model: ModelFacts | None, summary: Summary,
+                     plan: Plan) -> tuple[str | None, rules.ModelFingerprint | None]:
+    """The model digest and fingerprint the index's vectors now come from: the server's, unless new
+    weights were found and not every file was re-embedded (then the old ones stay, so the next run
+    re-embeds again); the recorded ones when this run did not ask the server (or it did not say)."""
+    old = (current.stamp.model_digest, current.stamp.fingerprint) if current is not None else (None, None)
+    if model is None or (summary.model_changed and (summary.left_for_next_run or plan.failed)):
         return old
-    if summary.model_changed and (summary.left_for_next_run or plan.failed):
-        return old
-    return model.digest
+    return model.digest or old[0], model.fingerprint or old[1]
 
 
 def _publish(run: Run, prepared: Prepared, changed_anything: bool) -> None:
@@ -2872,13 +2950,15 @@ def _publish(run: Run, prepared: Prepared, changed_anything: bool) -> None:
     found = files_found(run.walk, prepared.plan)
     summary.files_found = dict(found.counts)
     files, chunks = store.counts()
+    digest, fingerprint = _model_to_record(current, run.model, summary, prepared.plan)
     stamp = rules.IndexStamp(commit=summary.commit, dirty=summary.dirty,
                              ingested_at=datetime.now(UTC).isoformat(timespec="seconds"),
                              files=files, chunks=chunks,
-                             model_digest=_digest_to_record(current, run.model, summary, prepared.plan),
+                             model_digest=digest, fingerprint=fingerprint,
                              vectors_pending=store.waiting_chunks())
     announce = (summary.rebuilt or changed_anything or summary.model_changed or current is None
                 or current.corpus_dir != str(settings.corpus_dir) or current.corpus_id != run.walk.root_id
+                or (current.stamp.fingerprint is None and fingerprint is not None)
                 or (current.stamp.commit, current.stamp.dirty) != (stamp.commit, stamp.dirty))
     # The vector store's copy of the stamp follows the generations; a run that changed nothing
     # does not open the vector store just to note when it ran.

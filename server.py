@@ -21,7 +21,7 @@ with ingest, imported as `rules`; the tool table's callables look up what they c
        MCP server (stdio and streamable HTTP), the HTTP bridge and /health, the CLI, and main.
 
 A call's path: a door -> dispatch -> RetrievalService.<method> -> OpenIndex (keyword database,
-Chroma through rules.VectorStore / rules.ServerVectors) and rules.OllamaEmbedder for the query.
+Chroma through rules.VectorStore / rules.ServerVectors) and rules.Embedder for the query.
 
 Start-up stays cheap on purpose: chromadb and ollama are imported on the first call, or by a
 background warm-up after the client has listed the tools, never during the handshake; a hybrid
@@ -167,6 +167,9 @@ QUERY_HEDGE_S = 2.5
 QUERY_CACHE_SIZE = 256
 # After a query embedding timed out, further ones fail at once for this long (see QueryEmbeddings).
 EMBEDDER_REST_S = 15.0
+# A host whose vectors matched the index's model fingerprint is trusted this long; then (or after
+# any failure of it) the fingerprint text rides along with its next query again.
+FINGERPRINT_RECHECK_S = 300.0
 # Stored chunk vectors (for keyword-only hits' scores). Ids are content-addressed, so an entry
 # can never go stale within an index; 4096 x 768 float32 is 12 MB.
 CHUNK_VECTOR_CACHE_SIZE = 4096
@@ -2149,47 +2152,54 @@ class StoreManager:
 
 
 class QueryEmbeddings:
-    """Query vectors through Ollama with a small LRU cache (agents repeat queries), from the first
-    host of OLLAMA_HOST that answers.
+    """Query vectors through the embedding servers with a small LRU cache (agents repeat queries),
+    from the first host of the settings' hosts that answers.
 
     The cache is keyed by the index generation and the model digest the index was embedded with
     as well as the text: after a re-ingest (new weights pulled under the same name, say) a cached
     vector could disagree with the index. Only vectors that passed every check are cached.
 
-    Hosts are asked in OLLAMA_HOST's order: a host that fails (down, without the model, answering
-    vectors of another size) passes the call to the next within the same search, and one that has
-    not answered within QUERY_HEDGE_S gets the next asked beside it (the first answer wins). A host
-    that timed out or answered another size is skipped for EMBEDDER_REST_S, so it costs one search
-    a wait, not every search (hybrid search answers from the keyword channel while no host answers). A host
-    after the first is used only once it lists the digest the index was embedded with: ingest
-    refuses hosts that differ, and one re-pulled since would give vectors the index cannot be
-    compared with."""
+    Hosts are asked in the order configured: a host that fails (down, without the model, answering
+    vectors of another size or model) passes the call to the next within the same search, and one
+    that has not answered within QUERY_HEDGE_S gets the next asked beside it (the first answer
+    wins). A host that timed out or answered another model is skipped for EMBEDDER_REST_S, so it
+    costs one search a wait, not every search (hybrid search answers from the keyword channel while
+    no host answers). A host is used only once its vectors match the index's model fingerprint:
+    the fingerprint text rides along with its first query (one call, no extra round trip), again
+    after FINGERPRINT_RECHECK_S and after any failure. A host after the first must also list the
+    digest the index was embedded with, where it was recorded (Ollama), before it is asked."""
 
     def __init__(self, size: int = QUERY_CACHE_SIZE) -> None:
         self._cache: LRU[tuple[Any, ...], Any] = LRU(size)
-        self._lock = threading.Lock()  # the embedders, the resting hosts and the weights verdicts
-        self._embedders: dict[tuple[str, str, float, int | None], rules.OllamaEmbedder] = {}
+        self._lock = threading.Lock()  # the embedders, the resting hosts and the verdicts
+        self._embedders: dict[tuple[Any, ...], rules.Embedder] = {}
         self._resting: dict[tuple[str, str], tuple[float, RagError]] = {}
         # (host, model, the index's digest) -> None when the host lists that digest, else why not.
         self._weights: dict[tuple[str, str, str], RagError | None] = {}
+        # (host, model, dimensions, the index's fingerprint) -> when the host's vectors matched it.
+        self._matched: dict[tuple[Any, ...], float] = {}
 
-    def embedder(self, host: str, model: str, timeout: float, dimensions: int | None = None) -> rules.OllamaEmbedder:
-        key = (host, model, timeout, dimensions)
+    def embedder(self, settings: rules.Settings, host: str, model: str, timeout: float,
+                 dimensions: int | None = None) -> rules.Embedder:
+        key = (settings.embed_api, settings.embed_api_key, host, model, timeout, dimensions)
         with self._lock:
             if key not in self._embedders:
-                self._embedders[key] = rules.OllamaEmbedder(host, model, timeout, dimensions=dimensions)
+                self._embedders[key] = settings.embedder(host, model=model, timeout_s=timeout, dimensions=dimensions)
             return self._embedders[key]
 
-    def begin(self, hosts: Sequence[str], model: str, texts: Sequence[str], timeout: float, dims: int,
+    def begin(self, settings: rules.Settings, model: str, texts: Sequence[str], timeout: float, dims: int,
               generation: tuple[Any, ...], on_arrival: Callable[[list[Any]], None] | None = None,
-              dimensions: int | None = None, digest: str | None = None) -> Callable[[], list[Any]]:
-        """One vector per text, those not cached in one call to Ollama, sent now: the caller may
-        work meanwhile and waits by calling the result, which raises any error (every host's, when
-        none answered). When a call answers, on_arrival(vectors) runs as soon as the vectors
-        arrive, on the embedder's call thread that received them (a search queues its Chroma
-        queries from there, see Prefetch). `dimensions` is asked of Ollama (the index's
-        embed_dimensions); the generation keys the cache apart; `digest` is the model digest the
-        index was embedded with, which a host after the first must list."""
+              dimensions: int | None = None, digest: str | None = None,
+              fingerprint: rules.ModelFingerprint | None = None) -> Callable[[], list[Any]]:
+        """One vector per text, those not cached in one call to the embedding server, sent now:
+        the caller may work meanwhile and waits by calling the result, which raises any error
+        (every host's, when none answered). When a call answers, on_arrival(vectors) runs as soon
+        as the vectors arrive, on the embedder's call thread that received them (a search queues
+        its Chroma queries from there, see Prefetch). `dimensions` is asked of the server (the
+        index's embed_dimensions); the generation keys the cache apart; `fingerprint` is the
+        index's model fingerprint, which every host's vectors must match, and `digest` the model
+        digest the index was embedded with, which a host after the first must list."""
+        hosts = settings.ollama_hosts
         keys = [(model, text, generation) for text in texts]
         vectors = self._cache.get_many(keys)
         missing = list(dict.fromkeys(key for key in keys if key not in vectors))
@@ -2204,13 +2214,21 @@ class QueryEmbeddings:
             error = one_error([resting[host] for host in hosts])
             return lambda: _raise(error)
 
-        def received(host: str, matrix: Any) -> list[Any]:  # on the embedder's call thread
+        def embedder_of(host: str) -> rules.Embedder:
+            return self.embedder(settings, host, model, timeout, dimensions)
+
+        def received(host: str, matrix: Any, probed: bool) -> list[Any]:  # on the embedder's call thread
+            embedder = embedder_of(host)
             if len(matrix[0]) != dims:  # this host serves another model under the name: the next one may not
                 raise RagError(ErrorCode.INDEX_INCOMPATIBLE,
-                               f"Ollama at {host} returns {len(matrix[0])}-dimensional vectors for {model!r} but the "
+                               f"{embedder.where} returns {len(matrix[0])}-dimensional vectors for {model!r} but the "
                                f"index holds {dims}-dimensional ones",
-                               f"the model changed under the same name there: leave that host out of OLLAMA_HOST, "
-                               f"or rebuild with {rules.ingest_command('--full')} if the change was meant")
+                               f"the model changed under the same name there: leave that host out of "
+                               f"{embedder.HOSTS_VARIABLE}, or rebuild with {rules.ingest_command('--full')} if the "
+                               "change was meant")
+            if probed:
+                self._match_fingerprint(embedder, matrix[0], fingerprint)  # type: ignore[arg-type]  # probed: known
+                matrix = matrix[1:]
             with self._lock:
                 self._resting.pop((host, model), None)
             arrived = dict(zip(missing, matrix, strict=True))
@@ -2227,10 +2245,12 @@ class QueryEmbeddings:
         def send(host: str) -> None:
             """Ask one host; its answer or failure is put for finish() to read, from the thread
             that received it."""
-            embedder = self.embedder(host, model, timeout, dimensions)
+            embedder = embedder_of(host)
+            probed = fingerprint is not None and not self._matches(embedder, fingerprint)
+            sent = [rules.FINGERPRINT_TEXT, *missing_texts] if probed else missing_texts
 
             def ask() -> None:
-                embedder.begin_embed(missing_texts, then=lambda matrix: answers.put((host, received(host, matrix), None)),
+                embedder.begin_embed(sent, then=lambda matrix: answers.put((host, received(host, matrix, probed), None)),
                                      failed=lambda exc: answers.put((host, None, exc)))
 
             def checked_then_asked() -> None:  # a later host: its weights first, on a call thread
@@ -2260,7 +2280,7 @@ class QueryEmbeddings:
             while True:
                 now = time.monotonic()
                 if following < len(ready) and (not asking or now >= next_at):
-                    why = f"Ollama at {asking[-1]} has not answered yet" if asking else failures[-1].message
+                    why = f"{embedder_of(asking[-1]).where} has not answered yet" if asking else failures[-1].message
                     log.warning("%s: asking %s for the query vectors", why, ready[following])
                     send(ready[following])
                     asking.append(ready[following])
@@ -2274,14 +2294,15 @@ class QueryEmbeddings:
                 except queue.Empty:
                     if time.monotonic() < deadline:
                         continue
-                    late = [self.embedder(host, model, timeout, dimensions).timed_out(timeout) for host in asking]
+                    late = [embedder_of(host).timed_out(timeout) for host in asking]
                     self._rest(asking, model, late)
                     raise one_error([*failures, *late, *resting.values()]) from None
                 asking.remove(host)
                 if exc is None:  # hosts still asked were slower: they rest, as one that timed out
-                    self._rest(asking, model, [self.embedder(slow, model, timeout, dimensions).timed_out(
-                        time.monotonic() - sent_at) for slow in asking])
+                    self._rest(asking, model, [embedder_of(slow).timed_out(time.monotonic() - sent_at)
+                                               for slow in asking])
                     return answer  # type: ignore[return-value]
+                self._forget_match(host)
                 if not isinstance(exc, RagError) or exc.code not in DEGRADABLE_EMBEDDER_ERRORS:
                     raise exc
                 if isinstance(exc, rules.EmbedderTimeout) or exc.code is ErrorCode.INDEX_INCOMPATIBLE:
@@ -2296,7 +2317,35 @@ class QueryEmbeddings:
             for host, error in zip(hosts, errors, strict=True):
                 self._resting[(host, model)] = (time.monotonic() + EMBEDDER_REST_S, error)
 
-    def _check_weights(self, embedder: rules.OllamaEmbedder, digest: str) -> None:
+    @staticmethod
+    def _match_key(embedder: rules.Embedder, fingerprint: rules.ModelFingerprint) -> tuple[Any, ...]:
+        return embedder.host, embedder.model, embedder.dimensions, fingerprint
+
+    def _matches(self, embedder: rules.Embedder, fingerprint: rules.ModelFingerprint) -> bool:
+        with self._lock:
+            matched_at = self._matched.get(self._match_key(embedder, fingerprint))
+        return matched_at is not None and time.monotonic() - matched_at < FINGERPRINT_RECHECK_S
+
+    def _forget_match(self, host: str) -> None:
+        with self._lock:
+            for key in [key for key in self._matched if key[0] == host]:
+                del self._matched[key]
+
+    def _match_fingerprint(self, embedder: rules.Embedder, vector: Any, fingerprint: rules.ModelFingerprint) -> None:
+        """Raise INDEX_INCOMPATIBLE unless the host's vector of the fingerprint text matches the
+        index's fingerprint (another model, quantisation or size behind the name); note a match."""
+        seen = rules.ModelFingerprint.of(vector, embedder.served_model)
+        if not seen.agrees(fingerprint):
+            raise RagError(ErrorCode.INDEX_INCOMPATIBLE,
+                           f"{embedder.where} embeds with another model than the index was built with ({seen.describe()}"
+                           f" now, {fingerprint.describe()} in the index; fingerprint similarity "
+                           f"{seen.similarity(fingerprint):.3f}, {rules.FINGERPRINT_MIN_COSINE} needed)",
+                           f"{embedder.model_hint()}, or leave that host out of {embedder.HOSTS_VARIABLE}; if the "
+                           f"change was meant, rebuild with {rules.ingest_command()}")
+        with self._lock:
+            self._matched[self._match_key(embedder, fingerprint)] = time.monotonic()
+
+    def _check_weights(self, embedder: rules.Embedder, digest: str) -> None:
         """Raise unless the host lists the index's model digest (asked once per host and digest;
         a host that cannot be asked is not judged, only failed for this call)."""
         key = (embedder.host, embedder.model, digest)
@@ -2307,10 +2356,10 @@ class QueryEmbeddings:
             listed = embedder.model_digest()
             verdict = None if listed == digest else RagError(
                 ErrorCode.EMBEDDER_UNAVAILABLE,
-                f"Ollama at {embedder.host} serves other weights under {embedder.model!r} than the index was embedded "
+                f"{embedder.where} serves other weights under {embedder.model!r} than the index was embedded "
                 f"with (digest {(listed or 'not listed')[:12]}, the index's {digest[:12]}): its query vectors could "
-                "not be compared with the index", f"run `ollama pull {embedder.model}` on that host, or leave it out of "
-                "OLLAMA_HOST")
+                f"not be compared with the index", f"{embedder.model_hint()}, or leave that host out of "
+                f"{embedder.HOSTS_VARIABLE}")
             with self._lock:
                 self._weights[key] = verdict
         if verdict is not None:
@@ -2346,14 +2395,14 @@ def tell_progress(message: str) -> None:
 
 
 def vectors_waiting(current: rules.CurrentIndex, store_dir: Path, corpus_dir: Path,
-                    embedder_up: bool | None = None) -> RagError | None:
+                    embedder_up: bool | None = None, api: str = "ollama") -> RagError | None:
     """VECTORS_PENDING when passages of this generation wait for their vectors (ingest ran while
     Ollama was away), None when every passage has one. The hint names this store and corpus, and
     says Ollama is down only when known (`embedder_up`)."""
     stamp = current.stamp
     if current.manifest.dims and not stamp.vectors_pending:
         return None
-    hint = rules.vectors_pending_hint(current.manifest.model, corpus_dir, store_dir, embedder_up)
+    hint = rules.vectors_pending_hint(current.manifest.model, corpus_dir, store_dir, embedder_up, api)
     if without_vectors(current):
         return RagError(ErrorCode.VECTORS_PENDING, f"none of the index's {stamp.chunks} passages has a vector yet",
                         hint)
@@ -2940,7 +2989,8 @@ class RetrievalService:
         return self.staleness.of(index, self.corpus_dir(index.current), recount, watched)
 
     def _vectors_waiting(self, current: rules.CurrentIndex, embedder_up: bool | None = None) -> RagError | None:
-        return vectors_waiting(current, self.settings.store_dir, self.corpus_dir(current), embedder_up)
+        return vectors_waiting(current, self.settings.store_dir, self.corpus_dir(current), embedder_up,
+                               self.settings.embed_api)
 
     def corpus_dir(self, current: rules.CurrentIndex) -> Path:
         """RAG_CORPUS_DIR when set, else the folder the index was built from."""
@@ -2970,10 +3020,10 @@ class RetrievalService:
         manifest = current.manifest
         self._check_model(current)
         timeout = min(settings.embed_timeout_s, QUERY_EMBED_TIMEOUT_S)
-        return self.queries.begin(settings.ollama_hosts, manifest.model, self._query_texts(phrasings, current),
+        return self.queries.begin(settings, manifest.model, self._query_texts(phrasings, current),
                                   timeout, manifest.dims,
                                   (current.index, current.generation, current.stamp.model_digest), on_arrival,
-                                  manifest.embed_dimensions, current.stamp.model_digest)
+                                  manifest.embed_dimensions, current.stamp.model_digest, current.stamp.fingerprint)
 
     # search_corpus ----------------------------------------------------------------------------
     def search(self, args: SearchCorpusInput) -> dict[str, Any]:
@@ -4607,7 +4657,7 @@ class HealthProbe:
         failures = []
         for host in settings.ollama_hosts:
             try:
-                rules.OllamaEmbedder(host, model, HEALTH_PROBE_TIMEOUT_S).model_info()
+                settings.embedder(host, model=model, timeout_s=HEALTH_PROBE_TIMEOUT_S).model_info()
                 return None
             except RagError as exc:
                 failures.append(exc)

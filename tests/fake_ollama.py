@@ -142,6 +142,22 @@ def _hung_up(connection: socket.socket) -> bool:
         return True
 
 
+def other_weights(vec: list[float], salt: str, noise: float, call: int) -> list[float]:
+    """`vec` as other weights would give it: each dimension's sign flipped by the salt (similarity
+    between texts kept, similarity to the plain model's vectors gone), then moved by up to
+    `noise` (differently in every call, as a GPU runner's float noise)."""
+    if salt:
+        signs = hashlib.blake2b(salt.encode("utf-8"), digest_size=64).digest()
+        vec = [-v if (signs[(i // 8) % 64] >> (i % 8)) & 1 else v for i, v in enumerate(vec)]
+        vec = [vec[-1], *vec[:-1]]  # a rotation too: a salt flipping no sign still changes the vector
+    if noise:
+        import random
+
+        jitter = random.Random(call)
+        vec = _renormalize([v + jitter.uniform(-noise, noise) for v in vec])
+    return vec
+
+
 def _renormalize(vec: list[float]) -> list[float]:
     norm = math.sqrt(sum(v * v for v in vec))
     return [v / norm for v in vec] if norm else vec
@@ -232,14 +248,25 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if not path.startswith("/_fake/"):
             fake._record(method, path, body)
-        if path == "/api/embed":
+        refused = fake._refuse(path, self.headers)
+        if refused is not None:
+            status, payload = refused
+        elif path == fake.EMBED_PATH:
             with fake._embedding():
                 if not fake._work_per_text(body, self.connection):
                     return  # the client hung up while its texts were being "embedded"
                 status, payload = fake._handle(method, path, body)
         else:
             status, payload = fake._handle(method, path, body)
-        if isinstance(payload, _Trickle):
+        if isinstance(payload, Reply):
+            body_bytes = json.dumps(payload.payload).encode("utf-8")
+            self.send_response(status)
+            for name, value in {"Content-Type": "application/json", **payload.headers}.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(body_bytes)))
+            self.end_headers()
+            self.wfile.write(body_bytes)
+        elif isinstance(payload, _Trickle):
             self._send_trickling(status, payload)
         elif isinstance(payload, str):
             self._send(status, payload.encode("utf-8"), "text/plain; charset=utf-8")
@@ -269,6 +296,13 @@ class _Trickle:
         self.payload, self.interval = payload, interval
 
 
+class Reply:
+    """A JSON answer with headers of its own (Retry-After, say)."""
+
+    def __init__(self, payload: Any, headers: dict[str, str]) -> None:
+        self.payload, self.headers = payload, headers
+
+
 def calls_carrying(call_inputs: list[list[str]], text: str) -> int:
     """How many embed calls (their inputs, as in calls()["call_inputs"]) carried an input
     containing `text`."""
@@ -277,6 +311,8 @@ def calls_carrying(call_inputs: list[list[str]], text: str) -> int:
 
 class FakeOllama:
     """In-process fake Ollama server on 127.0.0.1 with switchable faults and a call record."""
+
+    EMBED_PATH = "/api/embed"  # the calls that count as embedding (slots, per-text delays, holds)
 
     def __init__(
         self,
@@ -320,7 +356,11 @@ class FakeOllama:
         # OLLAMA_NUM_PARALLEL; more wait their turn), the work dropped when the client disconnects.
         self.delay_per_text_seconds: float = 0.0
         self.slots = 1
-        self.weights = ""  # folded into the model digest
+        self.weights = ""  # folded into the model digest and the vectors (a re-pull: other weights)
+        # Vectors of another model (quantisation, proxy, mistake) under the same name and digest.
+        self.embeds_as = ""
+        # Float noise of a real runner: each value moved by up to this much, differently every call.
+        self.vector_noise = 0.0
         # Cleared by configure(hold=True): embed calls wait until configure(hold=False), so a test
         # can act while a call is in flight however slow the machine is.
         self._released = threading.Event()
@@ -417,6 +457,10 @@ class FakeOllama:
                     self.nan_for = None if value is None else str(value)
                 elif key == "weights":  # a re-pull under the same name: another digest in /api/tags
                     self.weights = str(value)
+                elif key == "embeds_as":
+                    self.embeds_as = str(value)
+                elif key == "vector_noise":
+                    self.vector_noise = float(value)
                 elif key == "fail_after_carrying":  # counted from now on
                     self.fail_after_carrying = None if value is None else str(value)
                     self._carried.clear()
@@ -459,6 +503,8 @@ class FakeOllama:
             "delay_per_text_seconds": self.delay_per_text_seconds,
             "slots": self.slots,
             "weights": self.weights,
+            "embeds_as": self.embeds_as,
+            "vector_noise": self.vector_noise,
             "hold": not self._released.is_set(),
             "hold_carrying": self.hold_carrying,
         }
@@ -489,6 +535,8 @@ class FakeOllama:
         self.slots = 1
         self._runner = threading.BoundedSemaphore(1)
         self.weights = ""
+        self.embeds_as = ""
+        self.vector_noise = 0.0
         self.most_embeds_in_flight = 0
         self.embed_calls = 0
         self.embedded_inputs = []
@@ -516,6 +564,10 @@ class FakeOllama:
     def _record(self, method: str, path: str, body: Any) -> None:
         with self._lock:
             self.requests.append((method, path, body))
+
+    def _refuse(self, path: str, headers: Any) -> tuple[int, Any] | None:
+        """An answer given before the request is handled (FakeOpenAI's key check); None: handle it."""
+        return None
 
     def _carrying_texts(self) -> list[str]:
         texts = [self.fail_after_carrying]
@@ -689,7 +741,9 @@ class FakeOllama:
         if dimensions is not None and (not isinstance(dimensions, int) or dimensions <= 0):
             return 400, {"error": "dimensions must be a positive integer"}
 
-        vectors = [fake_embedding(text, dims) for text in inputs]
+        with self._lock:
+            salt, noise = self.weights + self.embeds_as, self.vector_noise
+        vectors = [other_weights(fake_embedding(text, dims), salt, noise, call_number) for text in inputs]
         if dimensions is not None and dimensions < dims:
             vectors = [_renormalize(v[:dimensions]) for v in vectors]
         with self._lock:

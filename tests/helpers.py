@@ -460,8 +460,16 @@ class Hosts:
 
 
 def chunk_inputs(fake: FakeOllama, key: str = "answered_inputs") -> list[str]:
-    """The texts a fake embedded (or `key`'s other list) that are chunks, not calibration queries."""
-    return [text for text in fake.calls()[key] if not text.startswith(CALIBRATION)]
+    """The texts a fake embedded (or `key`'s other list) that are chunks, not calibration queries
+    or the model fingerprint's probe."""
+    return [text for text in fake.calls()[key]
+            if not text.startswith(CALIBRATION) and text != rules.FINGERPRINT_TEXT]
+
+
+def chunk_calls(fake: FakeOllama) -> int:
+    """The embed calls a fake answered or refused that carried more than the model fingerprint's
+    probe (which ingest sends once per host and run, alone)."""
+    return sum(1 for inputs in fake.calls()["call_inputs"] if inputs != [rules.FINGERPRINT_TEXT])
 
 
 def ingest_in_process(fake: HasHost | None, corpus: Path, store: Path, *extra: str, as_json: bool = True,

@@ -32,6 +32,8 @@ from helpers import (
     assert_consistent,
     child_env,
     chroma_state,
+    chunk_calls,
+    chunk_inputs,
     copy_sample,
     corpus_hashes,
     current_of,
@@ -111,7 +113,9 @@ def wait_for(condition: Any, timeout: float = 30.0) -> None:
 
 
 def embed_requests(fake: FakeOllama) -> list[dict[str, Any]]:
-    return [body for method, path, body in fake.requests if path == "/api/embed"]
+    """The embed calls' bodies, but for the model fingerprint's probe (see helpers.chunk_calls)."""
+    return [body for method, path, body in fake.requests
+            if path == "/api/embed" and body.get("input") != [rules.FINGERPRINT_TEXT]]
 
 
 # ---------------------------------------------------------------------------
@@ -174,7 +178,7 @@ def sample_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ingested]
             mp.delenv(name, raising=False)
         mp.setenv("OLLAMA_HOST", fake.host)
         run = ingest_run(SAMPLE, store)
-        yield Ingested(store, run, fake.embed_calls)
+        yield Ingested(store, run, chunk_calls(fake))
 
 
 def test_first_ingest_summary_and_current(sample_store: Ingested) -> None:
@@ -207,8 +211,12 @@ def test_first_ingest_summary_and_current(sample_store: Ingested) -> None:
     stamp = dict(current["stamp"])
     assert datetime.fromisoformat(stamp.pop("ingested_at")).tzinfo is not None
     digest = hashlib.sha256(b"embeddinggemma:latest").hexdigest()  # as the fake lists the model
+    fingerprint = rules.ModelFingerprint.from_dict(stamp.pop("fingerprint"))
     assert stamp == {"commit": head, "dirty": dirty, "files": 6, "chunks": summary["chunks_written"],
                      "model_digest": digest, "vectors_pending": 0}
+    # The model as the fake embeds it: its vector of the fingerprint text, and the name it reported.
+    expected = rules.ModelFingerprint.of(fake_embedding(rules.FINGERPRINT_TEXT, 768), "embeddinggemma")
+    assert fingerprint is not None and fingerprint.agrees(expected) and fingerprint.served_model == "embeddinggemma"
     assert sorted(p.name for p in sample_store.store.iterdir()) == sorted([rules.CURRENT_FILE, rules.LOCK_FILE,
                                                                            current["index"]])
     assert "resolved configuration: corpus=" in run.err and f"store={sample_store.store}" in run.err
@@ -351,7 +359,7 @@ def test_mtime_only_change_makes_no_embed_calls(tmp_path: Path, fake_ollama_env:
     fake_ollama_env.reset()
     run = ingest_run(corpus, store)
     assert run.code == 0, run.err
-    assert run.summary["embedding_calls"] == 0 and fake_ollama_env.embed_calls == 0
+    assert run.summary["embedding_calls"] == 0 and chunk_calls(fake_ollama_env) == 0
     assert run.summary["unchanged"] == 6
     after = chroma_state(store)
     assert set(chunks_of(after, "reference/api.md")) == set(chunks_of(before, "reference/api.md"))
@@ -377,7 +385,7 @@ def test_full_re_embeds_everything_to_the_same_state(tmp_path: Path, fake_ollama
     assert run.code == 0, run.err
     assert (run.summary["updated"], run.summary["added"], run.summary["unchanged"]) == (6, 0, 0)
     assert run.summary["chunks_written"] == first.summary["chunks_written"]
-    assert len(fake_ollama_env.embedded_inputs) == first.summary["chunks_written"]
+    assert len(chunk_inputs(fake_ollama_env, "embedded_inputs")) == first.summary["chunks_written"]
     assert snapshot(store) == before
 
 
@@ -644,7 +652,7 @@ def test_per_file_errors_keep_that_files_chunks(tmp_path: Path, fake_ollama_env:
     # Still broken on the next run: reported again, nothing embedded, nothing lost.
     fake_ollama_env.reset()
     again = ingest_run(corpus, store)
-    assert again.code == 1 and again.summary["failed"] == 5 and fake_ollama_env.embed_calls == 0
+    assert again.code == 1 and again.summary["failed"] == 5 and chunk_calls(fake_ollama_env) == 0
     assert chroma_state(store) == after
 
 
@@ -858,7 +866,8 @@ def test_model_change_rebuilds_without_a_gap(tmp_path: Path, monkeypatch: pytest
         assert not (store / old_index).exists()
         # The new model's prefixes: documents, and the calibration's headings as queries.
         assert any(t.startswith("search_document: ") for t in fake.embedded_inputs)
-        assert all(t.startswith(("search_document: ", "search_query: ")) for t in fake.embedded_inputs)
+        assert all(t.startswith(("search_document: ", "search_query: ")) for t in fake.embedded_inputs
+                   if t != rules.FINGERPRINT_TEXT)
         assert snapshot(store) == clean_snapshot(corpus, tmp_path)
         # Back to the first model: a rebuild again, into the first index name.
         monkeypatch.delenv("RAG_EMBED_MODEL")
@@ -1157,7 +1166,7 @@ def test_progress_keeps_talking_while_a_slow_call_runs(tmp_path: Path, fake_olla
     assert run.code == 0, run.err
     lines = [line for line in run.err.splitlines() if line.startswith("ingest: 0/6 files")]
     assert len(lines) >= 3, run.err
-    assert any("waiting" in line and "for Ollama" in line for line in lines), lines
+    assert any("waiting" in line and "for the embedding server" in line for line in lines), lines
     assert "chunks/s" in lines[0] and "ETA" in lines[0]
     final = [line for line in run.err.splitlines() if line.startswith("ingest: 6/6 files")]
     assert final and f"{sample_chunk_count()}/{sample_chunk_count()} chunks embedded" in final[-1]
@@ -1209,7 +1218,7 @@ def test_progress_says_when_files_are_indexed_for_keyword_search_first() -> None
             done(3)
             assert progress.line() == ("ingest: indexing 8 files for keyword search first, their vectors after: "
                                        "3/8 files")
-        assert "for Ollama" not in progress.line() and "0/10 files" in progress.line()
+        assert "for the embedding server" not in progress.line() and "0/10 files" in progress.line()
     finally:
         progress.finish()
 

@@ -48,7 +48,8 @@ def fake() -> FakeOllama:
 
 def embedded_texts(fake: FakeOllama) -> list[str]:
     """The chunk texts Ollama embedded (not the calibration's headings, embedded as queries)."""
-    return [text for text in fake.calls()["embedded_inputs"] if not text.startswith("task: search result")]
+    return [text for text in fake.calls()["embedded_inputs"]
+            if not text.startswith("task: search result") and text != rules.FINGERPRINT_TEXT]
 
 
 # ---------------------------------------------------------------------------

@@ -401,8 +401,10 @@ def serve_fake(port: int, delay_per_text_s: float = 0.0, slots: int = 1) -> int:
     a slow CPU embedder (tests/fake_ollama.py's delay_per_text_seconds: time proportional to the
     texts, one call at a time, the work dropped when the client disconnects); with SLOTS, that many
     calls at a time."""
-    sys.path.insert(0, str(TESTS_DIR))
+    sys.path[:0] = [str(TESTS_DIR), str(PROJECT_DIR)]
     import fake_ollama
+
+    from corpus_rules import FINGERPRINT_TEXT
 
     try:  # orjson and numpy come with chromadb; plain json is the fallback
         import orjson
@@ -414,7 +416,10 @@ def serve_fake(port: int, delay_per_text_s: float = 0.0, slots: int = 1) -> int:
             return json.dumps({**payload, "embeddings": payload["embeddings"].tolist()}).encode()
 
     vectors = FastVectors(DIMS)
-    stats: dict[str, Any] = {"embed_calls": 0, "inputs": 0, "busy_s": 0.0, "delay_s": 0.0, "dropped_calls": 0}
+    # The model fingerprint's probe (one text alone, once per host and run) is counted apart: the
+    # figures count what ingest sends for the chunks.
+    stats: dict[str, Any] = {"embed_calls": 0, "inputs": 0, "busy_s": 0.0, "delay_s": 0.0, "dropped_calls": 0,
+                             "fingerprint_probes": 0}
     call_sizes: list[int] = []  # texts per answered embed call, in order (a 1M-chunk build: ~20k ints)
     lock = threading.Lock()
 
@@ -432,6 +437,9 @@ def serve_fake(port: int, delay_per_text_s: float = 0.0, slots: int = 1) -> int:
             payload = dumps({"model": body.get("model"), "embeddings": matrix,
                              "total_duration": 0, "load_duration": 0, "prompt_eval_count": 0})
             with lock:
+                if inputs == [FINGERPRINT_TEXT]:
+                    stats["fingerprint_probes"] += 1
+                    return 200, payload
                 stats["embed_calls"] += 1
                 stats["inputs"] += len(inputs)
                 stats["busy_s"] += time.perf_counter() - started
@@ -1605,6 +1613,32 @@ class Bench:
         self.add(Figure("stdio.roundtrip_p50_ms", "Bare stdio round trip: hello-world tools/call (p50)",
                         self.roundtrip_stats["p50_ms"], "ms", "report (part of the search limit)"))
 
+    def query_embedding(self) -> None:
+        """Issue 46: one query vector through the embedder seam (corpus_rules.Embedder), Ollama's
+        API against OpenAI's, each against its loopback fake in this process (the fake's own time
+        included: the two are compared with each other, not with a real server)."""
+        sys.path[:0] = [str(PROJECT_DIR), str(TESTS_DIR)]
+        from fake_ollama import FakeOllama
+        from fake_openai import FakeOpenAI
+
+        import corpus_rules
+
+        queries = synthetic_queries(self.reps["roundtrip"] + 20, "query-embedding")
+        for api, fake_class, name in (("ollama", FakeOllama, "Ollama API"), ("openai", FakeOpenAI, "OpenAI-compatible API")):
+            with fake_class(dims=DIMS) as fake:
+                settings = corpus_rules.load_settings({"RAG_EMBED_API": api, "RAG_EMBED_URL": fake.host})
+                embedder = settings.embedder(settings.ollama_host)
+                samples = []
+                for i, query in enumerate(queries):
+                    started = time.perf_counter()
+                    embedder.embed([f"task: search result | query: {query}"])
+                    if i >= 20:  # the first calls pay the imports and the connection
+                        samples.append(time.perf_counter() - started)
+            stats = summarize_ms(samples)
+            self.details[f"query_embedding_{api}"] = stats
+            self.add(Figure(f"embed.query_{api}_p50_ms", f"Query embedding through the seam, {name}, loopback fake (p50)",
+                            stats["p50_ms"], "ms", "report (compare the two APIs)"))
+
     # 3. raw Chroma query -------------------------------------------------------------------------
     @contextlib.contextmanager
     def raw_collection(self, size: int) -> Any:
@@ -2331,6 +2365,7 @@ class Bench:
         with FakeProcess(self.python, self.work) as fake:
             self.fake = fake
             self.roundtrip()
+            self.query_embedding()
             for size in self.sizes:
                 if steps:
                     projected, exponent = projected_seconds(steps, size)
@@ -2407,6 +2442,7 @@ class Bench:
             self.memory_ingest()
             self.handshakes()
             self.roundtrip()
+            self.query_embedding()
             for size in self.sizes:
                 queries = self.search_queries(size)
                 log(f"searching the {size_label(size)} index ...")

@@ -27,6 +27,7 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 DEFAULT_STORE = Path("~/.local-rag-mcp/store").expanduser()
@@ -100,6 +101,39 @@ def ollama_models(host: str) -> list[str] | None:
 def has_model(names: list[str], model: str) -> bool:
     wanted = model if ":" in model.rsplit("/", 1)[-1] else model + ":latest"
     return any(name == wanted or name == model for name in names)
+
+
+def openai_models(url: str, key: str | None) -> list[str] | None:
+    """Model ids an OpenAI-compatible server lists (`GET <url>/models`; [] where it has no such
+    route), or None when it does not answer (or refuses the key)."""
+    request = urllib.request.Request(url.rstrip("/") + "/models",
+                                     headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return [str(m.get("id", "")) for m in json.loads(response.read()).get("data", [])]
+    except urllib.error.HTTPError as exc:
+        return [] if exc.code == 404 else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def ensure_embedder(settings: Any) -> str | None:
+    """None when the embedding server answers (and, for Ollama, has the model); otherwise what the
+    user must do."""
+    host, model = settings.ollama_host, settings.embed_model
+    if settings.embed_api == "ollama":
+        return ensure_model(host, model)
+    if openai_models(host, settings.embed_api_key) is None:
+        return (f"the embedding server at {host} does not answer (or refuses RAG_EMBED_API_KEY): start it with "
+                f"{model!r} loaded, or set RAG_EMBED_URL to its base URL (e.g. http://127.0.0.1:1234/v1)")
+    return None
+
+
+# The embedding variables a registered server needs as ingest had them (the key as a reference to
+# the shell's variable: never printed).
+EMBED_VARIABLES = ("RAG_EMBED_API", "RAG_EMBED_URL", "OLLAMA_HOST", "RAG_EMBED_MODEL", "RAG_EMBED_PREFIXES",
+                   "RAG_EMBED_DIMENSIONS")
+KEY_VARIABLE = "RAG_EMBED_API_KEY"
 
 
 def ensure_model(host: str, model: str) -> str | None:
@@ -184,14 +218,17 @@ def corpus_name(corpus: Path, stores: Path, registered: dict[str, set[str]]) -> 
 def registration(python: Path, env: dict[str, str], name: str = "local-rag") -> str:
     server = PROJECT_DIR / "server.py"
     command = [str(python), str(server)]
-    claude_env = "".join(f" -e {shlex.quote(f'{k}={v}')}" for k, v in env.items())
-    codex_env = "".join(f" --env {shlex.quote(f'{k}={v}')}" for k, v in env.items())
+    def shell(k: str, v: str) -> str:  # the key stays in the shell's variable, never on the screen
+        return f'{k}="${k}"' if k == KEY_VARIABLE else shlex.quote(f"{k}={v}")
+
+    claude_env = "".join(f" -e {shell(k, v)}" for k, v in env.items())
+    codex_env = "".join(f" --env {shell(k, v)}" for k, v in env.items())
     toml_env = ""
     if env:
-        pairs = ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.items())
+        pairs = ", ".join(f"{k} = {json.dumps(v if k != KEY_VARIABLE else '<your ' + k + '>')}" for k, v in env.items())
         toml_env = f"    env = {{ {pairs} }}\n"
     quoted = " ".join(shlex.quote(part) for part in command)
-    http_env = "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())
+    http_env = "".join(f"{shell(k, v)} " for k, v in env.items())
     return (
         f"Register the server (stdio) with your agent, as {name}:\n\n"
         "  Claude Code (every directory: -s user; -e goes after the name):\n"
@@ -210,7 +247,8 @@ def registration(python: Path, env: dict[str, str], name: str = "local-rag") -> 
         f"    claude mcp add --transport http -s user {name} http://127.0.0.1:8765/mcp\n\n"
         "Then ask your agent something the documents answer; it calls search_corpus.\n"
         f"Re-index after editing the documents: {shlex.quote(str(python))} {shlex.quote(str(PROJECT_DIR / 'ingest.py'))}"
-        + "".join(f" --{'corpus' if k == 'RAG_CORPUS_DIR' else 'store'} {shlex.quote(v)}" for k, v in env.items())
+        + "".join(f" --{'corpus' if k == 'RAG_CORPUS_DIR' else 'store'} {shlex.quote(v)}" for k, v in env.items()
+                  if k in ("RAG_CORPUS_DIR", "RAG_STORE_DIR"))
         + "\nOr let the server keep it fresh by itself: add -e RAG_WATCH=1 (Codex: --env RAG_WATCH=1) to the "
         "registration, or --watch after server.py.\n"
     )
@@ -233,13 +271,16 @@ def main(argv: list[str] | None = None) -> int:
         settings = corpus_rules.load_settings()
     except corpus_rules.RagError as exc:
         return fail(f"{exc.message} ({exc.hint})")
-    host, model = settings.ollama_host, settings.embed_model
 
     python = environment(args.python)
-    without_ollama = ensure_model(host, model)
+    without_ollama = ensure_embedder(settings)
     if without_ollama:
         say(f"{without_ollama}. Meanwhile the documents are indexed for keyword search only.")
     env: dict[str, str] = {}
+    if settings.embed_api != "ollama":  # the registered server embeds queries where ingest did
+        env = {name: os.environ[name].strip() for name in EMBED_VARIABLES if os.environ.get(name, "").strip()}
+        if settings.embed_api_key:
+            env[KEY_VARIABLE] = "(from the shell)"
     ingest = [str(python), str(PROJECT_DIR / "ingest.py")]
     name = "local-rag"
     if args.corpus:
@@ -248,10 +289,10 @@ def main(argv: list[str] | None = None) -> int:
         slug = corpus_name(corpus, DEFAULT_STORE.parent / "stores", registered_corpora())
         name = f"local-rag-{slug}"
         store = Path(args.store).expanduser().resolve() if args.store else DEFAULT_STORE.parent / "stores" / slug
-        env = {"RAG_CORPUS_DIR": str(corpus), "RAG_STORE_DIR": str(store)}
+        env = {"RAG_CORPUS_DIR": str(corpus), "RAG_STORE_DIR": str(store), **env}
         ingest += ["--corpus", str(corpus), "--store", str(store)]
     elif args.store:
-        env = {"RAG_STORE_DIR": str(Path(args.store).expanduser().resolve())}
+        env = {"RAG_STORE_DIR": str(Path(args.store).expanduser().resolve()), **env}
         ingest += ["--store", env["RAG_STORE_DIR"]]
     say("indexing: " + " ".join(shlex.quote(part) for part in ingest))
     code = subprocess.run(ingest).returncode
