@@ -28,6 +28,7 @@ import bisect
 import contextlib
 import datetime
 import errno
+import fnmatch
 import functools
 import hashlib
 import html
@@ -333,7 +334,9 @@ class Settings:
     # Ingest: leave out what git ignores when the corpus is in a git work tree (RAG_RESPECT_GITIGNORE).
     respect_gitignore: bool = True
     # Ingest: the formats read (RAG_FORMATS, names of READERS); files of the others are counted, not read.
+    # RAG_CODE (ingest --code) adds the code readers (CODE_FORMATS) to them.
     formats: tuple[str, ...] = field(default_factory=lambda: DEFAULT_FORMATS)
+    code: bool = False
     # `server.py --http`: where it listens, the bearer token every route but /health requires, host
     # names and origins allowed besides loopback's (DNS-rebinding protection), how many calls may
     # be in flight at once (per budget), how long one tool call may take, how long a client may
@@ -375,13 +378,13 @@ ENVIRONMENT = ("RAG_CORPUS_DIR", "RAG_STORE_DIR", "OLLAMA_HOST", "RAG_EMBED_API"
                "RAG_EMBED_API_KEY", "RAG_EMBED_MODEL", "RAG_EMBED_PREFIXES", "RAG_EMBED_TIMEOUT",
                "RAG_EMBED_CONCURRENCY", "RAG_EMBED_DIMENSIONS", "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS",
                "RAG_STORE_TIMEOUT", "RAG_LOG_LEVEL",
-               "RAG_SERVER_WARMUP", "RAG_WATCH", "RAG_CHROMA_URL", "RAG_CHROMA_HEADERS", "RAG_RESPECT_GITIGNORE", "RAG_FORMATS", "RAG_HTTP_HOST",
+               "RAG_SERVER_WARMUP", "RAG_WATCH", "RAG_CHROMA_URL", "RAG_CHROMA_HEADERS", "RAG_RESPECT_GITIGNORE", "RAG_FORMATS", "RAG_CODE", "RAG_HTTP_HOST",
                "RAG_HTTP_PORT", "RAG_HTTP_TOKEN", "RAG_HTTP_ALLOWED_HOSTS", "RAG_HTTP_ALLOWED_ORIGINS",
                "RAG_HTTP_MAX_IN_FLIGHT", "RAG_HTTP_READ_TIMEOUT", "RAG_HTTP_MAX_CONNECTIONS", "RAG_TOOL_TIMEOUT")
 
 
 def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | None = None,
-                  store_dir: str | None = None) -> Settings:
+                  store_dir: str | None = None, code: bool | None = None) -> Settings:
     """Resolve configuration: explicit arguments over the environment over defaults.
 
     The corpus default is next to the code, never the cwd: MCP clients launch servers from
@@ -398,6 +401,8 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
     api = env.get("RAG_EMBED_API", "").strip().lower() or "ollama"
     if api not in EMBED_APIS:
         raise _setting_error("RAG_EMBED_API", api, "one of " + ", ".join(EMBED_APIS))
+    code = _flag_env(env, "RAG_CODE", False) if code is None else code
+    formats = _formats_env(env, "RAG_FORMATS")
     return Settings(
         corpus_dir=_abs_path(corpus_choice or PROJECT_DIR / "sample-corpus"),
         corpus_dir_explicit=bool(corpus_choice),
@@ -420,7 +425,8 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
         chroma_url=_url_env(env, "RAG_CHROMA_URL"),
         chroma_headers=_headers_env(env, "RAG_CHROMA_HEADERS"),
         respect_gitignore=_flag_env(env, "RAG_RESPECT_GITIGNORE", True),
-        formats=_formats_env(env, "RAG_FORMATS"),
+        formats=tuple(f for f in FORMATS if f in formats or (code and f in CODE_FORMATS)),
+        code=code,
         http_host=env.get("RAG_HTTP_HOST", "").strip() or "127.0.0.1",
         http_port=_int_env(env, "RAG_HTTP_PORT", 8765, 0, 65535),
         http_token=_token_env(env, "RAG_HTTP_TOKEN"),
@@ -802,6 +808,7 @@ class DocumentText:
     title: str | None = None  # the format's own title (first H1, first section title, PDF /Title)
     pages: tuple[Page, ...] = ()  # a paged document's pages, in order
     warnings: tuple[str, ...] = ()  # what the reader left out that the user should hear about
+    code: CodeStructure | None = None  # a source file's language and symbols (read_code); None for documents
 
 
 @dataclass(frozen=True)
@@ -831,6 +838,14 @@ class SourceDocument:
     @property
     def line_count(self) -> int:
         return len(self.text.lines)
+
+    @property
+    def kind(self) -> str:
+        return "code" if self.text.code is not None else "doc"
+
+    @property
+    def language(self) -> str | None:
+        return self.text.code.language if self.text.code is not None else None
 
     @property
     def reader(self) -> Reader:
@@ -1154,6 +1169,29 @@ CREDENTIALS = {
     "stripe": ("a Stripe live key", r"\b[rs]k_live_[0-9A-Za-z]{24,}"),
     "ai_key": ("an OpenAI or Anthropic API key", r"\bsk-(?:ant-[a-z0-9]+-|proj-)?[A-Za-z0-9_-]{40,}"),
 }
+# Files that hold secrets by their name: never read, whatever the rules (a .ragignore `!` rule
+# cannot bring one back), and named in the run's summary as left out. Matched on the file or
+# folder name, case-insensitively, as shell patterns.
+SECRET_FILE_NAMES = (".env", ".env.*", "*.env", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore", "*.kdbx",
+                     "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", "credentials.json", "credentials.yml",
+                     "serviceAccountKey.json", "*-service-account*.json", ".npmrc", ".pypirc", ".netrc", "_netrc",
+                     ".git-credentials", ".htpasswd", ".dockercfg")
+SECRET_FOLDER_NAMES = (".secrets", ".ssh", ".aws", ".gnupg", ".docker")
+_SECRET_FILE = re.compile("|".join(fnmatch.translate(p) for p in SECRET_FILE_NAMES), re.IGNORECASE)
+_SECRET_FOLDER = re.compile("|".join(fnmatch.translate(p) for p in SECRET_FOLDER_NAMES), re.IGNORECASE)
+SECRET_REFUSAL = "a secret by its name: never indexed (built-in; a .ragignore cannot bring it back)"
+
+
+def secret_by_name(path: str, is_dir: bool = False) -> bool:
+    """Whether a file (or folder) is one that holds secrets by its name (SECRET_FILE_NAMES), or lies
+    in a folder that does."""
+    parts = PurePosixPath(path).parts
+    if not parts:
+        return False
+    folders = parts if is_dir else parts[:-1]
+    return any(_SECRET_FOLDER.match(part) for part in folders) or (not is_dir and bool(_SECRET_FILE.match(parts[-1])))
+
+
 _CREDENTIAL = re.compile("|".join(f"(?P<{name}>{pattern})" for name, (_, pattern) in CREDENTIALS.items()))
 CREDENTIAL_PLACEHOLDER = "EXAMPLE"
 
@@ -1394,6 +1432,7 @@ class Reader:
     read_by_default: bool = True  # in RAG_FORMATS when it is unset
     # The text is extracted from a binary file (PDF): ingest stores it, get_file serves it from the index.
     extracted: bool = False
+    kind: str = "doc"  # "doc" or "code" (RAG_CODE turns the code readers on; search_corpus's scope)
 
 
 # Markdown: CommonMark block structure (markdown-it) for headings and block boundaries.
@@ -3305,6 +3344,343 @@ def read_pdf(raw: bytes, path: str) -> DocumentText:
     return pdf_document(pdf, path)
 
 
+# Code: source files read through a syntax tree (tree-sitter) into symbols, the units a code
+# chunk follows. Opt-in (RAG_CODE / ingest --code): a repository is full of files that are not
+# documentation, and a docs corpus must not change because code sits beside it.
+
+
+@dataclass(frozen=True)
+class CodeSymbol:
+    """One definition of a source file: a function, a method (`Class.method`, `Type.Method`), or a
+    class or type. Lines are 1-based as stored; `start` includes its decorators and the doc
+    comment directly above it."""
+
+    name: str  # qualified: Outer.Inner.method
+    start: int
+    end: int  # inclusive
+
+
+@dataclass(frozen=True)
+class CodeStructure:
+    """What chunking needs of a source file beyond its lines: its language, its symbols (outer
+    before inner, in file order) and the lines where a statement starts, where a symbol too long
+    for one chunk may be cut."""
+
+    language: str
+    symbols: tuple[CodeSymbol, ...] = ()
+    statement_starts: tuple[int, ...] = ()  # 1-based, sorted
+
+
+@dataclass(frozen=True)
+class CodeGrammar:
+    """How one language's syntax tree names its symbols. `definitions`: node type -> whether its
+    members are symbols of their own (a class, an impl block); `transparent`: nodes whose children
+    are read as if at the level above (a decorator wrapper, an `export`, `if WIN:` at module level);
+    `bodies`: the node types that hold a container's members."""
+
+    module: str  # the grammar package, imported when the first file of the language is read
+    entry: str  # its function that returns the language
+    definitions: Mapping[str, bool]
+    transparent: frozenset[str]
+    bodies: frozenset[str]
+
+
+_COMMON_TRANSPARENT = frozenset({
+    "decorated_definition", "if_statement", "else_clause", "elif_clause", "try_statement", "except_clause",
+    "finally_clause", "with_statement", "for_statement", "while_statement", "match_statement", "case_clause",
+    "block", "export_statement", "attribute_item", "ambient_declaration"})
+CODE_GRAMMARS: dict[str, CodeGrammar] = {
+    "python": CodeGrammar("tree_sitter_python", "language",
+                          {"function_definition": False, "class_definition": True},
+                          _COMMON_TRANSPARENT, frozenset({"block"})),
+    "go": CodeGrammar("tree_sitter_go", "language",
+                      {"function_declaration": False, "method_declaration": False, "type_spec": False},
+                      _COMMON_TRANSPARENT | {"type_declaration"}, frozenset()),
+    "javascript": CodeGrammar("tree_sitter_javascript", "language",
+                              {"function_declaration": False, "generator_function_declaration": False,
+                               "class_declaration": True, "method_definition": False, "variable_declarator": False},
+                              _COMMON_TRANSPARENT | {"lexical_declaration", "variable_declaration"},
+                              frozenset({"class_body"})),
+    "typescript": CodeGrammar("tree_sitter_typescript", "language_typescript",
+                              {"function_declaration": False, "generator_function_declaration": False,
+                               "class_declaration": True, "abstract_class_declaration": True,
+                               "interface_declaration": False, "type_alias_declaration": False,
+                               "enum_declaration": False, "method_definition": False, "variable_declarator": False,
+                               "internal_module": True, "module": True},
+                              _COMMON_TRANSPARENT | {"lexical_declaration", "variable_declaration",
+                                                     "expression_statement"},
+                              frozenset({"class_body", "statement_block"})),
+    "tsx": CodeGrammar("tree_sitter_typescript", "language_tsx", {}, frozenset(), frozenset()),  # as typescript
+    "rust": CodeGrammar("tree_sitter_rust", "language",
+                        {"function_item": False, "struct_item": False, "enum_item": False, "union_item": False,
+                         "trait_item": True, "impl_item": True, "mod_item": True, "macro_definition": False,
+                         "type_item": False, "function_signature_item": False},
+                        _COMMON_TRANSPARENT, frozenset({"declaration_list"})),
+    "java": CodeGrammar("tree_sitter_java", "language",
+                        {"class_declaration": True, "interface_declaration": True, "enum_declaration": True,
+                         "record_declaration": True, "annotation_type_declaration": True,
+                         "method_declaration": False, "constructor_declaration": False,
+                         "compact_constructor_declaration": False},
+                        _COMMON_TRANSPARENT | {"enum_body_declarations"},
+                        frozenset({"class_body", "interface_body", "enum_body", "annotation_type_body"})),
+}
+CODE_GRAMMARS["tsx"] = replace(CODE_GRAMMARS["typescript"], entry="language_tsx")
+_WRAPPERS = frozenset({"decorated_definition", "export_statement", "lexical_declaration", "variable_declaration",
+                       "ambient_declaration"})
+# A variable is a symbol only where it holds a function or a class (`const handler = async () => …`).
+_FUNCTION_VALUES = frozenset({"arrow_function", "function_expression", "function", "generator_function",
+                              "class", "class_expression"})
+# Files of other languages (and configuration) in code corpora: fixed windows of lines, no symbol.
+CODE_WINDOW_LINES = 40
+WINDOWED_LANGUAGES = {
+    ".c": "c", ".h": "c", ".cc": "cpp", ".cpp": "cpp", ".cxx": "cpp", ".hpp": "cpp", ".hh": "cpp", ".cs": "csharp",
+    ".rb": "ruby", ".php": "php", ".kt": "kotlin", ".kts": "kotlin", ".swift": "swift", ".scala": "scala",
+    ".lua": "lua", ".pl": "perl", ".r": "r", ".dart": "dart", ".ex": "elixir", ".exs": "elixir", ".erl": "erlang",
+    ".hs": "haskell", ".ml": "ocaml", ".clj": "clojure", ".zig": "zig", ".nim": "nim", ".jl": "julia",
+    ".sh": "shell", ".bash": "shell", ".zsh": "shell", ".ps1": "powershell", ".sql": "sql", ".proto": "protobuf",
+    ".graphql": "graphql", ".gql": "graphql", ".vue": "vue", ".svelte": "svelte", ".html": "html", ".css": "css",
+    ".scss": "scss", ".yaml": "yaml", ".yml": "yaml", ".toml": "toml", ".json": "json", ".ini": "ini",
+    ".cfg": "ini", ".tf": "terraform", ".gradle": "gradle", ".cmake": "cmake", ".mk": "make",
+}
+# The first lines of a generated file say so (Go's convention, and @generated of many generators):
+# such a file is left out like one marked `rag: false`; its source is what a reader searches.
+GENERATED_MARK = re.compile(r"^.{0,8}(?:Code generated .{0,200}DO NOT EDIT|@generated\b)", re.MULTILINE)
+GENERATED_MARK_BYTES = 2048
+_COMMENT_LINE = re.compile(r"\s*(?://|#(?!!)|/\*|\*|--|;)")  # a doc comment's or attribute's (#[derive]) lines; not #!
+
+
+def code_language(path: str) -> str | None:
+    """The language of a source file by its extension (None: not a code file)."""
+    extension = file_extension(path)
+    return _LANGUAGE_BY_EXTENSION.get(extension) or WINDOWED_LANGUAGES.get(extension)
+
+
+@functools.cache
+def _code_language(language: str) -> Any:
+    import tree_sitter
+
+    grammar = CODE_GRAMMARS[language]
+    try:
+        module = importlib.import_module(grammar.module)
+    except ModuleNotFoundError as exc:
+        raise missing_dependency(exc, "ingest") from None
+    return tree_sitter.Language(getattr(module, grammar.entry)())
+
+
+def _code_parser(language: str) -> Any:
+    """A parser of its own for each file (a parser is not shared between threads; making one is cheap)."""
+    import tree_sitter
+
+    return tree_sitter.Parser(_code_language(language))
+
+
+def read_code(raw: bytes, path: str) -> DocumentText:
+    """A source file: its lines as stored, its symbols by its syntax tree where the language has a
+    grammar here (else none: it is cut in fixed windows). A file marked generated is read as
+    `rag: false` (left out and counted)."""
+    text = decode_text(raw, path)
+    lines = tuple(split_lines(text))
+    language = code_language(path) or "text"
+    metadata: dict[str, Any] = {}
+    warnings_: tuple[str, ...] = ()
+    if GENERATED_MARK.search(text[:GENERATED_MARK_BYTES]):
+        metadata["rag"] = False
+        warnings_ = (f"{path}: generated code (marked in its first lines): left out",)
+    structure = CodeStructure(language)
+    if language in CODE_GRAMMARS and not metadata:
+        structure = code_structure(raw, lines, language)
+    return DocumentText(lines=lines, searchable=tuple(searchable_text(line) for line in lines), body_start=1,
+                        headings=(), block_starts=structure.statement_starts, metadata=metadata, title=path,
+                        warnings=warnings_, code=structure)
+
+
+def code_structure(raw: bytes, lines: Sequence[str], language: str) -> CodeStructure:
+    """A file's symbols and statement starts, from its syntax tree (tree-sitter reads a file with
+    syntax errors too: what it can tell apart still counts)."""
+    grammar = CODE_GRAMMARS[language]
+    tree = _code_parser(language).parse(raw)
+    symbols: list[CodeSymbol] = []
+    starts: set[int] = set()
+    _collect_symbols(tree.root_node, grammar, "", None, lines, symbols, starts)
+    return CodeStructure(language, tuple(sorted(symbols, key=lambda s: (s.start, -s.end))), tuple(sorted(starts)))
+
+
+def _last_line(node: Any) -> int:
+    """A node's last line, 1-based (a node ending at column 0 ends on the line before)."""
+    row, column = node.end_point
+    return max(node.start_point[0] + 1, row if column == 0 else row + 1)
+
+
+def _collect_symbols(node: Any, grammar: CodeGrammar, outer: str, wrapped_at: int | None, lines: Sequence[str],
+                     symbols: list[CodeSymbol], starts: set[int]) -> None:
+    for child in node.named_children:
+        first = child.start_point[0] + 1
+        if _starts_line(lines, child):
+            starts.add(first)
+        if child.type in grammar.definitions and (name := _symbol_name(child)) is not None:
+            qualified = f"{outer}.{name}" if outer else name
+            start = _with_doc_comment(lines, min(first, wrapped_at or first), symbols)
+            symbols.append(CodeSymbol(qualified, start, _last_line(child)))
+            _statement_starts(child, lines, starts)
+            if grammar.definitions[child.type]:
+                for body in _bodies(child, grammar):
+                    _collect_symbols(body, grammar, qualified, None, lines, symbols, starts)
+        elif child.type in grammar.transparent:
+            # A wrapper's first line (a decorator, `export`, `const`) is its definition's first line.
+            wrapper = min(first, wrapped_at or first) if child.type in _WRAPPERS else None
+            _collect_symbols(child, grammar, outer, wrapper, lines, symbols, starts)
+
+
+def _bodies(node: Any, grammar: CodeGrammar) -> list[Any]:
+    body = node.child_by_field_name("body")
+    if body is not None:
+        return [body]
+    return [child for child in node.named_children if child.type in grammar.bodies]
+
+
+def _starts_line(lines: Sequence[str], node: Any) -> bool:
+    row, column = node.start_point
+    return row < len(lines) and not lines[row][:column].strip()
+
+
+def _statement_starts(node: Any, lines: Sequence[str], starts: set[int], depth: int = 0) -> None:
+    """Lines where a statement of a definition starts (its body's, and theirs, a few levels down):
+    where a piece of a long symbol may begin."""
+    if depth > 4:
+        return
+    for child in node.named_children:
+        if _starts_line(lines, child):
+            starts.add(child.start_point[0] + 1)
+        if child.end_point[0] > child.start_point[0]:
+            _statement_starts(child, lines, starts, depth + 1)
+
+
+def _node_text(node: Any | None) -> str | None:
+    return node.text.decode("utf-8", "replace") if node is not None and node.text else None
+
+
+def _symbol_name(node: Any) -> str | None:
+    """A definition's name: its own, a Go method's with its receiver's type, a Rust impl block's type."""
+    if node.type == "method_declaration" and (receiver := node.child_by_field_name("receiver")) is not None:
+        types = [n for n in _descendants(receiver) if n.type == "type_identifier"]
+        name = _node_text(node.child_by_field_name("name"))
+        return f"{_node_text(types[0])}.{name}" if types and name else name
+    if node.type == "impl_item":
+        kind = node.child_by_field_name("type")
+        found = [n for n in [kind, *_descendants(kind)] if n is not None and n.type == "type_identifier"] if kind else []
+        return _node_text(found[0]) if found else _node_text(kind)
+    if node.type == "variable_declarator":
+        value = node.child_by_field_name("value")
+        return _node_text(node.child_by_field_name("name")) if value is not None and value.type in _FUNCTION_VALUES else None
+    name = node.child_by_field_name("name")
+    return metadata_text(_node_text(name) or "", 200) or None if name is not None else None
+
+
+def _descendants(node: Any) -> Iterator[Any]:
+    for child in node.named_children:
+        yield child
+        yield from _descendants(child)
+
+
+def _with_doc_comment(lines: Sequence[str], start: int, symbols: Sequence[CodeSymbol]) -> int:
+    """A symbol's first line with the comment lines directly above it (its doc comment), never a
+    line of a symbol before it."""
+    taken = max((s.end for s in symbols if s.end < start), default=0)
+    while start - 1 > taken and _COMMENT_LINE.match(lines[start - 2]) and lines[start - 2].strip():
+        start -= 1
+    return start
+
+
+def chunk_code(doc: SourceDocument, max_tokens: int, min_tokens: int, context_tokens: int | None = None) -> list[Chunk]:
+    """Split a source file into symbol chunks:
+    1. each line goes to the innermost symbol holding it (a class keeps its own lines: header,
+       docstring, attributes; its methods are chunks of their own); the code between symbols
+       (imports, constants, a module docstring) is grouped, a file without a grammar here cut in
+       windows of CODE_WINDOW_LINES;
+    2. blank runs join the chunk before them, so every line of the file is in exactly one chunk;
+    3. a run over max_tokens is cut at statement starts (else between lines), every piece keeping
+       the symbol's name; a single line over the context is cut in pieces that share it."""
+    code = doc.text.code
+    assert code is not None, doc.path
+    lines, searchable = doc.lines, doc.text.searchable
+    if not any(line.strip() for line in searchable):
+        return []
+    context_tokens = max(max_tokens, context_tokens or max_tokens)
+    body = _Body(tuple(estimate_tokens(line) for line in searchable), (), (0,), ("",))
+    runs = _owned_runs(code, len(lines))
+    if code.language not in CODE_GRAMMARS:
+        runs = [(s, min(s + CODE_WINDOW_LINES, e), name) for s, e, name in runs
+                for s in range(s, e, CODE_WINDOW_LINES)]
+    runs = _blank_runs_joined(runs, body)
+    cuts = sorted({line - 1 for line in code.statement_starts})
+    chunks: list[Chunk] = []
+    for start, end, name in runs:
+        for span in _code_pieces(body, _Span(start, end), cuts, max_tokens):
+            text = "\n".join(lines[span.start:span.end]).strip("\n").rstrip()
+            meant = "\n".join(searchable[span.start:span.end]).strip()
+            parts = [(text, meant)]
+            if span.end - span.start == 1 and body.tokens(span.start, span.end) > context_tokens:
+                parts = [(part.strip(), searchable_text(part.strip()))
+                         for part in _cut_long_line(text, max_tokens, min_tokens)]
+            for part, part_meant in parts:
+                chunks.append(Chunk(len(chunks), span.start + 1, span.end, name, part, part_meant, symbol=name or None))
+    return chunks
+
+
+def _owned_runs(code: CodeStructure, line_count: int) -> list[tuple[int, int, str]]:
+    """Runs of lines [start, end) (0-based) with the same innermost symbol, and its name ("" for none)."""
+    owner: list[int] = [-1] * line_count
+    for n, symbol in enumerate(code.symbols):  # outer before inner: the inner one takes its lines
+        for line in range(symbol.start - 1, min(symbol.end, line_count)):
+            owner[line] = n
+    runs: list[tuple[int, int, str]] = []
+    start = 0
+    for line in range(1, line_count + 1):
+        if line == line_count or owner[line] != owner[start]:
+            runs.append((start, line, code.symbols[owner[start]].name if owner[start] >= 0 else ""))
+            start = line
+    return runs
+
+
+def _blank_runs_joined(runs: Sequence[tuple[int, int, str]], body: _Body) -> list[tuple[int, int, str]]:
+    """Runs with nothing searchable (blank lines) joined to the run before them (the first: to the next)."""
+    out: list[tuple[int, int, str]] = []
+    pending_start: int | None = None
+    for start, end, name in runs:
+        if not body.meaning(start, end):
+            if out:
+                out[-1] = (out[-1][0], end, out[-1][2])
+            elif pending_start is None:
+                pending_start = start
+            continue
+        out.append((start if pending_start is None else pending_start, end, name))
+        pending_start = None
+    return out
+
+
+def _code_pieces(body: _Body, span: _Span, cuts: Sequence[int], max_tokens: int) -> list[_Span]:
+    """A run cut into pieces within max_tokens: at the last statement start that fits, else after
+    the last blank line that fits, else at the last line that fits (a single line over the budget
+    is a piece of its own)."""
+    pieces: list[_Span] = []
+    start = span.start
+    while body.tokens(start, span.end) > max_tokens:
+        end = start + 1  # the last line end that fits (at least one line)
+        while end < span.end and body.tokens(start, end + 1) <= max_tokens:
+            end += 1
+        # A statement start that leaves at least half a budget behind, else a blank line, else any line.
+        at = [c for c in cuts[bisect.bisect_right(cuts, start):bisect.bisect_right(cuts, end)]
+              if c < span.end and body.tokens(start, c) >= max_tokens // 2]
+        blank = [c for c in range(end, start, -1) if not body.meanings[c - 1] and body.tokens(start, c) >= max_tokens // 2]
+        cut = at[-1] if at else blank[0] if blank else end
+        if cut >= span.end:
+            break
+        pieces.append(_Span(start, cut))
+        start = cut
+    pieces.append(_Span(start, span.end))
+    return pieces
+
+
 # Every format a reader takes, by its RAG_FORMATS name. `text` is opt-in: repositories are full of
 # requirements.txt and LICENSE.txt files that are not documentation.
 READERS = (
@@ -3314,7 +3690,22 @@ READERS = (
     Reader("asciidoc", (".adoc", ".asciidoc"), "text/asciidoc", read_asciidoc, asciidoc_inline_searchable),
     Reader("pdf", (".pdf",), "application/pdf", read_pdf, searchable_text, extracted=True),
     Reader("text", (".txt",), "text/plain", read_plain_text, searchable_text, read_by_default=False),
+    # Code (RAG_CODE): one reader per language with symbols, one for the other source files.
+    Reader("python", (".py", ".pyi"), "text/x-python", read_code, searchable_text, read_by_default=False, kind="code"),
+    Reader("go", (".go",), "text/x-go", read_code, searchable_text, read_by_default=False, kind="code"),
+    Reader("javascript", (".js", ".mjs", ".cjs", ".jsx"), "text/javascript", read_code, searchable_text,
+           read_by_default=False, kind="code"),
+    Reader("typescript", (".ts", ".mts", ".cts"), "text/x-typescript", read_code, searchable_text,
+           read_by_default=False, kind="code"),
+    Reader("tsx", (".tsx",), "text/x-tsx", read_code, searchable_text, read_by_default=False, kind="code"),
+    Reader("rust", (".rs",), "text/x-rust", read_code, searchable_text, read_by_default=False, kind="code"),
+    Reader("java", (".java",), "text/x-java", read_code, searchable_text, read_by_default=False, kind="code"),
+    Reader("code-text", tuple(WINDOWED_LANGUAGES), "text/plain", read_code, searchable_text, read_by_default=False,
+           kind="code"),
 )
+_LANGUAGE_BY_EXTENSION = {extension: reader.format for reader in READERS if reader.format in CODE_GRAMMARS
+                          for extension in reader.extensions}
+CODE_FORMATS = tuple(reader.format for reader in READERS if reader.kind == "code")
 FORMATS = tuple(reader.format for reader in READERS)
 DEFAULT_FORMATS = tuple(reader.format for reader in READERS if reader.read_by_default)
 _READER_BY_EXTENSION = {extension: reader for reader in READERS for extension in reader.extensions}
@@ -3348,6 +3739,7 @@ class Chunk:
     heading: str  # heading path, e.g. "Deploy runbook > Rollback > Database"
     text: str  # the lines as written
     searchable: str  # the same lines as embedded and keyword-indexed (the reader's searchable text)
+    symbol: str | None = None  # a code chunk's symbol (Class.method); None for documents and code between symbols
 
 
 @dataclass(frozen=True)
@@ -3563,6 +3955,8 @@ def chunk_document(doc: SourceDocument, max_tokens: int, min_tokens: int,
     - a chunk's heading is the heading path of its first section, then the last heading of every
       other section it covers (merged_heading); text before the first heading has the title.
     """
+    if doc.text.code is not None:
+        return chunk_code(doc, max_tokens, min_tokens, context_tokens)
     first = doc.body_start - 1
     lines, searchable = doc.lines[first:], doc.text.searchable[first:]
     if not any(line.strip() for line in searchable):
@@ -3622,19 +4016,22 @@ class PrefixScheme:
     name: str
     document: str  # format string with {title} and {text}
     query: str  # format string with {query}
+    # Queries against code (search_corpus scope "code"), where the model documents a task for it.
+    code_query: str | None = None
 
     def document_text(self, title: str, text: str) -> str:
         return self.document.format(title=title or "none", text=text)
 
-    def query_text(self, query: str) -> str:
-        return self.query.format(query=query)
+    def query_text(self, query: str, code: bool = False) -> str:
+        return (self.code_query if code and self.code_query else self.query).format(query=query)
 
 
 _RETRIEVAL_INSTRUCTION = "Represent this sentence for searching relevant passages: {query}"
 PREFIX_SCHEMES: dict[str, PrefixScheme] = {
     scheme.name: scheme
     for scheme in (
-        PrefixScheme("embeddinggemma", "title: {title} | text: {text}", "task: search result | query: {query}"),
+        PrefixScheme("embeddinggemma", "title: {title} | text: {text}", "task: search result | query: {query}",
+                     "task: code retrieval | query: {query}"),
         PrefixScheme("nomic-embed-text", "search_document: {text}", "search_query: {query}"),
         PrefixScheme("e5", "passage: {text}", "query: {query}"),
         PrefixScheme("mxbai-embed-large", "{text}", _RETRIEVAL_INSTRUCTION),
@@ -3696,6 +4093,23 @@ def embedded_document_text(scheme: PrefixScheme, title: str, heading: str, text:
     if heading and heading != title:
         text = f"{searchable_text(heading)}\n\n{text}"
     return scheme.document_text(title, text)
+
+
+def embedded_code_text(scheme: PrefixScheme, path: str, symbol: str | None, text: str) -> str:
+    """What ingest sends to the embedder for a code chunk: its file and symbol name it (the title
+    where the scheme has one, `title: src/retry.py Client.send | text: …`; else they lead the text)."""
+    name = f"{path} {symbol}" if symbol else path
+    text = searchable_text(text)
+    if "{title}" not in scheme.document:
+        text = f"{searchable_text(name)}\n\n{text}"
+    return scheme.document_text(name, text)
+
+
+def embedded_chunk_text(scheme: PrefixScheme, doc: SourceDocument, chunk: Chunk) -> str:
+    """The text embedded for a chunk of `doc`, a document's or a source file's."""
+    if doc.kind == "code":
+        return embedded_code_text(scheme, doc.path, chunk.symbol, chunk.searchable)
+    return embedded_document_text(scheme, doc.title, chunk.heading, chunk.searchable)
 
 
 # ---------------------------------------------------------------------------
@@ -3932,13 +4346,16 @@ KEYWORD_DB = "keywords.sqlite3"
 COLLECTION_BY_LIFECYCLE = {"active": "chunks_active", "superseded": "chunks_superseded"}
 # Chroma metadata keys written on every chunk (chunk_metadata builds them, in this order).
 META_KEYS = ("path", "title", "heading", "chunk_index", "start_line", "end_line", "lifecycle",
-             "content_hash", "mtime_ns", "chunk_mode")
+             "content_hash", "mtime_ns", "chunk_mode", "kind", "symbol", "language")
+KINDS = ("doc", "code")
 
 
 def chunk_metadata(doc: SourceDocument, chunk: Chunk, content_hash: str, mtime_ns: int) -> dict[str, Any]:
-    """What is stored with every chunk's vector, `lifecycle` included (the pre-filter's key)."""
+    """What is stored with every chunk's vector, `lifecycle` included (the pre-filter's key); a
+    document's chunk has "" for symbol and language (Chroma keeps no null)."""
     return dict(zip(META_KEYS, (doc.path, doc.title, chunk.heading, chunk.index, chunk.start_line, chunk.end_line,
-                                doc.lifecycle, content_hash, mtime_ns, doc.chunk_mode), strict=True))
+                                doc.lifecycle, content_hash, mtime_ns, doc.chunk_mode, doc.kind, chunk.symbol or "",
+                                doc.language or ""), strict=True))
 
 # The keyword index's schema: numbered, append-only migrations, each run once per index in order;
 # `PRAGMA user_version` records how many have run. Ingest runs the missing ones when it opens an
@@ -4060,6 +4477,13 @@ KEYWORD_MIGRATIONS = (
     # filters on; NULL: not recorded yet (ingest reads the file again to record them, see keys_unrecorded).
     Migration(8, ("ALTER TABLE documents ADD COLUMN tags TEXT",
                   "ALTER TABLE documents ADD COLUMN dated TEXT")),
+    # Code (RAG_CODE): each document's kind ("doc" or "code") and language, each chunk's kind (the
+    # scope pre-filter of the keyword channel) and symbol (NULL for a document's and for code between
+    # symbols). Rows written before are documents.
+    Migration(9, ("ALTER TABLE documents ADD COLUMN kind TEXT NOT NULL DEFAULT 'doc'",
+                  "ALTER TABLE documents ADD COLUMN language TEXT",
+                  "ALTER TABLE chunks ADD COLUMN kind TEXT NOT NULL DEFAULT 'doc'",
+                  "ALTER TABLE chunks ADD COLUMN symbol TEXT")),
 )
 KEYWORD_SCHEMA_VERSION = KEYWORD_MIGRATIONS[-1].number
 _ADD_COLUMN = re.compile(r"ALTER TABLE (\w+) ADD COLUMN (\w+)")
@@ -4132,6 +4556,8 @@ class DocumentRow:
     pages: str | None = None  # a paged document's pages (pages_from_column reads it); None: not paged
     tags: str | None = None  # as stored (tags_from_column reads it); None: not recorded
     dated: str | None = None  # the document's own date, "" for none; None: not recorded
+    kind: str | None = None  # "doc" or "code"; None: an index written before code (a document)
+    language: str | None = None  # a code file's language
 
     def keys_unrecorded(self) -> bool:
         """A document of a store written before all its document keys were recorded (successors,
@@ -4140,7 +4566,8 @@ class DocumentRow:
 
 
 # The migration that added each column of a row type a reader selects: an older index reads NULL there.
-_COLUMN_SINCE = {"superseded_by": 4, "pages": 6, "searchable": 6, "tags": 8, "dated": 8}
+_COLUMN_SINCE = {"superseded_by": 4, "pages": 6, "searchable": 6, "tags": 8, "dated": 8, "kind": 9, "language": 9,
+                 "symbol": 9}
 
 
 def select_columns(names: Iterable[str], version: int, table: str = "") -> str:
@@ -4169,6 +4596,9 @@ class ChunkRow:
     text: str
     title: str
     searchable: str | None = None  # as embedded and keyword-indexed, where it is not searchable_text(text)
+    kind: str | None = None  # "doc" or "code" (None: an index written before code: a document)
+    symbol: str | None = None  # a code chunk's symbol
+    language: str | None = None  # a code chunk's language (its document's)
 
     @property
     def indexed_text(self) -> str:
@@ -4180,8 +4610,8 @@ def chunk_select(version: int = KEYWORD_SCHEMA_VERSION) -> str:
     """SELECT of ChunkRow's columns (the passage, its document's title) for an index of this schema_version."""
     columns = select_columns(("id", "path", "chunk_index", "start_line", "end_line", "heading", "lifecycle", "text"), version,
                        "c.")
-    return (f"SELECT {columns}, coalesce(d.title, c.path), {select_columns(('searchable',), version, 'c.')} "
-            "FROM chunks c LEFT JOIN documents d ON d.path = c.path")
+    return (f"SELECT {columns}, coalesce(d.title, c.path), {select_columns(('searchable', 'kind', 'symbol'), version, 'c.')}, "
+            f"{select_columns(('language',), version, 'd.')} FROM chunks c LEFT JOIN documents d ON d.path = c.path")
 
 
 def pages_column(pages: Sequence[Page]) -> str | None:
@@ -4328,9 +4758,13 @@ class FilesFound:
 
 def not_read_reason(extension: str) -> str:
     reader = _READER_BY_EXTENSION.get(extension)
+    if reader is not None and reader.kind == "code":
+        return f"source code ({reader.format}) is read only with RAG_CODE=1 (ingest --code)"
     if reader is not None:
         return f"RAG_FORMATS leaves {reader.format} out"
-    return "no reader for this format; readers take " + " ".join(e for r in READERS for e in r.extensions)
+    return ("no reader for this format; readers take " + " ".join(e for r in READERS if r.kind == "doc"
+                                                                  for e in r.extensions)
+            + ", and source files with RAG_CODE=1")
 
 
 @dataclass(frozen=True)

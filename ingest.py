@@ -94,7 +94,10 @@ RAGIGNORE = ".ragignore"
 RAGIGNORE_MAX_BYTES = 1 << 20
 # Folders that are never documentation. A `!name/` rule in a .ragignore brings one back.
 BUILT_IN_EXCLUDES = ("node_modules/", ".venv/", "venv/", "__pycache__/", "site-packages/", "dist/", "build/",
-                     "vendor/", ".*/")
+                     "vendor/", ".*/",
+                     # Minified and lock files: generated from sources and manifests that are read.
+                     "*.min.js", "*.min.css", "*.map", "package-lock.json", "npm-shrinkwrap.json", "yarn.lock",
+                     "pnpm-lock.yaml", "*.lock", "go.sum")
 
 
 @dataclass(frozen=True)
@@ -261,6 +264,10 @@ def _walk(root: Path, root_fd: int, scope: Scope, walk: Walk, formats: Collectio
                 continue
             readable = rules.reader_for(entry.name, formats) is not None
             disk_rel = f"{disk_folder}/{entry.name}" if disk_folder else entry.name
+            if rules.secret_by_name(rules.nfc(disk_rel), entry.is_dir(follow_symlinks=True)):
+                walk.ignored[rules.nfc(disk_rel) + ("/" if entry.is_dir(follow_symlinks=True) else "")] = (
+                    rules.SECRET_REFUSAL)
+                continue
             try:
                 st = os.stat(entry.path)
             except OSError as exc:
@@ -408,9 +415,9 @@ def split_chunk(doc: rules.SourceDocument, chunk: rules.Chunk) -> list[rules.Chu
         middle = (filled[0] + filled[-1] + 1) / 2
         cut = min(paragraph or cuts, key=lambda k: abs(k - middle))
         return [rules.Chunk(0, chunk.start_line, chunk.start_line + cut - 1, chunk.heading,
-                            "\n".join(lines[:cut]).strip(), "\n".join(searchable[:cut]).strip()),
+                            "\n".join(lines[:cut]).strip(), "\n".join(searchable[:cut]).strip(), chunk.symbol),
                 rules.Chunk(0, chunk.start_line + cut, chunk.end_line, chunk.heading,
-                            "\n".join(lines[cut:]).strip(), "\n".join(searchable[cut:]).strip())]
+                            "\n".join(lines[cut:]).strip(), "\n".join(searchable[cut:]).strip(), chunk.symbol)]
     text = chunk.text
     if len(text) < 2:
         return [chunk]
@@ -418,8 +425,8 @@ def split_chunk(doc: rules.SourceDocument, chunk: rules.Chunk) -> list[rules.Chu
     cut = min(spaces, key=lambda i: abs(i - len(text) // 2)) if spaces else len(text) // 2
     line = chunk.start_line + (filled[0] if filled else 0)
     halves = (text[:cut].strip(), text[cut:].strip())
-    return [rules.Chunk(0, chunk.start_line, line, chunk.heading, halves[0], doc.reader.inline(halves[0])),
-            rules.Chunk(0, line, chunk.end_line, chunk.heading, halves[1], doc.reader.inline(halves[1]))]
+    return [rules.Chunk(0, chunk.start_line, line, chunk.heading, halves[0], doc.reader.inline(halves[0]), chunk.symbol),
+            rules.Chunk(0, line, chunk.end_line, chunk.heading, halves[1], doc.reader.inline(halves[1]), chunk.symbol)]
 
 
 @dataclass
@@ -699,7 +706,7 @@ class Embedding:
             self._inbox.put(None)
 
     def text(self, doc: rules.SourceDocument, chunk: rules.Chunk) -> str:
-        return rules.embedded_document_text(self.scheme, doc.title, chunk.heading, chunk.searchable)
+        return rules.embedded_chunk_text(self.scheme, doc, chunk)
 
     def embed_files(self, files: Sequence[PreparedFile]) -> None:
         self.finish_files(self.begin_files(files))
@@ -1463,8 +1470,7 @@ class Store:
         with transaction(self.db):
             self._delete_rows([pf.file.path for pf in files])
             for pf in files:
-                pf.keys = [rules.embed_key(rules.embedded_document_text(self.scheme, pf.doc.title, c.heading, c.searchable))
-                           for c in pf.chunks]
+                pf.keys = [rules.embed_key(rules.embedded_chunk_text(self.scheme, pf.doc, c)) for c in pf.chunks]
                 self._insert_rows(pf)
             self.db.executemany("INSERT INTO vectors_pending(path, chunks) VALUES (?, ?)",
                                 [(pf.file.path, len(pf.chunks)) for pf in files])
@@ -1618,9 +1624,9 @@ class Store:
             searchable = None if chunk.searchable == rules.searchable_text(chunk.text) else chunk.searchable
             cur = self.db.execute(
                 "INSERT INTO chunks(id, path, chunk_index, start_line, end_line, heading, lifecycle, text, embed_key, "
-                "searchable) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "searchable, kind, symbol) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (rules.chunk_id(path, pf.content_hash, chunk.index), path, chunk.index, chunk.start_line,
-                 chunk.end_line, chunk.heading, doc.lifecycle, chunk.text, key, searchable))
+                 chunk.end_line, chunk.heading, doc.lifecycle, chunk.text, key, searchable, doc.kind, chunk.symbol))
             fts_row = rules.keyword_row(doc.title, chunk.heading, chunk.searchable)
             self.db.execute("INSERT INTO chunks_fts(rowid, title, heading, body) VALUES (?, ?, ?, ?)",
                             (cur.lastrowid, *fts_row))
@@ -1630,12 +1636,12 @@ class Store:
         self._count_common_terms(fts_rows, 1)
         self.db.execute(
             "INSERT INTO documents(path, title, lifecycle, chunk_mode, content_hash, size, mtime_ns, disk_path, "
-            "real_path, line_count, chunk_count, cjk_share, pages, superseded_by, tags, dated) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "real_path, line_count, chunk_count, cjk_share, pages, superseded_by, tags, dated, kind, language) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (path, doc.title, doc.lifecycle, doc.chunk_mode, pf.content_hash, pf.file.size, pf.file.mtime_ns,
              pf.file.disk_path, pf.file.real_path, doc.line_count, len(pf.chunks),
              round(rules.cjk_share("\n".join(doc.text.searchable[doc.body_start - 1:])), 4),
-             rules.pages_column(doc.text.pages), *_key_columns(doc)))
+             rules.pages_column(doc.text.pages), *_key_columns(doc), doc.kind, doc.language))
         if doc.reader.extracted:
             self.db.execute("INSERT INTO extracted(path, text) VALUES (?, ?)", (path, "\n".join(doc.lines)))
 
@@ -2441,7 +2447,7 @@ def run(args: argparse.Namespace, summary: Summary | None = None, vectors: rules
     runs); by default the run starts its own."""
     summary = Summary(dry_run=args.dry_run) if summary is None else summary
     started = time.monotonic()
-    settings = rules.load_settings(corpus_dir=args.corpus, store_dir=args.store)
+    settings = rules.load_settings(corpus_dir=args.corpus, store_dir=args.store, code=args.code or None)
     corpus = settings.corpus_dir
     if not corpus.is_dir():  # before the configuration is shown: an installed copy has no default corpus to show
         raise rules.no_corpus_configured(settings) or RagError(
@@ -3063,6 +3069,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--corpus", help="corpus folder (default: $RAG_CORPUS_DIR, in a clone sample-corpus/)")
     parser.add_argument("--store", help="store folder (default: $RAG_STORE_DIR or ~/.local-rag-mcp/store)")
     parser.add_argument("--full", action="store_true", help="re-embed every file, changed or not")
+    parser.add_argument("--code", action="store_true",
+                        help="index source code too, in symbol chunks (as RAG_CODE=1; default: documentation only)")
     parser.add_argument("--dry-run", action="store_true", help="report what would change; embed and write nothing")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     parser.add_argument("--allow-empty", action="store_true", help="allow an empty corpus to empty the index")
@@ -3168,7 +3176,7 @@ def watch(args: argparse.Namespace) -> int:
     process that started it) stops cleanly."""
     import watchfiles
 
-    settings = rules.load_settings(corpus_dir=args.corpus, store_dir=args.store)
+    settings = rules.load_settings(corpus_dir=args.corpus, store_dir=args.store, code=args.code or None)
     corpus = settings.corpus_dir
     if not corpus.is_dir():  # nothing to watch: the run says why (not configured, or not there)
         return run_once(args)[0]
