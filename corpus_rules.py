@@ -3438,7 +3438,7 @@ WINDOWED_LANGUAGES = {
     ".lua": "lua", ".pl": "perl", ".r": "r", ".dart": "dart", ".ex": "elixir", ".exs": "elixir", ".erl": "erlang",
     ".hs": "haskell", ".ml": "ocaml", ".clj": "clojure", ".zig": "zig", ".nim": "nim", ".jl": "julia",
     ".sh": "shell", ".bash": "shell", ".zsh": "shell", ".ps1": "powershell", ".sql": "sql", ".proto": "protobuf",
-    ".graphql": "graphql", ".gql": "graphql", ".vue": "vue", ".svelte": "svelte", ".html": "html", ".css": "css",
+    ".graphql": "graphql", ".gql": "graphql", ".vue": "vue", ".svelte": "svelte", ".css": "css",
     ".scss": "scss", ".yaml": "yaml", ".yml": "yaml", ".toml": "toml", ".json": "json", ".ini": "ini",
     ".cfg": "ini", ".tf": "terraform", ".gradle": "gradle", ".cmake": "cmake", ".mk": "make",
 }

@@ -264,10 +264,6 @@ def _walk(root: Path, root_fd: int, scope: Scope, walk: Walk, formats: Collectio
                 continue
             readable = rules.reader_for(entry.name, formats) is not None
             disk_rel = f"{disk_folder}/{entry.name}" if disk_folder else entry.name
-            if rules.secret_by_name(rules.nfc(disk_rel), entry.is_dir(follow_symlinks=True)):
-                walk.ignored[rules.nfc(disk_rel) + ("/" if entry.is_dir(follow_symlinks=True) else "")] = (
-                    rules.SECRET_REFUSAL)
-                continue
             try:
                 st = os.stat(entry.path)
             except OSError as exc:
@@ -280,6 +276,9 @@ def _walk(root: Path, root_fd: int, scope: Scope, walk: Walk, formats: Collectio
                         f"{disk_rel}: cannot be read ({exc.strerror})")
                 else:
                     walk.warnings.append(f"skipped {entry.path}: {exc.strerror}")
+                continue
+            if rules.secret_by_name(rules.nfc(disk_rel), stat.S_ISDIR(st.st_mode)):
+                walk.ignored[rules.nfc(disk_rel) + ("/" if stat.S_ISDIR(st.st_mode) else "")] = rules.SECRET_REFUSAL
                 continue
             if stat.S_ISDIR(st.st_mode):
                 reason = scope.excluded(disk_rel, is_dir=True)

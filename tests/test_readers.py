@@ -175,8 +175,10 @@ def reference_rst_headings(lines: Sequence[str]) -> list[tuple[int, int]]:
 def test_one_reader_per_extension_and_the_formats_setting() -> None:
     extensions = [e for reader in rules.READERS for e in reader.extensions]
     assert len(extensions) == len(set(extensions))
-    assert {r.format for r in rules.READERS} == {"markdown", "mdx", "rst", "text"} | {
+    assert {r.format for r in rules.READERS if r.kind == "doc"} == {"markdown", "mdx", "rst", "text"} | {
         r.format for r in rules.READERS if r.format in ("asciidoc", "pdf")}
+    assert not set(rules.CODE_FORMATS) & set(rules.DEFAULT_FORMATS)  # code is opt-in (RAG_CODE)
+    assert set(rules.load_settings({"RAG_CODE": "1"}).formats) == set(rules.DEFAULT_FORMATS) | set(rules.CODE_FORMATS)
     assert rules.reader_for("guide/Intro.MDX").format == "mdx"
     assert rules.reader_for("notes.txt") is not None and rules.reader_for("notes.txt", rules.DEFAULT_FORMATS) is None
     assert rules.reader_for("page.html") is None and rules.reader_for("Makefile") is None
