@@ -3597,7 +3597,8 @@ def chunk_code(doc: SourceDocument, max_tokens: int, min_tokens: int, context_to
        docstring, attributes; its methods are chunks of their own); the code between symbols
        (imports, constants, a module docstring) is grouped, a file without a grammar here cut in
        windows of CODE_WINDOW_LINES;
-    2. blank runs join the chunk before them, so every line of the file is in exactly one chunk;
+    2. runs without a word (blank lines, closing braces) join the run before them, so every line
+       of the file is in exactly one chunk;
     3. a run over max_tokens is cut at statement starts (else between lines), every piece keeping
        the symbol's name; a single line over the context is cut in pieces that share it."""
     code = doc.text.code
@@ -3611,7 +3612,7 @@ def chunk_code(doc: SourceDocument, max_tokens: int, min_tokens: int, context_to
     if code.language not in CODE_GRAMMARS:
         runs = [(s, min(s + CODE_WINDOW_LINES, e), name) for s, e, name in runs
                 for s in range(s, e, CODE_WINDOW_LINES)]
-    runs = _blank_runs_joined(runs, body)
+    runs = _blank_runs_joined(runs, body, searchable)
     cuts = sorted({line - 1 for line in code.statement_starts})
     chunks: list[Chunk] = []
     for start, end, name in runs:
@@ -3625,6 +3626,9 @@ def chunk_code(doc: SourceDocument, max_tokens: int, min_tokens: int, context_to
             for part, part_meant in parts:
                 chunks.append(Chunk(len(chunks), span.start + 1, span.end, name, part, part_meant, symbol=name or None))
     return chunks
+
+
+_WORD_CHAR = re.compile(r"\w")
 
 
 def _owned_runs(code: CodeStructure, line_count: int) -> list[tuple[int, int, str]]:
@@ -3642,12 +3646,14 @@ def _owned_runs(code: CodeStructure, line_count: int) -> list[tuple[int, int, st
     return runs
 
 
-def _blank_runs_joined(runs: Sequence[tuple[int, int, str]], body: _Body) -> list[tuple[int, int, str]]:
-    """Runs with nothing searchable (blank lines) joined to the run before them (the first: to the next)."""
+def _blank_runs_joined(runs: Sequence[tuple[int, int, str]], body: _Body,
+                       searchable: Sequence[str]) -> list[tuple[int, int, str]]:
+    """Runs with no word in them (blank lines, a class's closing brace) joined to the run before
+    them (the first: to the next)."""
     out: list[tuple[int, int, str]] = []
     pending_start: int | None = None
     for start, end, name in runs:
-        if not body.meaning(start, end):
+        if not body.meaning(start, end) or not any(_WORD_CHAR.search(line) for line in searchable[start:end]):
             if out:
                 out[-1] = (out[-1][0], end, out[-1][2])
             elif pending_start is None:

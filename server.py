@@ -116,6 +116,8 @@ KEYWORD_EVIDENCE_FULL = 0.3
 QUERIES_MAX = 4
 TAGS_FILTER_MAX = 20  # tags one search may name (any of them)
 NEAREST_NAMES = 3  # titles or tags a document or tag filter that matches none is pointed to
+SCOPE_KINDS: dict[str, str | None] = {"all": None, "docs": "doc", "code": "code"}  # search_corpus scope -> kind
+CODE_SCHEMA = 9  # the keyword index's first schema with kinds and symbols (corpus_rules.KEYWORD_MIGRATIONS)
 # Ranking (see rank): in hybrid mode a passage holding every query identifier whole gains what a
 # first place in one more list gives, for identifiers no more common than IDENTIFIER_COMMON_SHARE
 # of the passages (see distinctive_identifiers); at most FILE_LEAD passages of a document precede
@@ -348,6 +350,10 @@ class SearchCorpusInput(_ToolInput):
         None, description="Only documents dated on or after this day, YYYY-MM-DD: their frontmatter's updated "
                           "(else date), else the file's modification time when it was indexed.")
     modified_before: str | None = Field(None, description="Only documents dated on or before this day, YYYY-MM-DD.")
+    scope: Literal["all", "docs", "code"] = Field(
+        "all", description="all (default): documents and source code; docs: documents only; code: source code only "
+                           "(indexed with RAG_CODE=1), for where and how the code does something. Filtered before "
+                           "ranking.")
     context: Literal["passage", "section", "neighbours"] = Field(
         "section", description="What each hit's text holds: its whole section (default: from its heading to "
                                "the next heading of the same or a higher level, one hit per section); the "
@@ -527,7 +533,12 @@ class SearchHit(BaseModel):
     uri: str = Field(description="The document as an MCP resource (resources/read); its lines: "
                                  "?start_line=N&end_line=M after it.")
     title: str
-    heading: str = Field(description="Heading path of the passage, e.g. 'Deploy > Rollback > Database'.")
+    heading: str = Field(description="Heading path of the passage, e.g. 'Deploy > Rollback > Database' (source "
+                                     "code: its symbol, or empty).")
+    kind: Literal["doc", "code"] = Field("doc", description="doc: a document's passage; code: a source file's.")
+    symbol: str | None = Field(None, description="The function, method (Class.method) or type a code passage is "
+                                                 "in; null for documents and code between symbols.")
+    language: str | None = Field(None, description="A code passage's language (python, go, ...); null for documents.")
     start_line: int
     end_line: int
     score: float | None = Field(description="Cosine similarity of the passage to the query, or to the closest "
@@ -1319,9 +1330,14 @@ class Within:
 
     prefix: str | None = None
     paths: tuple[str, ...] | None = None  # sorted
+    kind: str | None = None  # "doc" or "code" (search_corpus's scope); None: both
 
-    def sql(self, column: str) -> tuple[str, list[Any]]:
+    def sql(self, table: str) -> tuple[str, list[Any]]:
+        """The condition on the rows of `table` (an alias of chunks: its path and kind columns)."""
+        column = f"{table}.path"
         where, params = prefix_sql(column, self.prefix)
+        if self.kind is not None:
+            where, params = f"{where} AND {table}.kind = ?", [*params, self.kind]
         if self.paths is None:
             return where, params
         # One parameter, however many documents: json_each has no host-parameter limit.
@@ -1931,7 +1947,7 @@ class OpenIndex:
                      n: int) -> tuple[tuple[str, str], ...]:
         """ranked_ids' query. Rows are read for the few a search looks at (measured at 10k chunks:
         0.58 ms for the ranking, 1.16 ms with the 50 winners' rows and texts)."""
-        where, params = within.sql("c.path")
+        where, params = within.sql("c")
         marks = ",".join("?" * len(lifecycles))
         weights = ", ".join(str(float(w)) for w in rules.FTS_WEIGHTS)
         return tuple((str(i), str(lc)) for i, lc in self._sql(
@@ -2052,12 +2068,29 @@ class OpenIndex:
         where, params = prefix_sql("path", prefix)
         return int(self._sql(f"SELECT count(*) FROM documents WHERE {where}", params)[0][0])
 
-    def paths_by_lifecycle(self, prefix: str | None) -> dict[str, list[str]]:
+    def paths_by_lifecycle(self, prefix: str | None, kind: str | None = None) -> dict[str, list[str]]:
         where, params = prefix_sql("path", prefix)
+        kind_where, kind_params = self._kind_sql("kind", kind)
+        where, params = f"{where} AND {kind_where}", [*params, *kind_params]
         out: dict[str, list[str]] = {}
         for path, lifecycle in self._sql(f"SELECT path, lifecycle FROM documents WHERE {where}", params):
             out.setdefault(str(lifecycle), []).append(str(path))
         return out
+
+    def holds_kind(self, kind: str, lifecycles: Sequence[str]) -> bool:
+        """Whether any document of these lifecycles is of this kind ("doc" or "code")."""
+        where, params = self._kind_sql("kind", kind)
+        marks = ",".join("?" * len(lifecycles))
+        return bool(self._sql(f"SELECT 1 FROM documents WHERE {where} AND lifecycle IN ({marks}) LIMIT 1",
+                              [*params, *lifecycles]))
+
+    def _kind_sql(self, column: str, kind: str | None) -> tuple[str, list[Any]]:
+        """SQL for "of this kind" (search_corpus's scope); an index written before code holds documents only."""
+        if kind is None:
+            return "1", []
+        if self.schema < CODE_SCHEMA:
+            return ("1" if kind == "doc" else "0"), []
+        return f"{column} = ?", [kind]
 
     def _data_version(self) -> int:
         """PRAGMA data_version: it changes when another connection commits. Ingest commits into the
@@ -2679,6 +2712,7 @@ class SearchScope:
     within: Within
     paths: Mapping[str, list[str] | None]
     empty: str | None = None
+    kind: str | None = None  # "doc" or "code" (search_corpus's scope); None: both
 
 
 @dataclass
@@ -3008,19 +3042,22 @@ class RetrievalService:
                            f"{manifest.model!r}")
 
     @staticmethod
-    def _query_texts(phrasings: Sequence[str], current: rules.CurrentIndex) -> list[str]:
+    def _query_texts(phrasings: Sequence[str], current: rules.CurrentIndex, code: bool = False) -> list[str]:
+        """The phrasings as embedded: with the model's code-retrieval task where only code is searched
+        (scope "code"); with its search task otherwise (a second query embedding for the code of
+        scope "all" measured no better on the dev set's code questions: see tools/README.md)."""
         scheme = rules.PREFIX_SCHEMES[current.manifest.prefix_scheme]
-        return [scheme.query_text(p) for p in phrasings]
+        return [scheme.query_text(p, code) for p in phrasings]
 
     def _query_vectors(self, phrasings: Sequence[str], current: rules.CurrentIndex,
-                       on_arrival: Callable[[list[Any]], None] | None) -> Callable[[], list[Any]]:
+                       on_arrival: Callable[[list[Any]], None] | None, code: bool = False) -> Callable[[], list[Any]]:
         """The phrasings' query vectors, from the cache or being embedded (one call for all); the
         returned function waits for them. on_arrival(vectors) runs when an embedding call answers."""
         settings = self.settings
         manifest = current.manifest
         self._check_model(current)
         timeout = min(settings.embed_timeout_s, QUERY_EMBED_TIMEOUT_S)
-        return self.queries.begin(settings, manifest.model, self._query_texts(phrasings, current),
+        return self.queries.begin(settings, manifest.model, self._query_texts(phrasings, current, code),
                                   timeout, manifest.dims,
                                   (current.index, current.generation, current.stamp.model_digest), on_arrival,
                                   manifest.embed_dimensions, current.stamp.model_digest, current.stamp.fingerprint)
@@ -3100,7 +3137,8 @@ class RetrievalService:
                 prefetch = Prefetch(index.key, self._prefilter(index, args), wide=self._wide_scope(index, args))
                 # 1. embed (sent now)
                 embedding = self._query_vectors(texts, current,
-                                                prefetch.when_vectors_arrive(index, manager, VECTOR_FETCH))
+                                                prefetch.when_vectors_arrive(index, manager, VECTOR_FETCH),
+                                                code=args.scope == "code")
                 # 3. keyword channel, while Ollama embeds
                 if args.mode == "hybrid" and not prefetch.scope.empty:
                     prefetch.keyword = self._keyword_channel(index, args, prefetch.scope,
@@ -3229,24 +3267,31 @@ class RetrievalService:
         ranking in both channels so a filtered-out chunk never takes a slot."""
         lifecycles = ("active", "superseded") if args.include_superseded else ("active",)
         prefix = args.path_prefix
+        kind = SCOPE_KINDS[args.scope]
+        if kind is not None and index.schema < CODE_SCHEMA:  # an index written before code: documents only
+            kind = None if kind == "doc" else kind
+        if kind is not None and not index.holds_kind(kind, lifecycles):
+            return SearchScope(lifecycles, Within(), {}, empty=no_kind_indexed(args, kind))
         chosen = args.chosen_documents()
         if not prefix and chosen is None:
-            return SearchScope(lifecycles, Within(), {lc: None for lc in lifecycles})
-        within = Within(prefix)
-        by_lc = index.paths_by_lifecycle(prefix)
+            # The scope's kind is a where-clause of its own in both channels (a path list of a
+            # large repository's files made a vector query 20 times slower).
+            return SearchScope(lifecycles, Within(kind=kind), {lc: None for lc in lifecycles}, kind=kind)
+        within = Within(prefix, kind=kind)
+        by_lc = index.paths_by_lifecycle(prefix, kind)
         if chosen is not None:
             docs = index.document_facts()
             admitted = {doc.path for doc in docs if chosen.admits(doc)}
             if not admitted:
                 return SearchScope(lifecycles, within, {}, empty=f"{chosen.matches_none(docs)}; see list_documents")
             by_lc = {lc: [path for path in paths if path in admitted] for lc, paths in by_lc.items()}
-            within = Within(prefix, None if len(admitted) == len(docs) else tuple(sorted(admitted)))
+            within = Within(prefix, None if len(admitted) == len(docs) else tuple(sorted(admitted)), kind)
         if not any(by_lc.get(lc) for lc in lifecycles):
             return SearchScope(lifecycles, within, {}, empty=nothing_in_scope(index, args, by_lc))
         totals = index.counts_by_lifecycle()
         # A scope covering every document of a collection needs no where clause (the fast path).
         return SearchScope(lifecycles, within, {lc: None if len(by_lc.get(lc, [])) == totals.get(lc, 0)
-                                                else by_lc.get(lc, []) for lc in lifecycles})
+                                                else by_lc.get(lc, []) for lc in lifecycles}, kind=kind)
 
     def _passage_reading(self, index: OpenIndex) -> PassageReading:
         return PassageReading(self._passage_terms, index.current.index, index.document_language)
@@ -3425,7 +3470,9 @@ class RetrievalService:
             by = candidates.found_by.get(item, set())
             matched: list[Literal["vector", "keyword"]] = [c for c in ("vector", "keyword") if any(c == b[0] for b in by)]
             score = scores.get(item)
-            hits.append(SearchHit(path=row.path, uri=document_uri(row.path), title=row.title, heading=row.heading, start_line=row.start_line,
+            hits.append(SearchHit(path=row.path, uri=document_uri(row.path), title=row.title, heading=row.heading,
+                                  kind="code" if row.kind == "code" else "doc", symbol=row.symbol,
+                                  language=row.language, start_line=row.start_line,
                                   end_line=row.end_line, score=None if score is None else round(score, 6),
                                   rank_score=round(rank_score, 6), lifecycle=_lifecycle(row.lifecycle),
                                   superseded_by=list(index.successors.get(row.path, ())), matched=matched,
@@ -3663,6 +3710,14 @@ def index_empty(index: OpenIndex) -> RagError:
     return RagError(ErrorCode.INDEX_EMPTY, f"the index holds no document: {what}",
                     "point RAG_CORPUS_DIR (ingest --corpus) at the documentation folder, or add its formats to "
                     f"RAG_FORMATS, then run {rules.ingest_command()}")
+
+
+def no_kind_indexed(args: SearchCorpusInput, kind: str) -> str:
+    """Why a search with scope docs or code has nothing to search: the index holds none of that kind."""
+    if kind == "code":
+        return (f"no source code is indexed (scope {args.scope!r}): it is indexed with RAG_CODE=1 "
+                f"({rules.ingest_command('--code')}); see list_documents")
+    return f"no document is indexed, only source code (scope {args.scope!r}); see list_documents"
 
 
 def nothing_in_scope(index: OpenIndex, args: SearchCorpusInput, by_lc: Mapping[str, list[str]]) -> str:
@@ -5391,8 +5446,9 @@ def search_view(payload: Mapping[str, Any]) -> str:
         successors = ", ".join(rules.metadata_text(path, PATH_SHOWN_MAX) for path in hit.get("superseded_by") or [])
         superseded = (f" [superseded{f' by {successors}' if successors else ''}]"
                       if hit["lifecycle"] == "superseded" else "")
+        label = hit.get("symbol") or "" if hit.get("kind") == "code" else hit["heading"]
         lines.append(f"{rank}. {rules.metadata_text(hit['path'], PATH_SHOWN_MAX)}:{hit['start_line']}-{hit['end_line']}"
-                     f"  {rules.metadata_text(hit['heading'])}  (score {score}){superseded}")
+                     f"  {rules.metadata_text(label)}  (score {score}){superseded}")
         shown = (rules.metadata_text(line, HUMAN_VIEW_WIDTH) for line in hit["text"].splitlines())
         lines.extend(f"   {line}" for line in [line for line in shown if line][:HUMAN_VIEW_LINES])
         if hit.get("changed_on_disk"):
