@@ -598,9 +598,9 @@ def store_fragments(layout: StoreLayout, current: CurrentIndex) -> Fragments:
     return count_fragments(rows, current.manifest.chunk_min_tokens)
 
 
-def build_index(corpus: Path, store: Path) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, str(ROOT / "ingest.py"), "--corpus", str(corpus), "--store", str(store), "--json"],
-                          check=False, capture_output=True, text=True)
+def build_index(corpus: Path, store: Path, code: bool = False) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, str(ROOT / "ingest.py"), "--corpus", str(corpus), "--store", str(store), "--json",
+                           *(["--code"] if code else [])], check=False, capture_output=True, text=True)
     if done.returncode == 2:
         raise SystemExit(f"ingest failed (exit 2):\n{done.stderr}")
     sys.stderr.write(done.stderr.splitlines()[-1] + "\n" if done.stderr else "")
@@ -637,8 +637,12 @@ def thinned_copy(store: Path, share: float, into: Path) -> None:
     layout.write_current(dataclasses.replace(current, stamp=stamp))
 
 
+SEARCH_SCOPE: str | None = None  # --scope: search_corpus's scope for every query (None: the server's default)
+
+
 def arguments(query: Query) -> dict[str, Any]:
-    return {"query": query.text, **({"queries": query.phrasings} if query.phrasings else {})}
+    return {"query": query.text, **({"queries": query.phrasings} if query.phrasings else {}),
+            **({"scope": SEARCH_SCOPE} if SEARCH_SCOPE else {})}
 
 
 def error_text(result: Any) -> str:
@@ -896,6 +900,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--vectors-share", type=float, metavar="X",
                         help="search a copy of the index in which only documents holding about X (0-1) of the "
                              "chunks have vectors, as an ingest stopped while embedding leaves it")
+    parser.add_argument("--code", action="store_true", help="index source code too (ingest --code): P5")
+    parser.add_argument("--scope", choices=("all", "docs", "code"),
+                        help="search_corpus's scope for every query (default: the server's, all)")
     parser.add_argument("--phrasings", type=Path, help="extra phrasings per query id (JSON lines {id, queries})")
     parser.add_argument("--context", choices=("passage", "section", "neighbours"),
                         help="search_corpus's context for every search (default: none sent, the server's "
@@ -926,6 +933,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.queries or not args.corpus:
         parser.error("running queries needs query files and --corpus")
     corpus = args.corpus.resolve()
+    global SEARCH_SCOPE
+    SEARCH_SCOPE = args.scope
     modes = [m for m in args.modes.split(",") if m]
     queries = load_queries(args.queries, corpus, args.query_corpus or corpus.name,
                            load_phrasings(args.phrasings) if args.phrasings else None, load_evidence(args.evidence),
@@ -935,7 +944,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commit, dirty = checkout_state(ROOT)  # before the run: the code it ran, whatever changes meanwhile
     with tempfile.TemporaryDirectory(prefix="rag-eval-") as tmp:
         store = (args.store or Path(tmp) / "store").resolve()
-        summary = build_index(corpus, store)
+        summary = build_index(corpus, store, args.code)
         if args.vectors_share is not None:
             store, built = Path(tmp) / "thinned", store
             thinned_copy(built, args.vectors_share, store)
@@ -949,7 +958,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                "OLLAMA_HOST": os.environ.get("OLLAMA_HOST", "http://127.0.0.1:11434")}
         outcomes, k_checked = asyncio.run(in_session(env, queries, modes, args.k, args.check_k, args.context))
     settings = {"corpus": args.query_corpus or corpus.name, "corpus_dir": str(corpus), "modes": modes,
-                "phrasings": any(q.phrasings for q in queries), "k": args.k,
+                "phrasings": any(q.phrasings for q in queries), "k": args.k, "code": args.code, "scope": args.scope,
                 "context": args.context,  # None: the server's default
                 "embedder_host": env["OLLAMA_HOST"],
                 "embedder_model": current.manifest.model if current else None, "commit": commit, "dirty": dirty,
