@@ -3598,8 +3598,9 @@ def chunk_code(doc: SourceDocument, max_tokens: int, min_tokens: int, context_to
        (imports, constants, a module docstring) is grouped, a file without a grammar here cut in
        windows of CODE_WINDOW_LINES;
     2. runs without a word (blank lines, closing braces) join the run before them, so every line
-       of the file is in exactly one chunk, and a container's header alone on its line joins its
-       first member;
+       of the file is in exactly one chunk, a container's header alone on its line joins its
+       first member, and neighbouring runs of one name (overloads, a property's setter) join
+       within the budget;
     3. a run over max_tokens is cut at statement starts (else between lines), every piece keeping
        the symbol's name; a single line over the context is cut in pieces that share it."""
     code = doc.text.code
@@ -3613,7 +3614,7 @@ def chunk_code(doc: SourceDocument, max_tokens: int, min_tokens: int, context_to
     if code.language not in CODE_GRAMMARS:
         runs = [(s, min(s + CODE_WINDOW_LINES, e), name) for s, e, name in runs
                 for s in range(s, e, CODE_WINDOW_LINES)]
-    runs = _headers_joined(_blank_runs_joined(runs, body, searchable), code)
+    runs = _same_names_joined(_headers_joined(_blank_runs_joined(runs, body, searchable), code), body, max_tokens)
     cuts = sorted({line - 1 for line in code.statement_starts})
     chunks: list[Chunk] = []
     for start, end, name in runs:
@@ -3672,6 +3673,17 @@ def _headers_joined(runs: Sequence[tuple[int, int, str]], code: CodeStructure) -
     for start, end, name in runs:
         if out and out[-1][1] - out[-1][0] == 1 and out[-1][2] and name.startswith(out[-1][2] + ".") \
                 and any(s.start == out[-1][0] + 1 for s in code.symbols if s.name == out[-1][2]):
+            start = out.pop()[0]
+        out.append((start, end, name))
+    return out
+
+
+def _same_names_joined(runs: Sequence[tuple[int, int, str]], body: _Body, max_tokens: int) -> list[tuple[int, int, str]]:
+    """Neighbouring runs of one name joined where the budget allows: overload stubs with their
+    implementation (`@overload def get(...)` x 3, then `def get`), a property with its setter."""
+    out: list[tuple[int, int, str]] = []
+    for start, end, name in runs:
+        if out and name and out[-1][2] == name and body.tokens(out[-1][0], end) <= max_tokens:
             start = out.pop()[0]
         out.append((start, end, name))
     return out

@@ -2462,6 +2462,7 @@ class Bench:
             self.details["fake_total"] = fake.stats()
         if not self.quick:  # a minute of reading: not the test suite's smoke run
             self.hostile_reads()
+            self.code_repository()
 
     def hostile_reads(self) -> None:
         """Each text reader on hostile input, against the Markdown reader on the same kind of input:
@@ -2480,6 +2481,56 @@ class Bench:
                                     limit=limit[measure], limit_what="the same kind of input read as Markdown",
                                     ratio=ratio, passed=ratio <= 2.0, note=f"{cost['chunks']:.0f} chunks"))
         self.details["hostile_reads"] = rows
+
+
+    def code_repository(self, files: int | None = None) -> None:
+        """A generated repository of `files` source files (Python, Go, TypeScript, Rust, Java) with
+        its docs, ingested with --code (issue 44): build time and peak memory, the code readers'
+        chunks per second against reading the same files as plain text, and search latency on it."""
+        files = files or CODE_REPOSITORY_FILES
+        log(f"writing and ingesting a repository of {files} source files (--code) ...")
+        corpus, store = self.work / "code-repository", self.work / "store-code-repository"
+        write_repository(corpus, files)
+        shutil.rmtree(store, ignore_errors=True)
+        with FakeProcess(self.python, self.work, tag="fake-code") as fake:
+            run = self.ingest_once(corpus, store, fake=fake, extra_args=("--code",))
+            chunks = int(run.summary.get("chunks_written", 0))
+            self.add(Figure("code.build_s", f"Ingest --code of a generated repository ({files} source files, process "
+                            "wall)", run.wall_s, "s", "report", note=f"{chunks} chunks written"))
+            self.add(Figure("code.peak_rss_mb", f"Ingest --code peak RSS ({files} source files, ingest and its vector "
+                            "process together, sampled)", run.peak_rss_mb, "MB", "report"))
+            done = subprocess.run([self.python, "-c", READ_REPOSITORY, str(PROJECT_DIR), str(corpus)], capture_output=True,
+                                  text=True, timeout=1800, check=True)
+            reading = json.loads(done.stdout)
+            self.add(Figure("code.parse_chunks_per_s", "Reading and chunking the repository's source files by syntax "
+                            "tree (symbol chunks), in one process", reading["code_chunks"] / reading["code_s"],
+                            "chunks/s", "report", limit=reading["plain_chunks"] / reading["plain_s"],
+                            limit_what="the same files read and chunked as plain text",
+                            ratio=(reading["code_chunks"] / reading["code_s"]) / (reading["plain_chunks"] / reading["plain_s"]),
+                            note=f"{reading['code_chunks']} symbol chunks in {reading['code_s']:.1f} s; as plain text "
+                                 f"{reading['plain_chunks']} chunks in {reading['plain_s']:.1f} s"))
+            env = self.server_env(corpus, store, fake=fake)
+            queries = [f"where does the {w} handler retry a failed {v}" for w, v in
+                       zip(CODE_WORDS, reversed(CODE_WORDS), strict=True)]
+            with StdioPeer([self.python, str(self.server)], env, self.work / "server-code.stderr", cwd=self.work) as peer:
+                peer.handshake()
+                samples: dict[str, list[float]] = {"all": [], "code": []}
+                for scope in ("all", "code"):
+                    for query in queries[:5]:  # warm-up
+                        peer.call("search_corpus", {"query": query, "scope": scope})
+                    for query in queries * 3:
+                        result, seconds = peer.call("search_corpus", {"query": query, "scope": scope})
+                        if result.get("isError"):
+                            raise RuntimeError(f"search_corpus failed on the code repository: {tool_payload(result)}")
+                        samples[scope].append(seconds)
+        for scope, values in samples.items():
+            stats = summarize_ms(values)
+            self.add(Figure(f"code.search_{scope}.p50_ms", f"search_corpus hybrid p50, scope {scope}, on the generated "
+                            f"repository ({chunks} chunks)", stats["p50_ms"], "ms", "report",
+                            note=f"p95 {stats['p95_ms']:.1f} ms over {stats['n']} searches"))
+        self.details["code_repository"] = {"files": files, "chunks": chunks, "wall_s": run.wall_s,
+                                           "peak_rss_mb": run.peak_rss_mb, "reading": reading,
+                                           "search_ms": {scope: summarize_ms(v) for scope, v in samples.items()}}
 
 
 # Hostile input for each text reader next to the same kind of input in Markdown, the format whose
@@ -2513,6 +2564,67 @@ print(json.dumps({"s": time.perf_counter() - started, "rss_mb": resource.getrusa
                   "chunks": len(chunks)}))"""
 
 
+CODE_REPOSITORY_FILES = 5000
+CODE_WORDS = ("upload", "invoice", "session", "payment", "report", "cache", "token", "queue", "mailer", "backup",
+              "search", "profile", "billing", "export", "import", "webhook", "schedule", "audit", "ledger", "thumbnail")
+CODE_FILES = {  # extension -> the text of one generated file, from its index and its topic words
+    ".py": lambda n, a, b: (f'"""The {a} module ({n})."""\n\nimport time\n\nMAX_{a.upper()}_RETRIES = 3\n\n\n'
+                            + "".join(f"def {a}_{b}_{k}(item, attempt=0):\n    \"\"\"Handle one {b} for {a} {k}.\"\"\"\n"
+                                      + "".join(f"    item = item + {j}  # step {j} of {b}\n" for j in range(6))
+                                      + "    return item\n\n\n" for k in range(6))
+                            + f"class {a.title()}{b.title()}Service:\n    \"\"\"Keeps {a} and {b} in step.\"\"\"\n\n"
+                            + "".join(f"    def step_{k}(self, value):\n        return value * {k}\n\n" for k in range(4))),
+    ".go": lambda n, a, b: (f"// Package {a} handles {b} ({n}).\npackage {a}\n\nimport \"time\"\n\n"
+                            f"// {a.title()}Client sends {b} requests.\ntype {a.title()}Client struct {{\n\tn int\n}}\n\n"
+                            + "".join(f"// Do{k} retries a failed {b}.\nfunc (c *{a.title()}Client) Do{k}(x int) error {{\n"
+                                      + "".join(f"\tx += {j} // {b} step\n" for j in range(6))
+                                      + "\ttime.Sleep(1)\n\treturn nil\n}\n\n" for k in range(8))),
+    ".ts": lambda n, a, b: (f'import {{ log }} from "./log";\n\n/** {a} {b} service ({n}). */\n'
+                            f"export class {a.title()}Service {{\n"
+                            + "".join(f"  /** Get {b} {k}. */\n  async get{b.title()}{k}(id: string): Promise<number> {{\n"
+                                      + "".join(f"    log(id, {j});\n" for j in range(5)) + "    return 1;\n  }\n\n"
+                                      for k in range(6)) + "}\n"),
+    ".rs": lambda n, a, b: (f"use std::io;\n\n/// A {a} {b} record ({n}).\npub struct {a.title()}{b.title()} {{ x: i32 }}\n\n"
+                            f"impl {a.title()}{b.title()} {{\n"
+                            + "".join(f"    /// Retry {b} {k}.\n    pub fn retry_{k}(&self) -> i32 {{\n"
+                                      + "".join(f"        let v{j} = self.x + {j};\n" for j in range(5))
+                                      + "        self.x\n    }\n\n" for k in range(6)) + "}\n"),
+    ".java": lambda n, a, b: (f"package {a};\n\nimport java.util.List;\n\n/** {a} {b} ({n}). */\n"
+                              f"public class {a.title()}{b.title()} {{\n  private int n;\n\n"
+                              + "".join(f"  /** Handle {b} {k}. */\n  public int handle{k}(int x) {{\n"
+                                        + "".join(f"    x += {j};\n" for j in range(5)) + "    return x;\n  }\n\n"
+                                        for k in range(6)) + "}\n"),
+}
+READ_REPOSITORY = """import json, os, sys, time
+sys.path.insert(0, sys.argv[1]); import corpus_rules as rules
+paths = [os.path.join(d, f) for d, _, fs in os.walk(sys.argv[2]) for f in fs if rules.code_language(f)]
+raws = [(p, open(p, "rb").read()) for p in paths]
+out = {}
+for how, name_of in (("code", lambda p: p), ("plain", lambda p: p + ".txt")):
+    started = time.perf_counter()
+    chunks = sum(len(rules.chunk_document(rules.parse_document(raw, name_of(p)), 512, 64, 1900)) for p, raw in raws)
+    out[how + "_s"], out[how + "_chunks"] = time.perf_counter() - started, chunks
+print(json.dumps(out))"""
+
+
+def write_repository(dest: Path, files: int) -> None:
+    """A generated repository: `files` source files in five languages under src/, and a docs folder."""
+    dest.mkdir(parents=True, exist_ok=True)
+    extensions = list(CODE_FILES)
+    for n in range(files):
+        a, b = CODE_WORDS[n % len(CODE_WORDS)], CODE_WORDS[(n // len(CODE_WORDS) + 3) % len(CODE_WORDS)]
+        extension = extensions[n % len(extensions)]
+        path = dest / "src" / f"pkg{n // 100:03d}" / f"{a}_{b}_{n}{extension}"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(CODE_FILES[extension](n, a, b), encoding="utf-8")
+    for word in CODE_WORDS:
+        doc = dest / "docs" / f"{word}.md"
+        if not doc.exists():
+            doc.parent.mkdir(parents=True, exist_ok=True)
+            doc.write_text(f"# {word.title()}\n\nHow the {word} service retries failed requests.\n", encoding="utf-8")
+
+
 def read_cost(python: str, work: Path, text: str, extension: str) -> dict[str, float]:
     """Reading and chunking `text` as a file of `extension`, in a fresh process: seconds and peak RSS."""
     path = work / f"hostile{extension}"
@@ -2524,7 +2636,7 @@ def read_cost(python: str, work: Path, text: str, extension: str) -> dict[str, f
 
 def order_figures(figures: Sequence[Figure]) -> list[Figure]:
     order = ["handshake", "stdio", "cold", "search", "resources", "http", "cli", "ingest", "reingest", "reuse", "watch", "slow",
-             "slots", "chroma_server", "memory", "readers"]
+             "slots", "chroma_server", "memory", "readers", "code"]
     return sorted(figures, key=lambda f: (order.index(f.id.split(".")[0]) if f.id.split(".")[0] in order else 99,
                                           f.size or 0))
 
@@ -2546,6 +2658,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                              "(e.g. a local `chroma run --path DIR --port 8000`)")
     parser.add_argument("--settle", type=float, default=1.0,
                         help="--settle of the `ingest.py --watch` measured (default: %(default)s, ingest's own)")
+    parser.add_argument("--code-only", action="store_true",
+                        help="only the code repository figures (ingest --code of a generated repository of "
+                             f"{CODE_REPOSITORY_FILES} source files, reading speed, search latency on it)")
     parser.add_argument("--scale", action="store_true",
                         help="growth instead of the figures: build, re-ingest and search each of --scale-sizes")
     parser.add_argument("--scale-sizes", default="1000,10000,100000,1000000",
@@ -2643,6 +2758,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.scale:
             bench.run_scale()
+        elif args.code_only:
+            bench.code_repository()
         else:
             bench.run()
     except (RuntimeError, RpcError, OSError) as exc:
