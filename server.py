@@ -633,6 +633,8 @@ class DocumentEntry(BaseModel):
     title: str
     lifecycle: Literal["active", "superseded"]
     superseded_by: list[str] = Field(default_factory=list, description=SUPERSEDED_BY)
+    kind: Literal["doc", "code"] = Field("doc", description="doc: a document; code: a source file (RAG_CODE).")
+    language: str | None = Field(None, description="A source file's language; null for documents.")
     chunks: int
     lines: int
     mtime: str
@@ -3649,7 +3651,8 @@ class RetrievalService:
             nothing_under = no_documents_under(index, args.path_prefix) if args.path_prefix and not total else None
             found = index.files_found
         entries = [DocumentEntry(path=d.path, title=rules.metadata_text(d.title), lifecycle=_lifecycle(d.lifecycle),
-                                 superseded_by=list(successors.get(d.path, ())), chunks=d.chunk_count,
+                                 superseded_by=list(successors.get(d.path, ())),
+                                 kind="code" if d.kind == "code" else "doc", language=d.language, chunks=d.chunk_count,
                                  lines=d.line_count, mtime=iso_from_ns(d.mtime_ns),
                                  tags=list(rules.tags_from_column(d.tags)), date=d.dated or None) for d in docs]
         end = args.offset + len(entries)

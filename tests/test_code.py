@@ -357,8 +357,9 @@ def test_scope_is_a_prefilter_and_hits_say_what_they_are(repository: tuple[Built
     assert (upload["path"], upload["language"], upload["heading"]) == ("src/up.py", "python", "Uploader.upload")
     lines = PYTHON.splitlines()
     assert lines[upload["start_line"] - 1].strip() == "def upload(self, path: str) -> None:"
-    assert {d["path"] for d in listing["documents"]} == {"README.md", "docs/design.md", "src/up.py", "src/retry.go",
-                                                        "web/user.ts"}
+    assert {(d["path"], d["kind"], d["language"]) for d in listing["documents"]} == {
+        ("README.md", "doc", None), ("docs/design.md", "doc", None), ("src/up.py", "code", "python"),
+        ("src/retry.go", "code", "go"), ("web/user.ts", "code", "typescript")}
 
 
 @pytest.mark.process
