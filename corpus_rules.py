@@ -5444,11 +5444,12 @@ class VectorStore:
         self._do(lifecycle, lambda col: col.update(ids=list(ids), metadatas=list(metadatas)))
 
     def query(self, lifecycle: str, vector: Sequence[float], n: int,
-              paths: Sequence[str] | None) -> list[tuple[str, float]]:
-        """(id, cosine distance), best first; paths=None: unfiltered (the fast path)."""
+              paths: Sequence[str] | None, kind: str | None = None) -> list[tuple[str, float]]:
+        """(id, cosine distance), best first; paths=None and kind=None: unfiltered (the fast path).
+        kind: "code" or "doc" (search_corpus's scope), a where-clause on the chunks' metadata."""
         np = import_heavy("numpy")
 
-        where = {"path": {"$in": list(paths)}} if paths is not None else None
+        where = vector_where(paths, kind)
         query = np.asarray(vector, dtype=np.float32)
         found = self._do(lifecycle, lambda col: col.query(query_embeddings=[query], n_results=n, where=where,
                                                           include=["distances"]))
@@ -5466,6 +5467,17 @@ class VectorStore:
                 col.modify(metadata=meta)
 
             self._do(lifecycle, merged)
+
+
+def vector_where(paths: Sequence[str] | None, kind: str | None) -> dict[str, Any] | None:
+    """The vector pre-filter: these documents, of this kind. A chunk written before kinds were
+    stored has no `kind` key and is a document's: "doc" is "not code", which matches it."""
+    clauses: list[dict[str, Any]] = []
+    if paths is not None:
+        clauses.append({"path": {"$in": list(paths)}})
+    if kind is not None:
+        clauses.append({"kind": "code"} if kind == "code" else {"kind": {"$ne": "code"}})
+    return None if not clauses else clauses[0] if len(clauses) == 1 else {"$and": clauses}
 
 
 TORN_READ_PAUSES_S = (0.05, 0.1, 0.2, 0.4, 0.8)  # ~1.5 s in all: longer than one write batch takes to apply
@@ -5698,7 +5710,7 @@ class Vectors(Protocol):
     def update_metadatas(self, lifecycle: str, ids: Sequence[str], metadatas: Sequence[dict[str, Any]]) -> None: ...
 
     def query(self, lifecycle: str, vector: Sequence[float], n: int,
-              paths: Sequence[str] | None) -> list[tuple[str, float]]: ...
+              paths: Sequence[str] | None, kind: str | None = None) -> list[tuple[str, float]]: ...
 
     def merge_metadata(self, updates: dict[str, Any]) -> None: ...
 

@@ -1117,8 +1117,8 @@ class VectorClient:
         self._read("update_metadatas", lifecycle, list(ids), list(metadatas))
 
     def query(self, lifecycle: str, vector: Sequence[float], n: int,
-              paths: Sequence[str] | None) -> list[tuple[str, float]]:
-        return self._read("query", lifecycle, vector, n, paths)
+              paths: Sequence[str] | None, kind: str | None = None) -> list[tuple[str, float]]:
+        return self._read("query", lifecycle, vector, n, paths, kind)
 
     def merge_metadata(self, updates: dict[str, Any]) -> None:
         self._read("merge_metadata", updates)

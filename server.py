@@ -1835,18 +1835,18 @@ class OpenIndex:
         return answer
 
     def vector_query(self, lifecycle: str, vector: Sequence[float], n: int, paths: Sequence[str] | None,
-                     deadline: float | None = None) -> list[tuple[str, float]]:
-        """(id, cosine distance) best first. paths=None: unfiltered (the fast path)."""
-        return self._vector_read(lambda vectors: vectors.query(lifecycle, vector, n, paths), deadline)
+                     deadline: float | None = None, kind: str | None = None) -> list[tuple[str, float]]:
+        """(id, cosine distance) best first. paths=None, kind=None: unfiltered (the fast path)."""
+        return self._vector_read(lambda vectors: vectors.query(lifecycle, vector, n, paths, kind), deadline)
 
     def start_vector_query(self, lifecycle: str, vector: Sequence[float], n: int, paths: Sequence[str] | None,
-                           live: Callable[[], bool]) -> rules.BoundedCall:
+                           live: Callable[[], bool], kind: str | None = None) -> rules.BoundedCall:
         """vector_query sent to the Chroma thread now and read later with vector_answer, so the
         caller can work meanwhile (Chroma's query releases the GIL). `live()` is asked on that
         thread first: a generation replaced meanwhile reads nothing (its client is being closed
         by a job queued behind this one), and the answer is None."""
         def query(vectors: rules.VectorStore) -> list[tuple[str, float]]:
-            return vectors.query(lifecycle, vector, n, paths)
+            return vectors.query(lifecycle, vector, n, paths, kind)
 
         return self._submit(lambda: self._read_reopening(query) if live() else None)
 
@@ -2760,7 +2760,7 @@ class Prefetch:
                 for lc in scope.lifecycles:
                     paths = scope.paths.get(lc)
                     if vector is not None and (p, lc) not in self.queries and (paths is None or paths):
-                        self.queries[(p, lc)] = index.start_vector_query(lc, vector, n, paths, live)
+                        self.queries[(p, lc)] = index.start_vector_query(lc, vector, n, paths, live, scope.kind)
 
 
 @dataclass(frozen=True)
@@ -3427,7 +3427,7 @@ class RetrievalService:
                 job = started.get(lc)
                 got = index.vector_answer(job, loading_until) if job is not None else None
                 if got is None:
-                    got = index.vector_query(lc, vector, n, paths, loading_until)
+                    got = index.vector_query(lc, vector, n, paths, loading_until, scope.kind)
                 exhausted = exhausted and len(got) < n
                 raw.extend(got)
             raw.sort(key=lambda pair: (pair[1], pair[0]))

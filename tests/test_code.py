@@ -4,6 +4,7 @@ CLI) over a repository of docs and code in one index."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 from budgets import examples
 from fake_ollama import FakeOllama
-from helpers import Built, call, dispatched, in_process_service, ingest_in_process, raw_server
+from helpers import Built, call, dispatched, in_process_service, ingest_in_process, keyword_db, raw_server
 from helpers import without_echoed_identifier as without_echo
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -342,10 +343,19 @@ def test_no_secret_is_reachable_through_the_service(repository: tuple[Built, Any
 
 def test_scope_is_a_prefilter_and_hits_say_what_they_are(repository: tuple[Built, Any]) -> None:
     built, _ = repository
+    with contextlib.closing(keyword_db(built.store)) as db:
+        chunks_of_kind = dict(db.execute("SELECT kind, count(*) FROM chunks GROUP BY kind").fetchall())
     svc = in_process_service(built)
     try:
         _, code = dispatched(svc, "search_corpus", query="retry upload backoff", scope="code", mode="keyword", k=20)
         _, docs = dispatched(svc, "search_corpus", query="retry upload backoff", scope="docs", mode="keyword", k=20)
+        for mode in ("vector", "hybrid"):  # the vector channel's where-clause too: never a post-filter
+            for scope, kind in (("code", "code"), ("docs", "doc")):
+                _, found = dispatched(svc, "search_corpus", query="retry upload backoff", scope=scope, mode=mode, k=20,
+                                      context="passage")
+                assert found["results"] and {hit["kind"] for hit in found["results"]} == {kind}, (mode, scope)
+                if mode == "vector":  # every chunk of the kind is a candidate: none is filtered out after ranking
+                    assert len(found["results"]) == min(20, chunks_of_kind[kind]), (scope, len(found["results"]))
         _, both = dispatched(svc, "search_corpus", query="retry upload backoff", mode="hybrid", k=20)
         _, listing = dispatched(svc, "list_documents")
     finally:
