@@ -3149,9 +3149,9 @@ WATCH_RETRY_S = (15.0, 60.0, 300.0)  # after a run that could not finish: retry,
 IGNORE_FILES = {RAGIGNORE, ".gitignore"}
 
 
-def relevant_change(path: str) -> bool:
-    """Changes a run would see: files a reader takes, ignore files, and what may be a folder (a
-    renamed or deleted folder of documents). Editor temp and swap files (x.md~, .x.md.swp, .#x.md),
+def relevant_change(path: str, formats: Collection[str] = rules.FORMATS) -> bool:
+    """Changes a run would see: files a reader of `formats` takes (source files only with RAG_CODE),
+    ignore files, and what may be a folder (a renamed or deleted folder of documents). Editor temp and swap files (x.md~, .x.md.swp, .#x.md),
     anything in a dot-folder (.git) and other files are not."""
     parts = Path(path).parts
     name = parts[-1] if parts else ""
@@ -3159,7 +3159,7 @@ def relevant_change(path: str) -> bool:
         return not any(part.startswith(".") for part in parts[:-1])
     if any(part.startswith(".") for part in parts) or name.endswith("~") or name.startswith("#"):
         return False
-    return rules.reader_for(name) is not None or "." not in name
+    return rules.reader_for(name, formats) is not None or "." not in name
 
 
 def watch(args: argparse.Namespace) -> int:
@@ -3184,19 +3184,20 @@ def watch(args: argparse.Namespace) -> int:
     layout = rules.StoreLayout(settings.store_dir)
     try:
         with watch_lock(layout):
-            return _watch(args, watchfiles, corpus, WatchReport(layout))
+            return _watch(args, watchfiles, corpus, WatchReport(layout), settings.formats)
     except OSError as exc:  # the watch lock could not be made (a read-only store, a link in its place)
         raise rules.store_failure(exc, str(layout.watch_lock_file)) from None
 
 
-def _watch(args: argparse.Namespace, watchfiles: Any, corpus: Path, report: WatchReport) -> int:
+def _watch(args: argparse.Namespace, watchfiles: Any, corpus: Path, report: WatchReport,
+           formats: Collection[str]) -> int:
     settle_ms = int(args.settle * 1000)
     log.info("watching %s (runs once changes have settled for %.1f s)", corpus, args.settle)
     vectors = VectorProcess()  # one for every run: Chroma's import and a process start are paid once
     # One watcher for the whole watch, watching before the first run: what changes while a run
     # is busy is kept for the next batch (a watcher set up after the first run missed an edit
     # made during it, after its walk; one set up anew after each run, one made in that gap).
-    batches = _change_batches(watchfiles, corpus, settle_ms)
+    batches = _change_batches(watchfiles, corpus, settle_ms, formats)
     identity = folder_identity(corpus)
     next(batches)  # starts the watcher: a second at most; what it saw, the first run sees too
     report.running(0)
@@ -3218,7 +3219,7 @@ def _watch(args: argparse.Namespace, watchfiles: Any, corpus: Path, report: Watc
                 # watches the old folder; attach to the new one and index it.
                 log.warning("the corpus folder %s was replaced; watching the new one", corpus)
                 batches.close()
-                batches = _change_batches(watchfiles, corpus, settle_ms)
+                batches = _change_batches(watchfiles, corpus, settle_ms, formats)
                 identity = folder_identity(corpus)
                 what = "corpus folder replaced"
             else:
@@ -3308,10 +3309,11 @@ def _unfinished(status: int, summary: Summary) -> bool:
     return status == 2 or bool(summary.left_for_next_run or summary.vectors_pending)
 
 
-def _change_batches(watchfiles: Any, corpus: Path, settle_ms: int) -> Generator[set[str], None, None]:
+def _change_batches(watchfiles: Any, corpus: Path, settle_ms: int,
+                    formats: Collection[str] = rules.FORMATS) -> Generator[set[str], None, None]:
     """The relevant paths of each settled burst of changes, and an empty set about every second
     without one. The watcher keeps collecting between two batches."""
-    for batch in watchfiles.watch(corpus, watch_filter=lambda _change, path: relevant_change(path), step=settle_ms,
+    for batch in watchfiles.watch(corpus, watch_filter=lambda _change, path: relevant_change(path, formats), step=settle_ms,
                                   debounce=int(WATCH_GROUP_MAX_S * 1000), rust_timeout=1000, yield_on_timeout=True,
                                   raise_interrupt=True):
         yield {path for _, path in batch}

@@ -401,3 +401,11 @@ def test_every_door_of_the_real_server_over_a_repository(repository: tuple[Built
                                       "--json", "--mode", "keyword"], env=env, capture_output=True, text=True,
                                      timeout=60).stdout)["results"]
     assert {"kind", "symbol", "language"} <= set(hits[0]) and hits[0]["language"] == "typescript"
+
+
+def test_the_watcher_wakes_for_source_files_only_with_code() -> None:
+    import ingest
+
+    code = rules.load_settings({"RAG_CODE": "1"}).formats
+    assert not ingest.relevant_change("src/up.py", rules.DEFAULT_FORMATS)
+    assert ingest.relevant_change("src/up.py", code) and ingest.relevant_change("docs/a.md", rules.DEFAULT_FORMATS)
