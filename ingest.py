@@ -2308,6 +2308,27 @@ def _registry_of(layout: rules.StoreLayout, current: rules.CurrentIndex | None) 
     return _read_live(layout, current, load_registry, {})
 
 
+def run_settings(args: argparse.Namespace) -> rules.Settings:
+    """The settings of a run (or a watch): the environment's, --corpus, --store and --code. An index
+    built with code is read with code again unless RAG_CODE says otherwise: a run without --code (a
+    watcher a server started, a re-index typed from memory) must not remove the code."""
+    settings = rules.load_settings(corpus_dir=args.corpus, store_dir=args.store, code=args.code or None)
+    if settings.code or "RAG_CODE" in os.environ or not _holds_code(rules.StoreLayout(settings.store_dir)):
+        return settings
+    log.info("the index holds source code (indexed with --code or RAG_CODE=1): reading it again (RAG_CODE=0 "
+             "removes it)")
+    return rules.load_settings(corpus_dir=args.corpus, store_dir=args.store, code=True)
+
+
+def _holds_code(layout: rules.StoreLayout) -> bool:
+    """Whether the live index holds source code: a store with no index, or one written before code, holds none."""
+    try:
+        return _read_live(layout, layout.read_current(), lambda con: con.execute(
+            "SELECT 1 FROM documents WHERE kind = 'code' LIMIT 1").fetchone() is not None, False)
+    except (RagError, OSError, sqlite3.Error):  # unreadable: the run itself says why
+        return False
+
+
 def _waiting_of(layout: rules.StoreLayout, current: rules.CurrentIndex | None) -> dict[str, int]:
     return _read_live(layout, current, load_waiting, {})
 
@@ -2446,7 +2467,7 @@ def run(args: argparse.Namespace, summary: Summary | None = None, vectors: rules
     runs); by default the run starts its own."""
     summary = Summary(dry_run=args.dry_run) if summary is None else summary
     started = time.monotonic()
-    settings = rules.load_settings(corpus_dir=args.corpus, store_dir=args.store, code=args.code or None)
+    settings = run_settings(args)
     corpus = settings.corpus_dir
     if not corpus.is_dir():  # before the configuration is shown: an installed copy has no default corpus to show
         raise rules.no_corpus_configured(settings) or RagError(
@@ -3175,7 +3196,7 @@ def watch(args: argparse.Namespace) -> int:
     process that started it) stops cleanly."""
     import watchfiles
 
-    settings = rules.load_settings(corpus_dir=args.corpus, store_dir=args.store, code=args.code or None)
+    settings = run_settings(args)
     corpus = settings.corpus_dir
     if not corpus.is_dir():  # nothing to watch: the run says why (not configured, or not there)
         return run_once(args)[0]

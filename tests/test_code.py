@@ -409,3 +409,25 @@ def test_the_watcher_wakes_for_source_files_only_with_code() -> None:
     code = rules.load_settings({"RAG_CODE": "1"}).formats
     assert not ingest.relevant_change("src/up.py", rules.DEFAULT_FORMATS)
     assert ingest.relevant_change("src/up.py", code) and ingest.relevant_change("docs/a.md", rules.DEFAULT_FORMATS)
+
+
+def test_an_index_built_with_code_keeps_it_until_rag_code_0(fake: FakeOllama, tmp_path: Path) -> None:
+    """A run without --code (a watcher a server started, a re-index typed from memory) reads the
+    code again rather than removing it; RAG_CODE=0 removes it."""
+    corpus, store = tmp_path / "repo", tmp_path / "store"
+    for rel in ("README.md", "src/up.py"):
+        (corpus / rel).parent.mkdir(parents=True, exist_ok=True)
+        (corpus / rel).write_text(REPOSITORY[rel], encoding="utf-8")
+
+    def kinds() -> set[str]:
+        with contextlib.closing(keyword_db(store)) as db:
+            return {kind for (kind,) in db.execute("SELECT kind FROM documents")}
+
+    assert ingest_in_process(fake, corpus, store, "--code").code == 0 and kinds() == {"doc", "code"}
+    (corpus / "src" / "more.py").write_text("def more() -> int:\n    return 1\n", encoding="utf-8")
+    done = ingest_in_process(fake, corpus, store)
+    assert done.code == 0 and "holds source code" in done.err
+    with contextlib.closing(keyword_db(store)) as db:
+        assert db.execute("SELECT count(*) FROM documents WHERE kind = 'code'").fetchone()[0] == 2, "the new file too"
+    assert ingest_in_process(fake, corpus, store, RAG_CODE="0").code == 0 and kinds() == {"doc"}
+    assert ingest_in_process(fake, corpus, store).code == 0 and kinds() == {"doc"}, "and stays out"
