@@ -368,6 +368,10 @@ class Settings:
                                          self.embed_timeout_s if timeout_s is None else timeout_s,
                                          keep_alive=keep_alive, dimensions=dimensions, api_key=self.embed_api_key)
 
+    def with_code(self) -> Settings:
+        """These settings with source code read too (RAG_CODE=1)."""
+        return replace(self, code=True, formats=formats_read(self.formats, code=True))
+
     def describe(self) -> str:
         return (f"corpus={self.corpus_dir} store={self.store_dir} {self.embed_api}={','.join(self.ollama_hosts)} "
                 f"model={self.embed_model}")
@@ -425,7 +429,7 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
         chroma_url=_url_env(env, "RAG_CHROMA_URL"),
         chroma_headers=_headers_env(env, "RAG_CHROMA_HEADERS"),
         respect_gitignore=_flag_env(env, "RAG_RESPECT_GITIGNORE", True),
-        formats=tuple(f for f in FORMATS if f in formats or (code and f in CODE_FORMATS)),
+        formats=formats_read(formats, code),
         code=code,
         http_host=env.get("RAG_HTTP_HOST", "").strip() or "127.0.0.1",
         http_port=_int_env(env, "RAG_HTTP_PORT", 8765, 0, 65535),
@@ -438,6 +442,11 @@ def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | Non
         http_read_timeout_s=_seconds_env(env, "RAG_HTTP_READ_TIMEOUT", 10.0),
         http_max_connections=_int_env(env, "RAG_HTTP_MAX_CONNECTIONS", 1000, 8, 1_000_000),
     )
+
+
+def formats_read(formats: Collection[str], code: bool) -> tuple[str, ...]:
+    """The formats a run reads: those named, and with `code` the code readers' (CODE_FORMATS)."""
+    return tuple(f for f in FORMATS if f in formats or (code and f in CODE_FORMATS))
 
 
 def unknown_variables(env: Mapping[str, str] | None = None) -> list[str]:

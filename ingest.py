@@ -2317,7 +2317,7 @@ def run_settings(args: argparse.Namespace) -> rules.Settings:
         return settings
     log.info("the index holds source code (indexed with --code or RAG_CODE=1): reading it again (RAG_CODE=0 "
              "removes it)")
-    return rules.load_settings(corpus_dir=args.corpus, store_dir=args.store, code=True)
+    return settings.with_code()
 
 
 def _holds_code(layout: rules.StoreLayout) -> bool:

@@ -3812,7 +3812,7 @@ def count_disk_changes(corpus_dir: Path, index: OpenIndex, settings: rules.Setti
 
 
 def count_added_files(corpus_dir: Path, index: OpenIndex, settings: rules.Settings) -> int:
-    """Files ingest would take (its walk and scope rules: ignore files, git, RAG_FORMATS) that the
+    """Files ingest would take (its walk and scope rules: ignore files, git, RAG_FORMATS, code) that the
     index does not hold and that appeared or changed on disk after it was published (CURRENT.json's
     mtime, to the nanosecond where ingested_at has seconds): by ctime, which a file moved or copied
     in with its old mtime gets anew. A file that ingest kept out (`rag: false`, or failed) counts
@@ -3821,6 +3821,9 @@ def count_added_files(corpus_dir: Path, index: OpenIndex, settings: rules.Settin
 
     try:
         built = os.stat(index.layout.current_file).st_mtime_ns
+        # An index that holds code is read with code again (ingest.run_settings): its new source files count.
+        if index.chunk_kinds.get("code"):
+            settings = settings.with_code()
         walk = ingest.walk_corpus(corpus_dir, settings.respect_gitignore, settings.formats)
     except (RagError, OSError):
         return 0

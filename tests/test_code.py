@@ -425,6 +425,10 @@ def test_an_index_built_with_code_keeps_it_until_rag_code_0(fake: FakeOllama, tm
 
     assert ingest_in_process(fake, corpus, store, "--code").code == 0 and kinds() == {"doc", "code"}
     (corpus / "src" / "more.py").write_text("def more() -> int:\n    return 1\n", encoding="utf-8")
+    # A server without RAG_CODE counts the new source file as added: the next run will index it.
+    _, payload = dispatched(in_process_service(Built(corpus, store, fake.host)), "search_corpus", query="more",
+                            mode="keyword")
+    assert payload["staleness"]["added_files"] == 1, payload["staleness"]
     done = ingest_in_process(fake, corpus, store)
     assert done.code == 0 and "holds source code" in done.err
     with contextlib.closing(keyword_db(store)) as db:
