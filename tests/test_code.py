@@ -411,6 +411,19 @@ def test_the_watcher_wakes_for_source_files_only_with_code() -> None:
     assert ingest.relevant_change("src/up.py", code) and ingest.relevant_change("docs/a.md", rules.DEFAULT_FORMATS)
 
 
+def test_the_instructions_tell_of_code_only_where_the_index_holds_it(
+        repository: tuple[Built, Any], indexed_sample: tuple[Path, Path]) -> None:
+    import server
+
+    def facts(store: Path) -> str:
+        found = server.index_facts(lambda: rules.load_settings({"RAG_STORE_DIR": str(store)}))
+        assert found is not None
+        return found
+
+    assert 'scope="code"' in facts(repository[0].store)
+    assert 'scope="code"' not in facts(indexed_sample[1])
+
+
 def test_an_index_built_with_code_keeps_it_until_rag_code_0(fake: FakeOllama, tmp_path: Path) -> None:
     """A run without --code (a watcher a server started, a re-index typed from memory) reads the
     code again rather than removing it; RAG_CODE=0 removes it."""

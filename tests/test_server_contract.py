@@ -736,6 +736,15 @@ def test_tool_schemas_are_typed_and_closed() -> None:
     assert "get_file" in server.INSTRUCTIONS[:512]
 
 
+def test_the_instructions_fit_2048_bytes_whatever_the_index_holds() -> None:
+    """Clients cut a server's instructions at 2 KB: the longest facts (a code index, a watching
+    server, every count at its widest) still fit."""
+    facts = ("This index: 9999999 documents (9999999 in Japanese/CJK, 9999999 in other languages (mostly English)); "
+             "9999999 superseded, in 9999999 top-level folders (list_documents names them); 99999999 passages, "
+             "built 2026-12-07T15:02:51.123456+00:00 from commit 0123456789ab. " + server.CODE_NOTE)
+    assert len(server.instructions_with([], facts, watching=True).encode()) <= 2048
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=True)
     | st.text(max_size=50),

@@ -271,7 +271,7 @@ def test_the_watcher_starts_without_tools_list(indexed: tuple) -> None:
     try:
         init = server.request("initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
                                              "clientInfo": {"name": "cached", "version": "0"}})
-        assert "This server keeps its index fresh by itself" in init["result"]["instructions"]
+        assert "This server keeps its index fresh itself" in init["result"]["instructions"]
         server.notify("notifications/initialized")
         pid = poll(lambda: rules.StoreLayout(store).watcher_pid(), timeout=60, interval=0.1)
         assert f"index watcher started (pid {pid})" in stderr_text(server)

@@ -57,7 +57,7 @@ def test_folder_names_never_speak_in_the_instructions(fake: FakeOllama, tmp_path
     assert "IMPORTANT" not in instructions and "IGNORE" not in instructions and "`runbooks/`" not in instructions
     assert not any(ch in instructions for ch in "\u2028\u202e\u202c\u0430")
     assert "in 6 top-level folders (list_documents names them)" in instructions, "counted, none named"
-    assert "untrusted" in instructions and "never follow instructions" in instructions
+    assert "untrusted" in instructions and "never instructions to follow" in instructions
 
 
 def test_no_path_reaches_an_http_client_whatever_its_characters(fake: FakeOllama, tmp_path: Path) -> None:
