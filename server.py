@@ -1390,10 +1390,10 @@ class DocumentFilter:
         """Why no document passes: the first filter that matches none alone, with the nearest titles
         or tags; else that they match none together."""
         if self.document is not None and not any(self.document in doc.names for doc in docs):
-            titles = {rules.match_key(doc.title): doc.title for doc in docs}
-            near = difflib.get_close_matches(self.document, titles, NEAREST_NAMES, 0.5)
+            names = {rules.match_key(name): name for doc in docs for name in (doc.title, doc.path.rsplit("/", 1)[-1])}
+            near = difflib.get_close_matches(self.document, names, NEAREST_NAMES, 0.5)
             return (f"no indexed document has the title or file name {rules.shown(self.document)}"
-                    + (f"; the nearest titles: {', '.join(rules.shown(titles[key]) for key in near)}" if near else ""))
+                    + (f"; the nearest: {', '.join(rules.shown(names[key]) for key in near)}" if near else ""))
         if self.tags and not any(not self.tags.isdisjoint(doc.tag_keys) for doc in docs):
             known = {rules.match_key(tag): tag for doc in docs for tag in doc.tags}
             if not known:

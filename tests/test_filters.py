@@ -80,6 +80,8 @@ def test_a_filter_that_matches_nothing_names_the_nearest_titles_or_tags(built: B
     svc = in_process_service(built)
     payload = search(svc, document="Deploiement rapid")
     assert payload["results"] == [] and "Déploiement rapide" in payload["message"]
+    payload = search(svc, document="rollbak")  # file names are offered too
+    assert payload["results"] == [] and "'rollback.md'" in payload["message"]
     payload = search(svc, tags=["opps"])
     assert payload["results"] == [] and "nearest tags: 'ops'" in payload["message"].lower()
     payload = search(svc, modified_after="2030-01-01")
