@@ -2054,7 +2054,7 @@ def _compare_files(plan: Plan, seen: set[str], walk: Walk, registry: dict[str, D
         if row and not full and not waits and row.content_hash == digest:
             if unrecorded:
                 try:
-                    doc = rules.parse_document(raw, file.path)
+                    doc = read_document(raw, file.path)
                 except RagError as exc:
                     plan.failed[file.path] = exc.message
                     continue
@@ -2068,7 +2068,7 @@ def _compare_files(plan: Plan, seen: set[str], walk: Walk, registry: dict[str, D
                 plan.relocated.append(file)
             continue
         try:
-            doc = rules.parse_document(raw, file.path)
+            doc = read_document(raw, file.path)
         except RagError as exc:
             plan.failed[file.path] = exc.message
             continue
@@ -2081,6 +2081,43 @@ def _compare_files(plan: Plan, seen: set[str], walk: Walk, registry: dict[str, D
             plan.without_vectors.add(file.path)
         if waits and row is not None and row.content_hash == digest:
             plan.waiting_as_they_were.add(file.path)
+
+
+# How long one text file's reader may take. The size budgets (corpus_rules.TEXT_FILE_MAX_BYTES,
+# _LINES) bound the readers to seconds on any file they let through; this is the backstop for a
+# reader that meets input it is slow on: that file fails, by name, and the rest is indexed.
+# A PDF's extraction has its own time limit, in its child process.
+READ_TIME_BUDGET_S = 60.0
+
+
+class _ReadTimeUp(BaseException):  # not an Exception: a reader's `except Exception` must not swallow it
+    pass
+
+
+def read_document(raw: bytes, path: str, seconds: float | None = None) -> rules.SourceDocument:
+    """rules.parse_document within READ_TIME_BUDGET_S (`seconds`), else document_invalid saying so.
+    The clock is SIGALRM's: it interrupts the reader between two Python steps (one C call, such as a
+    regular expression's match, runs to its end first). Only on the main thread, where ingest reads."""
+    seconds = READ_TIME_BUDGET_S if seconds is None else seconds
+    reader = rules.reader_for(path)
+    if reader is None or reader.extracted or threading.current_thread() is not threading.main_thread():
+        return rules.parse_document(raw, path)
+
+    def time_up(*_: Any) -> None:
+        raise _ReadTimeUp
+
+    previous = signal.signal(signal.SIGALRM, time_up)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            return rules.parse_document(raw, path)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _ReadTimeUp:
+        raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: reading it took more than {seconds:g} s, the time one "
+                       "text file may take; split it to index it", "split it into smaller files") from None
+    finally:
+        signal.signal(signal.SIGALRM, previous)
 
 
 def chunk_files(files: Sequence[PreparedFile], budget: Budget) -> None:

@@ -4,6 +4,7 @@ corpus names with terminal control sequences in every human line; a text file to
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -146,6 +147,26 @@ def test_a_file_of_more_lines_than_the_budget_fails_alone_and_the_rest_is_publis
     expected = f"headings.md: {lines:,} lines, more than the {rules.TEXT_FILE_MAX_LINES:,} lines one text file may hold"
     assert any(error.startswith(expected) for error in done.summary["errors"]), done.summary["errors"]
     assert published_paths(store) == {"normal.md"}
+
+
+def test_a_file_its_reader_is_slow_on_fails_alone_after_the_time_budget(
+        fake: FakeOllama, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 42 D5: a reader that takes longer than the time one file may take gives up on that file,
+    by name; the rest is indexed and published, and the clock is put back."""
+    corpus, store = tmp_path / "corpus", tmp_path / "store"
+    normal_page(corpus)
+    (corpus / "slow.md").write_text("".join(f"- item {i} with **bold** and `code`\n" for i in range(90_000)),
+                                    encoding="utf-8")
+    ingest.read_document(b"# Warm\n\nThe readers' modules imported before the clock is short.\n", "warm.md")
+    monkeypatch.setattr(ingest, "READ_TIME_BUDGET_S", 0.5)
+    done = ingest_in_process(fake, corpus, store)
+    assert done.code == 1, done.err
+    assert done.summary["errors"] == [
+        "slow.md: reading it took more than 0.5 s, the time one text file may take; split it to index it"]
+    assert published_paths(store) == {"normal.md"}
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
+    # Within the budget, the same file reads as ever.
+    assert ingest.read_document(b"# T\n\ntext\n", "t.md").title == "T"
 
 
 def test_a_file_of_more_bytes_than_the_budget_is_never_read(fake: FakeOllama, tmp_path: Path) -> None:
