@@ -98,6 +98,7 @@ BUILT_IN_EXCLUDES = ("node_modules/", ".venv/", "venv/", "__pycache__/", "site-p
                      # Minified and lock files: generated from sources and manifests that are read.
                      "*.min.js", "*.min.css", "*.map", "package-lock.json", "npm-shrinkwrap.json", "yarn.lock",
                      "pnpm-lock.yaml", "*.lock", "go.sum")
+BUILT_IN_FOLDERS = frozenset(rule[:-1] for rule in BUILT_IN_EXCLUDES if rule.endswith("/") and "*" not in rule)
 
 
 @dataclass(frozen=True)

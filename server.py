@@ -1074,7 +1074,7 @@ DUPLICATE_SIMILARITY = 0.8  # Jaccard of word trigrams from which two passages c
 def passage_shingles(text: str) -> frozenset[str]:
     """The passage's word trigrams (case-folded), what near_duplicate compares; none for a passage
     too short to tell a copy from a coincidence."""
-    words = rules.match_key(text).split()
+    words = text.casefold().split()
     found = frozenset(" ".join(words[n:n + 3]) for n in range(len(words) - 2))
     return found if len(found) >= DUPLICATE_MIN_SHINGLES else frozenset()
 
@@ -1084,11 +1084,14 @@ def near_duplicate(a: frozenset[str], b: frozenset[str]) -> bool:
 
 
 def group_hits(ranked: Sequence[tuple[str, float]], rows: Mapping[str, rules.ChunkRow], k: int,
-               by_section: bool) -> list[HitGroup]:
+               by_section: bool, shingles_of: Callable[[rules.ChunkRow], frozenset[str]] | None = None,
+               ) -> list[HitGroup]:
     """The first k results of a ranking: a passage whose text another document's result already
     holds (the same or nearly: near_duplicate) joins that result's also_in; with `by_section`, a
     passage of a section already listed joins its members, so pieces of one section never fill the
-    results. Greedy in rank order, so the first k are the same whatever k (and the top one)."""
+    results. Greedy in rank order, so the first k are the same whatever k (and the top one).
+    `shingles_of`: passage_shingles of a row's indexed text, or a cache of it."""
+    shingles_of = shingles_of or (lambda row: passage_shingles(row.indexed_text))
     groups: list[HitGroup] = []
     sections: dict[tuple[str, str], HitGroup] = {}
     for item, value in ranked:
@@ -1096,7 +1099,7 @@ def group_hits(ranked: Sequence[tuple[str, float]], rows: Mapping[str, rules.Chu
         if by_section and (row.path, row.heading) in sections:
             sections[(row.path, row.heading)].members.append(item)
             continue
-        shingles = passage_shingles(row.indexed_text)
+        shingles = shingles_of(row)
         copied = next((g for g in groups if rows[g.item].path != row.path and near_duplicate(shingles, g.shingles)), None)
         if copied is not None:
             copied.also_in.setdefault(row.path)
@@ -1626,6 +1629,8 @@ class OpenIndex:
             KEYWORD_RANKING_CACHE_SIZE)
         self._lifecycle_counts: tuple[int, dict[str, int]] | None = None  # (data_version, counts)
         self._document_facts: tuple[int, tuple[DocumentFacts, ...]] | None = None  # (data_version, facts)
+        # (latest folder change, files added): count_added_files walks again only when a folder changed.
+        self.added_files_seen: tuple[int, int] | None = None
 
     def _open_keywords(self) -> sqlite3.Connection:
         path = self.keyword_path
@@ -2940,6 +2945,7 @@ class RetrievalService:
         # Stored vectors of keyword-only hits, for their scores, by (index, chunk id).
         self._chunk_vectors: LRU[tuple[str, str], Any] = LRU(CHUNK_VECTOR_CACHE_SIZE)
         self._passage_terms = PassageTerms(PASSAGE_TERMS_CACHE_SIZE)
+        self._shingles: LRU[str, frozenset[str]] = LRU(PASSAGE_TERMS_CACHE_SIZE)
 
     # set-up -------------------------------------------------------------------------------
     @property
@@ -3312,6 +3318,15 @@ class RetrievalService:
                                                 else by_lc.get(lc, []) for lc in lifecycles}, kind=kind,
                            vector_kind=vector_kind(index, kind))
 
+    def _shingles_of(self, row: rules.ChunkRow) -> frozenset[str]:
+        """passage_shingles of a passage, cached by its id: ids are content-addressed, so an entry
+        never goes stale, and the passages a search groups are mostly the last searches' too."""
+        known = self._shingles.get(row.id)
+        if known is None:
+            known = passage_shingles(row.indexed_text)
+            self._shingles.put(row.id, known)
+        return known
+
     def _passage_reading(self, index: OpenIndex) -> PassageReading:
         return PassageReading(self._passage_terms, index.current.index, index.document_language)
 
@@ -3461,9 +3476,10 @@ class RetrievalService:
         that takes: a few more than k, all of them when sections or copies repeat. (Passages are not
         merged: a merged passage's text would be lost, measured as answers no longer in hand.)"""
         read = self._with_rows(index, order[:SECTION_LOOKAHEAD * k], candidates)
-        groups = group_hits(read, candidates.rows, k, by_section)
+        groups = group_hits(read, candidates.rows, k, by_section, self._shingles_of)
         if len(groups) < k and len(order) > SECTION_LOOKAHEAD * k:
-            groups = group_hits(self._with_rows(index, order, candidates), candidates.rows, k, by_section)
+            groups = group_hits(self._with_rows(index, order, candidates), candidates.rows, k, by_section,
+                                self._shingles_of)
         return groups
 
     @staticmethod
@@ -3818,6 +3834,13 @@ def count_added_files(corpus_dir: Path, index: OpenIndex, settings: rules.Settin
 
     try:
         built = os.stat(index.layout.current_file).st_mtime_ns
+        # ingest's walk costs ~80 ms a thousand files, every STALENESS_TTL_S, beside the searches: it
+        # is made only when a folder changed since the last count (an added file changes its folder).
+        folders = latest_folder_change(corpus_dir, ingest.BUILT_IN_FOLDERS)
+        if folders <= built:
+            return 0
+        if index.added_files_seen is not None and index.added_files_seen[0] == folders:
+            return index.added_files_seen[1]
         # An index that holds code is read with code again (ingest.run_settings): its new source files count.
         if index.chunk_kinds.get("code"):
             settings = settings.with_code()
@@ -3829,7 +3852,27 @@ def count_added_files(corpus_dir: Path, index: OpenIndex, settings: rules.Settin
         with contextlib.suppress(OSError):
             if os.stat(file.real_path).st_ctime_ns > built:
                 fresh.append(file.path)
-    return len(fresh) - index.count_indexed(fresh) if fresh else 0
+    added = len(fresh) - index.count_indexed(fresh) if fresh else 0
+    index.added_files_seen = (folders, added)
+    return added
+
+
+def latest_folder_change(root: Path, skipped: Container[str]) -> int:
+    """The latest mtime or ctime (ns) of root and the folders below it: a file added, moved in,
+    renamed or removed changes its folder's. Folders the built-in rules leave out (dot-folders,
+    dependencies, build output) are not looked in, nor links followed."""
+    latest, pending = 0, [str(root)]
+    while pending:
+        folder = pending.pop()
+        try:
+            info = os.stat(folder)
+            latest = max(latest, info.st_mtime_ns, info.st_ctime_ns)
+            with os.scandir(folder) as entries:
+                pending.extend(entry.path for entry in entries if entry.is_dir(follow_symlinks=False)
+                               and not entry.name.startswith(".") and entry.name not in skipped)
+        except OSError:
+            continue
+    return latest
 
 
 def _reject(path: str, why: str) -> RagError:

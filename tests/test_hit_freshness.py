@@ -159,3 +159,26 @@ def test_files_added_since_ingest_are_counted_and_a_thin_search_says_so(fresh: B
         assert "the index watcher indexes them within seconds" in payload["staleness"]["hint"], payload["staleness"]
     finally:
         os.close(fd)
+
+
+def test_files_added_are_counted_by_a_walk_only_when_a_folder_changed(fresh: Built,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """ingest's walk costs ~80 ms a thousand files and the count is refreshed every few seconds
+    beside the searches: it walks again only when a folder changed since its last count."""
+    import ingest
+
+    walks: list[Path] = []
+    real_walk = ingest.walk_corpus
+    monkeypatch.setattr(ingest, "walk_corpus", lambda root, *args: walks.append(root) or real_walk(root, *args))
+    svc = in_process_service(fresh)
+    index = svc.manager.open()
+    settings = rules.load_settings({"RAG_STORE_DIR": str(fresh.store), "RAG_CORPUS_DIR": str(fresh.corpus)})
+    assert server.count_added_files(fresh.corpus, index, settings) == 0 and walks == [], "nothing changed: no walk"
+    (fresh.corpus / "runbooks" / "new.md").write_text("# New\n\nwritten after the ingest\n", encoding="utf-8")
+    assert server.count_added_files(fresh.corpus, index, settings) == 1 and len(walks) == 1
+    assert server.count_added_files(fresh.corpus, index, settings) == 1 and len(walks) == 1, "no folder changed since"
+    edit(fresh.corpus / "runbooks" / "new.md", "# New\n\nedited in place\n")  # an edit changes no folder
+    assert server.count_added_files(fresh.corpus, index, settings) == 1 and len(walks) == 1
+    (fresh.corpus / "guides").mkdir(exist_ok=True)
+    (fresh.corpus / "guides" / "another.md").write_text("# Another\n\nnew folder\n", encoding="utf-8")
+    assert server.count_added_files(fresh.corpus, index, settings) == 2 and len(walks) == 2
