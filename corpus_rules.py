@@ -1239,7 +1239,11 @@ def parse_document(raw: bytes, path: str) -> SourceDocument:
     over = text_file_over_budget(path, len(raw), raw.count(b"\n") + (bool(raw) and not raw.endswith(b"\n")))
     if over is not None:
         raise over
-    text = reader.read(raw, path)
+    try:
+        text = reader.read(raw, path)
+    except RecursionError:  # a backstop: each reader bounds its own nesting, and one file must not stop a run
+        raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: nested too deeply to read",
+                       "flatten it, or leave it out with .ragignore") from None
     keys, warnings = document_keys(text.metadata, path)
     if keys["rag"] and (found := credential_in(text)) is not None:  # rag: false keeps it out already
         raise found.refusal(path)
@@ -3520,8 +3524,15 @@ def _last_line(node: Any) -> int:
     return max(node.start_point[0] + 1, row if column == 0 else row + 1)
 
 
+# Syntax nodes looked into for symbols: deeper ones stay in the chunk of the symbol around them (every
+# line is still in a chunk), so hostile nesting (thousands of blocks) costs no recursion.
+CODE_NESTING_MAX = 64
+
+
 def _collect_symbols(node: Any, grammar: CodeGrammar, outer: str, wrapped_at: int | None, lines: Sequence[str],
-                     symbols: list[CodeSymbol], starts: set[int]) -> None:
+                     symbols: list[CodeSymbol], starts: set[int], depth: int = 0) -> None:
+    if depth > CODE_NESTING_MAX:
+        return
     for child in node.named_children:
         first = child.start_point[0] + 1
         if _starts_line(lines, child):
@@ -3533,11 +3544,11 @@ def _collect_symbols(node: Any, grammar: CodeGrammar, outer: str, wrapped_at: in
             _statement_starts(child, lines, starts)
             if grammar.definitions[child.type]:
                 for body in _bodies(child, grammar):
-                    _collect_symbols(body, grammar, qualified, None, lines, symbols, starts)
+                    _collect_symbols(body, grammar, qualified, None, lines, symbols, starts, depth + 1)
         elif child.type in grammar.transparent:
             # A wrapper's first line (a decorator, `export`, `const`) is its definition's first line.
             wrapper = min(first, wrapped_at or first) if child.type in _WRAPPERS else None
-            _collect_symbols(child, grammar, outer, wrapper, lines, symbols, starts)
+            _collect_symbols(child, grammar, outer, wrapper, lines, symbols, starts, depth + 1)
 
 
 def _bodies(node: Any, grammar: CodeGrammar) -> list[Any]:

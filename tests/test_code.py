@@ -448,3 +448,18 @@ def test_an_index_built_with_code_keeps_it_until_rag_code_0(fake: FakeOllama, tm
         assert db.execute("SELECT count(*) FROM documents WHERE kind = 'code'").fetchone()[0] == 2, "the new file too"
     assert ingest_in_process(fake, corpus, store, RAG_CODE="0").code == 0 and kinds() == {"doc"}
     assert ingest_in_process(fake, corpus, store).code == 0 and kinds() == {"doc"}, "and stays out"
+
+
+@pytest.mark.parametrize("path, source", [
+    ("deep.py", "def f():\n" + "".join("\t" * (i + 1) + "if x:\n" for i in range(1500)) + "\t" * 1501 + "pass\n"),
+    ("deep.py", "".join("\t" * i + f"class C{i}:\n" for i in range(1500)) + "\t" * 1500 + "pass\n"),
+    ("deep.ts", "".join(f"namespace N{i} {{\n" for i in range(3000)) + "}\n" * 3000),
+    ("deep.go", "package p\nfunc f() {\n" + "{\n" * 5000 + "}\n" * 5000 + "}\n"),
+    ("deep.java", "class A {\n" + "".join(f"class B{i} {{\n" for i in range(3000)) + "}\n" * 3001),
+    ("deep.rs", "".join(f"mod m{i} {{\n" for i in range(3000)) + "}\n" * 3000),
+])
+def test_hostile_nesting_is_read_whole_without_recursion(path: str, source: str) -> None:
+    """Issue 42: thousands of nested blocks or types are read like any file (symbols looked for
+    CODE_NESTING_MAX levels down), every line in exactly one chunk."""
+    doc = rules.parse_document(source.encode(), path)
+    covers_every_line_once(rules.chunk_document(doc, 512, 64), doc.line_count)
