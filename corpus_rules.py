@@ -4540,6 +4540,16 @@ KEYWORD_SCHEMA_VERSION = KEYWORD_MIGRATIONS[-1].number
 _ADD_COLUMN = re.compile(r"ALTER TABLE (\w+) ADD COLUMN (\w+)")
 
 
+def holds_code(db: Any) -> bool:
+    """Whether a keyword index holds source code (one written before code was indexed holds none)."""
+    import sqlite3
+
+    try:
+        return db.execute("SELECT 1 FROM documents WHERE kind = 'code' LIMIT 1").fetchone() is not None
+    except sqlite3.OperationalError:  # no kind column
+        return False
+
+
 def schema_version(db: Any) -> int:
     """How many KEYWORD_MIGRATIONS an index has had. A store written before the version was recorded
     reads as the last migration whose tables and columns it has (what that ingest wrote)."""

@@ -2361,8 +2361,7 @@ def run_settings(args: argparse.Namespace) -> rules.Settings:
 def _holds_code(layout: rules.StoreLayout) -> bool:
     """Whether the live index holds source code: a store with no index, or one written before code, holds none."""
     try:
-        return _read_live(layout, layout.read_current(), lambda con: con.execute(
-            "SELECT 1 FROM documents WHERE kind = 'code' LIMIT 1").fetchone() is not None, False)
+        return _read_live(layout, layout.read_current(), rules.holds_code, False)
     except (RagError, OSError, sqlite3.Error):  # unreadable: the run itself says why
         return False
 

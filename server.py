@@ -4623,7 +4623,7 @@ def index_facts(settings_loader: Callable[[], rules.Settings] = rules.load_setti
         try:
             db.execute("PRAGMA query_only = 1")
             row = db.execute("SELECT value FROM meta WHERE key = ?", (rules.META_CORPUS_FACTS,)).fetchone()
-            code = holds_code(db)
+            code = rules.holds_code(db)
         finally:
             db.close()
         facts = rules.CorpusFacts.from_json(row[0]) if row else None
@@ -4645,14 +4645,6 @@ def index_facts(settings_loader: Callable[[], rules.Settings] = rules.load_setti
              f", in {folders} top-level folder{'s' if folders != 1 else ''} (list_documents names them)")
     return (f"This index: {facts.documents} documents ({languages}){superseded}{where}; "
             f"{stamp.chunks} passages, {built}." + (f" {CODE_NOTE}" if code else ""))
-
-
-def holds_code(db: sqlite3.Connection) -> bool:
-    """Whether a keyword index holds source code (one written before code holds none)."""
-    try:
-        return db.execute("SELECT 1 FROM documents WHERE kind = 'code' LIMIT 1").fetchone() is not None
-    except sqlite3.OperationalError:  # no kind column
-        return False
 
 
 # Said to the agent when the server keeps its own index fresh (--watch, RAG_WATCH=1).
