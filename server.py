@@ -163,6 +163,8 @@ RESOURCES_PAGE = 500  # documents per resources/list page
 COMPLETIONS_MAX = 100  # the protocol's bound on one completion's values
 COMPLETION_TYPED_MAX = 4096  # longer than any path a filesystem holds: nothing to complete
 QUERY_EMBED_TIMEOUT_S = 30.0
+# A search whose index moved to another model while its vectors were out begins once more, then gives up.
+SEARCH_BEGINS = 2
 # With several hosts, one that has not answered a query within this long (or its share of the
 # timeout) gets the next host asked beside it: a stalled first host costs seconds, not the timeout.
 QUERY_HEDGE_S = 2.5
@@ -361,6 +363,8 @@ class SearchCorpusInput(_ToolInput):
                                "passage found alone; or the passage with the passages before and after it. The "
                                "best hits get theirs within the response budget, the others their passage: each "
                                "hit says which it got.")
+    explain: bool = Field(False, description="Also say, per hit, how its rank was made (each channel's rank and "
+                                             "weight, the bonuses): for checking the ranking, not for answers.")
 
     @field_validator("query")
     @classmethod
@@ -526,6 +530,27 @@ SUPERSEDED_BY = ("Indexed documents that replace this superseded one (its frontm
                  "prefer them; empty when none is named.")
 
 
+class ListVote(BaseModel):
+    channel: Literal["vector", "keyword"]
+    phrasing: int = Field(description="0: query; 1..: the entries of queries.")
+    rank: int = Field(description="The passage's rank in this channel's list for this phrasing, from 1.")
+    weight: float = Field(description="The list's weight in fusion (a keyword list's falls when its best "
+                                      "passages hold little of the phrasing's words).")
+    vote: float = Field(description="weight / (RRF_K + rank): this list's share of rank_score.")
+    stand_in: bool = Field(False, description="A vector vote at the keyword rank, for a passage whose vector an "
+                                              "ingest has not written yet.")
+
+
+class RankTrace(BaseModel):
+    """How a hit's rank_score was made (search_corpus's explain)."""
+
+    votes: list[ListVote] = Field(description="Each ranked list that holds the passage.")
+    fused: float = Field(description="The sum of the votes (reciprocal rank fusion).")
+    identifier_bonus: float = Field(description="Added for holding the query's identifiers whole (hybrid).")
+    place_before_spread: int = Field(description="Its place by fused + bonus, from 1; rank order then keeps at "
+                                                 "most FILE_LEAD passages of one document ahead of the others.")
+
+
 class SearchHit(BaseModel):
     # The fields with a default are always sent too: the schema marks them required.
     model_config = ConfigDict(json_schema_serialization_defaults_required=True)
@@ -573,6 +598,8 @@ class SearchHit(BaseModel):
     freshness: Literal["unchanged", "modified", "deleted"] = Field(
         "unchanged", description="The file on disk against the index: modified, or deleted (get_file then "
                                  "serves the indexed passages).")
+    explain: RankTrace | None = Field(None, description="With explain: how rank_score was made.",
+                                      exclude_if=lambda value: value is None)
 
 
 class SearchResponse(BaseModel):
@@ -2237,20 +2264,20 @@ class QueryEmbeddings:
                 self._embedders[key] = settings.embedder(host, model=model, timeout_s=timeout, dimensions=dimensions)
             return self._embedders[key]
 
-    def begin(self, settings: rules.Settings, model: str, texts: Sequence[str], timeout: float, dims: int,
-              generation: tuple[Any, ...], on_arrival: Callable[[list[Any]], None] | None = None,
-              dimensions: int | None = None, digest: str | None = None,
-              fingerprint: rules.ModelFingerprint | None = None) -> Callable[[], list[Any]]:
+    def begin(self, settings: rules.Settings, texts: Sequence[str], wanted: IndexModel,
+              prefetch: Prefetch | None = None) -> Callable[[], list[Any]]:
         """One vector per text, those not cached in one call to the embedding server, sent now:
         the caller may work meanwhile and waits by calling the result, which raises any error
-        (every host's, when none answered). When a call answers, on_arrival(vectors) runs as soon
-        as the vectors arrive, on the embedder's call thread that received them (a search queues
-        its Chroma queries from there, see Prefetch). `dimensions` is asked of the server (the
-        index's embed_dimensions); the generation keys the cache apart; `fingerprint` is the
-        index's model fingerprint, which every host's vectors must match, and `digest` the model
-        digest the index was embedded with, which a host after the first must list."""
+        (every host's, when none answered). When a call answers, the vectors go straight to
+        `prefetch.send_queries`, on the embedder's call thread that received them (a search queues
+        its Chroma queries from there). Every host's vectors must be `wanted`'s: its size, its
+        dimensions asked of the server, its model fingerprint; a host after the first must also
+        list the model digest the index was embedded with."""
+        model, dims, dimensions = wanted.name, wanted.dims, wanted.dimensions
+        digest, fingerprint = wanted.digest, wanted.fingerprint
+        timeout = min(settings.embed_timeout_s, QUERY_EMBED_TIMEOUT_S)
         hosts = settings.ollama_hosts
-        keys = [(model, text, generation) for text in texts]
+        keys = [(model, text, wanted.generation) for text in texts]
         vectors = self._cache.get_many(keys)
         missing = list(dict.fromkeys(key for key in keys if key not in vectors))
         if not missing:
@@ -2285,8 +2312,8 @@ class QueryEmbeddings:
             vectors.update(arrived)
             self._cache.put_many(arrived)
             ordered = [vectors[key] for key in keys]
-            if on_arrival is not None:
-                on_arrival(ordered)
+            if prefetch is not None:
+                prefetch.send_queries(ordered)
             return ordered
 
         missing_texts = [key[1] for key in missing]
@@ -2739,43 +2766,40 @@ class SearchScope:
 
 @dataclass
 class Prefetch:
-    """The work a search starts on index generation `key` while Ollama embeds its phrasings (it
-    is kept when the index has not moved on by the time the vectors are in, else done again).
-    Three threads share it, each doing one thing:
+    """The work a search starts on one generation of the index (`index`; `live`: whether it is
+    still the open one) while the embedder embeds its phrasings (it is kept when the index has not
+    moved on by the time the vectors are in, else done again: Search.take). Three threads share it,
+    each doing one thing:
 
     - the caller's thread computes the pre-filter (`scope`), sends the embedding call, and runs
       the keyword channel in hybrid mode (`keyword`) while the call is out;
     - the embedder's call thread (corpus_rules.on_call_thread) receives the vectors and, right
-      there, queues one Chroma query per phrasing and lifecycle (`queries`, see
-      when_vectors_arrive): no thread is woken just to send them;
+      there, queues one Chroma query per phrasing and lifecycle (`queries`: QueryEmbeddings.begin
+      calls send_queries): no thread is woken just to send them;
     - the Chroma thread (ChromaWorker) runs those queries, which the vector channel then reads.
     """
 
-    key: tuple[str, int]
+    index: OpenIndex
+    live: Callable[[], bool]
     scope: SearchScope
     keyword: KeywordChannel | None = None
     queries: dict[tuple[int, str], rules.BoundedCall] = field(default_factory=dict)
     # The pre-filter with superseded documents too, where the scope holds one (see
-    # _superseded_ahead): its superseded Chroma queries are sent with the others.
+    # Search.superseded_ahead): its superseded Chroma queries are sent with the others.
     wide: SearchScope | None = None
 
-    def when_vectors_arrive(self, index: OpenIndex, manager: StoreManager,
-                            n: int) -> Callable[[list[Any]], None] | None:
-        """What the embedder's call thread runs on the vectors (None when the pre-filter lets
-        nothing through)."""
+    def send_queries(self, vectors: Sequence[Any | None]) -> None:
+        """One Chroma query per phrasing and lifecycle of the scope, and of `wide`, not sent yet
+        (none when the pre-filter lets nothing through)."""
         if self.scope.empty:
-            return None
-
-        return lambda vectors: self.send_queries(index, lambda: manager.is_live(index), vectors, n)
-
-    def send_queries(self, index: OpenIndex, live: Callable[[], bool], vectors: Sequence[Any | None], n: int) -> None:
-        """One Chroma query per phrasing and lifecycle of the scope, and of `wide`, not sent yet."""
+            return
         for p, vector in enumerate(vectors):
             for scope in (self.scope, *([self.wide] if self.wide is not None else [])):
                 for lc in scope.lifecycles:
                     paths = scope.paths.get(lc)
                     if vector is not None and (p, lc) not in self.queries and (paths is None or paths):
-                        self.queries[(p, lc)] = index.start_vector_query(lc, vector, n, paths, live, scope.vector_kind)
+                        self.queries[(p, lc)] = self.index.start_vector_query(lc, vector, VECTOR_FETCH, paths,
+                                                                              self.live, scope.vector_kind)
 
 
 @dataclass(frozen=True)
@@ -2901,7 +2925,18 @@ class PassageTerms:
         return known
 
 
-def rank(candidates: ChannelCandidates, mode: str) -> list[tuple[str, float]]:
+@dataclass(frozen=True)
+class Ranking:
+    """What each step of ranking made (see ranking): the lists fused, the fused values, the values
+    with the identifier bonus, and the final order."""
+
+    lists: tuple[RankedList, ...]
+    fused: list[tuple[str, float]]
+    boosted: list[tuple[str, float]]
+    order: list[tuple[str, float]]
+
+
+def ranking(candidates: ChannelCandidates, mode: str) -> Ranking:
     """Every candidate in the order a search returns them, with the value that ordered them. A
     search returns the first k, so its first results are the same whatever k it asks for.
 
@@ -2914,14 +2949,655 @@ def rank(candidates: ChannelCandidates, mode: str) -> list[tuple[str, float]]:
     the identifier bonus does not.)
     """
     # One order whichever channel answered first: per phrasing, vector then keyword.
-    lists = sorted(candidates.lists, key=lambda ranked: (ranked.phrasing, ranked.channel != "vector"))
+    lists = tuple(sorted(candidates.lists, key=lambda ranked: (ranked.phrasing, ranked.channel != "vector")))
     # 1. fuse
     fused = fuse_rankings(lists, RRF_K)
     # 2. identifiers
-    if mode == "hybrid":
-        fused = with_identifier_bonus(fused, candidates.whole, IDENTIFIER_BONUS)
+    boosted = with_identifier_bonus(fused, candidates.whole, IDENTIFIER_BONUS) if mode == "hybrid" else fused
     # 3. spread
-    return spread_documents(fused, rules.chunk_document_key, FILE_LEAD)
+    return Ranking(lists, fused, boosted, spread_documents(boosted, rules.chunk_document_key, FILE_LEAD))
+
+
+def rank(candidates: ChannelCandidates, mode: str) -> list[tuple[str, float]]:
+    """The order of ranking: (chunk id, rank_score), best first."""
+    return ranking(candidates, mode).order
+
+
+def explain_ranking(steps: Ranking, items: Iterable[str]) -> dict[str, RankTrace]:
+    """Per item, the votes, bonus and place that ranking gave it: rank_score is fused plus
+    identifier_bonus (to rounding)."""
+    wanted = set(items)
+    votes: dict[str, list[ListVote]] = {item: [] for item in wanted}
+    for ranked in steps.lists:
+        for place, item in ranked.positions():
+            if item in wanted:
+                channel = "vector" if ranked.ranks is not None else ranked.channel
+                votes[item].append(ListVote(channel=channel, phrasing=ranked.phrasing, rank=place,
+                                            weight=round(ranked.weight, 6),
+                                            vote=round(ranked.weight / (RRF_K + place), 6),
+                                            stand_in=ranked.ranks is not None))
+    fused = dict(steps.fused)
+    places = {item: place for place, (item, _) in enumerate(steps.boosted, start=1) if item in wanted}
+    boosted = dict(steps.boosted)
+    return {item: RankTrace(votes=votes[item], fused=round(fused[item], 6),
+                            identifier_bonus=round(boosted[item] - fused[item], 6), place_before_spread=places[item])
+            for item in wanted}
+
+
+@dataclass(frozen=True)
+class IndexModel:
+    """What a query vector must match to search one generation of the index: the model and its
+    vector size, the dimensions asked of the embedder (the index's embed_dimensions), the model's
+    digest and fingerprint as ingest recorded them; `generation` keys the query cache apart."""
+
+    name: str
+    dims: int
+    dimensions: int | None
+    digest: str | None
+    fingerprint: rules.ModelFingerprint | None
+    generation: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, current: rules.CurrentIndex) -> IndexModel:
+        manifest, stamp = current.manifest, current.stamp
+        return cls(manifest.model, manifest.dims, manifest.embed_dimensions, stamp.model_digest, stamp.fingerprint,
+                   (current.index, current.generation, stamp.model_digest))
+
+
+@dataclass(frozen=True)
+class Found:
+    """What stages 3-6 found for one set of phrasings: what the query says, every candidate of both
+    channels ready to rank, and why the vector channel was not asked (None: it was, or the mode
+    has none)."""
+
+    phrasings: list[Phrasing]
+    facts: QueryFacts
+    candidates: ChannelCandidates
+    degraded: RagError | None
+
+
+@dataclass(frozen=True)
+class Results:
+    """What stages 7-9 made of a Found: the hits in rank order, the context each may grow to, the
+    first hit's confidence, and the superseded document that would have come first."""
+
+    hits: list[SearchHit]
+    contexts: list[HitContext | None]
+    confidence: Judgement | None
+    superseded_ahead: str | None
+
+
+class Search:
+    """One search_corpus call: its state, carried through numbered stages on one generation of the
+    index (the numbers mark the bodies below):
+
+    1. embed: the phrasings' query vectors, from the cache or one call to the embedder for all,
+       sent by begin, waited for by wait_for_vectors outside the store lock (it can take seconds);
+    2. pre-filter: scope, lifecycles, path_prefix and the document filters, before any ranking
+       (SearchScope);
+    3. keyword channel (hybrid, keyword): each phrasing's BM25 candidates, weighted by the
+       evidence the best of them hold, and what the query says (QueryFacts);
+    4. vector channel (hybrid, vector): each phrasing's nearest committed chunks, and stand-ins
+       for the keyword candidates whose vectors wait (see stand_ins);
+    5. min_score: the candidates below it dropped, before fusion;
+    6. identifiers: which candidates hold each of the query's identifiers whole;
+    7. rank: fuse, identifier bonus, spread (see rank), the first k, their rows read;
+    8. hits: the ranked candidates as SearchHits with their similarities (and, asked, how each
+       was ranked: explain_ranking);
+    9. confidence: how likely the first hit answers the query (see judge);
+    10. response: the payload within its budget, saying why when nothing was found, and which
+        superseded document would have come first (the search again with them, only where the
+        scope holds one).
+
+    run() is the whole route: begin (under the store lock), wait_for_vectors (outside it), finish
+    (under it again). Three rules live here and nowhere else:
+
+    - overlap: stages 2, 3 and the Chroma queries of 4 run while the embedder works (Prefetch
+      says which thread does what);
+    - generations: when ingest publishes a generation while the vectors are out, the prefetched
+      work is done again on it (take); when that generation holds another model's vectors, the
+      search begins again (again);
+    - degradation: an embedder (1) or vector store (4) that is down degrades hybrid search to
+      the keyword channel's results; vector mode has nothing to fall back on. So does, in hybrid
+      mode, a vector index still loading the service's `loading_wait_s` after the search began
+      (vector mode waits for it)."""
+
+    def __init__(self, service: RetrievalService, args: SearchCorpusInput, begun: int = 1) -> None:
+        if args.mode == "keyword" and args.min_score is not None:
+            raise RagError(ErrorCode.INVALID_ARGUMENT, "min_score needs similarity scores, which keyword mode "
+                           "does not compute", "drop min_score, or use mode 'hybrid' or 'vector'")
+        self.service = service
+        self.args = args
+        self.begun = begun  # the times this search began (see again)
+        self.texts = args.phrasings()
+        self.index: OpenIndex = None  # type: ignore[assignment]  # set by take, before any stage runs
+        self.prefetch: Prefetch = None  # type: ignore[assignment]  # likewise
+        self.embedding: Callable[[], list[Any]] | None = None  # 1. sent, not yet waited for
+        self.vectors: list[Any] | None = None
+        self.degraded: RagError | None = None
+        self.loading_until: float | None = None
+
+    @property
+    def scope(self) -> SearchScope:
+        return self.prefetch.scope
+
+    def run(self) -> dict[str, Any]:
+        manager = self.service.manager
+        self.loading_until = self.vector_load_deadline()
+        with manager.lock:
+            self.begin(manager.open())
+            if self.embedding is None:  # keyword mode, or no vectors to search
+                return self.finish()
+        self.wait_for_vectors()
+        with manager.lock:
+            index = manager.open()
+            if index.key != self.index.key:  # ingest published a generation meanwhile
+                if self.degraded is None and index.current.manifest != self.index.current.manifest:
+                    return self.again()
+                self.take(index)
+            return self.finish()
+
+    def vector_load_deadline(self) -> float | None:
+        """Until when the vector channel waits for a vector index still loading: in hybrid mode, the
+        service's loading_wait_s from now (then the keyword channel answers alone); else for as long
+        as the store lets it (None)."""
+        cold = self.args.mode != "keyword" and self.service.manager.vectors_cold()
+        if cold:
+            tell_progress("loading the vector index (the first search since the server started)")
+        wait = self.service.loading_wait_s
+        return time.monotonic() + wait if cold and self.args.mode == "hybrid" and wait is not None else None
+
+    def begin(self, index: OpenIndex) -> None:
+        """On the live generation: its checks and 2. pre-filter (take), then, where vectors are to
+        be searched, 1. the embedding call sent and 3. the keyword channel run while it is out."""
+        self.take(index)
+        if self.args.mode == "keyword" or self.degraded is not None:
+            return
+        # The response's staleness count, begun now if this generation has none yet.
+        self.service.staleness.begin(index, self.service.corpus_dir(index.current))
+        # 1. embed (sent now)
+        self.embedding = self.embed()
+        # 3. keyword channel, while the embedder works
+        if self.args.mode == "hybrid" and not self.scope.empty:
+            self.prefetch.keyword = self.keyword_channel(self.without_vectors(), alone=False)
+
+    def take(self, index: OpenIndex) -> None:
+        """Search `index` from now on: it must hold documents; with no vectors at all (an ingest's
+        keyword-first pass) hybrid search is keyword search and vector search fails; 2. pre-filter
+        (first: the Chroma queries the embedder's thread sends need it)."""
+        if not index.current.stamp.files:
+            raise index_empty(index)
+        if self.degraded is None and self.args.mode != "keyword" and without_vectors(index.current):
+            unembedded = self.service.vectors_waiting(index.current)
+            if self.args.mode == "vector":
+                raise unembedded
+            self.degraded, self.vectors = unembedded, None
+        self.index = index
+        # 2. pre-filter
+        self.prefetch = Prefetch(index, functools.partial(self.service.manager.is_live, index),
+                                 self.prefilter(self.args), wide=self.wide_scope())
+
+    def embed(self) -> Callable[[], list[Any]]:
+        """1. The phrasings' query vectors, from the cache or one call to the embedder for all, sent
+        now (with the index's code-retrieval task where only code is searched, scope "code"; with its
+        search task otherwise: a second query embedding for the code of scope "all" measured no
+        better on the dev set's code questions, see tools/README.md). The Prefetch's Chroma queries
+        go out from the embedder's call thread as the vectors arrive; the result waits for them."""
+        service, current = self.service, self.index.current
+        service.check_model(current)
+        scheme = rules.PREFIX_SCHEMES[current.manifest.prefix_scheme]
+        texts = [scheme.query_text(text, self.args.scope == "code") for text in self.texts]
+        return service.queries.begin(service.settings, texts, IndexModel.of(current), self.prefetch)
+
+    def wait_for_vectors(self) -> None:
+        """1. The vectors waited for (outside the store lock). An embedder that is down degrades
+        hybrid search to its keyword channel; vector mode has nothing to fall back on."""
+        assert self.embedding is not None
+        try:
+            self.vectors = self.embedding()
+        except RagError as exc:
+            if self.args.mode != "hybrid" or exc.code not in DEGRADABLE_EMBEDDER_ERRORS:
+                raise
+            log.warning("search degraded to keyword results: %s", exc.message)
+            self.degraded = exc
+
+    def again(self) -> dict[str, Any]:
+        """The search begun again on a generation whose model is not the one the vectors came from
+        (ingest rebuilt the index meanwhile): once; a second time, ingest is publishing faster than
+        a search can finish."""
+        if self.begun >= SEARCH_BEGINS:
+            raise RagError(ErrorCode.STORE_UNAVAILABLE, "the index kept changing during the search",
+                           "an ingest is publishing generations; retry in a moment")
+        return Search(self.service, self.args, self.begun + 1).run()
+
+    def phrasings(self) -> list[Phrasing]:
+        return [Phrasing(text, self.vectors[i] if self.vectors else None) for i, text in enumerate(self.texts)]
+
+    def without_vectors(self) -> list[Phrasing]:
+        return [Phrasing(text, None) for text in self.texts]
+
+    def finish(self) -> dict[str, Any]:
+        """3.-10. on this generation, with what was prefetched on it; a vector store that fails (4)
+        degrades hybrid search to the keyword channel's results."""
+        try:
+            return self.answer(self.phrasings(), self.degraded)
+        except VectorStoreUnavailable as exc:
+            if self.args.mode != "hybrid":
+                raise
+            return self.without_vector_store(exc)
+
+    def without_vector_store(self, failure: VectorStoreUnavailable) -> dict[str, Any]:
+        """Hybrid search's answer while the vector store fails: the keyword channel's (the one
+        already run is kept: it reads no vectors); but while the vector index is still loading and
+        the keywords found nothing to give, the load waited for."""
+        answer = self.answer(self.without_vectors(), failure)
+        if isinstance(failure, VectorIndexLoading) and not answer["results"]:
+            self.loading_until = None
+            return self.answer(self.phrasings(), self.degraded)
+        log.warning("search degraded to keyword results: %s", failure.message)
+        return answer
+
+    def answer(self, phrasings: list[Phrasing], degraded: RagError | None) -> dict[str, Any]:
+        """Stages 3-10 for these phrasings, each returning what the next one takes."""
+        found = self.find(phrasings, degraded)
+        # 7. rank (a copied passage once; with context="section", a section once: its text holds
+        # the passages merged)
+        steps = ranking(found.candidates, self.args.mode)
+        groups = self.groups(steps.order, found.candidates)
+        # 8. hits, and what their texts may grow to
+        hits = self.hits(groups, found)
+        if self.args.explain:
+            traces = explain_ranking(steps, [group.item for group in groups])
+            hits = [hit.model_copy(update={"explain": traces[group.item]}) for hit, group in zip(hits, groups, strict=True)]
+        rows = [found.candidates.rows[group.item] for group in groups]
+        contexts = self.contexts(rows, hits)
+        # 9. confidence
+        confidence = self.confidence(found, (rows[0], hits[0])) if hits else None
+        # 10. response
+        ahead = self.superseded_ahead(found) if hits else None
+        return self.response(found, Results(hits, contexts, confidence, ahead))
+
+    def find(self, phrasings: list[Phrasing], degraded: RagError | None) -> Found:
+        """Stages 3-6: what the query says and every candidate of both channels, ready to rank."""
+        if self.scope.empty:
+            return Found(phrasings, QueryFacts(), ChannelCandidates(), degraded)
+        # 3. keyword channel (the one prefetched for hybrid search ranks common words only
+        # with a vector channel beside it: without one, they are ranked again, together)
+        alone = self.args.mode == "keyword" or degraded is not None
+        keyword = self.prefetch.keyword
+        if keyword is None or (alone and not keyword.candidates.found()):
+            keyword = self.keyword_channel(phrasings, alone)
+        # 4. vector channel
+        candidates = self.vector_channel(phrasings, keyword.candidates)
+        # 5. min_score
+        candidates = self.above_min_score(phrasings, candidates)
+        # 6. identifiers
+        candidates = dataclasses.replace(candidates, whole=self.whole_identifiers(keyword.facts, candidates))
+        return Found(phrasings, keyword.facts, candidates, degraded)
+
+    def wide_scope(self) -> SearchScope | None:
+        """The pre-filter with superseded documents too, or None where the scope holds none."""
+        if self.args.include_superseded or not self.index.counts_by_lifecycle().get("superseded"):
+            return None
+        scope = self.prefilter(self.args.model_copy(update={"include_superseded": True}))
+        return None if scope.empty or scope.paths.get("superseded") == [] else scope
+
+    def widened(self) -> Search:
+        """This search with superseded documents too, on the same generation: its pre-filter is
+        Prefetch.wide, its Chroma queries this search's own (the superseded ones went with them)."""
+        assert self.prefetch.wide is not None
+        wide = Search(self.service, self.args.model_copy(update={"include_superseded": True}), self.begun)
+        wide.index, wide.loading_until = self.index, self.loading_until
+        wide.prefetch = Prefetch(self.index, self.prefetch.live, self.prefetch.wide, queries=self.prefetch.queries)
+        return wide
+
+    def superseded_ahead(self, found: Found) -> str | None:
+        """The superseded document whose passage would come before the first result shown, were
+        superseded documents searched too (None when none would). The same search again with them
+        (widened), only where the scope holds one."""
+        if self.prefetch.wide is None:
+            return None
+        wide = self.widened()
+        order = rank(wide.find(found.phrasings, found.degraded).candidates, wide.args.mode)
+        if not order:
+            return None
+        row = self.index.chunks_by_id([order[0][0]]).get(order[0][0])
+        return row.path if row is not None and row.lifecycle == "superseded" else None
+
+    def prefilter(self, args: SearchCorpusInput) -> SearchScope:
+        """2. Scope, lifecycle, path_prefix and the document filters (document, tags, dates) of
+        `args`, applied before ranking in both channels so a filtered-out chunk never takes a slot."""
+        index = self.index
+        lifecycles = ("active", "superseded") if args.include_superseded else ("active",)
+        prefix = args.path_prefix
+        kind = SCOPE_KINDS[args.scope]
+        if kind is not None and index.schema < CODE_SCHEMA:  # an index written before code: documents only
+            kind = None if kind == "doc" else kind
+        if kind is not None and not index.holds_kind(kind, lifecycles):
+            return SearchScope(lifecycles, Within(), {}, empty=no_kind_indexed(args, kind))
+        chosen = args.chosen_documents()
+        if not prefix and chosen is None:
+            # The scope's kind is a where-clause of its own in both channels (a path list of a
+            # large repository's files made a vector query 20 times slower).
+            return SearchScope(lifecycles, Within(kind=kind), {lc: None for lc in lifecycles}, kind=kind,
+                               vector_kind=vector_kind(index, kind))
+        within = Within(prefix, kind=kind)
+        by_lc = index.paths_by_lifecycle(prefix, kind)
+        if chosen is not None:
+            docs = index.document_facts()
+            admitted = {doc.path for doc in docs if chosen.admits(doc)}
+            if not admitted:
+                return SearchScope(lifecycles, within, {}, empty=f"{chosen.matches_none(docs)}; see list_documents")
+            by_lc = {lc: [path for path in paths if path in admitted] for lc, paths in by_lc.items()}
+            within = Within(prefix, None if len(admitted) == len(docs) else tuple(sorted(admitted)), kind)
+        if not any(by_lc.get(lc) for lc in lifecycles):
+            return SearchScope(lifecycles, within, {}, empty=nothing_in_scope(index, args, by_lc))
+        totals = index.counts_by_lifecycle()
+        # A scope covering every document of a collection needs no where clause (the fast path).
+        return SearchScope(lifecycles, within, {lc: None if len(by_lc.get(lc, [])) == totals.get(lc, 0)
+                                                else by_lc.get(lc, []) for lc in lifecycles}, kind=kind,
+                           vector_kind=vector_kind(index, kind))
+
+    def keyword_channel(self, phrasings: list[Phrasing], alone: bool) -> KeywordChannel:
+        """3. Each phrasing's terms' weights and keyword candidates, weighted for fusion (the query
+        above the extra phrasings; in hybrid mode by the evidence the ranking has, see
+        keyword_weight), and the query's identifiers. Nothing in vector mode: it reads the
+        vectors only (it works without the keyword index). `alone`: no vector channel carries the
+        query (keyword mode, or a hybrid search degraded to keywords), so a query of common words
+        is ranked by the passages holding them together (see keyword_plan)."""
+        if self.args.mode == "vector":
+            return KeywordChannel(ChannelCandidates(), QueryFacts())
+        index, scope = self.index, self.scope
+        reading = self.service.passage_reading(index)
+        candidates = ChannelCandidates()  # its rows memo fills as the evidence is read
+        total = index.current.stamp.chunks
+        weights: dict[int, dict[str, float]] = {}
+        lifecycles: dict[str, str] = {}
+        lists: list[RankedList] = []
+        plan: KeywordPlan | None = None
+        for p, phrasing in enumerate(phrasings):
+            terms = rules.query_terms(phrasing.text)
+            weights[p] = term_weights(terms, index.passages_with(terms), total)
+            ranked, phrasing_plan = index.keyword_ranking(phrasing.text, scope.lifecycles, scope.within,
+                                                          CHANNEL_CANDIDATES, together=alone)
+            if p == 0:
+                plan = phrasing_plan
+            lifecycles.update(ranked)
+            rows = candidates.read_rows(index, [item for item, _ in ranked[:KEYWORD_EVIDENCE_ROWS]])
+            evidence = max((reading.keyword_evidence(weights[p], phrasing, row) for row in rows), default=0.0)
+            weight = (1.0 if p == 0 else EXTRA_PHRASING_WEIGHT) * (
+                keyword_weight(evidence) if self.args.mode == "hybrid" else 1.0)
+            lists.append(RankedList("keyword", p, tuple(item for item, _ in ranked), weight))
+        identifiers, missing, own = self.query_identifiers(phrasings)
+        return KeywordChannel(dataclasses.replace(candidates, lists=tuple(lists), lifecycles=lifecycles),
+                              QueryFacts(weights, plan, identifiers, missing, own))
+
+    def vector_channel(self, phrasings: list[Phrasing], keyword: ChannelCandidates) -> ChannelCandidates:
+        """4. The keyword candidates with each phrasing's vector candidates (hybrid and vector
+        modes) and their similarities added; the Chroma queries not prefetched are sent first, all
+        at once (those of Prefetch.wide too: they run while this search ranks); VectorIndexLoading
+        when the index is still loading at `loading_until`."""
+        if self.args.mode not in ("hybrid", "vector"):
+            return keyword
+        index = self.index
+        self.prefetch.send_queries([p.vector for p in phrasings])
+        started = self.prefetch.queries
+        lists: list[RankedList] = []
+        similarities: dict[int, dict[str, float]] = {}
+        best: dict[str, float | None] = {}
+        for p, phrasing in enumerate(phrasings):
+            if phrasing.vector is None:
+                continue
+            ids, scores = self.nearest_committed(phrasing.vector, {lc: job for (q, lc), job in started.items()
+                                                                   if q == p})
+            weight = 1.0 if p == 0 else EXTRA_PHRASING_WEIGHT
+            lists.append(RankedList("vector", p, tuple(ids), weight))
+            if index.waiting_documents:  # an ingest is still embedding: see stand_ins
+                lists.extend(waiting for ranked in keyword.lists if ranked.phrasing == p
+                             if (waiting := stand_ins(ranked, index.waiting_documents, weight)) is not None)
+            similarities[p] = {item: score for item, score in scores.items() if score is not None}
+            for item, score in scores.items():
+                best[item] = max(score, best.get(item) or -1.0)
+        return dataclasses.replace(keyword, lists=(*keyword.lists, *lists), similarities=similarities, scores=best)
+
+    def nearest_committed(self, vector: Sequence[float],
+                          started: Mapping[str, rules.BoundedCall]) -> tuple[list[str], dict[str, float | None]]:
+        """4. Vector candidates whose chunk rows are committed, best first: (ids, similarities).
+
+        Asks Chroma for VECTOR_FETCH and over-fetches until CHANNEL_CANDIDATES committed
+        candidates are found or the store is exhausted, whatever k is (the ranking must not depend
+        on it): vectors without a committed row (an ingest in flight or interrupted) never take a
+        slot. The first round reads the queries already `started` (by lifecycle) where there are any.
+        A committed id needs no further check: ids are content-addressed (path, content hash,
+        position), so its path and lifecycle are those of the vector's collection and filter; the
+        rows themselves are read for the hits only (see with_rows).
+        """
+        index, scope = self.index, self.scope
+        n = VECTOR_FETCH
+        while True:
+            raw: list[tuple[str, float]] = []
+            exhausted = True
+            for lc in scope.lifecycles:
+                paths = scope.paths.get(lc)
+                if paths is not None and not paths:
+                    continue
+                job = started.get(lc)
+                got = index.vector_answer(job, self.loading_until) if job is not None else None
+                if got is None:
+                    got = index.vector_query(lc, vector, n, paths, self.loading_until, scope.vector_kind)
+                exhausted = exhausted and len(got) < n
+                raw.extend(got)
+            raw.sort(key=lambda pair: (pair[1], pair[0]))
+            best: dict[str, float] = {}
+            for item, distance in raw:
+                best.setdefault(item, distance)
+            committed = index.committed(list(best), scope.kind if scope.vector_kind is None else None)
+            valid = [(i, d) for i, d in best.items() if i in committed]
+            if len(valid) >= CHANNEL_CANDIDATES or exhausted or n >= MAX_VECTOR_FETCH:
+                break
+            n = min(n * 4, MAX_VECTOR_FETCH)
+            started = {}
+        kept = valid[:CHANNEL_CANDIDATES]
+        return [i for i, _ in kept], {i: 1.0 - d for i, d in kept}
+
+    def above_min_score(self, phrasings: list[Phrasing], candidates: ChannelCandidates) -> ChannelCandidates:
+        """5. With min_score, the candidates below it dropped (before fusion, so a weak candidate
+        never takes a slot); the keyword candidates are scored from their stored vectors."""
+        if self.args.min_score is None or not any(p.vector is not None for p in phrasings):
+            return candidates
+        unscored = [i for i in candidates.ids() if i not in candidates.scores]  # keyword candidates
+        scores = {**candidates.scores,
+                  **self.service.stored_scores(self.index, phrasings, unscored, candidates.lifecycles)}
+        below = {i for i, s in scores.items() if s is None or s < self.args.min_score}
+        return dataclasses.replace(candidates, scores=scores).without(below)
+
+    def whole_identifiers(self, facts: QueryFacts, candidates: ChannelCandidates) -> dict[str, set[str]]:
+        """6. Which candidates hold each query identifier whole (none for one no passage holds)."""
+        wanted = [(identifier, term) for identifier, term in facts.identifiers if identifier not in facts.missing]
+        ids = candidates.ids() if wanted else []
+        return {identifier: self.index.holders(rules.fts_any([term]), ids) for identifier, term in wanted}
+
+    def query_identifiers(self, phrasings: list[Phrasing]) -> tuple[list[tuple[str, str]], list[str], frozenset[str]]:
+        """The phrasings' identifiers that are distinctive here (as typed, keyword term), those no
+        indexed passage holds, and the terms of the query's own identifiers (phrasing 0)."""
+        seen: dict[str, str] = {}
+        own: set[str] = set()
+        for p, phrasing in enumerate(phrasings):
+            for identifier in rules.query_identifiers(phrasing.text):
+                term = rules.identifier_term(identifier)
+                if term is not None and term not in seen and len(seen) < rules.IDENTIFIERS_MAX:
+                    seen[term] = identifier
+                    if p == 0:
+                        own.add(term)
+        counts = self.index.identifier_passages(list(seen))
+        missing = [identifier for term, identifier in seen.items() if counts.get(term, 0) == 0]
+        return distinctive_identifiers(seen, counts, self.index.current.stamp.chunks), missing, frozenset(own)
+
+    def groups(self, order: list[tuple[str, float]], candidates: ChannelCandidates) -> list[HitGroup]:
+        """7. The first k results of the ranking (group_hits), the rows read for as many candidates
+        as that takes: a few more than k, all of them when sections or copies repeat. (Passages are
+        not merged: a merged passage's text would be lost, measured as answers no longer in hand.)"""
+        k, by_section, shingles_of = self.args.k, self.args.context == "section", self.service.shingles_of
+        groups = group_hits(self.with_rows(order[:SECTION_LOOKAHEAD * k], candidates), candidates.rows, k,
+                            by_section, shingles_of)
+        if len(groups) < k and len(order) > SECTION_LOOKAHEAD * k:
+            groups = group_hits(self.with_rows(order, candidates), candidates.rows, k, by_section, shingles_of)
+        return groups
+
+    def with_rows(self, ranked: list[tuple[str, float]], candidates: ChannelCandidates) -> list[tuple[str, float]]:
+        """The ranked candidates with their rows read (vector candidates come without them); one
+        whose row an ingest removed since it was found is no longer committed and drops out."""
+        candidates.read_rows(self.index, [item for item, _ in ranked])
+        return [(item, value) for item, value in ranked if item in candidates.rows]
+
+    def hits(self, groups: Sequence[HitGroup], found: Found) -> list[SearchHit]:
+        """8. The ranked groups as hits: rows, channels, phrasings, whole identifiers, the passages
+        merged and the copies folded into each, and the cosine of hits the vector channel did not
+        score, from their stored embeddings (only these k, not all candidates: fetching vectors is
+        the dearest step of a search)."""
+        candidates, facts = found.candidates, found.facts
+        scores = candidates.scores
+        if any(p.vector is not None for p in found.phrasings):
+            unscored = [group.item for group in groups if group.item not in scores]
+            scores = {**scores,
+                      **self.service.stored_scores(self.index, found.phrasings, unscored, candidates.lifecycles)}
+        hits = []
+        for group in groups:
+            row = candidates.rows[group.item]
+            by = candidates.found_by.get(group.item, set())
+            matched: list[Literal["vector", "keyword"]] = [c for c in ("vector", "keyword") if any(c == b[0] for b in by)]
+            score = scores.get(group.item)
+            hits.append(SearchHit(path=row.path, uri=document_uri(row.path), title=row.title, heading=row.heading,
+                                  kind="code" if row.kind == "code" else "doc", symbol=row.symbol,
+                                  language=row.language, start_line=row.start_line,
+                                  end_line=row.end_line, score=None if score is None else round(score, 6),
+                                  rank_score=round(group.value, 6), lifecycle=_lifecycle(row.lifecycle),
+                                  superseded_by=list(self.index.successors.get(row.path, ())), matched=matched,
+                                  phrasings=sorted({p for _, p in by}),
+                                  exact_matches=[i for i, _ in facts.identifiers
+                                                 if group.item in candidates.whole.get(i, ())],
+                                  text=row.text, text_start_line=row.start_line, text_end_line=row.end_line,
+                                  truncated=False,
+                                  more_passages=[(candidates.rows[m].start_line, candidates.rows[m].end_line)
+                                                 for m in group.members],
+                                  also_in=list(group.also_in)))
+        return self.with_freshness(hits)
+
+    def with_freshness(self, hits: list[SearchHit]) -> list[SearchHit]:
+        """8. The hits, each saying whether its file changed on disk since ingest (Claude Code shows
+        the model structured content only, so every hit carries it: one stat per distinct path),
+        and on which pages it lies where its document has pages."""
+        corpus = self.service.corpus_dir(self.index.current)
+        docs = self.index.documents_at({h.path for h in hits})
+        states = {path: disk_state(corpus, doc) for path, doc in docs.items()}
+        pages = {path: rules.pages_from_column(doc.pages) for path, doc in docs.items()}
+        return [hit.model_copy(update={"changed_on_disk": states[hit.path] != "unchanged",
+                                       "freshness": states[hit.path],
+                                       "pages": page_range(pages[hit.path], hit.start_line, hit.end_line)})
+                if hit.path in states else hit
+                for hit in hits]
+
+    def contexts(self, rows: Sequence[rules.ChunkRow], hits: Sequence[SearchHit]) -> list[HitContext | None]:
+        """8. Each hit's context as asked (none for a passage, or a file changed since ingest: its
+        lines may have moved): the lines it spans, read as get_file reads them, once per file."""
+        context = self.args.context
+        if context == "passage":
+            return []
+        index = self.index
+        corpus = self.service.corpus_dir(index.current)
+        files: dict[str, tuple[list[rules.ChunkRow], list[str] | None, tuple[rules.Heading, ...] | None]] = {}
+        out: list[HitContext | None] = []
+        for row, hit in zip(rows, hits, strict=True):
+            if hit.freshness != "unchanged":
+                out.append(None)
+                continue
+            if row.path not in files:
+                doc = index.document(row.path)
+                try:
+                    read = document_lines(corpus, doc, index.current.corpus_id, index.extracted_text) if doc else None
+                except RagError:  # not readable as get_file would serve it (another folder, a link): its passage
+                    read = None
+                headings = (index.headings(doc, read[2]) if doc is not None and read is not None and read[1] == "disk"
+                            and context == "section" else None)
+                files[row.path] = (index.chunks_of(row.path), read[0] if read else None, headings)
+            chunks, lines, headings = files[row.path]
+            if lines is None or row.end_line > len(lines):
+                out.append(None)
+                continue
+            start, end = context_range(chunks, row, context, headings)
+            end = min(end, len(lines))
+            out.append(HitContext(context, tuple(lines[start - 1:end]), start, (row.start_line, row.end_line)))
+        return out
+
+    def confidence(self, found: Found, top: tuple[rules.ChunkRow, SearchHit]) -> Judgement:
+        """9. How likely the first hit (its row and its hit) answers the query (see judge)."""
+        row, hit = top
+        candidates, facts = found.candidates, found.facts
+        reading = self.service.passage_reading(self.index)
+        shares = [share for p, phrasing in enumerate(found.phrasings)
+                  if (share := reading.term_evidence(facts.weights.get(p), phrasing, row)) is not None]
+        # A passage whose vector waits has no margin: "at most as similar as the last candidate"
+        # would call every waiting passage a near miss.
+        embedded = rules.chunk_document_key(row.id) not in self.index.waiting_documents
+        return judge(Evidence(
+            similarity=hit.score, margin=best_margin(candidates.similarities, row.id) if embedded else None,
+            calibration=self.index.calibration,
+            coverage=max(shares, default=None),
+            identifiers=tuple(i for i, term in facts.identifiers if term in facts.own), exact=tuple(hit.exact_matches),
+            missing=tuple(facts.missing)))
+
+    def response(self, found: Found, results: Results) -> dict[str, Any]:
+        """10. The response's payload: hits within the text budget, the confidence, the index
+        stamp, and a message that says why there is nothing when there is nothing. Built as the
+        output model (so it fits the declared outputSchema), then trimmed to the budget as JSON."""
+        args, index, degraded = self.args, self.index, found.degraded
+        candidates, facts, hits, confidence = found.candidates, found.facts, results.hits, results.confidence
+        extra: dict[str, Any] = {}
+        if degraded is not None:
+            extra = {"degraded": (degraded.degraded if isinstance(degraded, VectorStoreUnavailable)
+                                  else str(degraded.code)),
+                     "hint": f"{degraded.message}: keyword results only. {degraded.hint}"}
+            if args.min_score is not None:
+                extra["hint"] += "; min_score was not applied (it needs the query's embedding)"
+        elif args.mode != "keyword" and (waiting := self.service.vectors_waiting(index.current,
+                                                                                 embedder_up=True)) is not None:
+            extra = {"degraded": str(waiting.code), "hint": f"{waiting.message}. {waiting.hint}"}
+        if confidence is not None:
+            extra.update(confidence=confidence.level, confidence_score=confidence.score,
+                         confidence_reason=confidence.reason)
+        plan = facts.keyword_plan
+        info = self.service.index_info(index.current)
+        staleness = self.service.staleness_of(index, watched=info.watch is not None)
+        low = confidence is not None and confidence.level == "low"
+        hidden, successors = self.hidden_superseded() if low or not hits else (0, ())
+        ahead = results.superseded_ahead
+        message = thin_result_message(ThinEvidence(
+            hits=len(hits), low=low, empty=self.scope.empty, dropped=len(candidates.dropped),
+            min_score=args.min_score, plan_kind=plan.kind if args.mode == "keyword" and plan is not None else None,
+            missing=tuple(facts.missing), hidden=hidden, successors=successors,
+            stale=staleness.hint if staleness.changed_files or staleness.added_files else None,
+            refreshing=info.refreshing, ahead=ahead, ahead_successors=index.successors_of([ahead]) if ahead else ()))
+        response = SearchResponse(query=args.query, mode=args.mode, results=hits,
+                                  dropped_below_min_score=len(candidates.dropped), message=message,
+                                  missing_identifiers=list(facts.missing), index=info,
+                                  staleness=staleness, **extra)
+        return fit_hits(response.model_dump(mode="json"), contexts=results.contexts)
+
+    def hidden_superseded(self) -> tuple[int, tuple[str, ...]]:
+        """10. For a thin search's message: the passages of superseded documents in scope that the
+        phrasings' words match (the keyword channel's plan, up to HIDDEN_COUNT_MAX + 1), and the
+        documents replacing them. Only for a thin search: one FTS query per phrasing."""
+        if self.args.include_superseded or self.scope.empty:
+            return 0, ()
+        found: dict[str, None] = {}
+        for text in self.texts:
+            ranked, _ = self.index.keyword_ranking(text, ("superseded",), self.scope.within, HIDDEN_COUNT_MAX + 1,
+                                                   together=self.args.mode == "keyword")
+            found.update(dict.fromkeys(item for item, _ in ranked))
+        if not found:
+            return 0, ()
+        paths = sorted({row.path for row in self.index.chunks_by_id(list(found)).values()})
+        return min(len(found), HIDDEN_COUNT_MAX + 1), self.index.successors_of(paths)
 
 
 class RetrievalService:
@@ -2979,7 +3655,7 @@ class RetrievalService:
         return CHROMA_WORKER.wait_idle(max(0.5, deadline - time.monotonic()))
 
     # shared pieces ----------------------------------------------------------------------------
-    def _index_info(self, current: rules.CurrentIndex) -> IndexInfo:
+    def index_info(self, current: rules.CurrentIndex) -> IndexInfo:
         stamp = current.stamp
         watch = self.watch_info()
         return IndexInfo(commit=stamp.commit, dirty=stamp.dirty, ingested_at=stamp.ingested_at,
@@ -3037,7 +3713,7 @@ class RetrievalService:
                          state="starting" if live is None else ("running" if live.running else "waiting"),
                          files_waiting=live.files_waiting if live is not None else 0, **fields)
 
-    def _staleness(self, index: OpenIndex, watched: bool = False) -> Staleness:
+    def staleness_of(self, index: OpenIndex, watched: bool = False) -> Staleness:
         def recount() -> tuple[tuple[str, int], DiskChanges]:
             with self.manager.lock:
                 latest = self.manager.open()
@@ -3045,7 +3721,7 @@ class RetrievalService:
 
         return self.staleness.of(index, self.corpus_dir(index.current), recount, watched)
 
-    def _vectors_waiting(self, current: rules.CurrentIndex, embedder_up: bool | None = None) -> RagError | None:
+    def vectors_waiting(self, current: rules.CurrentIndex, embedder_up: bool | None = None) -> RagError | None:
         return vectors_waiting(current, self.settings.store_dir, self.corpus_dir(current), embedder_up,
                                self.settings.embed_api)
 
@@ -3055,7 +3731,7 @@ class RetrievalService:
             return self.settings.corpus_dir
         return Path(current.corpus_dir)
 
-    def _check_model(self, current: rules.CurrentIndex) -> None:
+    def check_model(self, current: rules.CurrentIndex) -> None:
         settings = self.settings
         manifest = current.manifest
         if settings.embed_model_explicit and not rules.same_model(settings.embed_model, manifest.model):
@@ -3064,261 +3740,12 @@ class RetrievalService:
                            f"re-ingest with the new model ({rules.ingest_command()}), or unset RAG_EMBED_MODEL to use "
                            f"{manifest.model!r}")
 
-    @staticmethod
-    def _query_texts(phrasings: Sequence[str], current: rules.CurrentIndex, code: bool = False) -> list[str]:
-        """The phrasings as embedded: with the model's code-retrieval task where only code is searched
-        (scope "code"); with its search task otherwise (a second query embedding for the code of
-        scope "all" measured no better on the dev set's code questions: see tools/README.md)."""
-        scheme = rules.PREFIX_SCHEMES[current.manifest.prefix_scheme]
-        return [scheme.query_text(p, code) for p in phrasings]
-
-    def _query_vectors(self, phrasings: Sequence[str], current: rules.CurrentIndex,
-                       on_arrival: Callable[[list[Any]], None] | None, code: bool = False) -> Callable[[], list[Any]]:
-        """The phrasings' query vectors, from the cache or being embedded (one call for all); the
-        returned function waits for them. on_arrival(vectors) runs when an embedding call answers."""
-        settings = self.settings
-        manifest = current.manifest
-        self._check_model(current)
-        timeout = min(settings.embed_timeout_s, QUERY_EMBED_TIMEOUT_S)
-        return self.queries.begin(settings, manifest.model, self._query_texts(phrasings, current, code),
-                                  timeout, manifest.dims,
-                                  (current.index, current.generation, current.stamp.model_digest), on_arrival,
-                                  manifest.embed_dimensions, current.stamp.model_digest, current.stamp.fingerprint)
-
     # search_corpus ----------------------------------------------------------------------------
     def search(self, args: SearchCorpusInput) -> dict[str, Any]:
-        """One search, as stages on one generation of the index (the numbers mark the body, here
-        and in _search_index):
+        """One search: see Search, its stages and the rules it keeps."""
+        return Search(self, args).run()
 
-        1. embed: the phrasings' query vectors, from the cache or one call to Ollama for all,
-           sent first and waited for last, outside the store lock (it can take seconds);
-        2. pre-filter: lifecycles and path_prefix, before any ranking (SearchScope);
-        3. keyword channel (hybrid, keyword): each phrasing's BM25 candidates, weighted by the
-           evidence the best of them hold, and what the query says (QueryFacts);
-        4. vector channel (hybrid, vector): each phrasing's nearest committed chunks, and stand-ins
-           for the keyword candidates whose vectors wait (see stand_ins);
-        5. min_score: the candidates below it dropped, before fusion;
-        6. identifiers: which candidates hold each of the query's identifiers whole;
-        7. rank: fuse, identifier bonus, spread (see rank), the first k, their rows read;
-        8. hits: the ranked candidates as SearchHits with their similarities;
-        9. confidence: how likely the first hit answers the query (see judge);
-        10. response: the payload within its budget, saying why when nothing was found, and which
-            superseded document would have come first (the search again with them, only where
-            the scope holds one).
-
-        Stages 2, 3 and the Chroma queries of 4 overlap stage 1 (Prefetch says which thread does
-        what); they are kept when the index did not move on meanwhile, else run again on the new
-        generation. An embedder (1) or vector store (4) that is down degrades hybrid search to
-        the keyword channel's results; vector mode has nothing to fall back on. So does, in hybrid
-        mode, a vector index still loading `loading_wait_s` after the search began (vector mode
-        waits for it)."""
-        if args.mode == "keyword" and args.min_score is not None:
-            raise RagError(ErrorCode.INVALID_ARGUMENT, "min_score needs similarity scores, which keyword mode "
-                           "does not compute", "drop min_score, or use mode 'hybrid' or 'vector'")
-        manager = self.manager
-        cold = args.mode != "keyword" and manager.vectors_cold()
-        if cold:
-            tell_progress("loading the vector index (the first search since the server started)")
-        wait = self.loading_wait_s
-        loading_until = time.monotonic() + wait if cold and args.mode == "hybrid" and wait is not None else None
-        texts = args.phrasings()
-        vectors: list[Any] | None = None
-        embedded_for: Any = None
-        degraded: RagError | None = None
-        prefetch: Prefetch | None = None
-        for _attempt in range(3):
-            with manager.lock:
-                index = manager.open()
-                if not index.current.stamp.files:
-                    raise index_empty(index)
-                if degraded is None and args.mode != "keyword" and without_vectors(index.current):
-                    unembedded = self._vectors_waiting(index.current)
-                    if args.mode == "vector":
-                        raise unembedded
-                    degraded, vectors = unembedded, None
-                if (args.mode == "keyword" or degraded is not None
-                        or (vectors is not None and embedded_for == index.current.manifest)):
-                    # 2.-10. on this generation, with what was prefetched on it
-                    phrasings = [Phrasing(text, vectors[i] if vectors else None) for i, text in enumerate(texts)]
-                    kept = prefetch if prefetch is not None and prefetch.key == index.key else None
-                    try:
-                        return self._search_index(index, args, phrasings, degraded, kept, loading_until)
-                    except VectorStoreUnavailable as exc:
-                        if args.mode != "hybrid":
-                            raise
-                        # The keyword channel already run is kept (it reads no vectors).
-                        answer = self._search_index(index, args, [Phrasing(text, None) for text in texts], exc, kept)
-                        if isinstance(exc, VectorIndexLoading) and not answer["results"]:
-                            # Keywords found nothing to give while the index loads: wait for the load.
-                            return self._search_index(index, args, phrasings, degraded, kept)
-                        log.warning("search degraded to keyword results: %s", exc.message)
-                        return answer
-                current = index.current
-                # The response's staleness count, begun now if this generation has none yet.
-                self.staleness.begin(index, self.corpus_dir(current))
-                # 2. pre-filter, first: the Chroma queries the embedder's thread starts need it
-                prefetch = Prefetch(index.key, self._prefilter(index, args), wide=self._wide_scope(index, args))
-                # 1. embed (sent now)
-                embedding = self._query_vectors(texts, current,
-                                                prefetch.when_vectors_arrive(index, manager, VECTOR_FETCH),
-                                                code=args.scope == "code")
-                # 3. keyword channel, while Ollama embeds
-                if args.mode == "hybrid" and not prefetch.scope.empty:
-                    prefetch.keyword = self._keyword_channel(index, args, prefetch.scope,
-                                                             [Phrasing(text, None) for text in texts], alone=False)
-            # 1. embed (waited for)
-            try:
-                vectors = embedding()
-            except RagError as exc:
-                # A dependency that is down degrades hybrid search to its keyword channel; vector
-                # mode has nothing to fall back on.
-                if args.mode != "hybrid" or exc.code not in DEGRADABLE_EMBEDDER_ERRORS:
-                    raise
-                log.warning("search degraded to keyword results: %s", exc.message)
-                degraded = exc
-            embedded_for = current.manifest
-        raise RagError(ErrorCode.STORE_UNAVAILABLE, "the index kept changing during the search",
-                       "an ingest is publishing generations; retry in a moment")
-
-    def _search_index(self, index: OpenIndex, args: SearchCorpusInput, phrasings: list[Phrasing],
-                      degraded: RagError | None, prefetch: Prefetch | None = None,
-                      loading_until: float | None = None) -> dict[str, Any]:
-        """Stages 2-10 of search on one generation, each returning what the next one takes
-        (`loading_until`: how long the vector channel waits for an index still loading)."""
-        # 2. pre-filter
-        if prefetch is None:
-            prefetch = Prefetch(index.key, self._prefilter(index, args), wide=self._wide_scope(index, args))
-        scope = prefetch.scope
-        facts, candidates = self._candidates(index, args, scope, phrasings, degraded, prefetch, loading_until)
-        # 7. rank (a copied passage once; with context="section", a section once: its text holds
-        # the passages merged)
-        groups = self._groups(index, rank(candidates, args.mode), candidates, args.k, args.context == "section")
-        ranked = [(group.item, group.value) for group in groups]
-        # 8. hits, and what their texts may grow to
-        hits = self._hits(index, ranked, candidates, facts, phrasings)
-        hits = [hit.model_copy(update={"more_passages": [(candidates.rows[m].start_line, candidates.rows[m].end_line)
-                                                         for m in group.members], "also_in": list(group.also_in)})
-                if group.members or group.also_in else hit for hit, group in zip(hits, groups, strict=True)]
-        hits = self._with_freshness(index, hits)
-        contexts = self._contexts(index, args, [candidates.rows[item] for item, _ in ranked], hits)
-        # 9. confidence
-        confidence = (self._confidence(index, candidates.rows[ranked[0][0]], hits[0], candidates, facts, phrasings)
-                      if hits else None)
-        # 10. response
-        ahead = self._superseded_ahead(index, args, phrasings, degraded, prefetch, loading_until) if hits else None
-        return self._search_response(index, args, scope, candidates, facts, hits, confidence, degraded, ahead,
-                                     contexts)
-
-    def _contexts(self, index: OpenIndex, args: SearchCorpusInput, rows: Sequence[rules.ChunkRow],
-                  hits: Sequence[SearchHit]) -> list[HitContext | None]:
-        """Each hit's context as asked (none for a passage, or a file changed since ingest: its
-        lines may have moved): the lines it spans, read as get_file reads them, once per file."""
-        if args.context == "passage":
-            return []
-        corpus = self.corpus_dir(index.current)
-        files: dict[str, tuple[list[rules.ChunkRow], list[str] | None, tuple[rules.Heading, ...] | None]] = {}
-        out: list[HitContext | None] = []
-        for row, hit in zip(rows, hits, strict=True):
-            if hit.freshness != "unchanged":
-                out.append(None)
-                continue
-            if row.path not in files:
-                doc = index.document(row.path)
-                try:
-                    read = document_lines(corpus, doc, index.current.corpus_id, index.extracted_text) if doc else None
-                except RagError:  # not readable as get_file would serve it (another folder, a link): its passage
-                    read = None
-                headings = (index.headings(doc, read[2]) if doc is not None and read is not None and read[1] == "disk"
-                            and args.context == "section" else None)
-                files[row.path] = (index.chunks_of(row.path), read[0] if read else None, headings)
-            chunks, lines, headings = files[row.path]
-            if lines is None or row.end_line > len(lines):
-                out.append(None)
-                continue
-            start, end = context_range(chunks, row, args.context, headings)
-            end = min(end, len(lines))
-            out.append(HitContext(args.context, tuple(lines[start - 1:end]), start, (row.start_line, row.end_line)))
-        return out
-
-    def _candidates(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope, phrasings: list[Phrasing],
-                    degraded: RagError | None, prefetch: Prefetch,
-                    loading_until: float | None = None) -> tuple[QueryFacts, ChannelCandidates]:
-        """Stages 3-6: what the query says and every candidate of both channels, ready to rank
-        (`prefetch`: the work already started for this search, and where its Chroma queries go)."""
-        if scope.empty:
-            return QueryFacts(), ChannelCandidates()
-        # 3. keyword channel (the one prefetched for hybrid search ranks common words only
-        # with a vector channel beside it: without one, they are ranked again, together)
-        alone = args.mode == "keyword" or degraded is not None
-        keyword = prefetch.keyword
-        if keyword is None or (alone and not keyword.candidates.found()):
-            keyword = self._keyword_channel(index, args, scope, phrasings, alone)
-        # 4. vector channel
-        candidates = self._vector_channel(index, args, scope, phrasings, keyword.candidates, prefetch, loading_until)
-        # 5. min_score
-        candidates = self._above_min_score(index, args, phrasings, candidates)
-        # 6. identifiers
-        candidates = dataclasses.replace(candidates, whole=self._whole_identifiers(index, keyword.facts, candidates))
-        return keyword.facts, candidates
-
-    def _wide_scope(self, index: OpenIndex, args: SearchCorpusInput) -> SearchScope | None:
-        """The pre-filter with superseded documents too, or None where the scope holds none."""
-        if args.include_superseded or not index.counts_by_lifecycle().get("superseded"):
-            return None
-        scope = self._prefilter(index, args.model_copy(update={"include_superseded": True}))
-        return None if scope.empty or scope.paths.get("superseded") == [] else scope
-
-    def _superseded_ahead(self, index: OpenIndex, args: SearchCorpusInput, phrasings: list[Phrasing],
-                          degraded: RagError | None, prefetch: Prefetch, loading_until: float | None) -> str | None:
-        """The superseded document whose passage would come before the first result shown, were
-        superseded documents searched too (None when none would). The same search again with them,
-        only where the scope holds one (Prefetch.wide); its Chroma queries are the search's own,
-        the superseded ones sent with them."""
-        if prefetch.wide is None:
-            return None
-        wide = args.model_copy(update={"include_superseded": True})
-        _, candidates = self._candidates(index, wide, prefetch.wide, phrasings, degraded,
-                                         Prefetch(index.key, prefetch.wide, queries=prefetch.queries), loading_until)
-        order = rank(candidates, wide.mode)
-        if not order:
-            return None
-        row = index.chunks_by_id([order[0][0]]).get(order[0][0])
-        return row.path if row is not None and row.lifecycle == "superseded" else None
-
-    def _prefilter(self, index: OpenIndex, args: SearchCorpusInput) -> SearchScope:
-        """Lifecycle, path_prefix and the document filters (document, tags, dates), applied before
-        ranking in both channels so a filtered-out chunk never takes a slot."""
-        lifecycles = ("active", "superseded") if args.include_superseded else ("active",)
-        prefix = args.path_prefix
-        kind = SCOPE_KINDS[args.scope]
-        if kind is not None and index.schema < CODE_SCHEMA:  # an index written before code: documents only
-            kind = None if kind == "doc" else kind
-        if kind is not None and not index.holds_kind(kind, lifecycles):
-            return SearchScope(lifecycles, Within(), {}, empty=no_kind_indexed(args, kind))
-        chosen = args.chosen_documents()
-        if not prefix and chosen is None:
-            # The scope's kind is a where-clause of its own in both channels (a path list of a
-            # large repository's files made a vector query 20 times slower).
-            return SearchScope(lifecycles, Within(kind=kind), {lc: None for lc in lifecycles}, kind=kind,
-                               vector_kind=vector_kind(index, kind))
-        within = Within(prefix, kind=kind)
-        by_lc = index.paths_by_lifecycle(prefix, kind)
-        if chosen is not None:
-            docs = index.document_facts()
-            admitted = {doc.path for doc in docs if chosen.admits(doc)}
-            if not admitted:
-                return SearchScope(lifecycles, within, {}, empty=f"{chosen.matches_none(docs)}; see list_documents")
-            by_lc = {lc: [path for path in paths if path in admitted] for lc, paths in by_lc.items()}
-            within = Within(prefix, None if len(admitted) == len(docs) else tuple(sorted(admitted)), kind)
-        if not any(by_lc.get(lc) for lc in lifecycles):
-            return SearchScope(lifecycles, within, {}, empty=nothing_in_scope(index, args, by_lc))
-        totals = index.counts_by_lifecycle()
-        # A scope covering every document of a collection needs no where clause (the fast path).
-        return SearchScope(lifecycles, within, {lc: None if len(by_lc.get(lc, [])) == totals.get(lc, 0)
-                                                else by_lc.get(lc, []) for lc in lifecycles}, kind=kind,
-                           vector_kind=vector_kind(index, kind))
-
-    def _shingles_of(self, row: rules.ChunkRow) -> frozenset[str]:
+    def shingles_of(self, row: rules.ChunkRow) -> frozenset[str]:
         """passage_shingles of a passage, cached by its id: ids are content-addressed, so an entry
         never goes stale, and the passages a search groups are mostly the last searches' too."""
         known = self._shingles.get(row.id)
@@ -3327,281 +3754,10 @@ class RetrievalService:
             self._shingles.put(row.id, known)
         return known
 
-    def _passage_reading(self, index: OpenIndex) -> PassageReading:
+    def passage_reading(self, index: OpenIndex) -> PassageReading:
         return PassageReading(self._passage_terms, index.current.index, index.document_language)
 
-    def _keyword_channel(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope,
-                         phrasings: list[Phrasing], alone: bool) -> KeywordChannel:
-        """Each phrasing's terms' weights and keyword candidates, weighted for fusion (the query
-        above the extra phrasings; in hybrid mode by the evidence the ranking has, see
-        keyword_weight), and the query's identifiers. Nothing in vector mode: it reads the
-        vectors only (it works without the keyword index). `alone`: no vector channel carries the
-        query (keyword mode, or a hybrid search degraded to keywords), so a query of common words
-        is ranked by the passages holding them together (see keyword_plan)."""
-        if args.mode == "vector":
-            return KeywordChannel(ChannelCandidates(), QueryFacts())
-        reading = self._passage_reading(index)
-        candidates = ChannelCandidates()  # its rows memo fills as the evidence is read
-        total = index.current.stamp.chunks
-        weights: dict[int, dict[str, float]] = {}
-        lifecycles: dict[str, str] = {}
-        lists: list[RankedList] = []
-        plan: KeywordPlan | None = None
-        for p, phrasing in enumerate(phrasings):
-            terms = rules.query_terms(phrasing.text)
-            weights[p] = term_weights(terms, index.passages_with(terms), total)
-            ranked, phrasing_plan = index.keyword_ranking(phrasing.text, scope.lifecycles, scope.within,
-                                                          CHANNEL_CANDIDATES, together=alone)
-            if p == 0:
-                plan = phrasing_plan
-            lifecycles.update(ranked)
-            rows = candidates.read_rows(index, [item for item, _ in ranked[:KEYWORD_EVIDENCE_ROWS]])
-            evidence = max((reading.keyword_evidence(weights[p], phrasing, row) for row in rows), default=0.0)
-            weight = (1.0 if p == 0 else EXTRA_PHRASING_WEIGHT) * (
-                keyword_weight(evidence) if args.mode == "hybrid" else 1.0)
-            lists.append(RankedList("keyword", p, tuple(item for item, _ in ranked), weight))
-        identifiers, missing, own = self._query_identifiers(index, phrasings)
-        return KeywordChannel(dataclasses.replace(candidates, lists=tuple(lists), lifecycles=lifecycles),
-                              QueryFacts(weights, plan, identifiers, missing, own))
-
-    def _vector_channel(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope,
-                        phrasings: list[Phrasing], keyword: ChannelCandidates, prefetch: Prefetch,
-                        loading_until: float | None = None) -> ChannelCandidates:
-        """The keyword candidates with each phrasing's vector candidates (hybrid and vector
-        modes) and their similarities added; the Chroma queries not prefetched are sent first, all
-        at once (those of Prefetch.wide too: they run while this search ranks); VectorIndexLoading
-        when the index is still loading at `loading_until`."""
-        if args.mode not in ("hybrid", "vector"):
-            return keyword
-        prefetch.send_queries(index, lambda: self.manager.is_live(index), [p.vector for p in phrasings], VECTOR_FETCH)
-        started = prefetch.queries
-        lists: list[RankedList] = []
-        similarities: dict[int, dict[str, float]] = {}
-        best: dict[str, float | None] = {}
-        for p, phrasing in enumerate(phrasings):
-            if phrasing.vector is None:
-                continue
-            ids, scores = self._nearest_committed(index, phrasing.vector, scope,
-                                                  {lc: job for (q, lc), job in started.items() if q == p},
-                                                  loading_until)
-            weight = 1.0 if p == 0 else EXTRA_PHRASING_WEIGHT
-            lists.append(RankedList("vector", p, tuple(ids), weight))
-            if index.waiting_documents:  # an ingest is still embedding: see stand_ins
-                lists.extend(waiting for ranked in keyword.lists if ranked.phrasing == p
-                             if (waiting := stand_ins(ranked, index.waiting_documents, weight)) is not None)
-            similarities[p] = {item: score for item, score in scores.items() if score is not None}
-            for item, score in scores.items():
-                best[item] = max(score, best.get(item) or -1.0)
-        return dataclasses.replace(keyword, lists=(*keyword.lists, *lists), similarities=similarities, scores=best)
-
-    def _above_min_score(self, index: OpenIndex, args: SearchCorpusInput, phrasings: list[Phrasing],
-                         candidates: ChannelCandidates) -> ChannelCandidates:
-        """With min_score, the candidates below it dropped (before fusion, so a weak candidate
-        never takes a slot); the keyword candidates are scored from their stored vectors."""
-        if args.min_score is None or not any(p.vector is not None for p in phrasings):
-            return candidates
-        unscored = [i for i in candidates.ids() if i not in candidates.scores]  # keyword candidates
-        scores = {**candidates.scores, **self._stored_scores(index, phrasings, unscored, candidates.lifecycles)}
-        below = {i for i, s in scores.items() if s is None or s < args.min_score}
-        return dataclasses.replace(candidates, scores=scores).without(below)
-
-    @staticmethod
-    def _whole_identifiers(index: OpenIndex, facts: QueryFacts, candidates: ChannelCandidates) -> dict[str, set[str]]:
-        """Which candidates hold each query identifier whole (none for one no passage holds)."""
-        wanted = [(identifier, term) for identifier, term in facts.identifiers if identifier not in facts.missing]
-        ids = candidates.ids() if wanted else []
-        return {identifier: index.holders(rules.fts_any([term]), ids) for identifier, term in wanted}
-
-    @staticmethod
-    def _query_identifiers(index: OpenIndex,
-                           phrasings: list[Phrasing]) -> tuple[list[tuple[str, str]], list[str], frozenset[str]]:
-        """The phrasings' identifiers that are distinctive here (as typed, keyword term), those no
-        indexed passage holds, and the terms of the query's own identifiers (phrasing 0)."""
-        seen: dict[str, str] = {}
-        own: set[str] = set()
-        for p, phrasing in enumerate(phrasings):
-            for identifier in rules.query_identifiers(phrasing.text):
-                term = rules.identifier_term(identifier)
-                if term is not None and term not in seen and len(seen) < rules.IDENTIFIERS_MAX:
-                    seen[term] = identifier
-                    if p == 0:
-                        own.add(term)
-        counts = index.identifier_passages(list(seen))
-        missing = [identifier for term, identifier in seen.items() if counts.get(term, 0) == 0]
-        return distinctive_identifiers(seen, counts, index.current.stamp.chunks), missing, frozenset(own)
-
-    def _nearest_committed(self, index: OpenIndex, vector: Sequence[float], scope: SearchScope,
-                           started: Mapping[str, rules.BoundedCall],
-                           loading_until: float | None = None) -> tuple[list[str], dict[str, float | None]]:
-        """Vector candidates whose chunk rows are committed, best first: (ids, similarities).
-
-        Asks Chroma for VECTOR_FETCH and over-fetches until CHANNEL_CANDIDATES committed
-        candidates are found or the store is exhausted, whatever k is (the ranking must not depend
-        on it): vectors without a committed row (an ingest in flight or interrupted) never take a
-        slot. The first round reads the queries already `started` (by lifecycle) where there are any.
-        A committed id needs no further check: ids are content-addressed (path, content hash,
-        position), so its path and lifecycle are those of the vector's collection and filter; the
-        rows themselves are read for the hits only (see _with_rows).
-        """
-        n = VECTOR_FETCH
-        while True:
-            raw: list[tuple[str, float]] = []
-            exhausted = True
-            for lc in scope.lifecycles:
-                paths = scope.paths.get(lc)
-                if paths is not None and not paths:
-                    continue
-                job = started.get(lc)
-                got = index.vector_answer(job, loading_until) if job is not None else None
-                if got is None:
-                    got = index.vector_query(lc, vector, n, paths, loading_until, scope.vector_kind)
-                exhausted = exhausted and len(got) < n
-                raw.extend(got)
-            raw.sort(key=lambda pair: (pair[1], pair[0]))
-            best: dict[str, float] = {}
-            for item, distance in raw:
-                best.setdefault(item, distance)
-            committed = index.committed(list(best), scope.kind if scope.vector_kind is None else None)
-            valid = [(i, d) for i, d in best.items() if i in committed]
-            if len(valid) >= CHANNEL_CANDIDATES or exhausted or n >= MAX_VECTOR_FETCH:
-                break
-            n = min(n * 4, MAX_VECTOR_FETCH)
-            started = {}
-        kept = valid[:CHANNEL_CANDIDATES]
-        return [i for i, _ in kept], {i: 1.0 - d for i, d in kept}
-
-    def _groups(self, index: OpenIndex, order: list[tuple[str, float]], candidates: ChannelCandidates,
-                k: int, by_section: bool) -> list[HitGroup]:
-        """The first k results of the ranking (group_hits), the rows read for as many candidates as
-        that takes: a few more than k, all of them when sections or copies repeat. (Passages are not
-        merged: a merged passage's text would be lost, measured as answers no longer in hand.)"""
-        read = self._with_rows(index, order[:SECTION_LOOKAHEAD * k], candidates)
-        groups = group_hits(read, candidates.rows, k, by_section, self._shingles_of)
-        if len(groups) < k and len(order) > SECTION_LOOKAHEAD * k:
-            groups = group_hits(self._with_rows(index, order, candidates), candidates.rows, k, by_section,
-                                self._shingles_of)
-        return groups
-
-    @staticmethod
-    def _with_rows(index: OpenIndex, ranked: list[tuple[str, float]],
-                   candidates: ChannelCandidates) -> list[tuple[str, float]]:
-        """The ranked candidates with their rows read (vector candidates come without them); one
-        whose row an ingest removed since it was found is no longer committed and drops out."""
-        candidates.read_rows(index, [item for item, _ in ranked])
-        return [(item, value) for item, value in ranked if item in candidates.rows]
-
-    def _hits(self, index: OpenIndex, ranked: Sequence[tuple[str, float]], candidates: ChannelCandidates,
-              facts: QueryFacts, phrasings: list[Phrasing]) -> list[SearchHit]:
-        """The ranked candidates as hits: rows, channels, phrasings, whole identifiers, and the
-        cosine of hits the vector channel did not score, from their stored embeddings (only these
-        k, not all candidates: fetching vectors is the dearest step of a search)."""
-        scores = candidates.scores
-        if any(p.vector is not None for p in phrasings):
-            unscored = [i for i, _ in ranked if i not in scores]
-            scores = {**scores, **self._stored_scores(index, phrasings, unscored, candidates.lifecycles)}
-        hits = []
-        for item, rank_score in ranked:
-            row = candidates.rows[item]
-            by = candidates.found_by.get(item, set())
-            matched: list[Literal["vector", "keyword"]] = [c for c in ("vector", "keyword") if any(c == b[0] for b in by)]
-            score = scores.get(item)
-            hits.append(SearchHit(path=row.path, uri=document_uri(row.path), title=row.title, heading=row.heading,
-                                  kind="code" if row.kind == "code" else "doc", symbol=row.symbol,
-                                  language=row.language, start_line=row.start_line,
-                                  end_line=row.end_line, score=None if score is None else round(score, 6),
-                                  rank_score=round(rank_score, 6), lifecycle=_lifecycle(row.lifecycle),
-                                  superseded_by=list(index.successors.get(row.path, ())), matched=matched,
-                                  phrasings=sorted({p for _, p in by}),
-                                  exact_matches=[i for i, _ in facts.identifiers if item in candidates.whole.get(i, ())],
-                                  text=row.text, text_start_line=row.start_line, text_end_line=row.end_line,
-                                  truncated=False))
-        return hits
-
-    def _with_freshness(self, index: OpenIndex, hits: list[SearchHit]) -> list[SearchHit]:
-        """The hits, each saying whether its file changed on disk since ingest (Claude Code shows the
-        model structured content only, so every hit carries it: one stat per distinct path), and
-        on which pages it lies where its document has pages."""
-        corpus = self.corpus_dir(index.current)
-        docs = index.documents_at({h.path for h in hits})
-        states = {path: disk_state(corpus, doc) for path, doc in docs.items()}
-        pages = {path: rules.pages_from_column(doc.pages) for path, doc in docs.items()}
-        return [hit.model_copy(update={"changed_on_disk": states[hit.path] != "unchanged",
-                                       "freshness": states[hit.path],
-                                       "pages": page_range(pages[hit.path], hit.start_line, hit.end_line)})
-                if hit.path in states else hit
-                for hit in hits]
-
-    def _confidence(self, index: OpenIndex, row: rules.ChunkRow, top: SearchHit, candidates: ChannelCandidates,
-                    facts: QueryFacts, phrasings: list[Phrasing]) -> Judgement:
-        """How likely the first hit (its row and its hit) answers the query (see judge)."""
-        reading = self._passage_reading(index)
-        shares = [share for p, phrasing in enumerate(phrasings)
-                  if (share := reading.term_evidence(facts.weights.get(p), phrasing, row)) is not None]
-        # A passage whose vector waits has no margin: "at most as similar as the last candidate"
-        # would call every waiting passage a near miss.
-        embedded = rules.chunk_document_key(row.id) not in index.waiting_documents
-        return judge(Evidence(
-            similarity=top.score, margin=best_margin(candidates.similarities, row.id) if embedded else None,
-            calibration=index.calibration,
-            coverage=max(shares, default=None),
-            identifiers=tuple(i for i, term in facts.identifiers if term in facts.own), exact=tuple(top.exact_matches),
-            missing=tuple(facts.missing)))
-
-    def _search_response(self, index: OpenIndex, args: SearchCorpusInput, scope: SearchScope,
-                         candidates: ChannelCandidates, facts: QueryFacts, hits: list[SearchHit],
-                         confidence: Judgement | None, degraded: RagError | None,
-                         superseded_ahead: str | None = None, contexts: Sequence[HitContext | None] = ()) -> dict[str, Any]:
-        """The response's payload: hits within the text budget, the confidence, the index stamp,
-        and a message that says why there is nothing when there is nothing. Built as the output
-        model (so it fits the declared outputSchema), then trimmed to the budget as JSON."""
-        extra: dict[str, Any] = {}
-        if degraded is not None:
-            extra = {"degraded": (degraded.degraded if isinstance(degraded, VectorStoreUnavailable)
-                                  else str(degraded.code)),
-                     "hint": f"{degraded.message}: keyword results only. {degraded.hint}"}
-            if args.min_score is not None:
-                extra["hint"] += "; min_score was not applied (it needs the query's embedding)"
-        elif args.mode != "keyword" and (waiting := self._vectors_waiting(index.current, embedder_up=True)) is not None:
-            extra = {"degraded": str(waiting.code), "hint": f"{waiting.message}. {waiting.hint}"}
-        if confidence is not None:
-            extra.update(confidence=confidence.level, confidence_score=confidence.score,
-                         confidence_reason=confidence.reason)
-        plan = facts.keyword_plan
-        info = self._index_info(index.current)
-        staleness = self._staleness(index, watched=info.watch is not None)
-        low = confidence is not None and confidence.level == "low"
-        hidden, successors = self._hidden_superseded(index, args, scope) if low or not hits else (0, ())
-        message = thin_result_message(ThinEvidence(
-            hits=len(hits), low=low, empty=scope.empty, dropped=len(candidates.dropped), min_score=args.min_score,
-            plan_kind=plan.kind if args.mode == "keyword" and plan is not None else None, missing=tuple(facts.missing),
-            hidden=hidden, successors=successors,
-            stale=staleness.hint if staleness.changed_files or staleness.added_files else None,
-            refreshing=info.refreshing,
-            ahead=superseded_ahead, ahead_successors=index.successors_of([superseded_ahead]) if superseded_ahead else ()))
-        response = SearchResponse(query=args.query, mode=args.mode, results=hits,
-                                  dropped_below_min_score=len(candidates.dropped), message=message,
-                                  missing_identifiers=list(facts.missing), index=info,
-                                  staleness=staleness, **extra)
-        return fit_hits(response.model_dump(mode="json"), contexts=contexts)
-
-    @staticmethod
-    def _hidden_superseded(index: OpenIndex, args: SearchCorpusInput, scope: SearchScope) -> tuple[int, tuple[str, ...]]:
-        """For a thin search's message: the passages of superseded documents in scope that the
-        phrasings' words match (the keyword channel's plan, up to HIDDEN_COUNT_MAX + 1), and the
-        documents replacing them. Only for a thin search: one FTS query per phrasing."""
-        if args.include_superseded or scope.empty:
-            return 0, ()
-        found: dict[str, None] = {}
-        for text in args.phrasings():
-            ranked, _ = index.keyword_ranking(text, ("superseded",), scope.within, HIDDEN_COUNT_MAX + 1,
-                                              together=args.mode == "keyword")
-            found.update(dict.fromkeys(item for item, _ in ranked))
-        if not found:
-            return 0, ()
-        paths = sorted({row.path for row in index.chunks_by_id(list(found)).values()})
-        return min(len(found), HIDDEN_COUNT_MAX + 1), index.successors_of(paths)
-
-    def _stored_scores(self, index: OpenIndex, phrasings: Sequence[Phrasing], ids: Sequence[str],
+    def stored_scores(self, index: OpenIndex, phrasings: Sequence[Phrasing], ids: Sequence[str],
                        lifecycles: Mapping[str, str]) -> dict[str, float | None]:
         """The best cosine similarity over the phrasings of candidates the vector channel did not
         score, from their stored embeddings (cached: ids are content-addressed, so an entry never
@@ -3673,8 +3829,8 @@ class RetrievalService:
             index = manager.open()
             total = index.count_documents(args.path_prefix)
             docs = index.documents(args.path_prefix, args.offset, args.limit)
-            info = self._index_info(index.current)
-            staleness = self._staleness(index, watched=info.watch is not None)
+            info = self.index_info(index.current)
+            staleness = self.staleness_of(index, watched=info.watch is not None)
             successors = index.successors
             nothing_under = no_documents_under(index, args.path_prefix) if args.path_prefix and not total else None
             found = index.files_found
@@ -3690,7 +3846,7 @@ class RetrievalService:
                                         else f"the index is empty: {rules.INGEST_HINT}")
         elif not entries:
             message = f"offset {args.offset} is past the end ({total} documents)"
-        elif (waiting := self._vectors_waiting(index.current)) is not None:
+        elif (waiting := self.vectors_waiting(index.current)) is not None:
             message = (f"{info.vectors_pending} of {info.chunks} passages are found by keyword search only: "
                        f"{waiting.hint}")
         return ListDocumentsResponse(documents=entries, total=total, offset=args.offset,
@@ -4823,7 +4979,7 @@ class HealthProbe:
             if not current.stamp.files:
                 problems.append({"part": "index", "code": str(ErrorCode.INDEX_EMPTY), "message": "the index holds "
                                  f"no document: the last ingest found {found.line()}", "hint": rules.INGEST_HINT})
-            waiting = self.service._vectors_waiting(current, embedder_up=self.embedder is None)
+            waiting = self.service.vectors_waiting(current, embedder_up=self.embedder is None)
             if waiting is not None:
                 problems.append({"part": "vectors", **redacted(waiting).payload()["error"],
                                  "note": KEYWORDS_SERVE_MEANWHILE})
@@ -5529,10 +5685,20 @@ def search_view(payload: Mapping[str, Any]) -> str:
         lines.extend(f"   {line}" for line in [line for line in shown if line][:HUMAN_VIEW_LINES])
         if hit.get("changed_on_disk"):
             lines.append(f"   [{hit['freshness']} on disk since the index was built]")
+        if hit.get("explain"):
+            lines.append(f"   [rank: {trace_view(hit['explain'])}; rank_score {hit['rank_score']}]")
     if payload.get("confidence") in ("high", "medium"):
         lines.append(f"(confidence {payload['confidence']}: {payload.get('confidence_score')})")
     lines.extend(f"({rules.metadata_text(note, HUMAN_VIEW_NOTE_MAX)})" for note in notes_of(payload))
     return "\n".join(lines) if lines else "(no results)"
+
+
+def trace_view(trace: Mapping[str, Any]) -> str:
+    """A RankTrace in one line: each vote as channel#rank (phrasing, weight), the bonus, the place."""
+    votes = " + ".join(f"{v['channel']}{'~' if v['stand_in'] else ''}#{v['rank']} (q{v['phrasing']} w{v['weight']:.2f})"
+                       for v in trace["votes"])
+    bonus = f" + identifier bonus {trace['identifier_bonus']:.4f}" if trace["identifier_bonus"] else ""
+    return f"{votes or 'no list'} = {trace['fused']:.4f}{bonus}, place {trace['place_before_spread']} before spread"
 
 
 def file_view(payload: Mapping[str, Any]) -> str:

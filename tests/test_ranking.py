@@ -57,7 +57,7 @@ def test_rank_orders_every_candidate_once_whichever_channel_answered_first(
 @given(ranked_lists, holders, modes, st.integers(min_value=1, max_value=20))
 def test_the_results_for_k_are_the_first_k_for_k_plus_one(
         lists: list[server.RankedList], whole: dict[str, set[str]], mode: str, k: int) -> None:
-    """What a search returns for k, as _search_index takes it: rank(...)[:k] of one deterministic
+    """What a search returns for k, as Search.answer takes it: rank(...)[:k] of one deterministic
     order, from candidates that do not depend on k (each channel takes CHANNEL_CANDIDATES)."""
     assert server.CHANNEL_CANDIDATES >= server.K_MAX
     assert server.rank(candidates(lists, whole), mode)[:k] == server.rank(candidates(lists, whole), mode)[:k + 1][:k]
@@ -213,3 +213,22 @@ def test_a_bounded_call_answers_within_its_bound_and_an_abandoned_one_never_runs
     skipped.abandon_if_queued()
     skipped.run()
     assert ran == [] and not skipped.queued
+
+
+@settings(max_examples=examples(300))
+@given(ranked_lists, holders, modes)
+def test_explain_adds_up_to_each_rank_score(lists: list[server.RankedList], whole: dict[str, set[str]],
+                                             mode: str) -> None:
+    """search_corpus's explain: a hit's votes sum to its fused value, plus the bonus to its
+    rank_score; one vote per list that holds it, at its first place there."""
+    steps = server.ranking(candidates(lists, whole), mode)
+    traces = server.explain_ranking(steps, order_of(steps.order))
+    for item, value in steps.order:
+        trace = traces[item]
+        assert trace.fused + trace.identifier_bonus == pytest.approx(value, abs=1e-5)
+        assert sum(vote.vote for vote in trace.votes) == pytest.approx(trace.fused, abs=1e-5)
+        assert len(trace.votes) == sum(item in ranked.ids for ranked in lists)
+        assert all(vote.rank == list(dict.fromkeys(ranked.ids)).index(item) + 1
+                   for vote, ranked in zip(trace.votes, [r for r in steps.lists if item in r.ids], strict=True))
+        assert mode == "hybrid" or trace.identifier_bonus == 0
+    assert sorted(trace.place_before_spread for trace in traces.values()) == list(range(1, len(steps.order) + 1))

@@ -890,6 +890,29 @@ def test_embedder_faults_degrade_hybrid_and_fail_vector_mode(base: Built) -> Non
     assert not is_error and payload["degraded"] is None and payload["hint"] is None
 
 
+def test_explain_says_how_each_hit_was_ranked_and_changes_nothing_else(base: Built) -> None:
+    """explain adds a trace per hit (votes that sum to rank_score with the bonus, the lists that
+    match `matched` and `phrasings`) and leaves the ranking as it was without it (the traces take
+    their room in the response budget: the texts may be shorter)."""
+    svc = service(base)
+    asked = {"query": "how do I roll back a deploy with KEEP_ALIVE", "queries": ["rollback steps"], "k": 4}
+    is_error, plain = call(svc, "search_corpus", **asked)
+    assert not is_error and plain["results"] and all("explain" not in hit for hit in plain["results"])
+    is_error, explained = call(svc, "search_corpus", **asked, explain=True)
+    assert not is_error
+    ranked = ("path", "start_line", "end_line", "score", "rank_score", "matched", "phrasings", "exact_matches")
+    assert [[hit[key] for key in ranked] for hit in explained["results"]] == [[hit[key] for key in ranked]
+                                                                             for hit in plain["results"]]
+    for hit in explained["results"]:
+        trace = hit["explain"]
+        assert trace["fused"] + trace["identifier_bonus"] == pytest.approx(hit["rank_score"], abs=1e-5)
+        assert {vote["channel"] for vote in trace["votes"]} == set(hit["matched"])
+        assert sorted({vote["phrasing"] for vote in trace["votes"]}) == hit["phrasings"]
+    is_error, keyword = call(svc, "search_corpus", **asked, mode="keyword", explain=True)
+    assert not is_error and all(vote["channel"] == "keyword" and trace["identifier_bonus"] == 0
+                                for trace in (hit["explain"] for hit in keyword["results"]) for vote in trace["votes"])
+
+
 def test_an_index_built_without_ollama_answers_from_keywords_and_says_so(tmp_path: Path) -> None:
     """#28 §2: ingest without Ollama publishes keywords; search answers from them at once (no
     embedding call, though Ollama is up again), says so, and vector mode says why it cannot."""
