@@ -5,7 +5,7 @@ wrote. Its sections, in file order:
 
 - Errors: ErrorCode, RagError, store_failure (a store's exceptions in the vocabulary), and
   ingest_command (the command every hint names).
-- Configuration: Settings, ENVIRONMENT (every variable) and load_settings.
+- Configuration: Settings, VARIABLES (every variable, declared once) and load_settings.
 - Paths, and opening corpus files without following links (ingest's reads, get_file).
 - Frontmatter conventions, token estimation, searchable text.
 - Headings and chunking (CHUNKER_VERSION), embedding prefixes (PREFIX_SCHEMES).
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import datetime
 import errno
 import fnmatch
@@ -296,24 +297,26 @@ HTTP_ORIGIN_PATTERN = re.compile(r"(https?)://(\[[0-9a-f:.]+\]|[a-z0-9.-]+)(?::(
 DEFAULT_STORE_TIMEOUT_S = 20.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Settings:
     """Every knob of both programs, read and checked in one place (load_settings): a bad value
-    is a configuration error that names the variable, never a silent default."""
+    is a configuration error that names the variable, never a silent default. A field's default
+    here is its variable's default (VARIABLES declares each variable once: the field it sets, its
+    reader, its README row)."""
 
     corpus_dir: Path
     # False when corpus_dir is the default: the server then prefers the folder the index records.
-    corpus_dir_explicit: bool
-    store_dir: Path
+    corpus_dir_explicit: bool = False
+    store_dir: Path = field(default_factory=lambda: _abs_path(DEFAULT_STORE_DIR))
     # The embedding servers (OLLAMA_HOST's comma list, or RAG_EMBED_URL's): ingest spreads its calls
     # over them, the server embeds queries with the first that answers (ollama_host is the first).
-    ollama_hosts: tuple[str, ...]
-    embed_model: str
+    ollama_hosts: tuple[str, ...] = (DEFAULT_OLLAMA_HOST,)
+    embed_model: str = DEFAULT_EMBED_MODEL
     # True when RAG_EMBED_MODEL was set explicitly: the server then insists it matches the index.
-    embed_model_explicit: bool
-    embed_timeout_s: float
-    chunk_max_tokens: int
-    chunk_min_tokens: int
+    embed_model_explicit: bool = False
+    embed_timeout_s: float = DEFAULT_EMBED_TIMEOUT_S
+    chunk_max_tokens: int = DEFAULT_CHUNK_MAX_TOKENS
+    chunk_min_tokens: int = DEFAULT_CHUNK_MIN_TOKENS
     # Ingest: the `dimensions` asked of Ollama for every vector (RAG_EMBED_DIMENSIONS; a
     # Matryoshka model's vectors truncated and renormalised); None: the model's native size. The
     # server asks what the live index records, whatever this says.
@@ -375,73 +378,6 @@ class Settings:
     def describe(self) -> str:
         return (f"corpus={self.corpus_dir} store={self.store_dir} {self.embed_api}={','.join(self.ollama_hosts)} "
                 f"model={self.embed_model}")
-
-
-# Every variable load_settings reads, in the README's order (a test holds the three together).
-ENVIRONMENT = ("RAG_CORPUS_DIR", "RAG_STORE_DIR", "OLLAMA_HOST", "RAG_EMBED_API", "RAG_EMBED_URL",
-               "RAG_EMBED_API_KEY", "RAG_EMBED_MODEL", "RAG_EMBED_PREFIXES", "RAG_EMBED_TIMEOUT",
-               "RAG_EMBED_CONCURRENCY", "RAG_EMBED_DIMENSIONS", "RAG_CHUNK_MAX_TOKENS", "RAG_CHUNK_MIN_TOKENS",
-               "RAG_STORE_TIMEOUT", "RAG_LOG_LEVEL",
-               "RAG_SERVER_WARMUP", "RAG_WATCH", "RAG_CHROMA_URL", "RAG_CHROMA_HEADERS", "RAG_RESPECT_GITIGNORE", "RAG_FORMATS", "RAG_CODE", "RAG_HTTP_HOST",
-               "RAG_HTTP_PORT", "RAG_HTTP_TOKEN", "RAG_HTTP_ALLOWED_HOSTS", "RAG_HTTP_ALLOWED_ORIGINS",
-               "RAG_HTTP_MAX_IN_FLIGHT", "RAG_HTTP_READ_TIMEOUT", "RAG_HTTP_MAX_CONNECTIONS", "RAG_TOOL_TIMEOUT")
-
-
-def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | None = None,
-                  store_dir: str | None = None, code: bool | None = None) -> Settings:
-    """Resolve configuration: explicit arguments over the environment over defaults.
-
-    The corpus default is next to the code, never the cwd: MCP clients launch servers from
-    their own working directory.
-    """
-    env = os.environ if env is None else env
-    model = env.get("RAG_EMBED_MODEL", "").strip()
-    max_tokens = _int_env(env, "RAG_CHUNK_MAX_TOKENS", DEFAULT_CHUNK_MAX_TOKENS, 32)
-    min_tokens = _int_env(env, "RAG_CHUNK_MIN_TOKENS", DEFAULT_CHUNK_MIN_TOKENS, 0)
-    if min_tokens > max_tokens:
-        raise _setting_error("RAG_CHUNK_MIN_TOKENS", str(min_tokens),
-                             f"a whole number up to RAG_CHUNK_MAX_TOKENS ({max_tokens})")
-    corpus_choice = corpus_dir or env.get("RAG_CORPUS_DIR", "").strip()
-    api = env.get("RAG_EMBED_API", "").strip().lower() or "ollama"
-    if api not in EMBED_APIS:
-        raise _setting_error("RAG_EMBED_API", api, "one of " + ", ".join(EMBED_APIS))
-    code = _flag_env(env, "RAG_CODE", False) if code is None else code
-    formats = _formats_env(env, "RAG_FORMATS")
-    return Settings(
-        corpus_dir=_abs_path(corpus_choice or PROJECT_DIR / "sample-corpus"),
-        corpus_dir_explicit=bool(corpus_choice),
-        store_dir=_abs_path(store_dir or env.get("RAG_STORE_DIR", "").strip() or DEFAULT_STORE_DIR),
-        ollama_hosts=_embed_hosts_env(env, api),
-        embed_api=api,
-        embed_api_key=_secret_env(env, "RAG_EMBED_API_KEY"),
-        embed_prefixes=_prefixes_env(env, "RAG_EMBED_PREFIXES"),
-        embed_concurrency=_int_env(env, "RAG_EMBED_CONCURRENCY", 0, 1, MAX_EMBED_CONCURRENCY) or None,
-        embed_model=model or DEFAULT_EMBED_MODEL,
-        embed_model_explicit=bool(model),
-        embed_timeout_s=_seconds_env(env, "RAG_EMBED_TIMEOUT", DEFAULT_EMBED_TIMEOUT_S),
-        chunk_max_tokens=max_tokens,
-        chunk_min_tokens=min_tokens,
-        embed_dimensions=_int_env(env, "RAG_EMBED_DIMENSIONS", 0, EMBED_DIMENSIONS_MIN, EMBED_DIMENSIONS_MAX) or None,
-        store_timeout_s=_seconds_env(env, "RAG_STORE_TIMEOUT", DEFAULT_STORE_TIMEOUT_S),
-        log_level=_choice_env(env, "RAG_LOG_LEVEL", "INFO", LOG_LEVELS),
-        server_warmup=_flag_env(env, "RAG_SERVER_WARMUP", True),
-        watch=_flag_env(env, "RAG_WATCH", False),
-        chroma_url=_url_env(env, "RAG_CHROMA_URL"),
-        chroma_headers=_headers_env(env, "RAG_CHROMA_HEADERS"),
-        respect_gitignore=_flag_env(env, "RAG_RESPECT_GITIGNORE", True),
-        formats=formats_read(formats, code),
-        code=code,
-        http_host=env.get("RAG_HTTP_HOST", "").strip() or "127.0.0.1",
-        http_port=_int_env(env, "RAG_HTTP_PORT", 8765, 0, 65535),
-        http_token=_token_env(env, "RAG_HTTP_TOKEN"),
-        http_allowed_hosts=_addresses_env(env, "RAG_HTTP_ALLOWED_HOSTS", HTTP_HOST_PATTERN, "rag.internal:*"),
-        http_allowed_origins=_addresses_env(env, "RAG_HTTP_ALLOWED_ORIGINS", HTTP_ORIGIN_PATTERN,
-                                            "https://portal.internal"),
-        http_max_in_flight=_int_env(env, "RAG_HTTP_MAX_IN_FLIGHT", 16, 1, 10_000),
-        tool_timeout_s=_seconds_env(env, "RAG_TOOL_TIMEOUT", 30.0),
-        http_read_timeout_s=_seconds_env(env, "RAG_HTTP_READ_TIMEOUT", 10.0),
-        http_max_connections=_int_env(env, "RAG_HTTP_MAX_CONNECTIONS", 1000, 8, 1_000_000),
-    )
 
 
 def formats_read(formats: Collection[str], code: bool) -> tuple[str, ...]:
@@ -508,10 +444,11 @@ def _prefixes_env(env: Mapping[str, str], name: str) -> str | None:
     return raw or None
 
 
-def _embed_hosts_env(env: Mapping[str, str], api: str) -> tuple[str, ...]:
+def _embed_hosts_env(env: Mapping[str, str], name: str, default: tuple[str, ...]) -> tuple[str, ...]:
     """The embedding servers: RAG_EMBED_URL's comma list when set (either API), else OLLAMA_HOST's
     (Ollama only: an OpenAI-compatible server has no default address to assume)."""
-    raw_url, raw_ollama = env.get("RAG_EMBED_URL", "").strip(), env.get("OLLAMA_HOST", "")
+    api = _embed_api_env(env, "RAG_EMBED_API", field_default("embed_api"))
+    raw_url, raw_ollama = env.get(name, "").strip(), env.get("OLLAMA_HOST", "")
     if raw_url:
         return _ollama_hosts_env(env, "RAG_EMBED_URL")
     if api == "ollama":
@@ -601,6 +538,227 @@ def _headers_env(env: Mapping[str, str], name: str) -> dict[str, str]:
         raise _setting_error(name, "(hidden)", 'a JSON object of header names and values, e.g. {"Authorization": '
                              '"Bearer ..."}')
     return value
+
+
+# ---------------------------------------------------------------------------
+# Every variable, declared once: VARIABLES (the README's Configuration table, row for row).
+
+EnvReader = Callable[[Mapping[str, str], str, Any], Any]
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One environment variable: the Settings field it sets (None: read with another, as
+    OLLAMA_HOST is with RAG_EMBED_URL), its reader (env, name, the field's default) -> value, which
+    makes a bad value a configuration error naming it, and its row of the README's Configuration
+    table (the default as shown, what it does; a test holds the README to these rows)."""
+
+    name: str
+    field: str | None
+    read: EnvReader | None
+    shown: str
+    doc: str
+
+    def row(self) -> str:
+        return f"| `{self.name}` | {self.shown} | {self.doc} |"
+
+
+def field_default(name: str) -> Any:
+    """A Settings field's default (None for one without: the corpus folder)."""
+    spec = Settings.__dataclass_fields__[name]
+    if spec.default is not dataclasses.MISSING:
+        return spec.default
+    if spec.default_factory is not dataclasses.MISSING:
+        return spec.default_factory()
+    return None
+
+
+def _text(env: Mapping[str, str], name: str, default: Any) -> Any:
+    return env.get(name, "").strip() or default
+
+
+def _whole(lowest: int, highest: int = 2**31) -> EnvReader:
+    return lambda env, name, default: _int_env(env, name, default, lowest, highest)
+
+
+def _optional_whole(lowest: int, highest: int) -> EnvReader:
+    """A whole number in range, or the default (None) when unset."""
+    return lambda env, name, default: _int_env(env, name, 0, lowest, highest) or default
+
+
+def _choice(choices: Sequence[str]) -> EnvReader:
+    return lambda env, name, default: _choice_env(env, name, default, choices)
+
+
+def _addresses(pattern: re.Pattern[str], example: str) -> EnvReader:
+    return lambda env, name, default: _addresses_env(env, name, pattern, example)
+
+
+def _unset_none(reader: Callable[[Mapping[str, str], str], Any]) -> EnvReader:
+    """A reader that knows its own unset value (None, no headers, the default formats)."""
+    return lambda env, name, default: reader(env, name)
+
+
+def _embed_api_env(env: Mapping[str, str], name: str, default: str) -> str:
+    api = env.get(name, "").strip().lower() or default
+    if api not in EMBED_APIS:
+        raise _setting_error(name, api, "one of " + ", ".join(EMBED_APIS))
+    return api
+
+
+VARIABLES = (
+    Variable('RAG_CORPUS_DIR', 'corpus_dir', _text,
+             '`sample-corpus/` next to the code in a clone (never the cwd); none for an installed '
+             'copy',
+             'the folder of documents to index; the server reads files from the folder the index was '
+             'built from when unset'),
+    Variable('RAG_STORE_DIR', 'store_dir', _text,
+             '`~/.local-rag-mcp/store`',
+             'where the index lives (created by ingest only)'),
+    Variable('OLLAMA_HOST', None, None,
+             '`http://127.0.0.1:11434`',
+             'the Ollama server: `host`, `host:port`, `http(s)://host[:port][/path]`; a comma list '
+             'spreads ingest over hosts serving the same model (its '
+             '[fingerprint](#embedding-servers)); the server asks them in order: a host that is down '
+             'or answers vectors of another size or model passes the query to the next, one that has '
+             'not answered within 2.5 s gets the next asked beside it (the first answer wins), and a '
+             'host that stalled or answered another model is skipped for 15 s'),
+    Variable('RAG_EMBED_API', 'embed_api', _embed_api_env,
+             '`ollama`',
+             "the embedding server's API: `ollama`, or `openai` for an OpenAI-compatible one (LM "
+             "Studio, `llama-server`, vLLM, TEI, Infinity, Ollama's `/v1`); see [Embedding "
+             'servers](#embedding-servers)'),
+    Variable('RAG_EMBED_URL', 'ollama_hosts', _embed_hosts_env,
+             "`OLLAMA_HOST`'s (with `ollama`)",
+             "the embedding server's base URL as it documents it, e.g. `http://127.0.0.1:1234/v1` "
+             '(`POST <url>/embeddings` is called); a comma list for several hosts, used as '
+             "`OLLAMA_HOST`'s; required with `openai`; no `user:password@` in it"),
+    Variable('RAG_EMBED_API_KEY', 'embed_api_key', _unset_none(_secret_env),
+             'unset',
+             'sent to the embedding server as `Authorization: Bearer <key>`; never logged, stored, '
+             'shown or put in an error message'),
+    Variable('RAG_EMBED_MODEL', 'embed_model', _text,
+             '`embeddinggemma`',
+             "embedding model; the server refuses (`index_incompatible`) another than the index's. "
+             "Prefixes are applied by the model's family, whatever the API and however the server "
+             "names it (`embeddinggemma-300M-Q8_0.gguf`, LM Studio's "
+             '`text-embedding-nomic-embed-text-v1.5`): `embeddinggemma`, `nomic-embed-text`, the e5 '
+             'family, `mxbai-embed-large`, `snowflake-arctic-embed`, `bge-m3`; another model gets '
+             'none and a warning'),
+    Variable('RAG_EMBED_PREFIXES', 'embed_prefixes', _unset_none(_prefixes_env),
+             "the model's",
+             'ingest: the prefix scheme for a model the table above does not know, one of '
+             '`embeddinggemma`, `nomic-embed-text`, `e5`, `mxbai-embed-large`, '
+             '`snowflake-arctic-embed`, `snowflake-arctic-embed2`, `bge-m3`, `none`; a change '
+             'rebuilds'),
+    Variable('RAG_EMBED_TIMEOUT', 'embed_timeout_s', _seconds_env,
+             '`60`',
+             'seconds an embedding call may take; the server uses at most 30 for a query'),
+    Variable('RAG_EMBED_CONCURRENCY', 'embed_concurrency', _optional_whole(1, MAX_EMBED_CONCURRENCY),
+             'measured',
+             "ingest's calls in flight per host (Ollama's `OLLAMA_NUM_PARALLEL`); unset: doubled from"
+             ' 1 while throughput grows'),
+    Variable('RAG_EMBED_DIMENSIONS', 'embed_dimensions', _optional_whole(EMBED_DIMENSIONS_MIN, EMBED_DIMENSIONS_MAX),
+             "the model's",
+             "ingest asks Ollama for vectors this short (`256` of EmbeddingGemma's 768; "
+             '[measured](tools/README.md#vector-dimensions)); a change rebuilds, the server follows '
+             'the index'),
+    Variable('RAG_CHUNK_MAX_TOKENS', 'chunk_max_tokens', _whole(32),
+             '`512`',
+             "chunk size target in estimated tokens (capped by the model's context)"),
+    Variable('RAG_CHUNK_MIN_TOKENS', 'chunk_min_tokens', _whole(0),
+             '`64`',
+             'sections smaller than this merge with a neighbour; at most `RAG_CHUNK_MAX_TOKENS`'),
+    Variable('RAG_STORE_TIMEOUT', 'store_timeout_s', _seconds_env,
+             '`20`',
+             'seconds a server call waits for the vector store before `store_unavailable`'),
+    Variable('RAG_LOG_LEVEL', 'log_level', _choice(LOG_LEVELS),
+             '`INFO`',
+             "server's stderr log: `DEBUG`, `INFO` (one line per call), `WARNING`, `ERROR`"),
+    Variable('RAG_SERVER_WARMUP', 'server_warmup', _flag_env,
+             '`1`',
+             '`0`: no background warm-up after the handshake (the first call pays the imports)'),
+    Variable('RAG_WATCH', 'watch', _flag_env,
+             '`0`',
+             '`1`: the server keeps the index fresh itself, as `server.py --watch` '
+             '([below](#a-server-that-keeps-its-index-fresh))'),
+    Variable('RAG_CHROMA_URL', 'chroma_url', _unset_none(_url_env),
+             'unset',
+             'keep the vectors on a Chroma server, e.g. `http://127.0.0.1:8000` (below)'),
+    Variable('RAG_CHROMA_HEADERS', 'chroma_headers', _unset_none(_headers_env),
+             'unset',
+             'JSON object of headers sent to that server, e.g. `{"Authorization": "Bearer …"}`'),
+    Variable('RAG_RESPECT_GITIGNORE', 'respect_gitignore', _flag_env,
+             '`1`',
+             '`0`: do not leave out what git ignores (ingest)'),
+    Variable('RAG_FORMATS', 'formats', _unset_none(_formats_env),
+             'every format but `text`',
+             'ingest: the formats read, a comma list of `markdown` (`.md`, `.markdown`), `mdx`, '
+             '`rst`, `asciidoc` (`.adoc`, `.asciidoc`), `pdf`, `text` (`.txt`); other files are '
+             'counted and named, never read'),
+    Variable('RAG_CODE', 'code', _flag_env,
+             '`0`',
+             'ingest: `1` also reads source code (`ingest.py --code` does the same for one run; an '
+             'index that holds code keeps reading it unless this is `0`): Python, Go, JavaScript, '
+             'TypeScript, Rust and Java in symbol chunks, other source and configuration files in '
+             '40-line windows; see [Code corpora](#code-corpora)'),
+    Variable('RAG_HTTP_HOST', 'http_host', _text,
+             '`127.0.0.1`',
+             '`--http`: the address to listen on (`--host` overrides); anything but loopback requires'
+             ' `RAG_HTTP_TOKEN`'),
+    Variable('RAG_HTTP_PORT', 'http_port', _whole(0, 65535),
+             '`8765`',
+             '`--http`: the port (`--port` overrides; `0` picks a free one, logged at start)'),
+    Variable('RAG_HTTP_TOKEN', 'http_token', _unset_none(_token_env),
+             'unset',
+             'bearer token every HTTP route but `/health` requires (at least 16 characters)'),
+    Variable('RAG_HTTP_ALLOWED_HOSTS', 'http_allowed_hosts', _addresses(HTTP_HOST_PATTERN, "rag.internal:*"),
+             'unset',
+             'comma list of `Host` values accepted besides loopback names, matched exactly: '
+             '`rag.internal:8443`, `rag.internal:*` (any port or none), `rag.internal` (no port)'),
+    Variable('RAG_HTTP_ALLOWED_ORIGINS', 'http_allowed_origins', _addresses(HTTP_ORIGIN_PATTERN, "https://portal.internal"),
+             'unset',
+             "comma list of browser `Origin`s accepted besides the server's own, e.g. "
+             '`https://portal.internal`; `http://localhost:*` allows any port'),
+    Variable('RAG_HTTP_MAX_IN_FLIGHT', 'http_max_in_flight', _whole(1, 10_000),
+             '`16`',
+             'HTTP calls at work at once, in each of two budgets (searches that embed the query; all '
+             'other calls); past it `503 TOO_BUSY`'),
+    Variable('RAG_HTTP_READ_TIMEOUT', 'http_read_timeout_s', _seconds_env,
+             '`10`',
+             "seconds a client has to send a request's headers, and again its body (`408` past it)"),
+    Variable('RAG_HTTP_MAX_CONNECTIONS', 'http_max_connections', _whole(8, 1_000_000),
+             '`1000`',
+             'open HTTP connections at most (past it `503 TOO_BUSY`); lowered to fit the descriptor '
+             'limit'),
+    Variable('RAG_TOOL_TIMEOUT', 'tool_timeout_s', _seconds_env,
+             '`30`',
+             'seconds one HTTP tool call may take before `TIMEOUT_ERROR` 504'),
+)
+
+ENVIRONMENT = tuple(variable.name for variable in VARIABLES)
+
+
+def load_settings(env: Mapping[str, str] | None = None, *, corpus_dir: str | None = None,
+                  store_dir: str | None = None, code: bool | None = None) -> Settings:
+    """Resolve configuration: explicit arguments over the environment over defaults. Each variable
+    is read by its VARIABLES entry; then what depends on two of them.
+
+    The corpus default is next to the code, never the cwd: MCP clients launch servers from
+    their own working directory.
+    """
+    env = os.environ if env is None else env
+    read = {v.field: v.read(env, v.name, field_default(v.field)) for v in VARIABLES if v.field and v.read}
+    if read["chunk_min_tokens"] > read["chunk_max_tokens"]:
+        raise _setting_error("RAG_CHUNK_MIN_TOKENS", str(read["chunk_min_tokens"]),
+                             f"a whole number up to RAG_CHUNK_MAX_TOKENS ({read['chunk_max_tokens']})")
+    corpus_choice = corpus_dir or read["corpus_dir"]
+    code = read["code"] if code is None else code
+    return Settings(**{**read, "corpus_dir": _abs_path(corpus_choice or PROJECT_DIR / "sample-corpus"),
+                       "corpus_dir_explicit": bool(corpus_choice),
+                       "store_dir": _abs_path(store_dir or read["store_dir"]),
+                       "embed_model_explicit": bool(env.get("RAG_EMBED_MODEL", "").strip()),
+                       "formats": formats_read(read["formats"], code), "code": code})
 
 
 # ---------------------------------------------------------------------------

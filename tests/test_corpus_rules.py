@@ -1206,9 +1206,24 @@ def test_the_environment_list_is_what_load_settings_reads_and_the_readme_documen
 
     rules.load_settings(Recording())
     readme = (Path(rules.__file__).parent / "README.md").read_text(encoding="utf-8")
-    table = re.findall(r"^\| `([A-Z_]+)` \|", readme.split("## Configuration", 1)[1], flags=re.M)
+    rows = re.findall(r"^\| `[A-Z_]+` \|.*$", readme.split("## Configuration", 1)[1], flags=re.M)
     assert set(read) == set(rules.ENVIRONMENT)
-    assert table == list(rules.ENVIRONMENT)
+    # Each variable is declared once (rules.VARIABLES): the README's rows are its rows, verbatim
+    # (print them with: python -c "import corpus_rules; print(*(v.row() for v in corpus_rules.VARIABLES), sep='\n')").
+    assert rows == [variable.row() for variable in rules.VARIABLES]
+
+
+def test_a_default_the_readme_shows_as_a_value_is_the_settings_default() -> None:
+    """A variable whose README default is a plain value (`8765`, `INFO`, `1`) shows the Settings
+    field's own default: the one default load_settings uses."""
+    shown_plain = [v for v in rules.VARIABLES if re.fullmatch(r"`[^`]*`", v.shown) and v.field]
+    assert len(shown_plain) >= 15
+    for variable in shown_plain:
+        default = rules.field_default(variable.field)
+        rendered = {True: "1", False: "0"}.get(default, default) if isinstance(default, bool) else default
+        if isinstance(rendered, float) and rendered.is_integer():
+            rendered = int(rendered)
+        assert variable.shown in (f"`{rendered}`", f"`{str(rendered).replace(str(Path.home()), '~')}`"), variable.name
 
 
 def test_the_readme_error_table_lists_every_error_code() -> None:
