@@ -6005,7 +6005,8 @@ _CALL_THREADS = _CallThreads()
 
 
 class BoundedCall:
-    """fn() run once by a worker thread (run()); its waiters wait at most a bound (result()).
+    """fn() run once by a worker thread (run()); its waiters wait at most a bound (result(),
+    wait()), in concurrent.futures.Future's words (done, running, cancel, cancelled, result).
 
     The one bounded-call mechanism of both processes: the embedder's calls (each on a thread of
     _CALL_THREADS, see on_call_thread) and the server's Chroma calls (queued for its one thread,
@@ -6022,9 +6023,12 @@ class BoundedCall:
         self._value: Any = None
         self._error: BaseException | None = None
 
-    @property
-    def queued(self) -> bool:
-        return self._state == "queued"
+    def running(self) -> bool:
+        """Whether a worker runs fn now (concurrent.futures.Future's words, as are the others)."""
+        return self._state == "running" and not self._done.is_set()
+
+    def cancelled(self) -> bool:
+        return self._state == "abandoned"
 
     def run(self, running: contextlib.AbstractContextManager[Any] | None = None) -> None:
         """Call fn on this thread, inside `running` (the worker's own book-keeping), unless the
@@ -6041,14 +6045,20 @@ class BoundedCall:
         finally:
             self._done.set()
 
-    def abandon_if_queued(self) -> None:
-        """Let a worker skip this call if it has not started it (its waiter gave up)."""
+    def cancel(self) -> bool:
+        """Let a worker skip this call if it has not started it (its waiter gave up): True when
+        it will not run."""
         with self._lock:
             if self._state == "queued":
                 self._state = "abandoned"
+            return self._state == "abandoned"
 
-    def finished(self, seconds: float | None) -> bool:
-        return self._done.wait(seconds)
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Whether fn finished within `timeout` seconds (concurrent.futures.wait for one call)."""
+        return self._done.wait(timeout)
 
     def result(self, seconds: float | None = None) -> Any:
         """fn's value, or what it raised; TimeoutError when it has not finished within `seconds`."""

@@ -712,7 +712,7 @@ class Embedding:
         self.finish_files(self.begin_files(files))
 
     def begin_files(self, files: Sequence[PreparedFile]) -> FilesJob:
-        """Look up the vectors the index already has and send the rest to Ollama; the calls go on
+        """PlanBeforeLock up the vectors the index already has and send the rest to Ollama; the calls go on
         while the caller works (ingest commits the group before): finish_files waits for them."""
         job = FilesJob(files)
         self._begin_round(job)
@@ -824,7 +824,7 @@ class Embedding:
            host's sizer says (see _Round.next_batch).
         2. When no call is in flight and texts wait, no host is left: those rounds fail with the
            last host's failure.
-        3. Wait for a call's answer (or a new round) and take it (see _take): vectors kept, texts
+        3. Wait for a call's answer (or a new round) and take it (see _take_answer): vectors kept, texts
            to resend queued, a failed host out of the rotation."""
         failure: RagError | None = None
         while True:
@@ -850,10 +850,10 @@ class Embedding:
                 self._rounds.append(message)
                 continue
             round_ = message.round
-            self._landed(message)
+            self._count_landed(message)
             if not round_.dropped:
                 try:
-                    failure = self._take(message) or failure
+                    failure = self._take_answer(message) or failure
                 except BaseException as exc:  # noqa: BLE001 - the round's waiter raises it
                     round_.fail(exc)
 
@@ -879,7 +879,7 @@ class Embedding:
 
         rules.on_call_thread(call)
 
-    def _landed(self, answer: _Answer) -> None:
+    def _count_landed(self, answer: _Answer) -> None:
         """Count a call answered: its host's calls in flight, its round's, the time spent embedding."""
         answer.host.moved(-1)
         answer.round.in_flight -= 1
@@ -888,7 +888,7 @@ class Embedding:
             if not self._chunk_calls:
                 self.embedding_s += time.monotonic() - self._chunk_calls_since
 
-    def _take(self, answer: _Answer) -> RagError | None:
+    def _take_answer(self, answer: _Answer) -> RagError | None:
         """Take one call's answer; returns the failure that took its host out of the rotation."""
         host, round_, batch, error = answer.host, answer.round, answer.batch, answer.error
         if error is None:
@@ -1821,8 +1821,8 @@ def _lock_holder(fd: int) -> str:
     return "unknown"
 
 
-class Progress:
-    """Progress on stderr: live on a terminal, otherwise a line every PROGRESS_EVERY_S seconds.
+class ProgressLine:
+    """ProgressLine on stderr: live on a terminal, otherwise a line every PROGRESS_EVERY_S seconds.
 
     A ticker thread prints the non-terminal lines, so a slow embedding call cannot make ingest go
     silent: the line then says how long the current call has been waiting."""
@@ -2098,22 +2098,29 @@ class _ReadTimeUp(BaseException):  # not an Exception: a reader's `except Except
 def read_document(raw: bytes, path: str, seconds: float | None = None) -> rules.SourceDocument:
     """rules.parse_document within READ_TIME_BUDGET_S (`seconds`), else document_invalid saying so.
     The clock is SIGALRM's: it interrupts the reader between two Python steps (one C call, such as a
-    regular expression's match, runs to its end first). Only on the main thread, where ingest reads."""
+    regular expression's match, runs to its end first). Only on the main thread, where ingest reads.
+    Where the interruption lands in code that swallows it (a garbage collector's callback), the
+    read runs on to its end and the file fails all the same: the clock rang."""
     seconds = READ_TIME_BUDGET_S if seconds is None else seconds
     reader = rules.reader_for(path)
     if reader is None or reader.extracted or threading.current_thread() is not threading.main_thread():
         return rules.parse_document(raw, path)
+    rang: list[bool] = []
 
     def time_up(*_: Any) -> None:
+        rang.append(True)
         raise _ReadTimeUp
 
     previous = signal.signal(signal.SIGALRM, time_up)
     try:
         signal.setitimer(signal.ITIMER_REAL, seconds)
         try:
-            return rules.parse_document(raw, path)
+            document = rules.parse_document(raw, path)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
+        if rang:
+            raise _ReadTimeUp
+        return document
     except _ReadTimeUp:
         raise RagError(ErrorCode.DOCUMENT_INVALID, f"{path}: reading it took more than {seconds:g} s, the time one "
                        "text file may take; split it to index it", "split it into smaller files") from None
@@ -2121,13 +2128,13 @@ def read_document(raw: bytes, path: str, seconds: float | None = None) -> rules.
         signal.signal(signal.SIGALRM, previous)
 
 
-def chunk_files(files: Sequence[PreparedFile], budget: Budget) -> None:
+def chunk_files(files: Sequence[PreparedFile], budget: ChunkBudget) -> None:
     for pf in files:
         pf.chunks = rules.chunk_document(pf.doc, budget(pf.doc.title), budget.min_tokens, budget.context(pf.doc.title))
 
 
 @dataclass
-class Budget:
+class ChunkBudget:
     context_length: int
     target: int
     min_tokens: int
@@ -2444,7 +2451,7 @@ def dry_run(args: argparse.Namespace, settings: rules.Settings, layout: rules.St
         summary.index = likely.index_name()
         registry, waiting = {}, {}
     plan = plan_changes(walk, registry, args.full, waiting)
-    chunk_files(plan.changed, Budget(context, settings.chunk_max_tokens, settings.chunk_min_tokens, scheme))
+    chunk_files(plan.changed, ChunkBudget(context, settings.chunk_max_tokens, settings.chunk_min_tokens, scheme))
     _fill_summary(summary, plan)
     for warning in plan.warnings:
         log.warning("%s", warning)
@@ -2513,12 +2520,12 @@ def run(args: argparse.Namespace, summary: Summary | None = None, vectors: rules
     for warning in rules.unknown_variables():
         log.warning("%s", warning)
     layout = rules.StoreLayout(settings.store_dir)
-    # Started when the run knows it has work (see _run_in), not for a run with nothing to write.
+    # Started when the run knows it has work (see _run_stages), not for a run with nothing to write.
     owned = vectors is None and not args.dry_run
     if owned:
         vectors = VectorProcess()
     try:
-        _run_in(args, summary, settings, layout, vectors)
+        _run_stages(args, summary, settings, layout, vectors)
     finally:
         if owned:
             vectors.shut()  # type: ignore[union-attr]  # owned: made above, never None here
@@ -2566,7 +2573,7 @@ class Run:
 
 
 @dataclass
-class Look:
+class PlanBeforeLock:
     """The plan made before the lock, and the registry it compared the walk with: under the lock
     it stands as long as the index holds that same registry."""
 
@@ -2576,7 +2583,7 @@ class Look:
 
 
 @dataclass
-class Prepared:
+class PreparedIndex:
     """The index a run writes (opened, repaired after an interrupted run) and its plan, chunked."""
 
     store: Store
@@ -2586,7 +2593,7 @@ class Prepared:
     repaired: int  # vectors removed that no committed chunk owned
 
 
-def _run_in(args: argparse.Namespace, summary: Summary, settings: rules.Settings, layout: rules.StoreLayout,
+def _run_stages(args: argparse.Namespace, summary: Summary, settings: rules.Settings, layout: rules.StoreLayout,
             vectors: rules.Vectors | None) -> None:
     """run() once its settings are read, in stages: the walk; the look before the lock (is Ollama
     needed?); then under the lock prepare (open, plan, chunk), write and publish. `vectors` is
@@ -2610,31 +2617,31 @@ def _run_in(args: argparse.Namespace, summary: Summary, settings: rules.Settings
     with ingest_lock(layout):
         prepared = _prepare(run, vectors, look)
         try:
-            changed_anything = _write(run, prepared)
+            changed_anything = _carry_out_plan(run, prepared)
             _publish(run, prepared, changed_anything)
         finally:
             prepared.store.close()
 
 
-def _look_before_the_lock(run: Run, vectors: rules.Vectors) -> Look | None:
+def _look_before_the_lock(run: Run, vectors: rules.Vectors) -> PlanBeforeLock | None:
     """Ask Ollama before the store is touched whenever anything may need embedding (when it is
     down or lacks the model, nothing in the store changes, not even the lock file). A run with
     nothing to embed does not need it: it still asks, briefly, to notice a model re-pulled with
     other dimensions (a rebuild), and goes on without it when it does not answer. Without Ollama,
-    files with no vectors yet are indexed for keyword search only (see keyword_first_possible).
+    files with no vectors yet are indexed for keyword search only (see has_files_for_keywords_alone).
     Returns the plan against the live index, made to know that; None where the run embeds
     everything anyway."""
     current = run.current
     look = None
     if current is not None and not run.args.full and run.index_name(current.manifest.dims) == current.index:
         registry, waiting = _registry_of(run.layout, current), _waiting_of(run.layout, current)
-        look = Look(registry, waiting, plan_changes(run.walk, registry, full=False, waiting=waiting))
+        look = PlanBeforeLock(registry, waiting, plan_changes(run.walk, registry, full=False, waiting=waiting))
     if look is None or look.plan.changed:
         vectors.start()  # Chroma's import overlaps the probe, planning and chunking
         try:
             run.model, run.hosts = probe_hosts(run.embedders, run.scheme, run.settings, run.recorded_fingerprint())
         except RagError as exc:
-            if exc.code not in EMBEDDER_DOWN or not keyword_first_possible(run, look):
+            if exc.code not in EMBEDDER_DOWN or not has_files_for_keywords_alone(run, look):
                 raise
             log.warning("%s: new files are indexed for keyword search only; their vectors wait for the embedding server",
                         exc.message)
@@ -2647,7 +2654,7 @@ def _look_before_the_lock(run: Run, vectors: rules.Vectors) -> Look | None:
 EMBEDDER_DOWN = (ErrorCode.EMBEDDER_UNAVAILABLE, ErrorCode.MODEL_NOT_FOUND)
 
 
-def keyword_first_possible(run: Run, look: Look | None) -> bool:
+def has_files_for_keywords_alone(run: Run, look: PlanBeforeLock | None) -> bool:
     """Whether a run that cannot embed has files to index for keyword search: files with no
     vectors in the index. Never by rebuilding an index that has vectors (its replacement would
     have none): a first ingest, a rebuild of an index that has none, or new files."""
@@ -2658,7 +2665,7 @@ def keyword_first_possible(run: Run, look: Look | None) -> bool:
     return bool(look.plan.without_vectors - look.plan.waiting_as_they_were)
 
 
-def _prepare(run: Run, vectors: rules.Vectors, look: Look | None) -> Prepared:
+def _prepare(run: Run, vectors: rules.Vectors, look: PlanBeforeLock | None) -> PreparedIndex:
     """Under the lock: the index this run writes, opened and planned (the look before the lock
     reused when it still holds), its files chunked. On a failure the index is closed again."""
     dims = _dims_under_the_lock(run)
@@ -2671,7 +2678,7 @@ def _prepare(run: Run, vectors: rules.Vectors, look: Look | None) -> Prepared:
                 prepared.store.close()
                 prepared = _open_and_plan(run, run.model.dims, vectors, None)
         _report_prepared(run, prepared)
-        chunk_files(prepared.plan.changed, Budget(run.context_length(), run.settings.chunk_max_tokens,
+        chunk_files(prepared.plan.changed, ChunkBudget(run.context_length(), run.settings.chunk_max_tokens,
                                                   run.settings.chunk_min_tokens, run.scheme))
     except BaseException:
         prepared.store.close()
@@ -2698,7 +2705,7 @@ def _dims_under_the_lock(run: Run) -> int:
     return dims
 
 
-def _report_prepared(run: Run, prepared: Prepared) -> None:
+def _report_prepared(run: Run, prepared: PreparedIndex) -> None:
     summary, current, store = run.summary, run.current, prepared.store
     summary.index = store.name
     summary.rebuilt = current is None or current.index != store.name
@@ -2712,7 +2719,7 @@ def _report_prepared(run: Run, prepared: Prepared) -> None:
         log.warning("%s", warning)
 
 
-def _open_and_plan(run: Run, dims: int, vectors: rules.Vectors, look: Look | None) -> Prepared:
+def _open_and_plan(run: Run, dims: int, vectors: rules.Vectors, look: PlanBeforeLock | None) -> PreparedIndex:
     """Open (or create) the index for these dimensions, repair what an interrupted run left, and
     compare the corpus with what it holds. Files are read and parsed again only when the index
     holds other documents than the look saw (another run wrote in between, or the repair dropped
@@ -2726,16 +2733,16 @@ def _open_and_plan(run: Run, dims: int, vectors: rules.Vectors, look: Look | Non
         repaired_registry = load_registry(store.db)
         if repaired_registry != registry:
             registry, plan = repaired_registry, plan_changes(run.walk, repaired_registry, run.full, waiting)
-    return Prepared(store, plan, registry, waiting, repaired)
+    return PreparedIndex(store, plan, registry, waiting, repaired)
 
 
-def _plan_for(run: Run, registry: dict[str, DocumentRow], waiting: dict[str, int], look: Look | None) -> Plan:
+def _plan_for(run: Run, registry: dict[str, DocumentRow], waiting: dict[str, int], look: PlanBeforeLock | None) -> Plan:
     if look is not None and not run.full and (look.registry, look.waiting) == (registry, waiting):
         return look.plan
     return plan_changes(run.walk, registry, run.full, waiting)
 
 
-def _write(run: Run, prepared: Prepared) -> bool:
+def _carry_out_plan(run: Run, prepared: PreparedIndex) -> bool:
     """Carry out the plan: metadata-only updates, embedding and writing the changed files (or,
     without Ollama, indexing those with no vectors yet for keyword search), the removals, then the
     calibration. True when the index changed (a new generation is due)."""
@@ -2805,7 +2812,7 @@ def _calibrate(store: Store, embedding: Embedding) -> bool:
     return True
 
 
-def _embed_and_write(run: Run, prepared: Prepared, embedding: Embedding) -> tuple[set[str], list[str]]:
+def _embed_and_write(run: Run, prepared: PreparedIndex, embedding: Embedding) -> tuple[set[str], list[str]]:
     """Embed the changed files a commit group at a time; each group's vectors go to the store as
     soon as they are embedded, and its rows commit while the next groups are embedded (the store
     writes those vectors meanwhile). The next group is queued before this one is waited for, so the
@@ -2819,11 +2826,11 @@ def _embed_and_write(run: Run, prepared: Prepared, embedding: Embedding) -> tupl
     store, plan, summary = prepared.store, prepared.plan, run.summary
     written: set[str] = set()
     started: set[str] = set()  # paths given to a group so far
-    progress = Progress(len(plan.changed), sum(len(pf.chunks) for pf in plan.changed))
+    progress = ProgressLine(len(plan.changed), sum(len(pf.chunks) for pf in plan.changed))
     embedding.on_embedded = progress.embedded
     embedding.on_reused = progress.embedded
     embedding.on_split = progress.grew
-    keywords_first = not keyword_first_allowed(run, store)  # True once done, or when it may not be
+    keywords_first = not may_publish_without_vectors(run, store)  # True once done, or when it may not be
     keyword_only: set[str] = set()  # paths indexed for keyword search first in this run
 
     def commit(sent: Sent) -> None:
@@ -2914,21 +2921,21 @@ def _embed_and_write(run: Run, prepared: Prepared, embedding: Embedding) -> tupl
     return written, []
 
 
-def keyword_first_allowed(run: Run, store: Store) -> bool:
+def may_publish_without_vectors(run: Run, store: Store) -> bool:
     """Whether rows without vectors may be published in this index: never in a rebuild that would
     replace a live index that has vectors (its replacement would have fewer)."""
     current = run.current
     return current is None or current.index == store.name or current.manifest.dims == 0
 
 
-def _index_without_vectors(run: Run, prepared: Prepared, files: Sequence[PreparedFile],
+def _index_without_vectors(run: Run, prepared: PreparedIndex, files: Sequence[PreparedFile],
                            why: RagError) -> tuple[set[str], list[str]]:
     """Files that cannot be embedded now: those with no vectors in the index are indexed for
     keyword search (when this index may publish that; those waiting as they were stay so), the
     others keep their previous chunks and vectors until the next run. Returns the paths written
     and the error that says what was left."""
     plan, summary = prepared.plan, run.summary
-    allowed = keyword_first_allowed(run, prepared.store)
+    allowed = may_publish_without_vectors(run, prepared.store)
     files = [pf for pf in files if pf.file.path not in plan.waiting_as_they_were]
     first = [pf for pf in files if allowed and pf.file.path in plan.without_vectors]
     _write_without_vectors(prepared.store, first, summary)
@@ -3003,7 +3010,7 @@ def _model_to_record(current: rules.CurrentIndex | None, model: ModelFacts | Non
     return model.digest or old[0], model.fingerprint or old[1]
 
 
-def _publish(run: Run, prepared: Prepared, changed_anything: bool) -> None:
+def _publish(run: Run, prepared: PreparedIndex, changed_anything: bool) -> None:
     """Stamp the index and, when anything changed, point CURRENT.json at it with a new generation
     (running servers reopen on it; run.current becomes it). A rebuild with failures stays
     unpublished. Called again in a run that published its keyword index first."""

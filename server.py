@@ -102,8 +102,8 @@ K_MAX = 20
 CHANNEL_CANDIDATES = 50
 # What the vector channel asks Chroma for: more than it keeps, so passages tied at its last place
 # (identical texts share one vector) are chosen by id, not by the order this process's HNSW graph
-# meets them in. P1-015 had two passages at one distance at places 50 and 51: one or the other came
-# back, and the 10th hit changed between server processes.
+# meets them in (two passages at one distance at places 50 and 51 made a 10th hit change between
+# server processes).
 VECTOR_FETCH = 2 * CHANNEL_CANDIDATES
 # Cap on re-fetching when orphaned vectors (uncommitted generations) crowd out real hits.
 MAX_VECTOR_FETCH = 4000
@@ -127,7 +127,7 @@ IDENTIFIER_COMMON_SHARE = 0.1
 FILE_LEAD = 3
 # The keyword channel's evidence for a phrasing is read from this many of its best passages.
 KEYWORD_EVIDENCE_ROWS = 3
-# Confidence (see judge): a value in [0, 1], high from CONFIDENCE_HIGH, medium from
+# Confidence (see judge_confidence): a value in [0, 1], high from CONFIDENCE_HIGH, medium from
 # CONFIDENCE_MEDIUM. The margin's place on the index's calibration scale counts through a logistic
 # of this slope, a half at the middle of unrelated and answered; an identifier missing from the
 # index scales the value by CONFIDENCE_MISSING_FACTOR. Round numbers (tools/README.md: what they
@@ -929,7 +929,7 @@ class Judgement:
     reason: str
 
 
-def judge(evidence: Evidence) -> Judgement:
+def judge_confidence(evidence: Evidence) -> Judgement:
     """The confidence that the best hit answers the query, its value, and why, in one line.
 
     Without a generator, two signals are averaged, each in [0, 1]: how far the passage stands out
@@ -942,8 +942,8 @@ def judge(evidence: Evidence) -> Judgement:
     agent's guess, weaker evidence (on the dev set: seven answered questions, seven unanswered):
     it lowers the value, never makes it low alone. Measured and left out, since they told answered
     from unanswered questions no better than chance or worse on another corpus than the one they
-    were tried on: agreement of the two channels, how many phrasings found the passage (AUROC
-    0.50-0.59), and "every identifier held whole is high", which made every unanswerable
+    were tried on (tools/README.md): agreement of the two channels, how many phrasings found the
+    passage, and "every identifier held whole is high", which made every unanswerable
     question that names a real identifier (`uv.lock`, `vite.config.ts`) high.
     """
     notes: list[str] = []
@@ -1571,7 +1571,7 @@ class ChromaWorker:
         """True once every call submitted so far has finished (at once if none ever ran)."""
         if self._thread is None:
             return True
-        return self.submit(lambda: None).finished(timeout)
+        return self.submit(lambda: None).wait(timeout)
 
     def call(self, fn: Callable[[], Any], what: str, timeout: float) -> Any:
         return self.wait(self.submit(fn), what, timeout)
@@ -1581,11 +1581,11 @@ class ChromaWorker:
         While the worker is stuck on a call older than `timeout`, a queued job waits only
         STORE_STUCK_GRACE_S (hybrid search then degrades without a second full wait)."""
         wait_s = timeout
-        stuck = self.stuck(timeout) and job.queued
+        stuck = self.stuck(timeout) and not (job.running() or job.done())
         if stuck:
             wait_s = min(timeout, STORE_STUCK_GRACE_S)
-        if not job.finished(wait_s):
-            job.abandon_if_queued()
+        if not job.wait(wait_s):
+            job.cancel()
             raise RagError(ErrorCode.STORE_UNAVAILABLE,
                            f"the {what} is still busy with a call that has run past the store timeout ({timeout:g} s)"
                            if stuck else f"the {what} did not answer within {timeout:g} s",
@@ -1830,7 +1830,7 @@ class OpenIndex:
         with vector_store_failures():
             # A call past the store timeout is no load but a stuck store: CHROMA_WORKER.wait says so.
             if (deadline is not None and not CHROMA_WORKER.stuck(self.store_timeout_s)
-                    and not job.finished(max(0.0, deadline - time.monotonic())) and not self.vectors_loaded):
+                    and not job.wait(max(0.0, deadline - time.monotonic())) and not self.vectors_loaded):
                 loading = time.monotonic() - (self.vectors_asked_at or time.monotonic())
                 raise VectorIndexLoading(
                     ErrorCode.STORE_UNAVAILABLE,
@@ -2454,11 +2454,11 @@ def _raise(error: BaseException) -> Any:
     raise error
 
 
-# Progress: a short message for the client while a call runs, from the call's worker thread. A
+# ProgressSender: a short message for the client while a call runs, from the call's worker thread. A
 # door that can deliver it (MCP, when the client sent a progress token) sets PROGRESS for the call;
 # elsewhere (the bridge, the CLI, a client without a token) telling it does nothing.
-Progress = Callable[[str], None]
-PROGRESS: contextvars.ContextVar[Progress | None] = contextvars.ContextVar("rag_progress", default=None)
+ProgressSender = Callable[[str], None]
+PROGRESS: contextvars.ContextVar[ProgressSender | None] = contextvars.ContextVar("rag_progress", default=None)
 
 
 def tell_progress(message: str) -> None:
@@ -3044,7 +3044,7 @@ class Search:
     7. rank: fuse, identifier bonus, spread (see rank), the first k, their rows read;
     8. hits: the ranked candidates as SearchHits with their similarities (and, asked, how each
        was ranked: explain_ranking);
-    9. confidence: how likely the first hit answers the query (see judge);
+    9. confidence: how likely the first hit answers the query (see judge_confidence);
     10. response: the payload within its budget, saying why when nothing was found, and which
         superseded document would have come first (the search again with them, only where the
         scope holds one).
@@ -3530,7 +3530,7 @@ class Search:
         return out
 
     def confidence(self, found: Found, top: tuple[rules.ChunkRow, SearchHit]) -> Judgement:
-        """9. How likely the first hit (its row and its hit) answers the query (see judge)."""
+        """9. How likely the first hit (its row and its hit) answers the query (see judge_confidence)."""
         row, hit = top
         candidates, facts = found.candidates, found.facts
         reading = self.service.passage_reading(self.index)
@@ -3539,7 +3539,7 @@ class Search:
         # A passage whose vector waits has no margin: "at most as similar as the last candidate"
         # would call every waiting passage a near miss.
         embedded = rules.chunk_document_key(row.id) not in self.index.waiting_documents
-        return judge(Evidence(
+        return judge_confidence(Evidence(
             similarity=hit.score, margin=best_margin(candidates.similarities, row.id) if embedded else None,
             calibration=self.index.calibration,
             coverage=max(shares, default=None),
@@ -4178,7 +4178,7 @@ def _argument_hint(spec: ToolSpec) -> str:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class ToolOutcome:
     """One tool call's result, whichever door it came through: the structured payload, or the
     error. `timed_out` marks a call that did not finish within the door's deadline, `crashed` one
     that failed with an unexpected exception (a bug, logged), not an error of the vocabulary."""
@@ -4202,11 +4202,11 @@ def protocol_error(code: int, error: RagError) -> Exception:
     return MCPError(code, f"{error.message}; next: {error.hint}", error.payload())
 
 
-def dispatch(service: RetrievalService, name: str, arguments: Mapping[str, Any] | None) -> Outcome:
+def dispatch(service: RetrievalService, name: str, arguments: Mapping[str, Any] | None) -> ToolOutcome:
     """Validate, run and log one tool call: the one dispatcher behind MCP (stdio and HTTP), the
     HTTP bridge and the CLI. Every failure becomes an error of the vocabulary."""
     started = time.perf_counter()
-    outcome = Outcome(name)
+    outcome = ToolOutcome(name)
     try:
         spec = TOOLS.get(name)
         if spec is None:
@@ -4215,14 +4215,14 @@ def dispatch(service: RetrievalService, name: str, arguments: Mapping[str, Any] 
             args = spec.input_model.model_validate(dict(arguments or {}))
         except ValidationError as exc:
             raise RagError(ErrorCode.INVALID_ARGUMENT, describe_validation_error(exc), _argument_hint(spec)) from None
-        outcome = Outcome(name, payload=spec.answer(service, args))
+        outcome = ToolOutcome(name, payload=spec.answer(service, args))
     except RagError as exc:
-        outcome = Outcome(name, error=service.while_watching(exc))
+        outcome = ToolOutcome(name, error=service.while_watching(exc))
     except ModuleNotFoundError as exc:  # a library this interpreter lacks, imported on first use
-        outcome = Outcome(name, error=rules.missing_dependency(exc, "server.py"))
+        outcome = ToolOutcome(name, error=rules.missing_dependency(exc, "server.py"))
     except Exception:  # noqa: BLE001 - the boundary: a crash must become a structured error
         log.error("tool %r crashed:\n%s", name, traceback.format_exc())
-        outcome = Outcome(name, error=RagError(ErrorCode.INTERNAL, f"{name} failed unexpectedly",
+        outcome = ToolOutcome(name, error=RagError(ErrorCode.INTERNAL, f"{name} failed unexpectedly",
                                                "the server logged the details to stderr; retry, and report it "
                                                "if it repeats"), crashed=True)
     finally:
@@ -4232,7 +4232,7 @@ def dispatch(service: RetrievalService, name: str, arguments: Mapping[str, Any] 
 
 
 async def dispatch_within(service: RetrievalService, name: str, arguments: Mapping[str, Any] | None,
-                          timeout_s: float) -> Outcome:
+                          timeout_s: float) -> ToolOutcome:
     """dispatch() on a worker thread (store and embedder calls block), waited for at most
     `timeout_s`: a call past its deadline is answered as timed out and finishes in the background
     (each of its parts has its own bound), so the next call is served."""
@@ -4243,7 +4243,7 @@ async def dispatch_within(service: RetrievalService, name: str, arguments: Mappi
     let_go = slot.hold() if slot is not None else (lambda: None)
     began = threading.Event()
 
-    def work() -> Outcome:
+    def work() -> ToolOutcome:
         began.set()
         try:
             return dispatch(service, name, arguments)
@@ -4257,7 +4257,7 @@ async def dispatch_within(service: RetrievalService, name: str, arguments: Mappi
         if not began.is_set():
             let_go()  # cancelled before a worker thread took it up: it never will
     log.warning("%s did not finish within %g s; answered as timed out", name, timeout_s)
-    return Outcome(name, error=RagError(ErrorCode.INTERNAL, f"{name} did not finish within {timeout_s:g} s",
+    return ToolOutcome(name, error=RagError(ErrorCode.INTERNAL, f"{name} did not finish within {timeout_s:g} s",
                                         "retry; if it repeats, a dependency (the embedder, the vector store) is "
                                         "slow or stuck: see /health"), timed_out=True)
 
@@ -4303,8 +4303,8 @@ def redacted(error: RagError, places: Sequence[str] = ()) -> RagError:
     return RagError(error.code, redact(error.message, places), redact(error.hint, places))
 
 
-def told_remotely(outcome: Outcome) -> Outcome:
-    """An Outcome as the HTTP doors tell it: the error, and a result's notes (message, hint, the
+def redacted_outcome(outcome: ToolOutcome) -> ToolOutcome:
+    """An ToolOutcome as the HTTP doors tell it: the error, and a result's notes (message, hint, the
     staleness hint), with paths and hosts redacted; the passages themselves unchanged."""
     places = local_places()
     if outcome.error is not None:
@@ -4316,11 +4316,11 @@ def told_remotely(outcome: Outcome) -> Outcome:
     if isinstance(payload.get("staleness"), dict) and isinstance(payload["staleness"].get("hint"), str):
         payload["staleness"] = {**payload["staleness"], "hint": redact(payload["staleness"]["hint"], places)}
     if isinstance(payload.get("index"), dict) and isinstance(payload["index"].get("watch"), dict):
-        payload["index"] = {**payload["index"], "watch": watch_told_remotely(payload["index"]["watch"], places)}
+        payload["index"] = {**payload["index"], "watch": redacted_watch(payload["index"]["watch"], places)}
     return dataclasses.replace(outcome, payload=payload)
 
 
-def watch_told_remotely(watch: Mapping[str, Any], places: Sequence[str]) -> dict[str, Any]:
+def redacted_watch(watch: Mapping[str, Any], places: Sequence[str]) -> dict[str, Any]:
     """A WatchInfo's notes (why the watcher stopped, the last run's error) with paths redacted."""
     return {key: redact(value, places) if key in ("note", "last_run_error") and isinstance(value, str) else value
             for key, value in watch.items()}
@@ -4427,8 +4427,8 @@ def decoded_cursor(cursor: str | None) -> str:
                        "pass the nextCursor of the previous resources/list page, or none to start over") from None
 
 
-def mcp_result(outcome: Outcome) -> Any:
-    """An Outcome as an MCP tool result. Successes carry the payload as structured content (it fits
+def mcp_result(outcome: ToolOutcome) -> Any:
+    """An ToolOutcome as an MCP tool result. Successes carry the payload as structured content (it fits
     the outputSchema) and as text; errors only as text: TypeScript-SDK clients (the MCP Inspector
     and others) check structured content against the outputSchema even on errors."""
     from mcp.types import CallToolResult, TextContent
@@ -4452,7 +4452,7 @@ def tool_definitions() -> list[Any]:
             for spec in TOOLS.values()]
 
 
-def progress_reporter(context: Any) -> Progress | None:
+def progress_reporter(context: Any) -> ProgressSender | None:
     """The call's progress messages as notifications/progress to the client's progress token, or
     None when the request carries none (then nothing is sent). The service tells them on the call's
     worker thread; each goes out through the event loop before the thread goes on."""
@@ -4510,7 +4510,7 @@ def answer_unreadable_request(exc: BaseException) -> Any | None:
         error = RagError(ErrorCode.INVALID_ARGUMENT, f"the request could not be read: {reason}",
                          "send valid Unicode JSON: a \\uD800-\\uDFFF escape must be half of a surrogate pair, and "
                          "numbers must be of ordinary size")
-        result = mcp_result(Outcome("tools/call", error=error)).model_dump(by_alias=True, mode="json",
+        result = mcp_result(ToolOutcome("tools/call", error=error)).model_dump(by_alias=True, mode="json",
                                                                             exclude_none=True)
         return JSONRPCResponse(jsonrpc="2.0", id=request_id, result=result)
     return JSONRPCError(jsonrpc="2.0", id=request_id,
@@ -4579,7 +4579,7 @@ def build_server(service: RetrievalService, instructions: str, warmup: WarmUp, *
             outcome = await anyio.to_thread.run_sync(dispatch, service, params.name, params.arguments)
         else:
             outcome = await dispatch_within(service, params.name, params.arguments, timeout_s)
-        return mcp_result(told_remotely(outcome) if hide_paths else outcome)
+        return mcp_result(redacted_outcome(outcome) if hide_paths else outcome)
 
     async def list_resources(context: Any, params: Any) -> Any:
         try:
@@ -5001,7 +5001,7 @@ class HealthProbe:
                 "servers": {SERVER_NAME: "available" if index_ok else "unavailable"},
                 "embedder": _probed(embedder), "vectors_pending": vectors_pending, "files": files,
                 "refreshing": watch is not None and watch.state == "running",
-                "watch": None if watch is None else watch_told_remotely(watch.model_dump(mode="json"), local_places()),
+                "watch": None if watch is None else redacted_watch(watch.model_dump(mode="json"), local_places()),
                 "problems": problems}
         if self.service.settings.chroma_url is not None:
             body["vector_store"] = _probed(vector_store)
@@ -5063,7 +5063,7 @@ class Bridge:
             timeout_ms = int(self.settings.tool_timeout_s * 1000)
             return bridge_error(504, "TIMEOUT_ERROR", f"Tool execution timed out after {timeout_ms}ms",
                                 toolName=tool, server=server, timeout=timeout_ms)
-        outcome = told_remotely(outcome)
+        outcome = redacted_outcome(outcome)
         if outcome.error is not None:
             error = outcome.error
             if outcome.crashed:
@@ -5142,7 +5142,7 @@ class _Refused(Exception):
         self.response = response
 
 
-class Budget:
+class CallBudget:
     """At most `size` calls at work at once, counted across threads (a call's work may run on
     past its answer: see Slot)."""
 
@@ -5158,11 +5158,11 @@ class Budget:
 
 
 class Slot:
-    """One place in a Budget, free again once every holder let go: the request (its answer
+    """One place in a CallBudget, free again once every holder let go: the request (its answer
     sent) and its work (a worker thread, which runs on past a timed-out answer until its own
     bounds end it), so calls that time out cannot pile up threads."""
 
-    def __init__(self, budget: Budget) -> None:
+    def __init__(self, budget: CallBudget) -> None:
         self.budget, self.holders = budget, 0
 
     def hold(self) -> Callable[[], None]:
@@ -5182,7 +5182,7 @@ class Slot:
         return release
 
 
-# The slot of the call being served (set by the Gate), for dispatch_within to hold for the work.
+# The slot of the call being served (set by the HttpGate), for dispatch_within to hold for the work.
 CURRENT_SLOT: contextvars.ContextVar[Slot | None] = contextvars.ContextVar("rag_slot", default=None)
 
 
@@ -5192,8 +5192,8 @@ class HttpDoor:
     and all others, so slow searches never block keyword searches, get_file or list_documents)
     and the signal that shutdown has begun."""
 
-    searches: Budget
-    others: Budget
+    searches: CallBudget
+    others: CallBudget
     shutting_down: Any  # an asyncio.Event, set by the server when its shutdown begins
 
     @classmethod
@@ -5201,7 +5201,7 @@ class HttpDoor:
         import asyncio
 
         size = settings.http_max_in_flight
-        return cls(Budget("searches that use the embedder", size), Budget("other calls", size), asyncio.Event())
+        return cls(CallBudget("searches that use the embedder", size), CallBudget("other calls", size), asyncio.Event())
 
     def work_running(self) -> int:
         return self.searches.used + self.others.used
@@ -5283,7 +5283,7 @@ def token_problem(given: str | None, token: str) -> str | None:
     return None
 
 
-class Gate:
+class HttpGate:
     """In front of every route (plain ASGI middleware): the bearer token (every route but
     /health, compared in constant time), the Host/Origin check against DNS rebinding (exact
     host[:port] and origin matching, on every route, /health too), GET on /mcp refused (a
@@ -5427,7 +5427,7 @@ async def not_a_route(request: Any, exc: Any) -> Any:
 def guarded_protocol(read_timeout_s: float, max_connections: int, token: str | None = None) -> type:
     """uvicorn's h11 protocol with the guards it lacks: a request's headers must arrive within
     `read_timeout_s` (idle new connections and slowloris senders are closed; uvicorn's keep-alive
-    timeout covers idle time after an answer, the Gate a body's time), and at most
+    timeout covers idle time after an answer, the HttpGate a body's time), and at most
     `max_connections` are open. Past that bound a new connection takes the place of one waiting
     for its headers (see evictable: one that never sent a request the token admits goes first, the
     longest idle first), and gets a canned 503 only when every open connection has a request in
@@ -5525,7 +5525,7 @@ def connection_bound(wanted: int) -> int:
 def http_app(service: RetrievalService, settings: rules.Settings, instructions: str, warmup: WarmUp,
              health: HealthProbe, door: HttpDoor | None = None) -> Any:
     """The ASGI app: the SDK's own streamable-HTTP transport at /mcp (stateless, JSON responses:
-    clients of both protocol eras), the bridge routes beside it, and the Gate in front (which
+    clients of both protocol eras), the bridge routes beside it, and the HttpGate in front (which
     checks Host and Origin for every route, so the SDK's own, prefix-matching, check is off)."""
     from mcp.server.transport_security import TransportSecuritySettings
     from starlette.routing import Route
@@ -5541,7 +5541,7 @@ def http_app(service: RetrievalService, settings: rules.Settings, instructions: 
                                  Route("/health", bridge.health_check, methods=["GET"])])
     for status in (404, 405):
         app.add_exception_handler(status, not_a_route)
-    app.add_middleware(Gate, settings=settings, door=door or HttpDoor.create(settings))
+    app.add_middleware(HttpGate, settings=settings, door=door or HttpDoor.create(settings))
     return app
 
 
@@ -5577,7 +5577,7 @@ def serve_http(service: RetrievalService, settings: rules.Settings, instructions
                             timeout_graceful_shutdown=HTTP_GRACE_S)
 
     class DrainingServer(uvicorn.Server):
-        """uvicorn's server, telling the Gate when its shutdown begins."""
+        """uvicorn's server, telling the HttpGate when its shutdown begins."""
 
         async def shutdown(self, sockets: Any = None) -> None:
             door.shutting_down.set()

@@ -366,7 +366,8 @@ class FakeOllama:
         self._released = threading.Event()
         self._released.set()
         # configure(hold_carrying=TEXT): calls carrying TEXT wait until it is cleared, so a test can
-        # act while one chosen file's chunks are in flight, whatever the calls' sizes and numbers.
+        # act while one chosen file's chunks are in flight, whatever the calls' sizes and numbers;
+        # let go, they answer as configured then (fail_after, missing_models).
         self.hold_carrying: str | None = None
         self._runner = threading.BoundedSemaphore(self.slots)
         self.embeds_in_flight = 0
@@ -560,6 +561,11 @@ class FakeOllama:
         with self._lock:
             return calls_carrying(self.call_inputs, text)
 
+    def answered_carrying(self, text: str) -> int:
+        """How many inputs containing `text` were answered with vectors so far."""
+        with self._lock:
+            return sum(text in item for item in self.answered_inputs)
+
     # request handling ----------------------------------------------------------------------
     def _record(self, method: str, path: str, body: Any) -> None:
         with self._lock:
@@ -721,6 +727,9 @@ class FakeOllama:
             pass
         while held is not None and self.hold_carrying == held and not self._stopping.wait(0.01):
             pass
+        if held is not None:  # a held call meets the faults configured while it was held
+            with self._lock:
+                fail_after = self.fail_after
         if failing or (fail_after is not None and call_number > fail_after):
             return 500, {"error": "llama runner process has terminated: exit status 2 (fake fail_after)"}
         if inputs is None:

@@ -195,7 +195,7 @@ def chunk_counts(corpus: Path) -> dict[str, int]:
     """What ingest will make of each file of `corpus` with the default settings (2048 context)."""
     import ingest
 
-    budget = ingest.Budget(2048, rules.DEFAULT_CHUNK_MAX_TOKENS, rules.DEFAULT_CHUNK_MIN_TOKENS,
+    budget = ingest.ChunkBudget(2048, rules.DEFAULT_CHUNK_MAX_TOKENS, rules.DEFAULT_CHUNK_MIN_TOKENS,
                            rules.PREFIX_SCHEMES["embeddinggemma"])
     counts = {}
     for path in sorted(corpus.rglob("*.md")):

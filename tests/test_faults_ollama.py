@@ -154,19 +154,31 @@ def test_ollama_process_dies_mid_file_keeps_that_files_old_chunks(ollama: FakeOl
     assert_converges(ollama, revisions, tmp_path)
 
 
+def faulted_once_aa_is_answered(ollama: FakeOllama, revisions: Revisions, **fault: object) -> Done:
+    """An ingest whose calls carrying ab-handbook.md are held until every chunk of aa-handbook.md
+    has its vector; then `fault` is configured and they are let go, to meet it. aa-handbook.md's
+    group is committed whatever the machine's pace (with the fault keyed to ab's first call
+    instead, aa's last calls could arrive after it on a loaded machine and fail too)."""
+    ollama.configure(hold_carrying=revisions.ab_token)
+    proc = start_ingest(ollama, revisions.corpus, revisions.store)
+    poll(lambda: (ollama.calls_carrying(revisions.ab_token)
+                  and ollama.answered_carrying(revisions.aa_token) >= HANDBOOKS["aa-handbook.md"])
+         or proc.poll() is not None, interval=0.02)
+    ollama.configure(hold_carrying=None, **fault)
+    return finish(proc)
+
+
 def test_ollama_500s_mid_file_keep_that_files_old_chunks(ollama: FakeOllama, revisions: Revisions,
                                                         tmp_path: Path) -> None:
-    # The runner dies after the first call carrying ab-handbook.md: its second call and every
-    # later one answer HTTP 500.
-    ollama.configure(fail_after_carrying=revisions.ab_token)
-    done = run_ingest(ollama, revisions.corpus, revisions.store)
+    # The runner dies while ab-handbook.md's calls are out: they and every later call answer HTTP 500.
+    done = faulted_once_aa_is_answered(ollama, revisions, fail_after=0)
     assert done.code == 1, done.err
     assert "Traceback" not in done.err and "HTTP 500" in done.err
     assert "left for the next run: ab-handbook.md" in done.err
     assert_old_or_new(revisions, new={"aa-handbook.md"})
     # Left for the next run, not failed: nothing is wrong with those files.
     assert (done.summary["left_for_next_run"], done.summary["failed"]) == (revisions.indexed - 1, 0)
-    ollama.configure(fail_after_carrying=None)
+    ollama.configure(fail_after=None)
     assert assert_converges(ollama, revisions, tmp_path).summary["updated"] == revisions.indexed - 1
 
 
@@ -202,12 +214,12 @@ def test_model_404_at_start_and_mid_run(ollama: FakeOllama, revisions: Revisions
     assert done.code == 2 and done.summary["error"]["code"] == "model_not_found"
     assert "ollama pull embeddinggemma" in done.err
     assert file_listing(revisions.store) == before
-    # Mid-run: the model disappears once the first call carrying ab-handbook.md has arrived.
-    ollama.configure(missing_models=[], missing_after_carrying=[revisions.ab_token, ["embeddinggemma"]])
-    done = run_ingest(ollama, revisions.corpus, revisions.store)
+    # Mid-run: the model disappears while ab-handbook.md's calls are out.
+    ollama.configure(missing_models=[])
+    done = faulted_once_aa_is_answered(ollama, revisions, missing_models=["embeddinggemma"])
     assert done.code == 1 and "Traceback" not in done.err, done.err
     assert "ollama pull embeddinggemma" in done.err
     assert_old_or_new(revisions, new={"aa-handbook.md"})
-    ollama.configure(missing_models=[], missing_after_carrying=None)
+    ollama.configure(missing_models=[])
     assert_converges(ollama, revisions, tmp_path)
 

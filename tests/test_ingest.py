@@ -96,7 +96,7 @@ def chunks_of(state: dict[str, dict[str, Any]], path: str) -> dict[str, Any]:
 
 
 def sample_chunk_count(context: int = 2048) -> int:
-    budget = ingest.Budget(context, rules.DEFAULT_CHUNK_MAX_TOKENS, rules.DEFAULT_CHUNK_MIN_TOKENS, GEMMA)
+    budget = ingest.ChunkBudget(context, rules.DEFAULT_CHUNK_MAX_TOKENS, rules.DEFAULT_CHUNK_MIN_TOKENS, GEMMA)
     total = 0
     for path in SAMPLE.rglob("*.md"):
         doc = rules.parse_document(path.read_bytes(), path.relative_to(SAMPLE).as_posix())
@@ -1211,7 +1211,7 @@ def test_progress_says_when_files_are_indexed_for_keyword_search_first() -> None
     """The pass writes no vectors and waits for no call: its line says what it does and counts the
     files (it said "waiting N s for Ollama" for the minutes a million-chunk pass took), and the wait
     for Ollama is counted again from its end."""
-    progress = ingest.Progress(files=10, chunks=100)
+    progress = ingest.ProgressLine(files=10, chunks=100)
     try:
         progress.call_started -= 60  # a call answered a minute ago
         with progress.keyword_pass(8) as done:

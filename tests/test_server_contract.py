@@ -243,23 +243,23 @@ def evidence(**fields: Any) -> server.Evidence:
 
 
 def test_confidence_levels_follow_the_evidence() -> None:
-    assert server.judge(evidence()).level == "high"
-    assert server.judge(evidence(margin=0.015, coverage=0.3)).level == "medium"
-    assert server.judge(evidence(margin=0.0, coverage=0.1)).level == "low"
+    assert server.judge_confidence(evidence()).level == "high"
+    assert server.judge_confidence(evidence(margin=0.015, coverage=0.3)).level == "medium"
+    assert server.judge_confidence(evidence(margin=0.0, coverage=0.1)).level == "low"
     # Without a calibration the margin means nothing on its own; term evidence still counts.
-    assert server.judge(evidence(calibration=None, coverage=0.9)).level == "high"
-    absent = server.judge(evidence(identifiers=("UV_NO_TELEMETRY",), missing=("UV_NO_TELEMETRY",)))
+    assert server.judge_confidence(evidence(calibration=None, coverage=0.9)).level == "high"
+    absent = server.judge_confidence(evidence(identifiers=("UV_NO_TELEMETRY",), missing=("UV_NO_TELEMETRY",)))
     assert absent.level == "low" and "UV_NO_TELEMETRY" in absent.reason
     # Holding the identifiers whole is said, and weighs through the terms' share only: an
     # unanswerable question naming a real identifier (`uv.lock`) is not made high by it.
-    whole = server.judge(evidence(margin=0.0, coverage=0.1, identifiers=("E4091",), exact=("E4091",)))
+    whole = server.judge_confidence(evidence(margin=0.0, coverage=0.1, identifiers=("E4091",), exact=("E4091",)))
     assert whole.level == "low" and "contains E4091" in whole.reason
-    assert whole.score == server.judge(evidence(margin=0.0, coverage=0.1)).score
+    assert whole.score == server.judge_confidence(evidence(margin=0.0, coverage=0.1)).score
     # An extra phrasing's missing guess scales the value by the factor and no more.
-    guess = server.judge(evidence(identifiers=(), missing=("UV_NATIVE_TLS",)))
-    assert guess.score == round(server.judge(evidence()).score * server.CONFIDENCE_MISSING_FACTOR, 4)
+    guess = server.judge_confidence(evidence(identifiers=(), missing=("UV_NATIVE_TLS",)))
+    assert guess.score == round(server.judge_confidence(evidence()).score * server.CONFIDENCE_MISSING_FACTOR, 4)
     assert "UV_NATIVE_TLS" in guess.reason and guess.level != "low"
-    partly = server.judge(evidence(identifiers=("E4091", "E9999"), exact=("E4091",), missing=("E9999",),
+    partly = server.judge_confidence(evidence(identifiers=("E4091", "E9999"), exact=("E4091",), missing=("E9999",),
                                    margin=0.015, coverage=0.3))
     assert partly.level == "low" and "E9999" in partly.reason
 
@@ -273,7 +273,7 @@ def test_the_confidence_score_is_bounded_and_the_level_is_read_from_it(
     """In every state (a calibrated vector margin or none; terms or none; identifiers missing or
     not) the score is in [0, 1] and the level is the score's band."""
     calibration = rules.Calibration(unrelated, unrelated + span, 20, 100) if calibrated else None
-    judged = server.judge(evidence(margin=margin, coverage=coverage, calibration=calibration,
+    judged = server.judge_confidence(evidence(margin=margin, coverage=coverage, calibration=calibration,
                                    identifiers=own, missing=missing))
     assert 0.0 <= judged.score <= 1.0
     assert judged.level == ("high" if judged.score >= server.CONFIDENCE_HIGH else
@@ -282,14 +282,14 @@ def test_the_confidence_score_is_bounded_and_the_level_is_read_from_it(
 
 def test_a_keyword_only_passage_can_be_low_and_high() -> None:
     """Without a vector the terms alone decide, on the levels a passage with one is read on."""
-    assert server.judge(evidence(margin=None, coverage=0.15)).level == "low"
-    assert server.judge(evidence(margin=None, coverage=0.9)).level == "high"
+    assert server.judge_confidence(evidence(margin=None, coverage=0.15)).level == "low"
+    assert server.judge_confidence(evidence(margin=None, coverage=0.9)).level == "high"
 
 
 def test_the_confidence_score_orders_within_a_level_and_the_levels_follow_it() -> None:
     """The score is the value the level is read from: within one level a stronger passage scores
     higher, and every level's scores sit above the next lower level's."""
-    ladder = [server.judge(evidence(margin=m, coverage=c))
+    ladder = [server.judge_confidence(evidence(margin=m, coverage=c))
               for m, c in ((0.0, 0.0), (0.0, 0.1), (0.01, 0.2), (0.015, 0.3), (0.02, 0.5), (0.03, 0.7), (0.05, 1.0))]
     assert all(0.0 <= j.score <= 1.0 for j in ladder)
     scores = [j.score for j in ladder]
@@ -300,7 +300,7 @@ def test_the_confidence_score_orders_within_a_level_and_the_levels_follow_it() -
     for j in ladder:
         assert (j.score >= server.CONFIDENCE_HIGH) == (j.level == "high")
         assert (j.score < server.CONFIDENCE_MEDIUM) == (j.level == "low")
-    absent = server.judge(evidence(identifiers=("UV_NO_TELEMETRY",), missing=("UV_NO_TELEMETRY",)))
+    absent = server.judge_confidence(evidence(identifiers=("UV_NO_TELEMETRY",), missing=("UV_NO_TELEMETRY",)))
     assert absent.score < min(j.score for j in ladder if j.level != "low")
 
 
