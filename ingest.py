@@ -8,6 +8,29 @@ terms (the commit point the server trusts), then the old vectors are deleted. A 
 point leaves every file with one committed set of chunks; the next run removes the leftovers.
 
 Exit status: 0 all good, 1 some files failed, 2 nothing done.
+
+The run is one sequence of stages on the main thread (run, _run_stages: walk, plan before the
+lock, then under the store lock prepare, _carry_out_plan, publish); the threads around it only move
+data and are all daemons:
+
+  thread                   owner                 runs                                   waited on by
+  main                     run                   the stages; reads files (within        -
+                                                 READ_TIME_BUDGET_S, SIGALRM's clock)
+  ingest-embedding (one)   Embedding             sends each round's calls, takes their  the main thread, per group
+                                                 answers, tunes concurrency per host    (FilesJob.call.result)
+  rag-call (pool)          rules.on_call_thread  one embedding call on two threads:     the dispatcher, bounded by
+                                                 one in the HTTP call, one waiting on   the embedder's timeout
+                                                 it (the timeout), which puts the
+                                                 answer in the dispatcher's inbox
+  ingest-vector-requests   VectorProcess         sends vector writes to the child       the main thread, per
+                                                 process that owns Chroma               request's answer
+  ingest-progress          ProgressLine          the progress line every few seconds    no one
+  (child process)          VectorProcess         every Chroma write (a VectorWriter):   its requests' answers,
+                                                 a crash there cannot take the run      bounded
+                                                 with it
+
+The store lock (StoreLayout's lock file, flock) keeps a second ingest out while one writes; the
+watch lock keeps a second watcher out. In process, ProgressLine._lock guards the line's counts.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ with ingest, imported as `rules`; the tool table's callables look up what they c
   I.   The agent's contract: limits, instructions, the tools' input and output models, and the
        tool table TOOLS (all about a tool: name, description, models, its answer, budget, CLI name and view).
   II.  The engine: ranking as pure functions, the index of one generation (OpenIndex,
-       StoreManager, the Chroma worker thread) and RetrievalService, the three tools as plain
-       methods; RetrievalService.search is its pipeline, numbered in its docstring.
+       StoreManager, the Chroma worker thread), Search (one search_corpus call, its stages
+       numbered in its docstring) and RetrievalService, the three tools as plain methods.
   III. The doors: dispatch (validation against the input model, errors in the vocabulary), the
        MCP server (stdio and streamable HTTP), the HTTP bridge and /health, the CLI, and main.
 
@@ -29,8 +29,37 @@ search while the vector index still loads answers from keywords (degraded vector
 stdout carries JSON-RPC only (the MCP stdio transport points fd 1 at stderr while serving);
 everything else is logged to stderr.
 
+Threads, who owns them, who waits on them, and the locks (every thread is a daemon: none keeps the
+process from exiting):
+
+  thread             owner                      runs                                  waited on by
+  main / event loop  serve_stdio, uvicorn       MCP and HTTP transports, the doors    -
+  anyio workers      dispatch_within, the MCP   one tool call each (dispatch)         the event loop, within
+                     handlers                                                         the call's deadline
+  rag-call (pool)    rules.on_call_thread       one embedder call each (query and     the search that sent it
+                                                fingerprint); its answer queues the   (QueryEmbeddings.begin's
+                                                search's Chroma queries (Prefetch)    finish), bounded
+  rag-chroma (one)   ChromaWorker               every Chroma call of the process      OpenIndex's callers, bounded
+                                                (chromadb is not safe to call from    (ChromaWorker.wait)
+                                                several threads on one client)
+  rag-warmup         WarmUp                     imports, store opening, vector load   shutdown (join, bounded)
+  rag-staleness      StalenessCheck             the disk comparison's refresh         no one (the cache is read)
+  rag-watch          WatchSupervisor            the `ingest.py --watch` child         stop() at shutdown
+  rag-health         HealthProbe (HTTP)         /health's embedder and store probes   no one (its answers are read)
+
+  lock                        guards
+  StoreManager.lock (RLock)   the open generation: opening, swapping and every read of it (searches hold
+                              it while they compute, never while they wait for the embedder)
+  QueryEmbeddings._lock       its embedders, resting hosts and fingerprint verdicts (the cache is an LRU
+                              with its own lock)
+  LRU._lock                   each cache's order and entries
+  ChromaWorker._start_lock    starting its one thread
+  WarmUp._lock, WatchSupervisor._lock, RetrievalService._init_lock
+                              starting (and stopping) what they own; settings and store manager creation
+  CallBudget.lock             the HTTP budgets' counts of calls at work
+
 Run: `local-rag-mcp` once installed, `python server.py` in a clone; configuration comes from the
-environment (rules.ENVIRONMENT, read by rules.load_settings, documented in README.md "Configuration").
+environment (rules.VARIABLES, read by rules.load_settings, documented in README.md "Configuration").
 """
 
 from __future__ import annotations
