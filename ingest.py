@@ -18,10 +18,9 @@ data and are all daemons:
                                                  READ_TIME_BUDGET_S, SIGALRM's clock)
   ingest-embedding (one)   Embedding             sends each round's calls, takes their  the main thread, per group
                                                  answers, tunes concurrency per host    (FilesJob.call.result)
-  rag-call (pool)          rules.on_call_thread  one embedding call on two threads:     the dispatcher, bounded by
-                                                 one in the HTTP call, one waiting on   the embedder's timeout
-                                                 it (the timeout), which puts the
-                                                 answer in the dispatcher's inbox
+  rag-call (pool)          rules.on_call_thread  one embedding call each; its answer    the dispatcher, which
+                                                 goes to the dispatcher's inbox         answers a call late past
+                                                                                        the embedder's timeout
   ingest-vector-requests   VectorProcess         sends vector writes to the child       the main thread, per
                                                  process that owns Chroma               request's answer
   ingest-progress          ProgressLine          the progress line every few seconds    no one
@@ -649,6 +648,7 @@ class _Answer:
     error: BaseException | None
     seconds: float
     epoch: int  # the host's concurrency level it was sent at (ConcurrencyTuner.epoch)
+    number: int  # the call's number in the run (Embedding._out)
 
 
 @dataclass
@@ -701,6 +701,10 @@ class Embedding:
         self._chunk_calls = 0  # chunks' calls in flight, and since when (embedding_s)
         self._chunk_calls_since = 0.0
         self._in_flight_keys: dict[str, tuple[_Round, int]] = {}  # the keys of groups begun, not finished
+        # The calls out, by number: when each must have answered, and its answer should it not
+        # (the dispatcher's clock: a call runs on one thread, with no second one waiting on it).
+        self._out: dict[int, tuple[float, _Answer]] = {}
+        self._numbers = itertools.count()
 
     def seconds_for(self, chunks: int) -> float | None:
         """How long embedding this many chunks takes at this run's pace (None before a call)."""
@@ -848,7 +852,9 @@ class Embedding:
         2. When no call is in flight and texts wait, no host is left: those rounds fail with the
            last host's failure.
         3. Wait for a call's answer (or a new round) and take it (see _take_answer): vectors kept, texts
-           to resend queued, a failed host out of the rotation."""
+           to resend queued, a failed host out of the rotation. A call that has not answered by its
+           embedder's timeout is answered as timed out here (next_message); its late answer, if
+           any, is dropped."""
         failure: RagError | None = None
         while True:
             # 0. rounds that ended
@@ -864,7 +870,7 @@ class Embedding:
                 for round_ in [r for r in self._rounds if r.has_work()]:
                     round_.fail(failure or RagError(ErrorCode.EMBEDDER_UNAVAILABLE, "no embedding host to embed with"))
             # 3. the next answer
-            message = self._inbox.get()  # every call is bounded: one answers, or fails, in time
+            message = self.next_message()
             if message is None:
                 for round_ in self._rounds:
                     round_.fail(RagError(ErrorCode.EMBEDDER_UNAVAILABLE, "the run gave up its embedding calls"))
@@ -872,6 +878,9 @@ class Embedding:
             if isinstance(message, _Round):
                 self._rounds.append(message)
                 continue
+            if message.number not in self._out:
+                continue  # answered already: by its timeout
+            del self._out[message.number]
             round_ = message.round
             self._count_landed(message)
             if not round_.dropped:
@@ -892,15 +901,28 @@ class Embedding:
         epoch = host.tuner.sent(host.busy_s)
         texts = [round_.texts[i] for i in batch]
         sent_at = time.monotonic()
+        number = next(self._numbers)
 
-        def call() -> None:
+        def answer(vectors: Any, error: BaseException | None) -> _Answer:
+            return _Answer(host, round_, batch, vectors, error, time.monotonic() - sent_at, epoch, number)
+
+        # On the call's thread, as it answers or fails: handed to the dispatching one, which reads
+        # its inbox only once this call is registered below.
+        host.embedder.begin_embed(texts, then=lambda vectors: self._inbox.put(answer(vectors, None)),
+                                  failed=lambda exc: self._inbox.put(answer(None, exc)))
+        # Timed from here: the client is built (its imports paid) before the call goes out.
+        self._out[number] = (time.monotonic() + host.embedder.timeout_s, answer(None, host.embedder.timed_out()))
+
+    def next_message(self) -> _Answer | _Round | None:
+        """The next call's answer or round queued, or the answer of a call whose time is up (the
+        one that was due first)."""
+        while True:
+            due = min(self._out.items(), key=lambda item: item[1][0], default=None)
             try:
-                vectors, error = host.embedder.embed(texts), None
-            except BaseException as exc:  # noqa: BLE001 - handed to the dispatching thread
-                vectors, error = None, exc
-            self._inbox.put(_Answer(host, round_, batch, vectors, error, time.monotonic() - sent_at, epoch))
-
-        rules.on_call_thread(call)
+                return self._inbox.get(timeout=None if due is None else max(0.0, due[1][0] - time.monotonic()))
+            except queue.Empty:
+                if due is not None and time.monotonic() >= due[1][0]:
+                    return due[1][1]
 
     def _count_landed(self, answer: _Answer) -> None:
         """Count a call answered: its host's calls in flight, its round's, the time spent embedding."""
