@@ -2578,11 +2578,12 @@ def run(args: argparse.Namespace, summary: Summary | None = None, vectors: rules
     return summary
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
     """One ingest run: what it was asked, what the walk found, and what it learned of the live
-    index and the model. Every stage reads it; the stages before the lock and under it fill in
-    `current`, `model` and `full`."""
+    index and the model. Every stage reads it; a stage that learns something returns a new Run
+    with it (the look before the lock: `model`, `hosts`, `unembeddable`; under the lock:
+    `current`, `full`), never writes into the one it was given."""
 
     args: argparse.Namespace
     settings: rules.Settings
@@ -2597,9 +2598,6 @@ class Run:
     # Why nothing can be embedded in this run (Ollama down, or without the model) when the run
     # goes on to index files for keyword search only.
     unembeddable: RagError | None = None
-    # Why the embedding stopped part-way (no host left in the rotation): said even when every file
-    # it left was indexed for keyword search, and the pending passages' hint does not claim Ollama answers.
-    embedding_stopped: RagError | None = None
     full: bool = False  # no vector reused: --full, or new weights under the model's name
 
     def context_length(self) -> int:
@@ -2658,9 +2656,9 @@ def _run_stages(args: argparse.Namespace, summary: Summary, settings: rules.Sett
     embedders = [settings.embedder(host, keep_alive=KEEP_ALIVE, dimensions=settings.embed_dimensions)
                  for host in settings.ollama_hosts]
     run = Run(args, settings, layout, summary, walk, scheme_for(settings), embedders, current)
-    look = _look_before_the_lock(run, vectors)
+    run, look = _look_before_the_lock(run, vectors)
     with ingest_lock(layout):
-        prepared = _prepare(run, vectors, look)
+        run, prepared = _prepare(run, vectors, look)
         try:
             changed_anything = _carry_out_plan(run, prepared)
             _publish(run, prepared, changed_anything)
@@ -2668,14 +2666,14 @@ def _run_stages(args: argparse.Namespace, summary: Summary, settings: rules.Sett
             prepared.store.close()
 
 
-def _look_before_the_lock(run: Run, vectors: rules.Vectors) -> PlanBeforeLock | None:
+def _look_before_the_lock(run: Run, vectors: rules.Vectors) -> tuple[Run, PlanBeforeLock | None]:
     """Ask Ollama before the store is touched whenever anything may need embedding (when it is
     down or lacks the model, nothing in the store changes, not even the lock file). A run with
     nothing to embed does not need it: it still asks, briefly, to notice a model re-pulled with
     other dimensions (a rebuild), and goes on without it when it does not answer. Without Ollama,
     files with no vectors yet are indexed for keyword search only (see has_files_for_keywords_alone).
-    Returns the plan against the live index, made to know that; None where the run embeds
-    everything anyway."""
+    Returns the run with what it learned of the model, and the plan against the live index, made
+    to know that (None where the run embeds everything anyway)."""
     current = run.current
     look = None
     if current is not None and not run.args.full and run.index_name(current.manifest.dims) == current.index:
@@ -2684,16 +2682,15 @@ def _look_before_the_lock(run: Run, vectors: rules.Vectors) -> PlanBeforeLock | 
     if look is None or look.plan.changed:
         vectors.start()  # Chroma's import overlaps the probe, planning and chunking
         try:
-            run.model, run.hosts = probe_hosts(run.embedders, run.scheme, run.settings, run.recorded_fingerprint())
+            model, hosts = probe_hosts(run.embedders, run.scheme, run.settings, run.recorded_fingerprint())
         except RagError as exc:
             if exc.code not in EMBEDDER_DOWN or not has_files_for_keywords_alone(run, look):
                 raise
             log.warning("%s: new files are indexed for keyword search only; their vectors wait for the embedding server",
                         exc.message)
-            run.unembeddable = exc
-    else:
-        run.model = probe_model_if_reachable(run.settings, run.scheme, run.recorded_fingerprint())
-    return look
+            return replace(run, unembeddable=exc), look
+        return replace(run, model=model, hosts=hosts), look
+    return replace(run, model=probe_model_if_reachable(run.settings, run.scheme, run.recorded_fingerprint())), look
 
 
 EMBEDDER_DOWN = (ErrorCode.EMBEDDER_UNAVAILABLE, ErrorCode.MODEL_NOT_FOUND)
@@ -2710,31 +2707,34 @@ def has_files_for_keywords_alone(run: Run, look: PlanBeforeLock | None) -> bool:
     return bool(look.plan.without_vectors - look.plan.waiting_as_they_were)
 
 
-def _prepare(run: Run, vectors: rules.Vectors, look: PlanBeforeLock | None) -> PreparedIndex:
+def _prepare(run: Run, vectors: rules.Vectors, look: PlanBeforeLock | None) -> tuple[Run, PreparedIndex]:
     """Under the lock: the index this run writes, opened and planned (the look before the lock
-    reused when it still holds), its files chunked. On a failure the index is closed again."""
-    dims = _dims_under_the_lock(run)
+    reused when it still holds), its files chunked; the run with what it learned meanwhile. On a
+    failure the index is closed again."""
+    run, dims = _dims_under_the_lock(run)
     prepared = _open_and_plan(run, dims, vectors, look)
     try:
         if prepared.plan.changed and run.model is None and run.unembeddable is None:
             # Another ingest or an editor changed files since the look before the lock.
-            run.model, run.hosts = probe_hosts(run.embedders, run.scheme, run.settings, run.recorded_fingerprint())
-            if run.model.dims != dims:
+            model, hosts = probe_hosts(run.embedders, run.scheme, run.settings, run.recorded_fingerprint())
+            run = replace(run, model=model, hosts=hosts)
+            if model.dims != dims:
                 prepared.store.close()
-                prepared = _open_and_plan(run, run.model.dims, vectors, None)
+                prepared = _open_and_plan(run, model.dims, vectors, None)
         _report_prepared(run, prepared)
         chunk_files(prepared.plan.changed, ChunkBudget(run.context_length(), run.settings.chunk_max_tokens,
                                                   run.settings.chunk_min_tokens, run.scheme))
     except BaseException:
         prepared.store.close()
         raise
-    return prepared
+    return run, prepared
 
 
-def _dims_under_the_lock(run: Run) -> int:
+def _dims_under_the_lock(run: Run) -> tuple[Run, int]:
     """The live index read again (another run may have published since the look) and the guards
-    checked before anything is written; the vectors' dimensions this run writes."""
-    run.current = current = run.layout.read_current()
+    checked before anything is written; the run with that index and whether it re-embeds every
+    chunk (full), and the vectors' dimensions this run writes."""
+    current = run.layout.read_current()
     check_same_corpus(current, run.settings.corpus_dir, run.settings.store_dir, run.args.replace_corpus)
     if run.args.full and current is not None:
         set_aside_damaged_keywords(run.layout, current)
@@ -2746,8 +2746,7 @@ def _dims_under_the_lock(run: Run) -> int:
     if run.summary.model_changed:
         log.warning("the embedding server's %s is not the one this index was embedded with (%s): re-embedding every "
                     "chunk", run.settings.embed_model, how_the_model_changed(current, run.model))  # type: ignore[arg-type]  # changed: both known
-    run.full = run.args.full or run.summary.model_changed
-    return dims
+    return replace(run, current=current, full=run.args.full or run.summary.model_changed), dims
 
 
 def _report_prepared(run: Run, prepared: PreparedIndex) -> None:
@@ -2810,8 +2809,9 @@ def _carry_out_plan(run: Run, prepared: PreparedIndex) -> bool:
     try:
         if run.unembeddable is not None:
             written, run_errors = _index_without_vectors(run, prepared, plan.changed, run.unembeddable)
+            stopped = None
         else:
-            written, run_errors = _embed_and_write(run, prepared, embedding)
+            written, run_errors, stopped = _embed_and_write(run, prepared, embedding)
         changed_anything = changed_anything or bool(written)
         if plan.removed:
             store.remove(plan.removed)
@@ -2836,7 +2836,7 @@ def _carry_out_plan(run: Run, prepared: PreparedIndex) -> bool:
     summary.errors = [*sorted(plan.failed.values()), *run_errors]
     if summary.vectors_pending:
         hint = rules.vectors_pending_hint(run.settings.embed_model, run.settings.corpus_dir, run.settings.store_dir,
-                                          embedder_up=None if run.embedding_stopped is not None
+                                          embedder_up=None if stopped is not None
                                           else run.unembeddable is None and run.model is not None,
                                           api=run.settings.embed_api)
         summary.errors.append(f"{summary.vectors_pending} chunks without vectors (found by keyword search only): {hint}")
@@ -2857,7 +2857,8 @@ def _calibrate(store: Store, embedding: Embedding) -> bool:
     return True
 
 
-def _embed_and_write(run: Run, prepared: PreparedIndex, embedding: Embedding) -> tuple[set[str], list[str]]:
+def _embed_and_write(run: Run, prepared: PreparedIndex,
+                     embedding: Embedding) -> tuple[set[str], list[str], RagError | None]:
     """Embed the changed files a commit group at a time; each group's vectors go to the store as
     soon as they are embedded, and its rows commit while the next groups are embedded (the store
     writes those vectors meanwhile). The next group is queued before this one is waited for, so the
@@ -2866,8 +2867,10 @@ def _embed_and_write(run: Run, prepared: PreparedIndex, embedding: Embedding) ->
     Groups hold about COMMIT_EVERY_S of embedding at the measured pace (the first one call's
     worth), so an interrupted run keeps what it embedded. Once the pace says the files with no
     vectors yet would take longer than KEYWORDS_FIRST_AFTER_S, they are indexed for keyword search
-    and published first, then embedded. Returns the paths written and the run's own errors (the
-    embedder going away: files with no vectors yet are then indexed for keyword search only)."""
+    and published first, then embedded. Returns the paths written, the run's own errors and why
+    the embedding stopped part-way (the embedder going away, no host left in the rotation: files
+    with no vectors yet are then indexed for keyword search only; said even when every file it left
+    was, and the pending passages' hint does not claim the embedder answers)."""
     store, plan, summary = prepared.store, prepared.plan, run.summary
     written: set[str] = set()
     started: set[str] = set()  # paths given to a group so far
@@ -2954,16 +2957,15 @@ def _embed_and_write(run: Run, prepared: PreparedIndex, embedding: Embedding) ->
             raise
         # The embedder went away mid-run (even one chunk at a time timed out): what was committed
         # stays, the rest keeps its old chunks (or, with none, is indexed for keyword search).
-        run.embedding_stopped = exc
         rest = [pf for pf in plan.changed
                 if pf.file.path not in written | keyword_only and pf.file.path not in plan.failed]
         indexed, errors = _index_without_vectors(run, prepared, rest, exc)
-        return written | indexed, errors or [f"{exc.message}; the embedding stopped there ({exc.hint})"]
+        return written | indexed, errors or [f"{exc.message}; the embedding stopped there ({exc.hint})"], exc
     finally:
         keyword_line.close()
         progress.finish()
         summary.chunks_embedded, summary.chunks_reused = embedding.embedded, embedding.reused
-    return written, []
+    return written, [], None
 
 
 def may_publish_without_vectors(run: Run, store: Store) -> bool:
@@ -3057,9 +3059,11 @@ def _model_to_record(current: rules.CurrentIndex | None, model: ModelFacts | Non
 
 def _publish(run: Run, prepared: PreparedIndex, changed_anything: bool) -> None:
     """Stamp the index and, when anything changed, point CURRENT.json at it with a new generation
-    (running servers reopen on it; run.current becomes it). A rebuild with failures stays
-    unpublished. Called again in a run that published its keyword index first."""
-    summary, settings, current, store = run.summary, run.settings, run.current, prepared.store
+    (running servers reopen on it). A rebuild with failures stays unpublished. Called again in a
+    run that published its keyword index first: the live index is read from CURRENT.json, which
+    only this run writes while it holds the store lock."""
+    summary, settings, store = run.summary, run.settings, prepared.store
+    current = run.layout.read_current()
     store.compact_keywords()  # before the stamp: a new generation goes live compact
     summary.commit, summary.dirty = corpus_git_state(settings.corpus_dir)
     found = files_found(run.walk, prepared.plan)
@@ -3084,9 +3088,9 @@ def _publish(run: Run, prepared: PreparedIndex, changed_anything: bool) -> None:
         return
     if announce:
         generation = (current.generation + 1) if current else 1
-        run.current = rules.CurrentIndex(index=store.name, generation=generation, manifest=store.manifest, stamp=stamp,
-                                         corpus_dir=str(settings.corpus_dir), corpus_id=run.walk.root_id)
-        run.layout.write_current(run.current)
+        run.layout.write_current(rules.CurrentIndex(index=store.name, generation=generation, manifest=store.manifest,
+                                                    stamp=stamp, corpus_dir=str(settings.corpus_dir),
+                                                    corpus_id=run.walk.root_id))
         store.mark_published()
         if current is not None and current.index != store.name:
             # The previous index is no longer live: its vectors and its folder go.

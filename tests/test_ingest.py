@@ -598,14 +598,23 @@ def test_only_unwritten_files_are_reported_when_the_embedder_dies(
     edit(corpus / "c.md", "FAILPOINT here\n")
     edit(corpus / "d.md", "FAILPOINT new\n")  # new: indexed for keyword search until it can be embedded
     fake_ollama_env.configure(max_input_tokens=12)
-    original = rules.OllamaEmbedder.embed
+    original = rules.OllamaEmbedder.begin_embed
 
-    def dying_call(self: rules.OllamaEmbedder, texts: list[str]) -> Any:
-        if any("FAILPOINT" in t for t in texts):
-            raise rules.RagError(rules.ErrorCode.EMBEDDER_UNAVAILABLE, "Ollama went away", "start it")
-        return original(self, texts)
+    def dying_call(self: rules.OllamaEmbedder, texts: list[str], then: Any = None, failed: Any = None) -> Any:
+        """begin_embed, failing on the call's thread as a server that went away does."""
+        if not any("FAILPOINT" in t for t in texts):
+            return original(self, texts, then, failed)
 
-    monkeypatch.setattr(rules.OllamaEmbedder, "embed", dying_call)
+        def fail() -> None:
+            error = rules.RagError(rules.ErrorCode.EMBEDDER_UNAVAILABLE, "Ollama went away", "start it")
+            if failed is not None:
+                failed(error)
+            raise error
+
+        call = rules.on_call_thread(fail)
+        return lambda: call.result(self.timeout_s)
+
+    monkeypatch.setattr(rules.OllamaEmbedder, "begin_embed", dying_call)
     run = ingest_run(corpus, store)
     assert run.code == 1
     assert (run.summary["failed"], run.summary["left_for_next_run"]) == (1, 1)
