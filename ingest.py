@@ -2811,7 +2811,7 @@ def _carry_out_plan(run: Run, prepared: PreparedIndex) -> bool:
             written, run_errors = _index_without_vectors(run, prepared, plan.changed, run.unembeddable)
             stopped = None
         else:
-            written, run_errors, stopped = _embed_and_write(run, prepared, embedding)
+            written, run_errors, stopped = GroupWriter(run, prepared, embedding).write()
         changed_anything = changed_anything or bool(written)
         if plan.removed:
             store.remove(plan.removed)
@@ -2857,9 +2857,8 @@ def _calibrate(store: Store, embedding: Embedding) -> bool:
     return True
 
 
-def _embed_and_write(run: Run, prepared: PreparedIndex,
-                     embedding: Embedding) -> tuple[set[str], list[str], RagError | None]:
-    """Embed the changed files a commit group at a time; each group's vectors go to the store as
+class GroupWriter:
+    """Embeds the changed files a commit group at a time; each group's vectors go to the store as
     soon as they are embedded, and its rows commit while the next groups are embedded (the store
     writes those vectors meanwhile). The next group is queued before this one is waited for, so the
     embedding calls go on from one group to the next.
@@ -2867,105 +2866,130 @@ def _embed_and_write(run: Run, prepared: PreparedIndex,
     Groups hold about COMMIT_EVERY_S of embedding at the measured pace (the first one call's
     worth), so an interrupted run keeps what it embedded. Once the pace says the files with no
     vectors yet would take longer than KEYWORDS_FIRST_AFTER_S, they are indexed for keyword search
-    and published first, then embedded. Returns the paths written, the run's own errors and why
-    the embedding stopped part-way (the embedder going away, no host left in the rotation: files
+    and published first, then embedded. write() returns the paths written, the run's own errors and
+    why the embedding stopped part-way (the embedder going away, no host left in the rotation: files
     with no vectors yet are then indexed for keyword search only; said even when every file it left
-    was, and the pending passages' hint does not claim the embedder answers)."""
-    store, plan, summary = prepared.store, prepared.plan, run.summary
-    written: set[str] = set()
-    started: set[str] = set()  # paths given to a group so far
-    progress = ProgressLine(len(plan.changed), sum(len(pf.chunks) for pf in plan.changed))
-    embedding.on_embedded = progress.embedded
-    embedding.on_reused = progress.embedded
-    embedding.on_split = progress.grew
-    keywords_first = not may_publish_without_vectors(run, store)  # True once done, or when it may not be
-    keyword_only: set[str] = set()  # paths indexed for keyword search first in this run
+    was, and the pending passages' hint does not claim the embedder answers).
 
-    def commit(sent: Sent) -> None:
-        store.commit(sent)
-        written.update(pf.file.path for pf in sent.files)
-        summary.chunks_written += sum(len(pf.chunks) for pf in sent.files)
-        progress.committed(len(sent.files))
+    Per group (step): 1. the next group begun, 2. keyword search first when embedding is slow,
+    3. the keyword pass advanced (published when done), 4. this group embedded and sent, the one
+    before it committed. Whatever fails, a group already embedded and sent is committed first."""
 
-    def commit_pending() -> None:
-        """Commit the group sent and not committed yet, if any."""
-        nonlocal pending
-        if pending is not None:
-            commit(pending)
-            pending = None
+    def __init__(self, run: Run, prepared: PreparedIndex, embedding: Embedding) -> None:
+        self.run, self.prepared, self.embedding = run, prepared, embedding
+        self.store, self.plan, self.summary = prepared.store, prepared.plan, run.summary
+        self.written: set[str] = set()  # paths committed with their vectors
+        self.started: set[str] = set()  # paths given to a group so far
+        self.keyword_only: set[str] = set()  # paths indexed for keyword search first in this run
+        self.progress = ProgressLine(len(self.plan.changed), sum(len(pf.chunks) for pf in self.plan.changed))
+        embedding.on_embedded = self.progress.embedded
+        embedding.on_reused = self.progress.embedded
+        embedding.on_split = self.progress.grew
+        # True once the keyword pass is done, or when this index may not publish rows without vectors.
+        self.keywords_first = not may_publish_without_vectors(run, self.store)
+        self.pending: Sent | None = None  # sent to the store, not committed yet
+        self.job: FilesJob | None = None  # the group being embedded
+        self.upcoming: FilesJob | None = None  # the next one, begun
+        # Files to index for keyword search first, taken from the end (None: no pass under way).
+        self.keyword_queue: list[PreparedFile] | None = None
+        self.keyword_line = contextlib.ExitStack()  # the progress line's keyword pass, while it lasts
+        self.keyword_written: Callable[[int], None] = lambda files: None
 
-    def not_started_without_vectors() -> list[PreparedFile]:
-        return [pf for pf in plan.changed if pf.file.path not in started and pf.file.path in plan.without_vectors]
+    def write(self) -> tuple[set[str], list[str], RagError | None]:
+        groups = _groups(self.plan.changed,
+                         lambda: _group_chunks(self.embedding, self.progress.chunks, first=not self.started))
+        try:
+            self.job = self.begin(next(groups, None))
+            while self.job is not None:
+                self.step(groups)
+            self.commit_pending()
+        except KeyboardInterrupt:
+            self.commit_pending()  # embedded and sent: kept (the vector process ignores Ctrl-C)
+            raise
+        except RagError as exc:
+            return self.stopped(exc)
+        finally:
+            self.keyword_line.close()
+            self.progress.finish()
+            self.summary.chunks_embedded, self.summary.chunks_reused = self.embedding.embedded, self.embedding.reused
+        return self.written, [], None
 
-    def begin(group: list[PreparedFile] | None) -> FilesJob | None:
+    def step(self, groups: Iterator[list[PreparedFile]]) -> None:
+        """One group through the numbered steps (see the class)."""
+        # 1. the next group, its calls following this group's without a pause
+        self.upcoming = self.committed_first(lambda: self.begin(next(groups, None)))
+        # 2. keyword search first, when the pace says embedding the new files takes long
+        self.start_keyword_pass_if_slow()
+        # 3. the keyword pass, a share at least per group; published when done
+        self.advance_keyword_pass()
+        # 4. this group embedded and sent; the one before it committed
+        group = self.committed_first(lambda: _embedded(self.embedding, self.job, self.plan))  # type: ignore[arg-type]  # in step: a job
+        sent = self.store.send(group) if group else None
+        self.commit_pending()
+        self.pending, self.job, self.upcoming = sent, self.upcoming, None
+
+    def begin(self, group: list[PreparedFile] | None) -> FilesJob | None:
         if group is None:
             return None
-        started.update(pf.file.path for pf in group)
-        return embedding.begin_files(group)
+        self.started.update(pf.file.path for pf in group)
+        return self.embedding.begin_files(group)
 
-    groups = _groups(plan.changed, lambda: _group_chunks(embedding, progress.chunks, first=not started))
-    pending: Sent | None = None
-    job: FilesJob | None = None
-    upcoming: FilesJob | None = None
-    # Files to index for keyword search first, taken from the end (None: no pass under way).
-    keyword_queue: list[PreparedFile] | None = None
-    keyword_line = contextlib.ExitStack()  # the progress line's keyword pass, while it lasts
-    keyword_written: Callable[[int], None] = lambda files: None
-    try:
-        job = begin(next(groups, None))
-        while job is not None:
-            try:
-                upcoming = begin(next(groups, None))  # its calls follow this group's without a pause
-            except RagError:
-                commit_pending()  # embedded before the failure: it stays
-                raise
-            rest = [] if keywords_first else not_started_without_vectors()
-            wait = embedding.seconds_for(sum(len(pf.chunks) for pf in rest))
-            if rest and wait is not None and wait > KEYWORDS_FIRST_AFTER_S:
-                keywords_first, keyword_queue = True, rest
-                log.info("embedding %d file(s) new to the index will take about %.0f s: indexing them for keyword "
-                         "search first", len(rest), wait)
-                keyword_written = keyword_line.enter_context(progress.keyword_pass(len(rest)))
-            while keyword_queue:  # the pass is written while the groups embed, a share at least per group
-                taken, paths = _write_some_without_vectors(store, keyword_queue, started, summary)
-                keyword_only.update(paths)
-                keyword_written(taken)
-                if embedding.finished(job):
-                    break
-            if keyword_queue == []:  # the pass is done: the keyword index goes live
-                keyword_queue = None
-                commit_pending()  # this group is findable in the generation published now
-                keyword_line.close()
-                _publish(run, prepared, changed_anything=True)
-            try:
-                group = _embedded(embedding, job, plan)
-            except RagError:
-                commit_pending()  # embedded before the failure: it stays
-                raise
-            sent = store.send(group) if group else None
-            commit_pending()
-            pending, job, upcoming = sent, upcoming, None
-        commit_pending()
-    except KeyboardInterrupt:
-        commit_pending()  # embedded and sent: kept (the vector process ignores Ctrl-C)
-        raise
-    except RagError as exc:
-        for given_up in (job, upcoming):
-            if given_up is not None:
-                embedding.abandon(given_up)
-        if exc.code not in EMBEDDER_DOWN:
+    def committed_first(self, fn: Callable[[], Any]) -> Any:
+        """fn(), the group embedded before it failed committed first: it stays."""
+        try:
+            return fn()
+        except RagError:
+            self.commit_pending()
             raise
-        # The embedder went away mid-run (even one chunk at a time timed out): what was committed
-        # stays, the rest keeps its old chunks (or, with none, is indexed for keyword search).
-        rest = [pf for pf in plan.changed
-                if pf.file.path not in written | keyword_only and pf.file.path not in plan.failed]
-        indexed, errors = _index_without_vectors(run, prepared, rest, exc)
-        return written | indexed, errors or [f"{exc.message}; the embedding stopped there ({exc.hint})"], exc
-    finally:
-        keyword_line.close()
-        progress.finish()
-        summary.chunks_embedded, summary.chunks_reused = embedding.embedded, embedding.reused
-    return written, [], None
+
+    def commit_pending(self) -> None:
+        """Commit the group sent and not committed yet, if any."""
+        sent = self.pending
+        if sent is not None:
+            self.store.commit(sent)
+            self.written.update(pf.file.path for pf in sent.files)
+            self.summary.chunks_written += sum(len(pf.chunks) for pf in sent.files)
+            self.progress.committed(len(sent.files))
+            self.pending = None
+
+    def start_keyword_pass_if_slow(self) -> None:
+        rest = [] if self.keywords_first else [pf for pf in self.plan.changed if pf.file.path not in self.started
+                                               and pf.file.path in self.plan.without_vectors]
+        wait = self.embedding.seconds_for(sum(len(pf.chunks) for pf in rest))
+        if rest and wait is not None and wait > KEYWORDS_FIRST_AFTER_S:
+            self.keywords_first, self.keyword_queue = True, rest
+            log.info("embedding %d file(s) new to the index will take about %.0f s: indexing them for keyword "
+                     "search first", len(rest), wait)
+            self.keyword_written = self.keyword_line.enter_context(self.progress.keyword_pass(len(rest)))
+
+    def advance_keyword_pass(self) -> None:
+        """Write the keyword pass while this group embeds (a share at least); once it is done, the
+        keyword index goes live: this group's predecessor committed, a generation published."""
+        while self.keyword_queue:
+            taken, paths = _write_some_without_vectors(self.store, self.keyword_queue, self.started, self.summary)
+            self.keyword_only.update(paths)
+            self.keyword_written(taken)
+            if self.embedding.finished(self.job):  # type: ignore[arg-type]  # in step: a job
+                break
+        if self.keyword_queue == []:
+            self.keyword_queue = None
+            self.commit_pending()  # findable in the generation published now
+            self.keyword_line.close()
+            _publish(self.run, self.prepared, changed_anything=True)
+
+    def stopped(self, exc: RagError) -> tuple[set[str], list[str], RagError | None]:
+        """The embedder went away mid-run (even one chunk at a time timed out): what was committed
+        stays, the rest keeps its old chunks (or, with none, is indexed for keyword search). Any
+        other failure is raised."""
+        for given_up in (self.job, self.upcoming):
+            if given_up is not None:
+                self.embedding.abandon(given_up)
+        if exc.code not in EMBEDDER_DOWN:
+            raise exc
+        rest = [pf for pf in self.plan.changed
+                if pf.file.path not in self.written | self.keyword_only and pf.file.path not in self.plan.failed]
+        indexed, errors = _index_without_vectors(self.run, self.prepared, rest, exc)
+        return self.written | indexed, errors or [f"{exc.message}; the embedding stopped there ({exc.hint})"], exc
 
 
 def may_publish_without_vectors(run: Run, store: Store) -> bool:
