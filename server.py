@@ -2301,123 +2301,34 @@ class QueryEmbeddings:
         `prefetch.send_queries`, on the embedder's call thread that received them (a search queues
         its Chroma queries from there). Every host's vectors must be `wanted`'s: its size, its
         dimensions asked of the server, its model fingerprint; a host after the first must also
-        list the model digest the index was embedded with."""
-        model, dims, dimensions = wanted.name, wanted.dims, wanted.dimensions
-        digest, fingerprint = wanted.digest, wanted.fingerprint
-        timeout = min(settings.embed_timeout_s, QUERY_EMBED_TIMEOUT_S)
-        hosts = settings.ollama_hosts
-        keys = [(model, text, wanted.generation) for text in texts]
+        list the model digest the index was embedded with (see QueryCall)."""
+        keys = [(wanted.name, text, wanted.generation) for text in texts]
         vectors = self._cache.get_many(keys)
-        missing = list(dict.fromkeys(key for key in keys if key not in vectors))
-        if not missing:
+        if all(key in vectors for key in keys):
             return lambda: [vectors[key] for key in keys]
+        resting = self.resting(settings.ollama_hosts, wanted.name)
+        ready = [host for host in settings.ollama_hosts if host not in resting]
+        if not ready:
+            error = one_error([resting[host] for host in settings.ollama_hosts])
+            return lambda: _raise(error)
+        call = QueryCall(self, QueryAsked(settings, wanted, keys, vectors, ready, resting), prefetch)
+        call.send(ready[0])
+        return call.result
+
+    def remember(self, vectors: Mapping[tuple[Any, ...], Any], host: str, model: str) -> None:
+        """Vectors that passed every check, cached; their host no longer rests."""
+        with self._lock:
+            self._resting.pop((host, model), None)
+        self._cache.put_many(vectors)
+
+    def resting(self, hosts: Sequence[str], model: str) -> dict[str, RagError]:
+        """The hosts skipped for now (see rest), with why."""
         now = time.monotonic()
         with self._lock:
-            resting = {host: self._resting[(host, model)][1] for host in hosts
-                       if (host, model) in self._resting and now < self._resting[(host, model)][0]}
-        ready = [host for host in hosts if host not in resting]
-        if not ready:
-            error = one_error([resting[host] for host in hosts])
-            return lambda: _raise(error)
+            return {host: self._resting[(host, model)][1] for host in hosts
+                    if (host, model) in self._resting and now < self._resting[(host, model)][0]}
 
-        def embedder_of(host: str) -> rules.Embedder:
-            return self.embedder(settings, host, model, timeout, dimensions)
-
-        def received(host: str, matrix: Any, probed: bool) -> list[Any]:  # on the embedder's call thread
-            embedder = embedder_of(host)
-            if len(matrix[0]) != dims:  # this host serves another model under the name: the next one may not
-                raise RagError(ErrorCode.INDEX_INCOMPATIBLE,
-                               f"{embedder.where} returns {len(matrix[0])}-dimensional vectors for {model!r} but the "
-                               f"index holds {dims}-dimensional ones",
-                               f"the model changed under the same name there: leave that host out of "
-                               f"{embedder.HOSTS_VARIABLE}, or rebuild with {rules.ingest_command('--full')} if the "
-                               "change was meant")
-            if probed:
-                self._match_fingerprint(embedder, matrix[0], fingerprint)  # type: ignore[arg-type]  # probed: known
-                matrix = matrix[1:]
-            with self._lock:
-                self._resting.pop((host, model), None)
-            arrived = dict(zip(missing, matrix, strict=True))
-            vectors.update(arrived)
-            self._cache.put_many(arrived)
-            ordered = [vectors[key] for key in keys]
-            if prefetch is not None:
-                prefetch.send_queries(ordered)
-            return ordered
-
-        missing_texts = [key[1] for key in missing]
-        answers: queue.SimpleQueue[tuple[str, list[Any] | None, BaseException | None]] = queue.SimpleQueue()
-
-        def send(host: str) -> None:
-            """Ask one host; its answer or failure is put for finish() to read, from the thread
-            that received it."""
-            embedder = embedder_of(host)
-            probed = fingerprint is not None and not self._matches(embedder, fingerprint)
-            sent = [rules.FINGERPRINT_TEXT, *missing_texts] if probed else missing_texts
-
-            def ask() -> None:
-                embedder.begin_embed(sent, then=lambda matrix: answers.put((host, received(host, matrix, probed), None)),
-                                     failed=lambda exc: answers.put((host, None, exc)))
-
-            def checked_then_asked() -> None:  # a later host: its weights first, on a call thread
-                try:
-                    self._check_weights(embedder, digest)  # type: ignore[arg-type]
-                except Exception as exc:  # noqa: BLE001 - handed to finish(), which raises it
-                    answers.put((host, None, exc))
-                    return
-                ask()
-
-            if host == hosts[0] or digest is None:
-                ask()
-            else:
-                rules.on_call_thread(checked_then_asked)
-
-        sent_at = time.monotonic()
-        send(ready[0])
-
-        def finish() -> list[Any]:
-            """The first answer of the hosts asked. A host that has not answered within its
-            share of the time (QUERY_HEDGE_S at most) is not given up on: the next is asked
-            beside it, and whichever answers first is used."""
-            deadline, share = sent_at + timeout, min(timeout / len(ready), QUERY_HEDGE_S)
-            asking: list[str] = [ready[0]]
-            failures: list[RagError] = []
-            following, next_at = 1, sent_at + share
-            while True:
-                now = time.monotonic()
-                if following < len(ready) and (not asking or now >= next_at):
-                    why = f"{embedder_of(asking[-1]).where} has not answered yet" if asking else failures[-1].message
-                    log.warning("%s: asking %s for the query vectors", why, ready[following])
-                    send(ready[following])
-                    asking.append(ready[following])
-                    following, next_at = following + 1, now + share
-                    continue
-                if not asking:
-                    raise one_error([*failures, *resting.values()])
-                until = min(deadline, next_at) if following < len(ready) else deadline
-                try:
-                    host, answer, exc = answers.get(timeout=max(0.0, until - now))
-                except queue.Empty:
-                    if time.monotonic() < deadline:
-                        continue
-                    late = [embedder_of(host).timed_out(timeout) for host in asking]
-                    self._rest(asking, model, late)
-                    raise one_error([*failures, *late, *resting.values()]) from None
-                asking.remove(host)
-                if exc is None:  # hosts still asked were slower: they rest, as one that timed out
-                    self._rest(asking, model, [embedder_of(slow).timed_out(time.monotonic() - sent_at)
-                                               for slow in asking])
-                    return answer  # type: ignore[return-value]
-                self._forget_match(host)
-                if not isinstance(exc, RagError) or exc.code not in DEGRADABLE_EMBEDDER_ERRORS:
-                    raise exc
-                if isinstance(exc, rules.EmbedderTimeout) or exc.code is ErrorCode.INDEX_INCOMPATIBLE:
-                    self._rest([host], model, [exc])
-                failures.append(exc)
-
-        return finish
-
-    def _rest(self, hosts: Sequence[str], model: str, errors: Sequence[RagError]) -> None:
+    def rest(self, hosts: Sequence[str], model: str, errors: Sequence[RagError]) -> None:
         """Skip these hosts for EMBEDDER_REST_S: a stalled host costs one timeout, not one per search."""
         with self._lock:
             for host, error in zip(hosts, errors, strict=True):
@@ -2427,17 +2338,17 @@ class QueryEmbeddings:
     def _match_key(embedder: rules.Embedder, fingerprint: rules.ModelFingerprint) -> tuple[Any, ...]:
         return embedder.host, embedder.model, embedder.dimensions, fingerprint
 
-    def _matches(self, embedder: rules.Embedder, fingerprint: rules.ModelFingerprint) -> bool:
+    def matches(self, embedder: rules.Embedder, fingerprint: rules.ModelFingerprint) -> bool:
         with self._lock:
             matched_at = self._matched.get(self._match_key(embedder, fingerprint))
         return matched_at is not None and time.monotonic() - matched_at < FINGERPRINT_RECHECK_S
 
-    def _forget_match(self, host: str) -> None:
+    def forget_match(self, host: str) -> None:
         with self._lock:
             for key in [key for key in self._matched if key[0] == host]:
                 del self._matched[key]
 
-    def _match_fingerprint(self, embedder: rules.Embedder, vector: Any, fingerprint: rules.ModelFingerprint) -> None:
+    def match_fingerprint(self, embedder: rules.Embedder, vector: Any, fingerprint: rules.ModelFingerprint) -> None:
         """Raise INDEX_INCOMPATIBLE unless the host's vector of the fingerprint text matches the
         index's fingerprint (another model, quantisation or size behind the name); note a match."""
         seen = rules.ModelFingerprint.of(vector, embedder.served_model)
@@ -2451,7 +2362,7 @@ class QueryEmbeddings:
         with self._lock:
             self._matched[self._match_key(embedder, fingerprint)] = time.monotonic()
 
-    def _check_weights(self, embedder: rules.Embedder, digest: str) -> None:
+    def check_weights(self, embedder: rules.Embedder, digest: str) -> None:
         """Raise unless the host lists the index's model digest (asked once per host and digest;
         a host that cannot be asked is not judged, only failed for this call)."""
         key = (embedder.host, embedder.model, digest)
@@ -2470,6 +2381,128 @@ class QueryEmbeddings:
                 self._weights[key] = verdict
         if verdict is not None:
             raise verdict
+
+
+@dataclass(frozen=True)
+class QueryAsked:
+    """What one QueryCall asks: the texts' cache keys (model, text, generation) and the vectors the
+    cache had, the hosts to ask in order and those resting, for the index's model `wanted`."""
+
+    settings: rules.Settings
+    wanted: IndexModel
+    keys: list[tuple[Any, ...]]
+    cached: Mapping[tuple[Any, ...], Any]
+    ready: list[str]
+    resting: Mapping[str, RagError]
+
+
+class QueryCall:
+    """One call for query vectors (QueryEmbeddings.begin): the texts the cache lacks sent to the
+    first ready host (send), the next one asked beside a host that is slow or after one that
+    failed, the first answer taken (result). Three threads: send and result run on the caller's;
+    received on the embedder's call thread that got the answer, which checks the vectors (size,
+    fingerprint), caches them and hands them to the search's Prefetch (send_queries) right there;
+    a later host's weights are checked on a call thread before it is asked (check_then_ask)."""
+
+    def __init__(self, owner: QueryEmbeddings, asked: QueryAsked, prefetch: Prefetch | None) -> None:
+        self.owner, self.asked, self.prefetch = owner, asked, prefetch
+        self.missing = list(dict.fromkeys(key for key in asked.keys if key not in asked.cached))
+        self.timeout = min(asked.settings.embed_timeout_s, QUERY_EMBED_TIMEOUT_S)
+        # Each host's answer or failure, from the thread that received it, for result() to read.
+        self.answers: queue.SimpleQueue[tuple[str, list[Any] | None, BaseException | None]] = queue.SimpleQueue()
+        self.sent_at = time.monotonic()
+
+    def embedder_of(self, host: str) -> rules.Embedder:
+        wanted = self.asked.wanted
+        return self.owner.embedder(self.asked.settings, host, wanted.name, self.timeout, wanted.dimensions)
+
+    def send(self, host: str) -> None:
+        """Ask one host: with the fingerprint text first when its vectors have not matched the
+        index's lately; a host after the first configured once it lists the index's model digest."""
+        embedder, wanted = self.embedder_of(host), self.asked.wanted
+        probed = wanted.fingerprint is not None and not self.owner.matches(embedder, wanted.fingerprint)
+        if host == self.asked.settings.ollama_hosts[0] or wanted.digest is None:
+            self.ask(host, probed)
+        else:
+            rules.on_call_thread(functools.partial(self.check_then_ask, host, probed))
+
+    def check_then_ask(self, host: str, probed: bool) -> None:  # on a call thread
+        try:
+            self.owner.check_weights(self.embedder_of(host), self.asked.wanted.digest)  # type: ignore[arg-type]  # sent so
+        except Exception as exc:  # noqa: BLE001 - handed to result(), which raises it
+            self.answers.put((host, None, exc))
+            return
+        self.ask(host, probed)
+
+    def ask(self, host: str, probed: bool) -> None:
+        texts = [key[1] for key in self.missing]
+        self.embedder_of(host).begin_embed(
+            [rules.FINGERPRINT_TEXT, *texts] if probed else texts,
+            then=lambda matrix: self.answers.put((host, self.received(host, matrix, probed), None)),
+            failed=lambda exc: self.answers.put((host, None, exc)))
+
+    def received(self, host: str, matrix: Any, probed: bool) -> list[Any]:  # on the embedder's call thread
+        """A host's vectors, checked (the index's size, its model's fingerprint), cached, and sent on
+        to the search's Chroma queries; in the order of the texts asked."""
+        embedder, wanted = self.embedder_of(host), self.asked.wanted
+        if len(matrix[0]) != wanted.dims:  # this host serves another model under the name: the next one may not
+            raise RagError(ErrorCode.INDEX_INCOMPATIBLE,
+                           f"{embedder.where} returns {len(matrix[0])}-dimensional vectors for {wanted.name!r} but the "
+                           f"index holds {wanted.dims}-dimensional ones",
+                           f"the model changed under the same name there: leave that host out of "
+                           f"{embedder.HOSTS_VARIABLE}, or rebuild with {rules.ingest_command('--full')} if the "
+                           "change was meant")
+        if probed:
+            self.owner.match_fingerprint(embedder, matrix[0], wanted.fingerprint)  # type: ignore[arg-type]  # probed: known
+            matrix = matrix[1:]
+        arrived = dict(zip(self.missing, matrix, strict=True))
+        self.owner.remember(arrived, host, wanted.name)
+        vectors = {**self.asked.cached, **arrived}
+        ordered = [vectors[key] for key in self.asked.keys]
+        if self.prefetch is not None:
+            self.prefetch.send_queries(ordered)
+        return ordered
+
+    def result(self) -> list[Any]:
+        """The first answer of the hosts asked. A host that has not answered within its share of
+        the time (QUERY_HEDGE_S at most) is not given up on: the next is asked beside it, and
+        whichever answers first is used."""
+        ready, model, owner = self.asked.ready, self.asked.wanted.name, self.owner
+        deadline, share = self.sent_at + self.timeout, min(self.timeout / len(ready), QUERY_HEDGE_S)
+        asking: list[str] = [ready[0]]
+        failures: list[RagError] = []
+        following, next_at = 1, self.sent_at + share
+        while True:
+            now = time.monotonic()
+            if following < len(ready) and (not asking or now >= next_at):
+                why = f"{self.embedder_of(asking[-1]).where} has not answered yet" if asking else failures[-1].message
+                log.warning("%s: asking %s for the query vectors", why, ready[following])
+                self.send(ready[following])
+                asking.append(ready[following])
+                following, next_at = following + 1, now + share
+                continue
+            if not asking:
+                raise one_error([*failures, *self.asked.resting.values()])
+            until = min(deadline, next_at) if following < len(ready) else deadline
+            try:
+                host, answer, exc = self.answers.get(timeout=max(0.0, until - now))
+            except queue.Empty:
+                if time.monotonic() < deadline:
+                    continue
+                late = [self.embedder_of(host).timed_out(self.timeout) for host in asking]
+                owner.rest(asking, model, late)
+                raise one_error([*failures, *late, *self.asked.resting.values()]) from None
+            asking.remove(host)
+            if exc is None:  # hosts still asked were slower: they rest, as one that timed out
+                owner.rest(asking, model, [self.embedder_of(slow).timed_out(time.monotonic() - self.sent_at)
+                                           for slow in asking])
+                return answer  # type: ignore[return-value]
+            owner.forget_match(host)
+            if not isinstance(exc, RagError) or exc.code not in DEGRADABLE_EMBEDDER_ERRORS:
+                raise exc
+            if isinstance(exc, rules.EmbedderTimeout) or exc.code is ErrorCode.INDEX_INCOMPATIBLE:
+                owner.rest([host], model, [exc])
+            failures.append(exc)
 
 
 def one_error(failures: Sequence[RagError]) -> RagError:
