@@ -4489,6 +4489,10 @@ def decoded_cursor(cursor: str | None) -> str:
                        "pass the nextCursor of the previous resources/list page, or none to start over") from None
 
 
+# ---------------------------------------------------------------------------
+# The MCP server: results and tools as MCP types, progress, unreadable requests, build_server.
+
+
 def mcp_result(outcome: ToolOutcome) -> Any:
     """An ToolOutcome as an MCP tool result. Successes carry the payload as structured content (it fits
     the outputSchema) and as text; errors only as text: TypeScript-SDK clients (the MCP Inspector
@@ -4688,6 +4692,10 @@ def build_server(service: RetrievalService, instructions: str, warmup: WarmUp, *
                   on_read_resource=read_resource, on_completion=complete, cache_hints=cache_hints)
 
 
+# ---------------------------------------------------------------------------
+# The stdio transport: JSON-RPC lines on fds 0 and 1, nothing else on stdout.
+
+
 # The longest request line the pipe transport reads (a client's JSON-RPC message): the SDK's own
 # transport reads lines of any length, so this bound only stops a line that never ends.
 STDIO_LINE_MAX = 1 << 28
@@ -4784,6 +4792,10 @@ async def serve_stdio(server: Any) -> None:
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(screen)
             await server.run(checked_read, write_stream, server.create_initialization_options())
+
+
+# ---------------------------------------------------------------------------
+# Start-up: logging, the problems and facts the instructions carry.
 
 
 def configure_logging(level: str) -> None:
