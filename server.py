@@ -1107,6 +1107,11 @@ def nearest_folders(prefix: str, folders: Iterable[str], n: int = NEAREST_FOLDER
 
 
 def json_len(value: Any) -> int:
+    """The length of `value` as compact JSON, as the response is written (ensure_ascii off). A
+    string, the case fit_hits asks of every line of every context, goes straight to the encoder
+    json.dumps uses for it, without the dumps call around it."""
+    if isinstance(value, str):
+        return len(json.encoder.encode_basestring(value))
     return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
 
 

@@ -355,6 +355,12 @@ def test_fit_hits_keeps_the_response_under_budget(texts: list[str], budget: int)
     assert payload["results"][0:1] == [] or payload["results"][0]["text"] == texts[0], "input left untouched"
 
 
+@given(st.one_of(st.text(), st.lists(st.text(max_size=20), max_size=5), st.dictionaries(st.text(max_size=5), st.integers())))
+def test_json_len_is_the_length_of_the_compact_json_written(value: object) -> None:
+    """fit_hits' measure, with its string shortcut: what json.dumps writes, escapes included."""
+    assert server.json_len(value) == len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+
+
 def test_fit_hits_shrinks_the_longest_texts_first() -> None:
     payload = {"results": [{"text": "short", "truncated": False}, {"text": "x" * 2000, "truncated": False}]}
     fitted = server.fit_hits(payload, budget=1000)
