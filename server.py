@@ -1179,6 +1179,9 @@ class HitContext:
     lines: tuple[str, ...]
     start_line: int
     passage: tuple[int, int]  # first and last line of the passage, in the file's numbering
+    # The section's other matched passages (more_passages), best first: a window of a section too
+    # long to return whole takes them in before it grows around the passage.
+    members: tuple[tuple[int, int], ...] = ()
 
 
 def context_range(chunks: Sequence[rules.ChunkRow], hit: rules.ChunkRow, kind: Literal["section", "neighbours"],
@@ -1254,7 +1257,8 @@ def fit_hits(payload: dict[str, Any], budget: int = SEARCH_RESPONSE_MAX_CHARS,
        shares (so the longest are cut first). `truncated` marks every cut text.
     4. The room still left grows the hits' texts to their `contexts` (aligned with the results),
        best hit first: each gets its whole context if it fits, else the widest window of it around
-       its passage that does; a hit whose passage lines alone do not fit keeps its passage.
+       its passage (and its section's other matched passages, as many as fit: members_window) that
+       does; a hit whose passage lines alone do not fit keeps its passage.
     """
     # 1. Per-hit caps.
     results = [dict(hit) for hit in payload.get("results", [])]
@@ -1282,7 +1286,7 @@ def fit_hits(payload: dict[str, Any], budget: int = SEARCH_RESPONSE_MAX_CHARS,
             continue
         held = json_len(hit["text"]) - 2
         costs = [json_len(line) - 2 for line in context.lines]
-        first, last = (line - context.start_line for line in context.passage)
+        first, last = members_window(costs, context, held + room)
         lo, hi = grown_window(costs, first, last, held + room)
         cost = sum(costs[lo:hi + 1]) + 2 * (hi - lo)
         if cost > held + room:
@@ -1292,6 +1296,18 @@ def fit_hits(payload: dict[str, Any], budget: int = SEARCH_RESPONSE_MAX_CHARS,
                    truncated=(lo, hi) != (0, len(costs) - 1))
         room -= cost - held
     return out
+
+
+def members_window(costs: Sequence[int], context: HitContext, room: int) -> tuple[int, int]:
+    """Line indexes holding the context's passage and as many of its members as fit in `room`,
+    best member first (one that does not fit is skipped for the next): the passages of a section
+    that matched, in hand before the lines around them."""
+    first, last = (line - context.start_line for line in context.passage)
+    for start, end in context.members:
+        lo, hi = min(first, start - context.start_line), max(last, end - context.start_line)
+        if 0 <= lo and hi < len(costs) and sum(costs[lo:hi + 1]) + 2 * (hi - lo) <= room:
+            first, last = lo, hi
+    return first, last
 
 
 def fair_shares(costs: Sequence[int], room: int) -> list[int]:
@@ -3593,7 +3609,8 @@ class Search:
                 continue
             start, end = context_range(chunks, row, context, headings)
             end = min(end, len(lines))
-            out.append(HitContext(context, tuple(lines[start - 1:end]), start, (row.start_line, row.end_line)))
+            out.append(HitContext(context, tuple(lines[start - 1:end]), start, (row.start_line, row.end_line),
+                                  tuple(tuple(span) for span in hit.more_passages)))
         return out
 
     def confidence(self, found: Found, top: tuple[rules.ChunkRow, SearchHit]) -> Judgement:

@@ -410,8 +410,9 @@ def hits_with_contexts(draw: st.DrawFn) -> tuple[list[dict[str, Any]], list[serv
         hits.append({"path": f"p{n}.md", "text": "\n".join(lines[first - 1:last]), "truncated": False,
                      "start_line": first, "end_line": last, "context": "passage", "text_start_line": first,
                      "text_end_line": last})
+        members = tuple((a, draw(st.integers(a, hi))) for a in draw(st.lists(st.integers(lo, hi), max_size=3)))
         contexts.append(draw(st.none() | st.just(server.HitContext(
-            draw(st.sampled_from(["section", "neighbours"])), tuple(lines[lo - 1:hi]), lo, (first, last)))))
+            draw(st.sampled_from(["section", "neighbours"])), tuple(lines[lo - 1:hi]), lo, (first, last), members))))
     return hits, contexts
 
 
@@ -437,6 +438,22 @@ def test_a_context_stays_in_its_file_holds_its_passage_and_the_budget(
         assert hit["truncated"] == ((lo, hi) != (context.start_line, context.start_line + len(context.lines) - 1))
     if all(c is None for c in contexts):
         assert grown == 0
+
+
+def test_a_long_sections_window_takes_in_its_other_matched_passages_first() -> None:
+    """A section too long for the room left: the window holds the hit's passage and the section's
+    other matched passage (more_passages) rather than only the lines around the passage."""
+    lines = tuple(f"line {n:03d} " + "x" * 60 for n in range(1, 201))
+    passage, member = (150, 155), (20, 24)
+    hit = {"path": "a.md", "text": "\n".join(lines[149:155]), "truncated": False, "start_line": 150,
+           "end_line": 155, "context": "passage", "text_start_line": 150, "text_end_line": 155}
+    budget = 12_000  # far less than the section's 200 lines, more than lines 20-155
+    with_members = server.fit_hits({"query": "q", "results": [dict(hit)]}, budget=budget, contexts=[
+        server.HitContext("section", lines, 1, passage, (member,))])["results"][0]
+    alone = server.fit_hits({"query": "q", "results": [dict(hit)]}, budget=budget, contexts=[
+        server.HitContext("section", lines, 1, passage)])["results"][0]
+    assert with_members["text_start_line"] <= 20 and with_members["text_end_line"] >= 155
+    assert with_members["truncated"] and alone["text_start_line"] > 20
 
 
 @settings(max_examples=examples(200))
