@@ -11,7 +11,8 @@ Exit status: 0 all good, 1 some files failed, 2 nothing done.
 
 The run is one sequence of stages on the main thread (run, _run_stages: walk, plan before the
 lock, then under the store lock prepare, _carry_out_plan, publish); the threads around it only move
-data and are all daemons:
+data and are all daemons. Their code is the module's last section (the vector store's process, the
+progress line), but for Embedding's dispatcher, which sits with the embedding rules it keeps:
 
   thread                   owner                 runs                                   waited on by
   main                     run                   the stages; reads files (within        -
@@ -997,363 +998,6 @@ def renumber(chunks: Sequence[rules.Chunk]) -> list[rules.Chunk]:
 
 
 # ---------------------------------------------------------------------------
-# The run's vector store (rules.Vectors): in a process of its own (VectorProcess, every real run)
-# or in this one (InProcessVectors, the fast tests). Both are the same client, VectorClient, over
-# a different connection to the same VectorWriter, so they behave the same, errors included.
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this process when the ingest that started it dies (kill -9
-    included), so no write of a dead run lands after the next run has started. Elsewhere the
-    process ends when its pipe closes."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(Exception):
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-class VectorWriter:
-    """The far end of a VectorClient: one VectorStore, one answer per operation, ("ok", value) or
-    ("error", (code, message, hint)).
-
-    After a write fails (a full disk, say), the store is never touched again: every later
-    operation gets that write's error at once. Chroma can keep a lock from the failed write, and
-    its next write then waits on it for ever (seen with a file-size limit: SQLite's busy loop in
-    one of Chroma's own connections). The client is replaced after a failed write."""
-
-    def __init__(self) -> None:
-        self._vectors: rules.VectorStore | None = None
-        self._failed: tuple[Any, ...] | None = None  # the failed write's error
-
-    def answer(self, operation: str, args: tuple[Any, ...]) -> tuple[str, Any]:
-        try:
-            answer: tuple[str, Any] = ("ok", self._carry_out(operation, args))
-        except RagError as exc:
-            answer = ("error", (exc.code, exc.message, exc.hint))
-        except Exception as exc:  # noqa: BLE001 - every failure goes back to the client
-            answer = ("error", (ErrorCode.INTERNAL, f"the vector store failed: {rules.shown(exc, 300)}",
-                                "run ingest again; if it repeats, report it"))
-        if answer[0] == "error" and operation in rules.VECTOR_WRITES and self._failed is None:
-            self._failed = answer[1]
-        return answer
-
-    def _carry_out(self, operation: str, args: tuple[Any, ...]) -> Any:
-        if self._failed is not None:
-            raise RagError(*self._failed)
-        if operation == "open":
-            settings, layout, index_name, metadata = args
-            self._vectors = rules.vector_store(settings, layout, index_name, create=True).open(
-                create=True, metadata=metadata)
-            return None
-        if self._vectors is None:
-            raise RagError(ErrorCode.INTERNAL, f"vector store operation {operation!r} before open", "report it")
-        if operation == "close":
-            self._vectors, vectors = None, self._vectors
-            return vectors.close()
-        if operation not in (*rules.VECTOR_WRITES, *rules.VECTOR_READS):
-            raise RagError(ErrorCode.INTERNAL, f"unknown vector store operation {operation!r}", "report it")
-        return getattr(self._vectors, operation)(*args)
-
-    def finish(self) -> None:
-        """Close the store, unless a write failed: closing a store left locked could wait for ever too."""
-        if self._vectors is not None and self._failed is None:
-            self._vectors.close()
-        self._vectors = None
-
-
-def _serve_vectors(fd: int) -> None:
-    """The vector process's loop, on its end of the socket `fd`: a VectorWriter answering the
-    operations in the order they were sent. Ends when the socket closes."""
-    from multiprocessing.connection import Connection
-
-    conn = Connection(fd)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the parent decides
-    _die_with_parent()
-    rules.import_heavy("chromadb")  # ~1 s, paid while the parent walks the corpus and asks Ollama
-    writer = VectorWriter()
-    while True:
-        try:
-            operation, args = conn.recv()
-        except (EOFError, OSError):
-            break
-        try:
-            conn.send(writer.answer(operation, args))
-        except (BrokenPipeError, OSError):
-            break
-    writer.finish()
-
-
-class VectorClient:
-    """rules.Vectors over a connection to a VectorWriter (subclasses make the connection); the
-    protocol's signatures are checked against VectorStore's and this class's by a test.
-
-    Operations run in the order sent: writes (upsert, delete) return at once and are waited for
-    with settle(), before the rows that need them commit; reads wait for everything sent before
-    them. A failure of a write is raised by the next settle or read. The store is opened by the
-    first operation that needs it."""
-
-    def __init__(self) -> None:
-        self._conn: Any = None  # send, recv, poll and close, as multiprocessing's Connection
-        self._opening: tuple[Any, ...] | None = None  # open() arguments, sent with the first operation
-        self._open = False  # a store is open at the far end
-        self._sent = 0
-        self._answered = 0
-        self._awaiting: collections.deque[str] = collections.deque()  # operations sent, not yet answered
-        self._failure: RagError | None = None  # the first failed write: every later settle raises it
-
-    def start(self) -> None:
-        raise NotImplementedError
-
-    def usable(self) -> bool:
-        raise NotImplementedError
-
-    def shut(self) -> None:
-        raise NotImplementedError
-
-    def _gone(self) -> RagError:
-        raise NotImplementedError
-
-    def in_use(self) -> bool:
-        return self._open
-
-    def open(self, settings: rules.Settings, layout: rules.StoreLayout, index_name: str,
-             metadata: dict[str, Any]) -> VectorClient:
-        """Open an index's store (a fresh client: it sees every write made since) when the first
-        operation needs it; its errors are raised there. A writer whose write failed opens
-        nothing more (the error is raised): --watch starts a new one."""
-        if self._conn is not None:
-            with contextlib.suppress(RagError):
-                self.settle()
-        self._opening = (settings, layout, index_name, metadata)
-        return self
-
-    # Writes: sent now, done in order; settle() waits for them.
-    def upsert(self, lifecycle: str, ids: Sequence[str], embeddings: Sequence[Any], documents: Sequence[str],
-               metadatas: Sequence[dict[str, Any]]) -> int:
-        return self._send("upsert", (lifecycle, list(ids), list(embeddings), list(documents), list(metadatas)))
-
-    def delete(self, lifecycle: str, ids: Sequence[str]) -> int:
-        return self._send("delete", (lifecycle, list(ids)))
-
-    def settle(self, ticket: int | None = None) -> None:
-        """Wait until the operations sent up to `ticket` (default: all) are done; raise the first
-        failed write so far."""
-        upto = self._sent if ticket is None else ticket
-        while self._answered < upto:
-            with contextlib.suppress(RagError):
-                self._take_answer()
-        if self._failure is not None:
-            raise self._failure
-
-    # Reads: answered once everything sent before them is done.
-    def ids(self, lifecycle: str) -> list[str]:
-        return self._read("ids", lifecycle)
-
-    def count(self, lifecycle: str) -> int:
-        return self._read("count", lifecycle)
-
-    def embeddings(self, lifecycle: str, ids: Sequence[str]) -> tuple[list[str], Any]:
-        return self._read("embeddings", lifecycle, list(ids))
-
-    def metadatas(self, lifecycle: str, ids: Sequence[str]) -> tuple[list[str], list[dict[str, Any]]]:
-        return self._read("metadatas", lifecycle, list(ids))
-
-    def update_metadatas(self, lifecycle: str, ids: Sequence[str], metadatas: Sequence[dict[str, Any]]) -> None:
-        self._read("update_metadatas", lifecycle, list(ids), list(metadatas))
-
-    def query(self, lifecycle: str, vector: Sequence[float], n: int,
-              paths: Sequence[str] | None, kind: str | None = None) -> list[tuple[str, float]]:
-        return self._read("query", lifecycle, vector, n, paths, kind)
-
-    def merge_metadata(self, updates: dict[str, Any]) -> None:
-        self._read("merge_metadata", updates)
-
-    def close(self) -> None:
-        """Close the store (the writer stays for another open); a failure here changes nothing.
-        A store that was never opened has nothing to close."""
-        self._opening = None
-        if not self._open:
-            return
-        self._open = False
-        with contextlib.suppress(RagError):
-            self._send("close", ())
-            self.settle()
-
-    def _read(self, operation: str, *args: Any) -> Any:
-        ticket = self._send(operation, args)
-        self.settle(ticket - 1)
-        return self._take_answer()
-
-    def _send(self, operation: str, args: tuple[Any, ...]) -> int:
-        self.start()
-        if self._opening is not None and operation != "open":
-            opening, self._opening = self._opening, None
-            self._read("open", *opening)
-            self._open = True
-        while self._conn.poll():  # answers never pile up in the pipe while a big request goes out
-            with contextlib.suppress(RagError):
-                self._take_answer()
-        self._transmit((operation, args))
-        self._sent += 1
-        self._awaiting.append(operation)
-        return self._sent
-
-    def _transmit(self, message: tuple[str, tuple[Any, ...]]) -> None:
-        try:
-            self._conn.send(message)
-        except (BrokenPipeError, OSError):
-            raise self._gone() from None
-
-    def _take_answer(self) -> Any:
-        try:
-            status, value = self._conn.recv()
-        except (EOFError, OSError):
-            raise self._gone() from None
-        self._answered += 1
-        operation = self._awaiting.popleft()
-        if status == "error":
-            error = RagError(*value)
-            if self._failure is None and operation in rules.VECTOR_WRITES:
-                self._failure = error
-            raise error
-        return value
-
-
-class VectorProcess(VectorClient):
-    """The run's vector store in a process of its own.
-
-    Chroma's upsert holds the GIL for its whole length (measured: a thread with work to do got
-    0.07 s of CPU during 2 s of upserts), so in one process nothing else of ingest runs while
-    Chroma writes. Here the next group's embedding and the previous group's keyword rows run
-    meanwhile.
-
-    Nothing starts until a run needs the store: a run with nothing to write never pays Chroma's
-    import (~1.5 s of CPU). A run that will write calls start() as soon as it knows, so the
-    import overlaps its model probe, planning and chunking. The process dies with ingest."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._process: subprocess.Popen[bytes] | None = None
-        # Requests go out from a thread of their own: the process reads the next one only when it
-        # has written the one before, so sending a group's vectors (megabytes) on the caller's
-        # thread held up the next group's embedding calls for a whole upsert (8 call slots were
-        # used at 0.69 of their rate). None ends the thread.
-        self._outbox: queue.SimpleQueue[tuple[str, tuple[Any, ...]] | None] = queue.SimpleQueue()
-        self._sender: threading.Thread | None = None
-
-    def start(self) -> None:
-        """Start the process now (it imports Chroma meanwhile); idempotent."""
-        if self._process is not None:
-            return
-        import socket
-        from multiprocessing.connection import Connection
-
-        # A plain interpreter, not multiprocessing's spawn: that would run the caller's main
-        # module again in the child. Its stdout is not ours: there `--json` prints the summary.
-        mine, theirs = socket.socketpair()
-        with theirs:
-            self._process = subprocess.Popen(
-                [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
-                 f"import ingest; ingest._serve_vectors({theirs.fileno()})"],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        self._conn = Connection(mine.detach())
-
-    def _transmit(self, message: tuple[str, tuple[Any, ...]]) -> None:
-        if self._sender is None:
-            self._sender = threading.Thread(target=self._send_out, name="ingest-vector-requests", daemon=True)
-            self._sender.start()
-        self._outbox.put(message)
-
-    def _send_out(self) -> None:
-        """The requests, in the order sent, then the end of the connection (shut). A process that
-        is gone takes no more of them, and the answer awaited next says so (see _gone)."""
-        try:
-            while (message := self._outbox.get()) is not None:
-                self._conn.send(message)
-        except (BrokenPipeError, OSError):
-            pass
-        finally:
-            with contextlib.suppress(Exception):
-                self._conn.close()
-
-    def usable(self) -> bool:
-        """Whether another run can use this process: not started yet, or alive with none of its
-        writes failed (after one, it touches the store no more; see VectorWriter)."""
-        return self._process is None or (self._process.poll() is None and self._failure is None)
-
-    def _gone(self) -> RagError:
-        assert self._process is not None
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._process.wait(1.0)
-        error = RagError(ErrorCode.INTERNAL, "the vector process ended unexpectedly (exit status "
-                         f"{self._process.returncode})", "run ingest again; what was committed stays")
-        if self._failure is None:
-            self._failure = error
-        return error
-
-    def shut(self) -> None:
-        """End the process. When everything sent was answered (the store closed last) there is
-        nothing left for it to do and its exit is not waited for (~0.1 s); otherwise it may still
-        be writing, and it is waited for (killed after 30 s), so no write lands after this."""
-        if self._process is None:
-            return
-        settled = self._answered == self._sent
-        if self._sender is not None:  # it closes the connection once what was sent has gone out
-            self._outbox.put(None)
-        else:
-            with contextlib.suppress(Exception):
-                self._conn.close()
-        if settled:
-            return
-        try:
-            self._process.wait(30.0)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait(5.0)
-
-
-class _AnsweredHere:
-    """A connection whose far end is a VectorWriter in this process: an operation is carried out
-    as it is sent, its answer kept until received."""
-
-    def __init__(self) -> None:
-        self._writer = VectorWriter()
-        self._answers: collections.deque[tuple[str, Any]] = collections.deque()
-
-    def send(self, message: tuple[str, tuple[Any, ...]]) -> None:
-        self._answers.append(self._writer.answer(*message))
-
-    def recv(self) -> tuple[str, Any]:
-        return self._answers.popleft()
-
-    def poll(self) -> bool:
-        return bool(self._answers)
-
-    def close(self) -> None:
-        self._writer.finish()
-
-
-class InProcessVectors(VectorClient):
-    """The run's vector store in this process: what VectorProcess does, without a process (a
-    test drives ingest.run in one process with it; nothing overlaps Chroma's writes)."""
-
-    def start(self) -> None:
-        if self._conn is None:
-            self._conn = _AnsweredHere()
-
-    def usable(self) -> bool:
-        return self._failure is None
-
-    def _gone(self) -> RagError:
-        raise AssertionError("an in-process vector writer cannot go away")
-
-    def shut(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-
-
-# ---------------------------------------------------------------------------
 # Writing: vectors first, then the SQLite commit, then old vectors out.
 
 
@@ -1756,7 +1400,7 @@ class Store:
 
 
 # ---------------------------------------------------------------------------
-# Stamp, lock, progress.
+# Stamp and lock.
 
 
 # The corpus is untrusted input, and so is the git repository around it: its .git/config can
@@ -1864,105 +1508,6 @@ def _lock_holder(fd: int) -> str:
             return holder
         time.sleep(0.01)
     return "unknown"
-
-
-class ProgressLine:
-    """ProgressLine on stderr: live on a terminal, otherwise a line every PROGRESS_EVERY_S seconds.
-
-    A ticker thread prints the non-terminal lines, so a slow embedding call cannot make ingest go
-    silent: the line then says how long the current call has been waiting."""
-
-    def __init__(self, files: int, chunks: int) -> None:
-        self.files, self.chunks = files, chunks
-        self.files_done = self.chunks_done = 0
-        self.start = self.call_started = time.monotonic()
-        self.last = 0.0
-        self.tty = sys.stderr.isatty()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.ticked = False
-        # [files done, files] while files are indexed for keyword search first (no call is waited for)
-        self._keyword_pass: list[int] | None = None
-        self._ticker: threading.Thread | None = None
-        if not self.tty and files:
-            self._ticker = threading.Thread(target=self._tick, name="ingest-progress", daemon=True)
-            self._ticker.start()
-
-    def embedded(self, chunks: int) -> None:
-        with self._lock:
-            self.chunks_done += chunks
-            self.call_started = time.monotonic()
-        if self.tty:
-            self._print_if_due(0.2)
-
-    def grew(self, chunks: int) -> None:
-        """Chunks Ollama found too long were split: the total grows, so it ends where the summary does."""
-        with self._lock:
-            self.chunks += chunks
-
-    def committed(self, files: int) -> None:
-        with self._lock:
-            self.files_done += files
-        if self.tty:
-            self._print_if_due(0.2)
-
-    @contextlib.contextmanager
-    def keyword_pass(self, files: int) -> Iterator[Callable[[int], None]]:
-        """While `files` are indexed for keyword search first: the line says so and counts them
-        (a call Ollama answered before the pass is not being waited for)."""
-        with self._lock:
-            self._keyword_pass = [0, files]
-
-        def done(count: int) -> None:
-            with self._lock:
-                if self._keyword_pass is not None:
-                    self._keyword_pass[0] += count
-
-        try:
-            yield done
-        finally:
-            with self._lock:
-                self._keyword_pass = None
-                self.call_started = time.monotonic()
-
-    def line(self) -> str:
-        with self._lock:
-            if self._keyword_pass is not None:
-                done, files = self._keyword_pass
-                return (f"ingest: indexing {files} files for keyword search first, their vectors after: "
-                        f"{done}/{files} files")
-            now = time.monotonic()
-            elapsed = now - self.start
-            rate = self.chunks_done / elapsed if elapsed > 0 else 0.0
-            left = max(0, self.chunks - self.chunks_done)
-            eta = f"ETA {left / rate:.0f} s" if rate > 0 else "ETA unknown"
-            waiting = now - self.call_started
-            line = (f"ingest: {self.files_done}/{self.files} files, {self.chunks_done}/{self.chunks} chunks embedded "
-                    f"or reused, {rate:.1f} chunks/s, {eta}")
-            if waiting >= PROGRESS_EVERY_S and left:
-                line += f"; waiting {waiting:.0f} s for the embedding server"
-            return line
-
-    def _print_if_due(self, every: float) -> None:
-        now = time.monotonic()
-        if now - self.last < every:
-            return
-        self.last = now
-        print("\r" + self.line(), end="", file=sys.stderr, flush=True)
-
-    def _tick(self) -> None:
-        while not self._stop.wait(PROGRESS_EVERY_S):
-            self.ticked = True
-            print(self.line(), file=sys.stderr, flush=True)
-
-    def finish(self) -> None:
-        self._stop.set()
-        if self._ticker is not None:
-            self._ticker.join(timeout=5)
-            if self.ticked:  # a run long enough to report progress says where it got to
-                print(self.line(), file=sys.stderr, flush=True)
-        if self.tty and self.last:
-            print(file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------
@@ -3537,6 +3082,472 @@ def main(argv: Sequence[str] | None = None) -> int:
         if error.hint:
             log.error("next: %s", error.hint)
         return 2
+
+
+# ===========================================================================
+# Machinery, last: the thread and child process around the stages (see the module docstring's
+# table). The embedding dispatcher is Embedding's, above, with the rules it keeps.
+# ===========================================================================
+
+
+# ---------------------------------------------------------------------------
+# The run's vector store (rules.Vectors): in a process of its own (VectorProcess, every real run)
+# or in this one (InProcessVectors, the fast tests). Both are the same client, VectorClient, over
+# a different connection to the same VectorWriter, so they behave the same, errors included.
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when the ingest that started it dies (kill -9
+    included), so no write of a dead run lands after the next run has started. Elsewhere the
+    process ends when its pipe closes."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class VectorWriter:
+    """The far end of a VectorClient: one VectorStore, one answer per operation, ("ok", value) or
+    ("error", (code, message, hint)).
+
+    After a write fails (a full disk, say), the store is never touched again: every later
+    operation gets that write's error at once. Chroma can keep a lock from the failed write, and
+    its next write then waits on it for ever (seen with a file-size limit: SQLite's busy loop in
+    one of Chroma's own connections). The client is replaced after a failed write."""
+
+    def __init__(self) -> None:
+        self._vectors: rules.VectorStore | None = None
+        self._failed: tuple[Any, ...] | None = None  # the failed write's error
+
+    def answer(self, operation: str, args: tuple[Any, ...]) -> tuple[str, Any]:
+        try:
+            answer: tuple[str, Any] = ("ok", self._carry_out(operation, args))
+        except RagError as exc:
+            answer = ("error", (exc.code, exc.message, exc.hint))
+        except Exception as exc:  # noqa: BLE001 - every failure goes back to the client
+            answer = ("error", (ErrorCode.INTERNAL, f"the vector store failed: {rules.shown(exc, 300)}",
+                                "run ingest again; if it repeats, report it"))
+        if answer[0] == "error" and operation in rules.VECTOR_WRITES and self._failed is None:
+            self._failed = answer[1]
+        return answer
+
+    def _carry_out(self, operation: str, args: tuple[Any, ...]) -> Any:
+        if self._failed is not None:
+            raise RagError(*self._failed)
+        if operation == "open":
+            settings, layout, index_name, metadata = args
+            self._vectors = rules.vector_store(settings, layout, index_name, create=True).open(
+                create=True, metadata=metadata)
+            return None
+        if self._vectors is None:
+            raise RagError(ErrorCode.INTERNAL, f"vector store operation {operation!r} before open", "report it")
+        if operation == "close":
+            self._vectors, vectors = None, self._vectors
+            return vectors.close()
+        if operation not in (*rules.VECTOR_WRITES, *rules.VECTOR_READS):
+            raise RagError(ErrorCode.INTERNAL, f"unknown vector store operation {operation!r}", "report it")
+        return getattr(self._vectors, operation)(*args)
+
+    def finish(self) -> None:
+        """Close the store, unless a write failed: closing a store left locked could wait for ever too."""
+        if self._vectors is not None and self._failed is None:
+            self._vectors.close()
+        self._vectors = None
+
+
+def _serve_vectors(fd: int) -> None:
+    """The vector process's loop, on its end of the socket `fd`: a VectorWriter answering the
+    operations in the order they were sent. Ends when the socket closes."""
+    from multiprocessing.connection import Connection
+
+    conn = Connection(fd)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the parent decides
+    _die_with_parent()
+    rules.import_heavy("chromadb")  # ~1 s, paid while the parent walks the corpus and asks Ollama
+    writer = VectorWriter()
+    while True:
+        try:
+            operation, args = conn.recv()
+        except (EOFError, OSError):
+            break
+        try:
+            conn.send(writer.answer(operation, args))
+        except (BrokenPipeError, OSError):
+            break
+    writer.finish()
+
+
+class VectorClient:
+    """rules.Vectors over a connection to a VectorWriter (subclasses make the connection); the
+    protocol's signatures are checked against VectorStore's and this class's by a test.
+
+    Operations run in the order sent: writes (upsert, delete) return at once and are waited for
+    with settle(), before the rows that need them commit; reads wait for everything sent before
+    them. A failure of a write is raised by the next settle or read. The store is opened by the
+    first operation that needs it."""
+
+    def __init__(self) -> None:
+        self._conn: Any = None  # send, recv, poll and close, as multiprocessing's Connection
+        self._opening: tuple[Any, ...] | None = None  # open() arguments, sent with the first operation
+        self._open = False  # a store is open at the far end
+        self._sent = 0
+        self._answered = 0
+        self._awaiting: collections.deque[str] = collections.deque()  # operations sent, not yet answered
+        self._failure: RagError | None = None  # the first failed write: every later settle raises it
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def usable(self) -> bool:
+        raise NotImplementedError
+
+    def shut(self) -> None:
+        raise NotImplementedError
+
+    def _gone(self) -> RagError:
+        raise NotImplementedError
+
+    def in_use(self) -> bool:
+        return self._open
+
+    def open(self, settings: rules.Settings, layout: rules.StoreLayout, index_name: str,
+             metadata: dict[str, Any]) -> VectorClient:
+        """Open an index's store (a fresh client: it sees every write made since) when the first
+        operation needs it; its errors are raised there. A writer whose write failed opens
+        nothing more (the error is raised): --watch starts a new one."""
+        if self._conn is not None:
+            with contextlib.suppress(RagError):
+                self.settle()
+        self._opening = (settings, layout, index_name, metadata)
+        return self
+
+    # Writes: sent now, done in order; settle() waits for them.
+    def upsert(self, lifecycle: str, ids: Sequence[str], embeddings: Sequence[Any], documents: Sequence[str],
+               metadatas: Sequence[dict[str, Any]]) -> int:
+        return self._send("upsert", (lifecycle, list(ids), list(embeddings), list(documents), list(metadatas)))
+
+    def delete(self, lifecycle: str, ids: Sequence[str]) -> int:
+        return self._send("delete", (lifecycle, list(ids)))
+
+    def settle(self, ticket: int | None = None) -> None:
+        """Wait until the operations sent up to `ticket` (default: all) are done; raise the first
+        failed write so far."""
+        upto = self._sent if ticket is None else ticket
+        while self._answered < upto:
+            with contextlib.suppress(RagError):
+                self._take_answer()
+        if self._failure is not None:
+            raise self._failure
+
+    # Reads: answered once everything sent before them is done.
+    def ids(self, lifecycle: str) -> list[str]:
+        return self._read("ids", lifecycle)
+
+    def count(self, lifecycle: str) -> int:
+        return self._read("count", lifecycle)
+
+    def embeddings(self, lifecycle: str, ids: Sequence[str]) -> tuple[list[str], Any]:
+        return self._read("embeddings", lifecycle, list(ids))
+
+    def metadatas(self, lifecycle: str, ids: Sequence[str]) -> tuple[list[str], list[dict[str, Any]]]:
+        return self._read("metadatas", lifecycle, list(ids))
+
+    def update_metadatas(self, lifecycle: str, ids: Sequence[str], metadatas: Sequence[dict[str, Any]]) -> None:
+        self._read("update_metadatas", lifecycle, list(ids), list(metadatas))
+
+    def query(self, lifecycle: str, vector: Sequence[float], n: int,
+              paths: Sequence[str] | None, kind: str | None = None) -> list[tuple[str, float]]:
+        return self._read("query", lifecycle, vector, n, paths, kind)
+
+    def merge_metadata(self, updates: dict[str, Any]) -> None:
+        self._read("merge_metadata", updates)
+
+    def close(self) -> None:
+        """Close the store (the writer stays for another open); a failure here changes nothing.
+        A store that was never opened has nothing to close."""
+        self._opening = None
+        if not self._open:
+            return
+        self._open = False
+        with contextlib.suppress(RagError):
+            self._send("close", ())
+            self.settle()
+
+    def _read(self, operation: str, *args: Any) -> Any:
+        ticket = self._send(operation, args)
+        self.settle(ticket - 1)
+        return self._take_answer()
+
+    def _send(self, operation: str, args: tuple[Any, ...]) -> int:
+        self.start()
+        if self._opening is not None and operation != "open":
+            opening, self._opening = self._opening, None
+            self._read("open", *opening)
+            self._open = True
+        while self._conn.poll():  # answers never pile up in the pipe while a big request goes out
+            with contextlib.suppress(RagError):
+                self._take_answer()
+        self._transmit((operation, args))
+        self._sent += 1
+        self._awaiting.append(operation)
+        return self._sent
+
+    def _transmit(self, message: tuple[str, tuple[Any, ...]]) -> None:
+        try:
+            self._conn.send(message)
+        except (BrokenPipeError, OSError):
+            raise self._gone() from None
+
+    def _take_answer(self) -> Any:
+        try:
+            status, value = self._conn.recv()
+        except (EOFError, OSError):
+            raise self._gone() from None
+        self._answered += 1
+        operation = self._awaiting.popleft()
+        if status == "error":
+            error = RagError(*value)
+            if self._failure is None and operation in rules.VECTOR_WRITES:
+                self._failure = error
+            raise error
+        return value
+
+
+class VectorProcess(VectorClient):
+    """The run's vector store in a process of its own.
+
+    Chroma's upsert holds the GIL for its whole length (measured: a thread with work to do got
+    0.07 s of CPU during 2 s of upserts), so in one process nothing else of ingest runs while
+    Chroma writes. Here the next group's embedding and the previous group's keyword rows run
+    meanwhile.
+
+    Nothing starts until a run needs the store: a run with nothing to write never pays Chroma's
+    import (~1.5 s of CPU). A run that will write calls start() as soon as it knows, so the
+    import overlaps its model probe, planning and chunking. The process dies with ingest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._process: subprocess.Popen[bytes] | None = None
+        # Requests go out from a thread of their own: the process reads the next one only when it
+        # has written the one before, so sending a group's vectors (megabytes) on the caller's
+        # thread held up the next group's embedding calls for a whole upsert (8 call slots were
+        # used at 0.69 of their rate). None ends the thread.
+        self._outbox: queue.SimpleQueue[tuple[str, tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the process now (it imports Chroma meanwhile); idempotent."""
+        if self._process is not None:
+            return
+        import socket
+        from multiprocessing.connection import Connection
+
+        # A plain interpreter, not multiprocessing's spawn: that would run the caller's main
+        # module again in the child. Its stdout is not ours: there `--json` prints the summary.
+        mine, theirs = socket.socketpair()
+        with theirs:
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
+                 f"import ingest; ingest._serve_vectors({theirs.fileno()})"],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        self._conn = Connection(mine.detach())
+
+    def _transmit(self, message: tuple[str, tuple[Any, ...]]) -> None:
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send_out, name="ingest-vector-requests", daemon=True)
+            self._sender.start()
+        self._outbox.put(message)
+
+    def _send_out(self) -> None:
+        """The requests, in the order sent, then the end of the connection (shut). A process that
+        is gone takes no more of them, and the answer awaited next says so (see _gone)."""
+        try:
+            while (message := self._outbox.get()) is not None:
+                self._conn.send(message)
+        except (BrokenPipeError, OSError):
+            pass
+        finally:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+
+    def usable(self) -> bool:
+        """Whether another run can use this process: not started yet, or alive with none of its
+        writes failed (after one, it touches the store no more; see VectorWriter)."""
+        return self._process is None or (self._process.poll() is None and self._failure is None)
+
+    def _gone(self) -> RagError:
+        assert self._process is not None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(1.0)
+        error = RagError(ErrorCode.INTERNAL, "the vector process ended unexpectedly (exit status "
+                         f"{self._process.returncode})", "run ingest again; what was committed stays")
+        if self._failure is None:
+            self._failure = error
+        return error
+
+    def shut(self) -> None:
+        """End the process. When everything sent was answered (the store closed last) there is
+        nothing left for it to do and its exit is not waited for (~0.1 s); otherwise it may still
+        be writing, and it is waited for (killed after 30 s), so no write lands after this."""
+        if self._process is None:
+            return
+        settled = self._answered == self._sent
+        if self._sender is not None:  # it closes the connection once what was sent has gone out
+            self._outbox.put(None)
+        else:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+        if settled:
+            return
+        try:
+            self._process.wait(30.0)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait(5.0)
+
+
+class _AnsweredHere:
+    """A connection whose far end is a VectorWriter in this process: an operation is carried out
+    as it is sent, its answer kept until received."""
+
+    def __init__(self) -> None:
+        self._writer = VectorWriter()
+        self._answers: collections.deque[tuple[str, Any]] = collections.deque()
+
+    def send(self, message: tuple[str, tuple[Any, ...]]) -> None:
+        self._answers.append(self._writer.answer(*message))
+
+    def recv(self) -> tuple[str, Any]:
+        return self._answers.popleft()
+
+    def poll(self) -> bool:
+        return bool(self._answers)
+
+    def close(self) -> None:
+        self._writer.finish()
+
+
+class InProcessVectors(VectorClient):
+    """The run's vector store in this process: what VectorProcess does, without a process (a
+    test drives ingest.run in one process with it; nothing overlaps Chroma's writes)."""
+
+    def start(self) -> None:
+        if self._conn is None:
+            self._conn = _AnsweredHere()
+
+    def usable(self) -> bool:
+        return self._failure is None
+
+    def _gone(self) -> RagError:
+        raise AssertionError("an in-process vector writer cannot go away")
+
+    def shut(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+
+
+# ---------------------------------------------------------------------------
+# The progress line, and its ticker thread.
+
+
+class ProgressLine:
+    """ProgressLine on stderr: live on a terminal, otherwise a line every PROGRESS_EVERY_S seconds.
+
+    A ticker thread prints the non-terminal lines, so a slow embedding call cannot make ingest go
+    silent: the line then says how long the current call has been waiting."""
+
+    def __init__(self, files: int, chunks: int) -> None:
+        self.files, self.chunks = files, chunks
+        self.files_done = self.chunks_done = 0
+        self.start = self.call_started = time.monotonic()
+        self.last = 0.0
+        self.tty = sys.stderr.isatty()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.ticked = False
+        # [files done, files] while files are indexed for keyword search first (no call is waited for)
+        self._keyword_pass: list[int] | None = None
+        self._ticker: threading.Thread | None = None
+        if not self.tty and files:
+            self._ticker = threading.Thread(target=self._tick, name="ingest-progress", daemon=True)
+            self._ticker.start()
+
+    def embedded(self, chunks: int) -> None:
+        with self._lock:
+            self.chunks_done += chunks
+            self.call_started = time.monotonic()
+        if self.tty:
+            self._print_if_due(0.2)
+
+    def grew(self, chunks: int) -> None:
+        """Chunks Ollama found too long were split: the total grows, so it ends where the summary does."""
+        with self._lock:
+            self.chunks += chunks
+
+    def committed(self, files: int) -> None:
+        with self._lock:
+            self.files_done += files
+        if self.tty:
+            self._print_if_due(0.2)
+
+    @contextlib.contextmanager
+    def keyword_pass(self, files: int) -> Iterator[Callable[[int], None]]:
+        """While `files` are indexed for keyword search first: the line says so and counts them
+        (a call Ollama answered before the pass is not being waited for)."""
+        with self._lock:
+            self._keyword_pass = [0, files]
+
+        def done(count: int) -> None:
+            with self._lock:
+                if self._keyword_pass is not None:
+                    self._keyword_pass[0] += count
+
+        try:
+            yield done
+        finally:
+            with self._lock:
+                self._keyword_pass = None
+                self.call_started = time.monotonic()
+
+    def line(self) -> str:
+        with self._lock:
+            if self._keyword_pass is not None:
+                done, files = self._keyword_pass
+                return (f"ingest: indexing {files} files for keyword search first, their vectors after: "
+                        f"{done}/{files} files")
+            now = time.monotonic()
+            elapsed = now - self.start
+            rate = self.chunks_done / elapsed if elapsed > 0 else 0.0
+            left = max(0, self.chunks - self.chunks_done)
+            eta = f"ETA {left / rate:.0f} s" if rate > 0 else "ETA unknown"
+            waiting = now - self.call_started
+            line = (f"ingest: {self.files_done}/{self.files} files, {self.chunks_done}/{self.chunks} chunks embedded "
+                    f"or reused, {rate:.1f} chunks/s, {eta}")
+            if waiting >= PROGRESS_EVERY_S and left:
+                line += f"; waiting {waiting:.0f} s for the embedding server"
+            return line
+
+    def _print_if_due(self, every: float) -> None:
+        now = time.monotonic()
+        if now - self.last < every:
+            return
+        self.last = now
+        print("\r" + self.line(), end="", file=sys.stderr, flush=True)
+
+    def _tick(self) -> None:
+        while not self._stop.wait(PROGRESS_EVERY_S):
+            self.ticked = True
+            print(self.line(), file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=5)
+            if self.ticked:  # a run long enough to report progress says where it got to
+                print(self.line(), file=sys.stderr, flush=True)
+        if self.tty and self.last:
+            print(file=sys.stderr)
 
 
 if __name__ == "__main__":

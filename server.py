@@ -15,8 +15,9 @@ with ingest, imported as `rules`; the tool table's callables look up what they c
   I.   The agent's contract: limits, instructions, the tools' input and output models, and the
        tool table TOOLS (all about a tool: name, description, models, its answer, budget, CLI name and view).
   II.  The engine: ranking as pure functions, the index of one generation (OpenIndex,
-       StoreManager, the Chroma worker thread), Search (one search_corpus call, its stages
-       numbered in its docstring) and RetrievalService, the three tools as plain methods.
+       StoreManager), Search (one search_corpus call, its stages numbered in its docstring) and
+       RetrievalService, the three tools as plain methods; last, its machinery (the Chroma
+       worker thread, the warm-up, the watcher's child process).
   III. The doors: dispatch (validation against the input model, errors in the vocabulary), the
        MCP server (stdio and streamable HTTP), the HTTP bridge and /health, the CLI, and main.
 
@@ -1585,86 +1586,6 @@ def vector_store_failures() -> Iterator[None]:
         raise VectorStoreUnavailable(exc.code, exc.message, exc.hint) from exc
 
 
-class ChromaWorker:
-    """Runs every Chroma call on one daemon thread; callers wait a bounded time (each call is a
-    corpus_rules.BoundedCall, as the embedder's are; only the threads that run them differ).
-
-    Chroma's own SQLite layer waits without limit for a lock another process holds (measured: a
-    search hung for as long as another process held BEGIN EXCLUSIVE on chroma.sqlite3, opening or
-    querying alike). Every Chroma call therefore runs on one worker thread and a tool call waits for
-    it at most RAG_STORE_TIMEOUT seconds (default 20: generous, since loading a large HNSW index
-    the first time takes seconds).
-
-    A call stuck on a lock held by another process keeps the worker busy until the lock goes,
-    but its caller gets a structured error after the timeout, later callers time out in the
-    queue the same way (their jobs are dropped unstarted), and the other tools keep answering
-    (they use the keyword database only). One thread also means the Chroma client is never used
-    concurrently. Daemon: a stuck call must not keep the process alive after stdin closes.
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[rules.BoundedCall] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
-        self._running_since: float | None = None
-
-    def submit(self, fn: Callable[[], Any]) -> rules.BoundedCall:
-        with self._start_lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="rag-chroma", daemon=True)
-                self._thread.start()
-        job = rules.BoundedCall(fn)
-        self._queue.put(job)
-        return job
-
-    def wait_idle(self, timeout: float) -> bool:
-        """True once every call submitted so far has finished (at once if none ever ran)."""
-        if self._thread is None:
-            return True
-        return self.submit(lambda: None).wait(timeout)
-
-    def call(self, fn: Callable[[], Any], what: str, timeout: float) -> Any:
-        return self.wait(self.submit(fn), what, timeout)
-
-    def wait(self, job: rules.BoundedCall, what: str, timeout: float) -> Any:
-        """A submitted job's result, waited for at most `timeout` seconds (then dropped if unstarted).
-        While the worker is stuck on a call older than `timeout`, a queued job waits only
-        STORE_STUCK_GRACE_S (hybrid search then degrades without a second full wait)."""
-        wait_s = timeout
-        stuck = self.stuck(timeout) and not (job.running() or job.done())
-        if stuck:
-            wait_s = min(timeout, STORE_STUCK_GRACE_S)
-        if not job.wait(wait_s):
-            job.cancel()
-            raise RagError(ErrorCode.STORE_UNAVAILABLE,
-                           f"the {what} is still busy with a call that has run past the store timeout ({timeout:g} s)"
-                           if stuck else f"the {what} did not answer within {timeout:g} s",
-                           "another process may hold it locked (an ingest, a backup or a database browser); "
-                           "retry in a moment. mode='keyword' does not need it")
-        return job.result(0)
-
-    def stuck(self, timeout: float) -> bool:
-        """Whether the call the worker runs has run longer than `timeout`."""
-        started = self._running_since
-        return started is not None and time.monotonic() - started > timeout
-
-    def _serve(self) -> None:
-        while True:
-            self._queue.get().run(self._running())
-
-    @contextlib.contextmanager
-    def _running(self) -> Iterator[None]:
-        """How long the current call has run, for wait's stuck check (cleared before its waiter wakes)."""
-        self._running_since = time.monotonic()
-        try:
-            yield
-        finally:
-            self._running_since = None
-
-
-CHROMA_WORKER = ChromaWorker()
-
-
 def read_only_db(path: Path, timeout: float = SQLITE_BUSY_TIMEOUT_S, check_same_thread: bool = True) -> sqlite3.Connection:
     """A connection to a keyword index that can only read it (mode=ro never creates the file)."""
     return sqlite3.connect(path.as_uri() + "?mode=ro", uri=True, timeout=timeout, check_same_thread=check_same_thread)
@@ -2574,186 +2495,6 @@ def without_vectors(current: rules.CurrentIndex) -> bool:
     """No passage has a vector yet: hybrid search answers from keywords at once (there is nothing
     to embed the query for), vector mode cannot answer."""
     return not current.manifest.dims or current.stamp.vectors_pending >= current.stamp.chunks > 0
-
-
-class WarmUp:
-    """Pays the imports, the store opening and the vector index load in the background, once,
-    after the handshake: the client has what it needs to start, and the agent's first search does
-    not pay ~2 s of imports. The store lock is held only to open the index: a search arriving
-    during the load answers from the keyword channel meanwhile (see COLD_VECTOR_WAIT_S)."""
-
-    def __init__(self, service: RetrievalService) -> None:
-        self.service = service
-        self._thread: threading.Thread | None = None
-        # start() runs on the server's thread while main() may join at shutdown: a thread is
-        # published only once started, or join() would raise on a thread not yet running.
-        self._lock = threading.Lock()
-
-    def start(self, delay: float = WARMUP_DELAY_S) -> None:
-        try:
-            wanted = self.service.settings.server_warmup
-        except RagError:
-            return  # a configuration error: every call will say so, nothing to warm up
-        with self._lock:
-            if self._thread is not None or not wanted:
-                return
-            thread = threading.Thread(target=self._run, args=(delay,), name="rag-warmup", daemon=True)
-            thread.start()
-            self._thread = thread
-
-    def join(self, timeout: float) -> None:
-        with self._lock:
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-
-    def _run(self, delay: float) -> None:
-        time.sleep(delay)  # let the tools/list answer reach the client first
-        log.info("warm-up: start")
-        started = time.perf_counter()
-        try:
-            rules.import_heavy("ollama")  # only to pay the imports now
-            service = self.service
-            manager = service.manager
-            with manager.lock:
-                index = manager.open()
-                service.staleness.begin(index, service.corpus_dir(index.current))
-            index.load_vectors(lambda: manager.is_live(index))
-        except RagError as exc:
-            log.info("warm-up: store not ready (%s)", exc.code)
-        except Exception:  # noqa: BLE001 - a warm-up failure must never take the server down
-            log.warning("warm-up failed:\n%s", traceback.format_exc())
-        log.info("warm-up: done in %.0f ms", (time.perf_counter() - started) * 1000)
-
-
-# ---------------------------------------------------------------------------
-# Fresh by itself: `server.py --watch` supervises an `ingest.py --watch` child (ingest stays the
-# only writer); the server picks up each generation it publishes as it picks up any ingest's.
-
-INGEST_PROGRAM = Path(__file__).resolve().with_name("ingest.py")  # beside this file, in a clone and installed
-WATCH_BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 60.0)  # a watcher that died is started again after these, then the last
-WATCH_HEALTHY_S = 60.0  # a watcher that ran this long before it died starts the back-off anew
-WATCH_ELSEWHERE_PROBE_S = 5.0  # while another process's watcher holds the store, look again this often
-WATCH_STOP_S = 10.0  # a watcher asked to stop (SIGTERM) has this long before it is killed
-WATCH_OUTPUT_KEPT = 5  # the last lines of a watcher's output, for the reason it stopped
-WATCH_INFO_TTL_S = 0.2  # what a response says of the watcher is at most this old
-WATCH_START_LATEST_S = 5.0  # stdio: the watcher starts after the handshake, or this long after start-up
-
-
-class WatchSupervisor:
-    """The server's ingest watcher: `ingest.py --watch --exit-with-parent` on the server's corpus
-    and store, in the server's environment, as a child process.
-
-    1. start(): after the MCP handshake (stdio) or once listening (HTTP), so start-up stays fast;
-    2. on a thread of its own: while another process holds the store's watch lock (a systemd
-       watcher, another server's), start none and look again every WATCH_ELSEWHERE_PROBE_S;
-       otherwise start the child in a session of its own (a Ctrl-C at the terminal is the
-       server's to handle), its output going to the server's stderr line by line, prefixed.
-       Two servers that look at the same moment may both start one: the second waits on the
-       lock (ingest.watch_lock) and runs nothing while the first lives;
-    3. when the child stops: log why, and start it again after a back-off (WATCH_BACKOFF_S);
-    4. stop(): SIGTERM, then SIGKILL after WATCH_STOP_S. A server killed with -9 cannot do that:
-       the child sees its parent gone (--exit-with-parent) and stops by itself.
-
-    `state` and `note` are what responses say while no child holds the lock (None: nothing to say)."""
-
-    def __init__(self, settings: rules.Settings, corpus_dir: Path, settle_s: float | None = None) -> None:
-        self.settings, self.corpus_dir, self.settle_s = settings, corpus_dir, settle_s
-        self.state: Literal["starting", "restarting"] | None = None
-        self.note: str | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._lock = threading.Lock()  # a child is started, or stopped, under it
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @property
-    def pid(self) -> int | None:
-        proc = self._proc
-        return proc.pid if proc is not None else None
-
-    def command(self) -> list[str]:
-        command = [sys.executable, str(INGEST_PROGRAM), "--watch", "--exit-with-parent", "--corpus",
-                   str(self.corpus_dir), "--store", str(self.settings.store_dir)]
-        return command + (["--settle", f"{self.settle_s:g}"] if self.settle_s is not None else [])
-
-    def start(self) -> None:
-        with self._lock:
-            if self._thread is None and not self._stopping.is_set():
-                self.state = "starting"
-                self._thread = threading.Thread(target=self._supervise, name="rag-watch", daemon=True)
-                self._thread.start()
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopping.set()
-            proc = self._proc
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(WATCH_STOP_S)
-        except subprocess.TimeoutExpired:
-            log.warning("the index watcher (pid %d) did not stop within %g s; killing it", proc.pid, WATCH_STOP_S)
-            proc.kill()
-            proc.wait()
-
-    def _supervise(self) -> None:
-        layout = rules.StoreLayout(self.settings.store_dir)
-        failures, elsewhere = 0, None
-        while not self._stopping.is_set():
-            holder = layout.watcher_pid()
-            if holder is not None:
-                if holder != elsewhere:
-                    log.warning("another watcher (pid %s) keeps %s fresh; this server starts none while it runs",
-                                holder or "unknown", self.settings.store_dir)
-                    elsewhere = holder
-                self.state = None
-                self._stopping.wait(WATCH_ELSEWHERE_PROBE_S)
-                continue
-            elsewhere = None
-            started = time.monotonic()
-            code, last_lines = self._run_child()
-            if code is None:
-                return  # stopping
-            failures = 1 if time.monotonic() - started >= WATCH_HEALTHY_S else failures + 1
-            delay = WATCH_BACKOFF_S[min(failures, len(WATCH_BACKOFF_S)) - 1]
-            why = exit_description(code) + (f": {last_lines[-1]}" if code > 0 and last_lines else "")
-            log.warning("the index watcher stopped (%s); starting it again in %g s", why, delay)
-            self.state, self.note = "restarting", f"the watcher stopped ({why}); starting it again in {delay:g} s"
-            self._stopping.wait(delay)
-
-    def _run_child(self) -> tuple[int | None, list[str]]:
-        """Start the child and relay its output until it ends: (its exit status, its last lines);
-        None when the server is stopping."""
-        with self._lock:
-            if self._stopping.is_set():
-                return None, []
-            try:
-                proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                        start_new_session=True)
-            except OSError as exc:
-                return 127, [f"cannot start {INGEST_PROGRAM}: {exc}"]
-            self._proc = proc
-            self.state, self.note = "starting", None
-        log.info("index watcher started (pid %d): %s", proc.pid, " ".join(self.command()[1:]))
-        last: collections.deque[str] = collections.deque(maxlen=WATCH_OUTPUT_KEPT)
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            line = raw.decode("utf-8", "replace").rstrip()
-            last.append(line)
-            print(f"watch[{proc.pid}] {line}", file=sys.stderr, flush=True)
-        code = proc.wait()
-        return (None if self._stopping.is_set() else code), list(last)
-
-
-def exit_description(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
 
 
 class DiskChanges(typing.NamedTuple):
@@ -4219,6 +3960,271 @@ def file_from_chunks(doc: rules.DocumentRow, chunks: Sequence[rules.ChunkRow], s
                 + (f"; text cut at max_chars={max_chars}" if truncated else "")
                 + (f" ({cut})" if cut else "")
                 + (f": continue with start_line={next_start}" if next_start else ""))
+
+
+# ---------------------------------------------------------------------------
+# The engine's machinery, last: the Chroma thread, the warm-up thread, the watcher's child
+# process (who starts each, who waits on it: the module docstring's table).
+
+
+class ChromaWorker:
+    """Runs every Chroma call on one daemon thread; callers wait a bounded time (each call is a
+    corpus_rules.BoundedCall, as the embedder's are; only the threads that run them differ).
+
+    Chroma's own SQLite layer waits without limit for a lock another process holds (measured: a
+    search hung for as long as another process held BEGIN EXCLUSIVE on chroma.sqlite3, opening or
+    querying alike). Every Chroma call therefore runs on one worker thread and a tool call waits for
+    it at most RAG_STORE_TIMEOUT seconds (default 20: generous, since loading a large HNSW index
+    the first time takes seconds).
+
+    A call stuck on a lock held by another process keeps the worker busy until the lock goes,
+    but its caller gets a structured error after the timeout, later callers time out in the
+    queue the same way (their jobs are dropped unstarted), and the other tools keep answering
+    (they use the keyword database only). One thread also means the Chroma client is never used
+    concurrently. Daemon: a stuck call must not keep the process alive after stdin closes.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[rules.BoundedCall] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._running_since: float | None = None
+
+    def submit(self, fn: Callable[[], Any]) -> rules.BoundedCall:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="rag-chroma", daemon=True)
+                self._thread.start()
+        job = rules.BoundedCall(fn)
+        self._queue.put(job)
+        return job
+
+    def wait_idle(self, timeout: float) -> bool:
+        """True once every call submitted so far has finished (at once if none ever ran)."""
+        if self._thread is None:
+            return True
+        return self.submit(lambda: None).wait(timeout)
+
+    def call(self, fn: Callable[[], Any], what: str, timeout: float) -> Any:
+        return self.wait(self.submit(fn), what, timeout)
+
+    def wait(self, job: rules.BoundedCall, what: str, timeout: float) -> Any:
+        """A submitted job's result, waited for at most `timeout` seconds (then dropped if unstarted).
+        While the worker is stuck on a call older than `timeout`, a queued job waits only
+        STORE_STUCK_GRACE_S (hybrid search then degrades without a second full wait)."""
+        wait_s = timeout
+        stuck = self.stuck(timeout) and not (job.running() or job.done())
+        if stuck:
+            wait_s = min(timeout, STORE_STUCK_GRACE_S)
+        if not job.wait(wait_s):
+            job.cancel()
+            raise RagError(ErrorCode.STORE_UNAVAILABLE,
+                           f"the {what} is still busy with a call that has run past the store timeout ({timeout:g} s)"
+                           if stuck else f"the {what} did not answer within {timeout:g} s",
+                           "another process may hold it locked (an ingest, a backup or a database browser); "
+                           "retry in a moment. mode='keyword' does not need it")
+        return job.result(0)
+
+    def stuck(self, timeout: float) -> bool:
+        """Whether the call the worker runs has run longer than `timeout`."""
+        started = self._running_since
+        return started is not None and time.monotonic() - started > timeout
+
+    def _serve(self) -> None:
+        while True:
+            self._queue.get().run(self._running())
+
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[None]:
+        """How long the current call has run, for wait's stuck check (cleared before its waiter wakes)."""
+        self._running_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._running_since = None
+
+
+CHROMA_WORKER = ChromaWorker()
+
+
+class WarmUp:
+    """Pays the imports, the store opening and the vector index load in the background, once,
+    after the handshake: the client has what it needs to start, and the agent's first search does
+    not pay ~2 s of imports. The store lock is held only to open the index: a search arriving
+    during the load answers from the keyword channel meanwhile (see COLD_VECTOR_WAIT_S)."""
+
+    def __init__(self, service: RetrievalService) -> None:
+        self.service = service
+        self._thread: threading.Thread | None = None
+        # start() runs on the server's thread while main() may join at shutdown: a thread is
+        # published only once started, or join() would raise on a thread not yet running.
+        self._lock = threading.Lock()
+
+    def start(self, delay: float = WARMUP_DELAY_S) -> None:
+        try:
+            wanted = self.service.settings.server_warmup
+        except RagError:
+            return  # a configuration error: every call will say so, nothing to warm up
+        with self._lock:
+            if self._thread is not None or not wanted:
+                return
+            thread = threading.Thread(target=self._run, args=(delay,), name="rag-warmup", daemon=True)
+            thread.start()
+            self._thread = thread
+
+    def join(self, timeout: float) -> None:
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _run(self, delay: float) -> None:
+        time.sleep(delay)  # let the tools/list answer reach the client first
+        log.info("warm-up: start")
+        started = time.perf_counter()
+        try:
+            rules.import_heavy("ollama")  # only to pay the imports now
+            service = self.service
+            manager = service.manager
+            with manager.lock:
+                index = manager.open()
+                service.staleness.begin(index, service.corpus_dir(index.current))
+            index.load_vectors(lambda: manager.is_live(index))
+        except RagError as exc:
+            log.info("warm-up: store not ready (%s)", exc.code)
+        except Exception:  # noqa: BLE001 - a warm-up failure must never take the server down
+            log.warning("warm-up failed:\n%s", traceback.format_exc())
+        log.info("warm-up: done in %.0f ms", (time.perf_counter() - started) * 1000)
+
+
+# ---------------------------------------------------------------------------
+# Fresh by itself: `server.py --watch` supervises an `ingest.py --watch` child (ingest stays the
+# only writer); the server picks up each generation it publishes as it picks up any ingest's.
+
+INGEST_PROGRAM = Path(__file__).resolve().with_name("ingest.py")  # beside this file, in a clone and installed
+WATCH_BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 60.0)  # a watcher that died is started again after these, then the last
+WATCH_HEALTHY_S = 60.0  # a watcher that ran this long before it died starts the back-off anew
+WATCH_ELSEWHERE_PROBE_S = 5.0  # while another process's watcher holds the store, look again this often
+WATCH_STOP_S = 10.0  # a watcher asked to stop (SIGTERM) has this long before it is killed
+WATCH_OUTPUT_KEPT = 5  # the last lines of a watcher's output, for the reason it stopped
+WATCH_INFO_TTL_S = 0.2  # what a response says of the watcher is at most this old
+WATCH_START_LATEST_S = 5.0  # stdio: the watcher starts after the handshake, or this long after start-up
+
+
+class WatchSupervisor:
+    """The server's ingest watcher: `ingest.py --watch --exit-with-parent` on the server's corpus
+    and store, in the server's environment, as a child process.
+
+    1. start(): after the MCP handshake (stdio) or once listening (HTTP), so start-up stays fast;
+    2. on a thread of its own: while another process holds the store's watch lock (a systemd
+       watcher, another server's), start none and look again every WATCH_ELSEWHERE_PROBE_S;
+       otherwise start the child in a session of its own (a Ctrl-C at the terminal is the
+       server's to handle), its output going to the server's stderr line by line, prefixed.
+       Two servers that look at the same moment may both start one: the second waits on the
+       lock (ingest.watch_lock) and runs nothing while the first lives;
+    3. when the child stops: log why, and start it again after a back-off (WATCH_BACKOFF_S);
+    4. stop(): SIGTERM, then SIGKILL after WATCH_STOP_S. A server killed with -9 cannot do that:
+       the child sees its parent gone (--exit-with-parent) and stops by itself.
+
+    `state` and `note` are what responses say while no child holds the lock (None: nothing to say)."""
+
+    def __init__(self, settings: rules.Settings, corpus_dir: Path, settle_s: float | None = None) -> None:
+        self.settings, self.corpus_dir, self.settle_s = settings, corpus_dir, settle_s
+        self.state: Literal["starting", "restarting"] | None = None
+        self.note: str | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()  # a child is started, or stopped, under it
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int | None:
+        proc = self._proc
+        return proc.pid if proc is not None else None
+
+    def command(self) -> list[str]:
+        command = [sys.executable, str(INGEST_PROGRAM), "--watch", "--exit-with-parent", "--corpus",
+                   str(self.corpus_dir), "--store", str(self.settings.store_dir)]
+        return command + (["--settle", f"{self.settle_s:g}"] if self.settle_s is not None else [])
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None and not self._stopping.is_set():
+                self.state = "starting"
+                self._thread = threading.Thread(target=self._supervise, name="rag-watch", daemon=True)
+                self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping.set()
+            proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(WATCH_STOP_S)
+        except subprocess.TimeoutExpired:
+            log.warning("the index watcher (pid %d) did not stop within %g s; killing it", proc.pid, WATCH_STOP_S)
+            proc.kill()
+            proc.wait()
+
+    def _supervise(self) -> None:
+        layout = rules.StoreLayout(self.settings.store_dir)
+        failures, elsewhere = 0, None
+        while not self._stopping.is_set():
+            holder = layout.watcher_pid()
+            if holder is not None:
+                if holder != elsewhere:
+                    log.warning("another watcher (pid %s) keeps %s fresh; this server starts none while it runs",
+                                holder or "unknown", self.settings.store_dir)
+                    elsewhere = holder
+                self.state = None
+                self._stopping.wait(WATCH_ELSEWHERE_PROBE_S)
+                continue
+            elsewhere = None
+            started = time.monotonic()
+            code, last_lines = self._run_child()
+            if code is None:
+                return  # stopping
+            failures = 1 if time.monotonic() - started >= WATCH_HEALTHY_S else failures + 1
+            delay = WATCH_BACKOFF_S[min(failures, len(WATCH_BACKOFF_S)) - 1]
+            why = exit_description(code) + (f": {last_lines[-1]}" if code > 0 and last_lines else "")
+            log.warning("the index watcher stopped (%s); starting it again in %g s", why, delay)
+            self.state, self.note = "restarting", f"the watcher stopped ({why}); starting it again in {delay:g} s"
+            self._stopping.wait(delay)
+
+    def _run_child(self) -> tuple[int | None, list[str]]:
+        """Start the child and relay its output until it ends: (its exit status, its last lines);
+        None when the server is stopping."""
+        with self._lock:
+            if self._stopping.is_set():
+                return None, []
+            try:
+                proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                        start_new_session=True)
+            except OSError as exc:
+                return 127, [f"cannot start {INGEST_PROGRAM}: {exc}"]
+            self._proc = proc
+            self.state, self.note = "starting", None
+        log.info("index watcher started (pid %d): %s", proc.pid, " ".join(self.command()[1:]))
+        last: collections.deque[str] = collections.deque(maxlen=WATCH_OUTPUT_KEPT)
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip()
+            last.append(line)
+            print(f"watch[{proc.pid}] {line}", file=sys.stderr, flush=True)
+        code = proc.wait()
+        return (None if self._stopping.is_set() else code), list(last)
+
+
+def exit_description(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
 
 
 # ===========================================================================

@@ -123,6 +123,7 @@ def test_ingest_asks_every_vector_at_the_set_size(tmp_path: Path, fake: FakeOlla
     assert stored_lengths(store) == {256}
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_changing_the_size_rebuilds_and_the_old_index_serves_until_the_new_one_is_complete(
         tmp_path: Path, fake: FakeOllama, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ingest, "EMBED_BATCH", 4)

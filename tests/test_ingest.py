@@ -376,6 +376,7 @@ def test_mtime_only_change_makes_no_embed_calls(tmp_path: Path, fake_ollama_env:
     assert again.summary["embedding_calls"] == 0 and current_of(store)["generation"] == 2
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_full_re_embeds_everything_to_the_same_state(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
     first = ingest_run(corpus, store)
@@ -417,6 +418,7 @@ def test_successors_are_recorded_and_those_not_indexed_are_warned_about(tmp_path
     assert "../up.md" not in again.err, "a file's own warnings come when it is read"
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_a_store_from_before_successors_records_them_without_embedding(tmp_path: Path,
                                                                        fake_ollama_env: FakeOllama) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
@@ -437,6 +439,7 @@ def test_a_store_from_before_successors_records_them_without_embedding(tmp_path:
     assert ingest_run(corpus, store).summary["embedding_calls"] == 0
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_changes_deletions_rag_false_and_lifecycle_flips(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
     assert ingest_run(corpus, store).code == 0
@@ -469,6 +472,7 @@ def test_changes_deletions_rag_false_and_lifecycle_flips(tmp_path: Path, fake_ol
 # Failures and crashes: old chunks survive, the next run converges.
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_embedder_dies_mid_run_then_converges(tmp_path: Path, fake_ollama_env: FakeOllama,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ingest, "EMBED_BATCH", 4)
@@ -548,6 +552,7 @@ def test_kill_9_at_many_points_then_rerun_converges(tmp_path: Path, fake_ollama_
     assert not list(store.glob("*.tmp"))
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_lost_vectors_are_repaired_and_never_orphaned(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
     assert ingest_run(corpus, store).code == 0
@@ -568,6 +573,7 @@ def test_lost_vectors_are_repaired_and_never_orphaned(tmp_path: Path, fake_ollam
     assert snapshot(store) == clean_snapshot(corpus, tmp_path)
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_wrong_dimensions_mid_run_keep_old_chunks(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
     assert ingest_run(corpus, store).code == 0
@@ -734,6 +740,7 @@ def test_missing_corpus_is_refused(tmp_path: Path, fake_ollama_env: FakeOllama) 
     assert not (tmp_path / "store").exists()
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_without_ollama_only_files_with_no_vectors_are_indexed_and_only_for_keywords(
         tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
@@ -766,6 +773,7 @@ def test_without_ollama_only_files_with_no_vectors_are_indexed_and_only_for_keyw
     assert snapshot(store) == clean_snapshot(corpus, tmp_path)
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_a_first_ingest_without_ollama_publishes_keywords_and_the_next_run_embeds_them(
         tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
@@ -838,6 +846,7 @@ def _query_top_path(store: Path, index: str, question: str) -> str:
         SharedSystemClient.clear_system_cache()
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_model_change_rebuilds_without_a_gap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ingest, "EMBED_BATCH", 4)
     monkeypatch.setattr(ingest, "COMMIT_BATCH_CHUNKS", 4)
@@ -885,6 +894,7 @@ def test_model_change_rebuilds_without_a_gap(tmp_path: Path, monkeypatch: pytest
         assert snapshot(store) == old_snapshot
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_dimension_change_rebuilds(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
     assert ingest_run(corpus, store).code == 0
@@ -1049,6 +1059,7 @@ def _git(repo: Path, *args: str) -> str:
     return done.stdout.strip()
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_corpus_git_stamp_and_generation(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
     repo = tmp_path / "repo"
     corpus = copy_sample(repo, "docs")
@@ -1097,6 +1108,7 @@ def test_corpus_git_stamp_and_generation(tmp_path: Path, fake_ollama_env: FakeOl
 # One store, one corpus; Ollama only when something needs embedding; progress that keeps talking.
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_indexing_another_folder_into_a_store_is_refused(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
     first, store = copy_sample(tmp_path, "first"), tmp_path / "store"
     assert ingest_run(first, store).code == 0
@@ -1188,6 +1200,7 @@ def rows_written_once(store: Path) -> bool:
     return count == last
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_a_build_that_publishes_keywords_first_writes_each_row_once_and_ends_as_a_plain_build(
         tmp_path: Path, fake_ollama_env: FakeOllama, monkeypatch: pytest.MonkeyPatch) -> None:
     """The files indexed for keyword search first keep their rows when their vectors arrive (only
@@ -1253,6 +1266,7 @@ def fts_segments(store: Path) -> int:
     return values[1]
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_the_keyword_index_is_one_segment_after_a_build_and_again_once_a_tenth_is_rewritten(
         tmp_path: Path, fake_ollama_env: FakeOllama, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ingest, "COMMIT_BATCH_CHUNKS", 1)  # one file per commit group: a segment each

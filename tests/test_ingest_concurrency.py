@@ -127,6 +127,7 @@ def test_a_timeout_halves_the_level_and_a_fixed_level_stays() -> None:
 # One host, several slots.
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_several_calls_in_flight_index_exactly_what_one_at_a_time_does(tmp_path: Path) -> None:
     corpus = copy_sample(tmp_path)
     write_handbooks(corpus, {"handbook.md": 60}, "A")

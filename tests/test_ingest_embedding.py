@@ -230,6 +230,7 @@ def test_an_edit_in_one_paragraph_embeds_only_that_chunk(fake: FakeOllama, tmp_p
     assert snapshot(store) == _clean(fake, corpus, tmp_path)
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_a_renamed_folder_and_a_copied_file_embed_nothing(fake: FakeOllama, tmp_path: Path) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
     assert ingest_in_process(fake, corpus, store).code == 0
@@ -279,6 +280,7 @@ def test_weights_re_pulled_under_the_same_name_re_embed_everything(fake: FakeOll
     assert current_of(store)["stamp"]["model_digest"] == new_digest
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_an_index_written_before_embed_keys_gets_them_and_reuses(fake: FakeOllama, tmp_path: Path) -> None:
     """A store from before chunks carried their embed_key: ingest fills the keys from the rows,
     so its vectors are reused like any other."""
