@@ -20,6 +20,25 @@ wrote. Its sections, in file order:
 
 Heavy libraries (ollama, chromadb, markdown-it, frontmatter) are imported inside the
 functions that need them: the server must answer the MCP handshake before paying for them.
+
+Its machinery comes last, with the seams that need it (the embedder's call threads, the PDF
+extractor's child process); every thread is a daemon:
+
+  thread / process        owner                   runs                                waited on by
+  rag-call (pool)         _CallThreads            one embedder call each (on_call_    the caller, bounded
+                                                  thread), then waits for the next    (BoundedCall.result/wait)
+  PDF extractor (child)   PdfExtractor            extract_pdf_text, one request at    the reader, within a deadline
+                                                  a time, within a memory cap         that grows with the file
+  parent-watch            end_with_parent         in a child: ends it when its        no one
+                                                  parent is gone
+
+  lock                          guards
+  _CallThreads._lock            the idle threads' inboxes
+  BoundedCall._lock             a call's state (queued, running, abandoned)
+  _HEAVY_IMPORTS                numpy imported by one thread at a time (import_heavy)
+  _SERVER_CLIENTS_LOCK          the Chroma server clients, one per address and headers
+  PdfExtractor._lock, _PDF_EXTRACTOR_LOCK
+                                the child's one request at a time; creating the program's extractor
 """
 
 from __future__ import annotations

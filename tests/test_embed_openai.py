@@ -263,6 +263,7 @@ def test_ingest_with_an_openai_server_records_the_model_and_never_the_key(openai
     assert set(openai.keys_seen) == {f"Bearer {KEY}"}
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_a_chunk_too_long_for_the_server_is_split_as_with_ollama(openai: FakeOpenAI, tmp_path: Path) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
     write_handbooks(corpus, {"handbook.md": 3}, "A")

@@ -707,6 +707,7 @@ def test_over_long_chunk_is_split_and_retried_never_truncated(tmp_path: Path, fa
 # Guards: nothing done, exit 2.
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_empty_corpus_guard_and_allow_empty(tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
     assert ingest_run(corpus, store).code == 0

@@ -215,6 +215,7 @@ def long_document(paragraphs: int, marker: str = "") -> str:
     return "\n".join(parts)
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_an_edit_in_one_paragraph_embeds_only_that_chunk(fake: FakeOllama, tmp_path: Path) -> None:
     corpus, store = tmp_path / "corpus", tmp_path / "store"
     corpus.mkdir()
@@ -256,6 +257,7 @@ def test_full_re_embeds_everything(fake: FakeOllama, tmp_path: Path) -> None:
     assert (full.summary["chunks_embedded"], full.summary["chunks_reused"]) == (first.summary["chunks_written"], 0)
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_weights_re_pulled_under_the_same_name_re_embed_everything(fake: FakeOllama, tmp_path: Path) -> None:
     """`ollama pull` of new weights keeps the model's name and dimensions but changes its digest:
     every stored vector is stale, so the next run embeds every chunk again (no reuse), records the

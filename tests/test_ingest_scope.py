@@ -54,6 +54,7 @@ def test_built_in_excludes_nested_ragignore_and_negation(fake: FakeOllama, tmp_p
     assert b"NOT-DOCS-NODE-MODULES" not in b"".join(p.read_bytes() for p in store.rglob("*") if p.is_file())
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_a_rule_added_after_indexing_removes_the_files_chunks(fake: FakeOllama, tmp_path: Path) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
     assert ingest_in_process(fake, corpus, store).code == 0

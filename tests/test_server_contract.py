@@ -968,6 +968,7 @@ def test_an_index_built_without_ollama_answers_from_keywords_and_says_so(tmp_pat
         assert [p["code"] for p in health["problems"]] == ["vectors_pending"]
 
 
+@pytest.mark.heavy  # about 1 s of CPU in ingest runs: in --all, to keep the fast tier's budget
 def test_passages_waiting_for_vectors_are_found_by_keywords_and_counted(tmp_path: Path) -> None:
     """Files added while Ollama is away wait for vectors; the others keep theirs. Hybrid finds
     both and says how many wait; once embedded, nothing is said."""
