@@ -1134,7 +1134,7 @@ class Store:
     def send(self, files: Sequence[PreparedFile]) -> Sent:
         """Send these embedded files' vectors to the store (written while the caller goes on);
         commit() makes them the files' chunks."""
-        self._begin_vector_writes()
+        self.begin_vector_writes()
         new_ids: set[str] = set()
         ticket = 0
         for lifecycle in rules.LIFECYCLES:
@@ -1189,7 +1189,7 @@ class Store:
         self._delete_vectors({i: lc for i, lc in old.items() if i not in sent.new_ids})
 
     def remove(self, paths: Sequence[str]) -> None:
-        self._begin_vector_writes()
+        self.begin_vector_writes()
         old = self._chunk_ids_of(paths)
         with transaction(self.db):
             self._delete_rows(paths)
@@ -1198,7 +1198,7 @@ class Store:
 
     def update_mtimes(self, updates: Sequence[tuple[CorpusFile, DocumentRow]]) -> None:
         """Content unchanged, mtime moved: no embedding, but chunks carry the file's mtime."""
-        self._begin_vector_writes()
+        self.begin_vector_writes()
         for file, row in updates:
             ids = list(self._chunk_ids_of([file.path]))
             if ids:
@@ -1220,7 +1220,7 @@ class Store:
     # Chroma may hold vectors that SQLite does not own (a run writing them was killed) only while
     # this flag is set: set before a run's first vector write, cleared when the run ends normally.
     # Reconciling reads every id (~1 s at 100k chunks), so a clean no-op run skips it.
-    def _begin_vector_writes(self) -> None:
+    def begin_vector_writes(self) -> None:
         if not self._vector_writes_marked:
             with transaction(self.db):
                 self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('vector_writes', '1')")
@@ -2444,6 +2444,10 @@ class GroupWriter:
         groups = _groups(self.plan.changed,
                          lambda: _group_chunks(self.embedding, self.progress.chunks, first=not self.started))
         try:
+            if self.plan.changed:
+                # Marked before the first embedding call: nothing between groups waits on the
+                # keyword index for it (a writer holding that lock stops the run before any vector).
+                self.store.begin_vector_writes()
             self.job = self.begin(next(groups, None))
             while self.job is not None:
                 self.step(groups)

@@ -123,11 +123,11 @@ def between_vectors_and_keywords(group: int) -> Callable[[Run], None]:
     """Deterministic: the fake holds the group's first embedding call (the first carrying its first
     file's token) while the test takes the keyword index's write lock; released, the ingest writes
     the group's vectors, then waits for the lock to commit the group before it; kill it once the
-    vectors are in Chroma. (Not for the first group: a run marks, in its own keyword-index
-    transaction, that it is about to write vectors, so the lock would stop it before them.)"""
+    vectors are in Chroma. (A run marks, in its own keyword-index transaction, that it writes
+    vectors before its first embedding call: the lock, taken once a call is held, never stops it
+    before its vectors.)"""
 
     def moment(run: Run) -> None:
-        assert group > 1
         token = run.tokens[run.groups[group - 1][0]]
 
         def carried() -> int:
