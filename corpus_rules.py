@@ -3970,6 +3970,59 @@ class Chunk:
     symbol: str | None = None  # a code chunk's symbol (Class.method); None for documents and code between symbols
 
 
+class Passage(Protocol):
+    """What section_range reads of a passage: a Chunk as ingest makes it, a ChunkRow as the server reads it."""
+
+    @property
+    def start_line(self) -> int: ...
+    @property
+    def end_line(self) -> int: ...
+    @property
+    def heading(self) -> str: ...
+
+
+def section_lines(headings: Sequence[Heading], passage: Passage) -> tuple[int, int] | None:
+    """The lines of the section a passage's heading path names: from that heading (the last one of
+    its text at or above the passage's end) to the line before the next heading of the same or a
+    higher level (the file's end: len-free, a caller clips it). None for a passage under no heading."""
+    leaf = passage.heading.split(MERGED_HEADING_SEPARATOR)[0].split(HEADING_SEPARATOR)[-1]
+    at = max((n for n, h in enumerate(headings) if h.text == leaf and h.line <= passage.end_line), default=None,
+             key=lambda n: headings[n].line)
+    if at is None:
+        return None
+    end = next((h.line - 1 for h in headings[at + 1:] if h.level <= headings[at].level), sys.maxsize)
+    return headings[at].line, end
+
+
+def section_range(ordered: Sequence[Passage], at: int, headings: Sequence[Heading] | None) -> tuple[int, int]:
+    """The lines of the section of ordered[at] (a file's passages in line order), always holding the
+    passage: from its heading to the next heading of the same or a higher level, by the file's
+    `headings` where its reader gives them; else (a PDF, whose reading is dear) the run of passages
+    under its heading path. Ingest records it with each chunk (chunks.section_start, section_end)."""
+    passage = ordered[at]
+    if headings is not None and (found := section_lines(headings, passage)) is not None:
+        return min(found[0], passage.start_line), max(found[1], passage.end_line)
+    own = passage.heading.split(MERGED_HEADING_SEPARATOR)
+
+    def under(other: Passage) -> bool:
+        return any(part == mine or part.startswith(mine + HEADING_SEPARATOR)
+                   for part in other.heading.split(MERGED_HEADING_SEPARATOR) for mine in own)
+
+    first = last = at
+    while first > 0 and under(ordered[first - 1]):
+        first -= 1
+    while last + 1 < len(ordered) and under(ordered[last + 1]):
+        last += 1
+    return min(ordered[first].start_line, passage.start_line), max(ordered[last].end_line, passage.end_line)
+
+
+def section_ranges(chunks: Sequence[Chunk], headings: Sequence[Heading] | None) -> dict[int, tuple[int, int]]:
+    """section_range of each of a file's chunks, by chunk index (a file's passages in line order,
+    as the server orders them: by lines, then index)."""
+    ordered = sorted(chunks, key=lambda c: (c.start_line, c.end_line, c.index))
+    return {c.index: section_range(ordered, n, headings) for n, c in enumerate(ordered)}
+
+
 @dataclass(frozen=True)
 class _Body:
     """What chunking measures of a body: each line's searchable tokens, its blocks and sections."""
@@ -4712,6 +4765,10 @@ KEYWORD_MIGRATIONS = (
                   "ALTER TABLE documents ADD COLUMN language TEXT",
                   "ALTER TABLE chunks ADD COLUMN kind TEXT NOT NULL DEFAULT 'doc'",
                   "ALTER TABLE chunks ADD COLUMN symbol TEXT")),
+    # Each chunk's section (section_range), which a search's section context spans: read, not worked
+    # out from the file again for each hit. NULL: not recorded (the server works it out, as before).
+    Migration(10, ("ALTER TABLE chunks ADD COLUMN section_start INTEGER",
+                   "ALTER TABLE chunks ADD COLUMN section_end INTEGER")),
 )
 KEYWORD_SCHEMA_VERSION = KEYWORD_MIGRATIONS[-1].number
 _ADD_COLUMN = re.compile(r"ALTER TABLE (\w+) ADD COLUMN (\w+)")
@@ -4805,7 +4862,7 @@ class DocumentRow:
 
 # The migration that added each column of a row type a reader selects: an older index reads NULL there.
 _COLUMN_SINCE = {"superseded_by": 4, "pages": 6, "searchable": 6, "tags": 8, "dated": 8, "kind": 9, "language": 9,
-                 "symbol": 9}
+                 "symbol": 9, "section_start": 10, "section_end": 10}
 
 
 def select_columns(names: Iterable[str], version: int, table: str = "") -> str:
@@ -4837,6 +4894,8 @@ class ChunkRow:
     kind: str | None = None  # "doc" or "code" (None: an index written before code: a document)
     symbol: str | None = None  # a code chunk's symbol
     language: str | None = None  # a code chunk's language (its document's)
+    section_start: int | None = None  # its section's lines (section_range); None: not recorded
+    section_end: int | None = None
 
     @property
     def indexed_text(self) -> str:
@@ -4849,7 +4908,8 @@ def chunk_select(version: int = KEYWORD_SCHEMA_VERSION) -> str:
     columns = select_columns(("id", "path", "chunk_index", "start_line", "end_line", "heading", "lifecycle", "text"), version,
                        "c.")
     return (f"SELECT {columns}, coalesce(d.title, c.path), {select_columns(('searchable', 'kind', 'symbol'), version, 'c.')}, "
-            f"{select_columns(('language',), version, 'd.')} FROM chunks c LEFT JOIN documents d ON d.path = c.path")
+            f"{select_columns(('language',), version, 'd.')}, {select_columns(('section_start', 'section_end'), version, 'c.')} "
+            "FROM chunks c LEFT JOIN documents d ON d.path = c.path")
 
 
 def pages_column(pages: Sequence[Page]) -> str | None:

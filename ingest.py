@@ -1308,14 +1308,18 @@ class Store:
         doc, path = pf.doc, pf.file.path
         self._rows_written += len(pf.chunks)
         fts_rows = []
+        # A text's sections by its headings; an extracted one's (a PDF's) by its passages, as the
+        # server reads it (it cites the extracted lines, not the reader's headings).
+        sections = rules.section_ranges(pf.chunks, None if doc.reader.extracted else doc.text.headings)
         for chunk, key in zip(pf.chunks, pf.keys, strict=True):
             # The searchable text is stored only where it is not the text's own (MDX's tags, rST's roles).
             searchable = None if chunk.searchable == rules.searchable_text(chunk.text) else chunk.searchable
             cur = self.db.execute(
                 "INSERT INTO chunks(id, path, chunk_index, start_line, end_line, heading, lifecycle, text, embed_key, "
-                "searchable, kind, symbol) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "searchable, kind, symbol, section_start, section_end) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (rules.chunk_id(path, pf.content_hash, chunk.index), path, chunk.index, chunk.start_line,
-                 chunk.end_line, chunk.heading, doc.lifecycle, chunk.text, key, searchable, doc.kind, chunk.symbol))
+                 chunk.end_line, chunk.heading, doc.lifecycle, chunk.text, key, searchable, doc.kind, chunk.symbol,
+                 *sections[chunk.index]))
             fts_row = rules.keyword_row(doc.title, chunk.heading, chunk.searchable)
             self.db.execute("INSERT INTO chunks_fts(rowid, title, heading, body) VALUES (?, ?, ?, ?)",
                             (cur.lastrowid, *fts_row))

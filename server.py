@@ -1188,43 +1188,16 @@ class HitContext:
 def context_range(chunks: Sequence[rules.ChunkRow], hit: rules.ChunkRow, kind: Literal["section", "neighbours"],
                   headings: Sequence[rules.Heading] | None = None) -> tuple[int, int]:
     """The lines a hit's context spans in its file, always holding the passage. neighbours: from
-    the passage before it to the one after it. section: from its heading to the next heading of
-    the same or a higher level, by the file's `headings` where its reader gives them; else (a PDF,
-    whose reading is dear) the run of passages under its heading path."""
-    if kind == "section" and headings is not None and (found := section_lines(headings, hit)) is not None:
-        return min(found[0], hit.start_line), max(found[1], hit.end_line)
-    ordered = sorted(chunks, key=lambda c: (c.start_line, c.end_line, c.id))
+    the passage before it to the one after it. section: rules.section_range (what ingest records
+    with each chunk since the keyword index's migration 10; worked out here for a chunk written before)."""
+    ordered = sorted(chunks, key=lambda c: (c.start_line, c.end_line, c.chunk_index))
     at = next((n for n, c in enumerate(ordered) if c.id == hit.id), None)
     if at is None:  # an ingest replaced the file's passages since the hit was read: the passage alone
         return hit.start_line, hit.end_line
     if kind == "neighbours":
         before, after = ordered[max(0, at - 1)], ordered[min(len(ordered) - 1, at + 1)]
         return min(before.start_line, hit.start_line), max(after.end_line, hit.end_line)
-    own = hit.heading.split(rules.MERGED_HEADING_SEPARATOR)
-
-    def under(chunk: rules.ChunkRow) -> bool:
-        return any(part == mine or part.startswith(mine + rules.HEADING_SEPARATOR)
-                   for part in chunk.heading.split(rules.MERGED_HEADING_SEPARATOR) for mine in own)
-
-    first = last = at
-    while first > 0 and under(ordered[first - 1]):
-        first -= 1
-    while last + 1 < len(ordered) and under(ordered[last + 1]):
-        last += 1
-    return min(ordered[first].start_line, hit.start_line), max(ordered[last].end_line, hit.end_line)
-
-
-def section_lines(headings: Sequence[rules.Heading], hit: rules.ChunkRow) -> tuple[int, int] | None:
-    """The lines of the section a passage's heading path names: from that heading (the last one of
-    its text at or above the passage's end) to the line before the next heading of the same or a
-    higher level (the file's end: len-free, a caller clips it). None for a passage under no heading."""
-    leaf = hit.heading.split(rules.MERGED_HEADING_SEPARATOR)[0].split(rules.HEADING_SEPARATOR)[-1]
-    at = max((n for n, h in enumerate(headings) if h.text == leaf and h.line <= hit.end_line), default=None,
-             key=lambda n: headings[n].line)
-    if at is None:
-        return None
-    end = next((h.line - 1 for h in headings[at + 1:] if h.level <= headings[at].level), sys.maxsize)
-    return headings[at].line, end
+    return rules.section_range(ordered, at, headings)
 
 
 def grown_window(costs: Sequence[int], first: int, last: int, room: int) -> tuple[int, int]:
@@ -3329,7 +3302,8 @@ class Search:
             return []
         index = self.index
         corpus = self.service.corpus_dir(index.current)
-        files: dict[str, tuple[list[rules.ChunkRow], list[str] | None, tuple[rules.Heading, ...] | None]] = {}
+        files: dict[str, tuple[rules.DocumentRow | None, tuple[list[str], str, bytes] | None]] = {}
+        passages: dict[str, list[rules.ChunkRow]] = {}  # a file's, where its context is worked out here
         out: list[HitContext | None] = []
         for row, hit in zip(rows, hits, strict=True):
             if hit.freshness != "unchanged":
@@ -3338,17 +3312,22 @@ class Search:
             if row.path not in files:
                 doc = index.document(row.path)
                 try:
-                    read = document_lines(corpus, doc, index.current.corpus_id, index.extracted_text) if doc else None
+                    files[row.path] = (doc, document_lines(corpus, doc, index.current.corpus_id, index.extracted_text)
+                                       if doc else None)
                 except RagError:  # not readable as get_file would serve it (another folder, a link): its passage
-                    read = None
-                headings = (index.headings(doc, read[2]) if doc is not None and read is not None and read[1] == "disk"
-                            and context == "section" else None)
-                files[row.path] = (index.chunks_of(row.path), read[0] if read else None, headings)
-            chunks, lines, headings = files[row.path]
-            if lines is None or row.end_line > len(lines):
+                    files[row.path] = (doc, None)
+            doc, read = files[row.path]
+            if doc is None or read is None or row.end_line > len(read[0]):
                 out.append(None)
                 continue
-            start, end = context_range(chunks, row, context, headings)
+            lines = read[0]
+            if context == "section" and row.section_start is not None and row.section_end is not None:
+                start, end = row.section_start, row.section_end  # recorded by ingest
+            else:
+                headings = index.headings(doc, read[2]) if read[1] == "disk" and context == "section" else None
+                if row.path not in passages:
+                    passages[row.path] = index.chunks_of(row.path)
+                start, end = context_range(passages[row.path], row, context, headings)
             end = min(end, len(lines))
             out.append(HitContext(context, tuple(lines[start - 1:end]), start, (row.start_line, row.end_line),
                                   tuple(tuple(span) for span in hit.more_passages)))

@@ -4,7 +4,10 @@ each format, and RAG_FORMATS."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import shutil
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,7 @@ import pytest
 from fake_ollama import FakeOllama
 from helpers import Built, call, dispatched, in_process_service, ingest_in_process, raw_server
 
+import corpus_rules as rules
 import server
 
 MDX = """---
@@ -128,6 +132,28 @@ def test_each_format_is_found_and_cited_to_its_lines(built: tuple[Built, Any], q
     cited = "\n".join(lines[hit["start_line"] - 1:hit["end_line"]])
     assert quote in cited and quote in hit["text"]
     assert "pages" not in hit  # only a paged document's hits carry pages
+
+
+def test_each_chunk_records_the_section_the_server_would_work_out_from_its_file(built: tuple[Built, Any]) -> None:
+    """What ingest records with each chunk (section_start, section_end) is what a section context
+    spans when the server works it out from the file as indexed: by its reader's headings, or by
+    the run of passages under one heading path where it cites extracted text (a PDF)."""
+    store = built[0].store
+    con = sqlite3.connect(store / json.loads((store / "CURRENT.json").read_text())["index"] / rules.KEYWORD_DB)
+    try:
+        rows = [rules.ChunkRow(*row) for row in con.execute(f"{rules.chunk_select()} ORDER BY c.path, c.chunk_index")]
+    finally:
+        con.close()
+    checked = set()
+    for path, chunks in itertools.groupby(rows, key=lambda row: row.path):
+        passages = list(chunks)
+        raw = (built[0].corpus / path).read_bytes()
+        reader = rules.reader_for(path)
+        headings = None if reader is not None and reader.extracted else rules.parse_document(raw, path).text.headings
+        for row in passages:
+            assert (row.section_start, row.section_end) == server.context_range(passages, row, "section", headings), row
+        checked.add(path.rsplit(".", 1)[-1])
+    assert checked == {"md", "mdx", "rst", "txt", "pdf"}
 
 
 def test_jsx_and_imports_are_kept_out_of_the_keyword_index(built: tuple[Built, Any]) -> None:

@@ -28,6 +28,7 @@ from helpers import (
     Built,
     build,
     copy_sample,
+    current_of,
     ingest_in_process,
     ingest_index,
     sample_built,
@@ -465,7 +466,7 @@ def test_a_section_runs_from_its_heading_to_the_next_of_its_level_or_higher(
     start = headings[at].line + data.draw(st.integers(0, 2))
     row = rules.ChunkRow(id="c", path="p.md", chunk_index=0, start_line=start, end_line=start,
                          heading="Doc > " + headings[at].text, lifecycle="active", text="x", title="T")
-    found = server.section_lines(headings, row)
+    found = rules.section_lines(headings, row)
     assert found is not None
     first, last = found
     opening = next(h for h in headings if h.line == first)
@@ -511,6 +512,18 @@ def test_a_section_context_puts_an_answer_far_below_its_heading_in_hand(fake: Fa
     assert (section["start_line"], section["end_line"]) == (passage["start_line"], passage["end_line"])
     neighbours = found["neighbours"]
     assert neighbours["context"] == "neighbours" and neighbours["text_end_line"] > passage["end_line"]
+    # A store written before chunks recorded their sections (NULL): the server works the section out
+    # from the file, to the same lines.
+    keyword_db = built.store / current_of(built.store)["index"] / rules.KEYWORD_DB
+    con = sqlite3.connect(keyword_db, isolation_level=None)
+    try:
+        assert con.execute("SELECT count(*) FROM chunks WHERE section_start IS NULL").fetchone()[0] == 0
+        con.execute("UPDATE chunks SET section_start = NULL, section_end = NULL")
+    finally:
+        con.close()
+    is_error, payload = call(service(built), "search_corpus", query="how long are audit logs kept", k=3,
+                             mode="keyword", context="section")
+    assert not is_error and payload["results"][0] == section
 
 
 @settings(max_examples=examples(200))
