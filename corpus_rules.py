@@ -4766,9 +4766,12 @@ KEYWORD_MIGRATIONS = (
                   "ALTER TABLE chunks ADD COLUMN kind TEXT NOT NULL DEFAULT 'doc'",
                   "ALTER TABLE chunks ADD COLUMN symbol TEXT")),
     # Each chunk's section (section_range), which a search's section context spans: read, not worked
-    # out from the file again for each hit. NULL: not recorded (the server works it out, as before).
+    # out from the file again for each hit. NULL: not recorded (the server works it out from the
+    # file); a document's sections_recorded is 1 once its chunks carry theirs, NULL before (ingest
+    # reads the file again to record them, see keys_unrecorded).
     Migration(10, ("ALTER TABLE chunks ADD COLUMN section_start INTEGER",
-                   "ALTER TABLE chunks ADD COLUMN section_end INTEGER")),
+                   "ALTER TABLE chunks ADD COLUMN section_end INTEGER",
+                   "ALTER TABLE documents ADD COLUMN sections_recorded INTEGER")),
 )
 KEYWORD_SCHEMA_VERSION = KEYWORD_MIGRATIONS[-1].number
 _ADD_COLUMN = re.compile(r"ALTER TABLE (\w+) ADD COLUMN (\w+)")
@@ -4853,16 +4856,18 @@ class DocumentRow:
     dated: str | None = None  # the document's own date, "" for none; None: not recorded
     kind: str | None = None  # "doc" or "code"; None: an index written before code (a document)
     language: str | None = None  # a code file's language
+    sections_recorded: int | None = None  # 1 once its chunks carry their sections; None: not recorded
 
     def keys_unrecorded(self) -> bool:
-        """A document of a store written before all its document keys were recorded (successors,
-        tags, its date): ingest reads it again to record them."""
-        return self.tags is None or (self.lifecycle == "superseded" and self.superseded_by is None)
+        """A document of a store written before all it holds of a document was recorded (successors,
+        tags, its date, its chunks' sections): ingest reads it again to record them."""
+        return (self.tags is None or (self.lifecycle == "superseded" and self.superseded_by is None)
+                or self.sections_recorded is None)
 
 
 # The migration that added each column of a row type a reader selects: an older index reads NULL there.
 _COLUMN_SINCE = {"superseded_by": 4, "pages": 6, "searchable": 6, "tags": 8, "dated": 8, "kind": 9, "language": 9,
-                 "symbol": 9, "section_start": 10, "section_end": 10}
+                 "symbol": 9, "section_start": 10, "section_end": 10, "sections_recorded": 10}
 
 
 def select_columns(names: Iterable[str], version: int, table: str = "") -> str:

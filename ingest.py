@@ -344,6 +344,12 @@ def _walk(root: Path, root_fd: int, scope: Scope, walk: Walk, formats: Collectio
 # The keyword index / registry (SQLite), the commit point.
 
 
+def _section_headings(doc: rules.SourceDocument) -> tuple[rules.Heading, ...] | None:
+    """The headings a document's sections run between; none for an extracted text (a PDF's): the
+    server cites its extracted lines, so its sections are runs of passages under one heading path."""
+    return None if doc.reader.extracted else doc.text.headings
+
+
 def _key_columns(doc: rules.SourceDocument) -> tuple[str, str, str]:
     """documents.superseded_by, tags and dated for a document, as the keyword index holds them."""
     return rules.successors_column(doc.superseded_by), rules.tags_column(doc.tags), doc.dated or ""
@@ -1031,10 +1037,17 @@ class Store:
         self._sent_vectors: dict[str, Any] = {}
 
     def record_keys(self, docs: Iterable[rules.SourceDocument]) -> None:
-        """The document keys of unchanged files read again (see DocumentRow.keys_unrecorded)."""
+        """The document keys and the chunks' sections of unchanged files read again (see
+        DocumentRow.keys_unrecorded)."""
         with transaction(self.db):
-            self.db.executemany("UPDATE documents SET superseded_by = ?, tags = ?, dated = ? WHERE path = ?",
-                                [(*_key_columns(doc), doc.path) for doc in docs])
+            for doc in docs:
+                self.db.execute("UPDATE documents SET superseded_by = ?, tags = ?, dated = ?, sections_recorded = 1 "
+                                "WHERE path = ?", (*_key_columns(doc), doc.path))
+                chunks = [rules.Chunk(index, start, end, heading, "", "") for index, start, end, heading in self.db.execute(
+                    "SELECT chunk_index, start_line, end_line, heading FROM chunks WHERE path = ?", (doc.path,))]
+                sections = rules.section_ranges(chunks, _section_headings(doc))
+                self.db.executemany("UPDATE chunks SET section_start = ?, section_end = ? WHERE path = ? AND chunk_index = ?",
+                                    [(*lines, doc.path, index) for index, lines in sections.items()])
             self._mark_unpublished()
 
     def unindexed_successors(self) -> list[tuple[str, str]]:
@@ -1308,9 +1321,7 @@ class Store:
         doc, path = pf.doc, pf.file.path
         self._rows_written += len(pf.chunks)
         fts_rows = []
-        # A text's sections by its headings; an extracted one's (a PDF's) by its passages, as the
-        # server reads it (it cites the extracted lines, not the reader's headings).
-        sections = rules.section_ranges(pf.chunks, None if doc.reader.extracted else doc.text.headings)
+        sections = rules.section_ranges(pf.chunks, _section_headings(doc))
         for chunk, key in zip(pf.chunks, pf.keys, strict=True):
             # The searchable text is stored only where it is not the text's own (MDX's tags, rST's roles).
             searchable = None if chunk.searchable == rules.searchable_text(chunk.text) else chunk.searchable
@@ -1329,8 +1340,8 @@ class Store:
         self._count_common_terms(fts_rows, 1)
         self.db.execute(
             "INSERT INTO documents(path, title, lifecycle, chunk_mode, content_hash, size, mtime_ns, disk_path, "
-            "real_path, line_count, chunk_count, cjk_share, pages, superseded_by, tags, dated, kind, language) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "real_path, line_count, chunk_count, cjk_share, pages, superseded_by, tags, dated, kind, language, "
+            "sections_recorded) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)",
             (path, doc.title, doc.lifecycle, doc.chunk_mode, pf.content_hash, pf.file.size, pf.file.mtime_ns,
              pf.file.disk_path, pf.file.real_path, doc.line_count, len(pf.chunks),
              round(rules.cjk_share("\n".join(doc.text.searchable[doc.body_start - 1:])), 4),
