@@ -1142,7 +1142,16 @@ def passage_shingles(text: str) -> frozenset[str]:
 
 
 def near_duplicate(a: frozenset[str], b: frozenset[str]) -> bool:
-    return bool(a and b) and len(a & b) >= DUPLICATE_SIMILARITY * len(a | b)
+    """Jaccard(a, b) >= DUPLICATE_SIMILARITY. The intersection is at most the smaller set and the
+    union at least the larger, so sets of too different sizes are told apart without either; the
+    union is counted, not built (every candidate is compared with every result)."""
+    if not a or not b:
+        return False
+    small, large = sorted((len(a), len(b)))
+    if small < DUPLICATE_SIMILARITY * large:
+        return False
+    both = len(a & b)
+    return both >= DUPLICATE_SIMILARITY * (len(a) + len(b) - both)
 
 
 def group_hits(ranked: Sequence[tuple[str, float]], rows: Mapping[str, rules.ChunkRow], k: int,

@@ -541,6 +541,15 @@ def test_a_section_context_puts_an_answer_far_below_its_heading_in_hand(fake: Fa
         con.close()
 
 
+@given(st.frozensets(st.sampled_from([f"w{n}" for n in range(40)])), st.frozensets(st.sampled_from([f"w{n}" for n in range(40)])))
+def test_near_duplicate_is_jaccard_of_the_shingles_at_the_threshold(a: frozenset[str], b: frozenset[str]) -> None:
+    jaccard = len(a & b) / len(a | b) if a and b else 0.0
+    assert server.near_duplicate(a, b) == (bool(a and b) and len(a & b) >= server.DUPLICATE_SIMILARITY * len(a | b))
+    assert server.near_duplicate(a, b) == server.near_duplicate(b, a)
+    if jaccard >= 0.81:
+        assert server.near_duplicate(a, b)
+
+
 @settings(max_examples=examples(200))
 @given(st.lists(st.tuples(st.sampled_from(["a.md", "b.md", "c.md"]), st.sampled_from(["A", "A > B", "C"])),
                 min_size=1, max_size=30), st.integers(1, 20))
