@@ -78,6 +78,7 @@ import contextvars
 import dataclasses
 import difflib
 import functools
+import gc
 import itertools
 import json
 import logging
@@ -4041,8 +4042,9 @@ class WarmUp:
     not pay ~2 s of imports. The store lock is held only to open the index: a search arriving
     during the load answers from the keyword channel meanwhile (see COLD_VECTOR_WAIT_S)."""
 
-    def __init__(self, service: RetrievalService) -> None:
+    def __init__(self, service: RetrievalService, *, freeze_imports: bool = False) -> None:
         self.service = service
+        self.freeze_imports = freeze_imports  # the server process's own warm-up (see _run)
         self._thread: threading.Thread | None = None
         # start() runs on the server's thread while main() may join at shutdown: a thread is
         # published only once started, or join() would raise on a thread not yet running.
@@ -4072,6 +4074,13 @@ class WarmUp:
         started = time.perf_counter()
         try:
             rules.import_heavy("ollama")  # only to pay the imports now
+            if self.freeze_imports:
+                # What the imports built (chromadb's alone: ~50k objects) lives as long as the
+                # process, and every full pass of the cyclic collector walked it: a pause of
+                # tens of ms in whichever search or listing set it off. Frozen, it is left out;
+                # the generations opened next are not frozen, so a closed one is still collected.
+                rules.import_heavy("chromadb")
+                gc.freeze()
             service = self.service
             manager = service.manager
             with manager.lock:
@@ -5928,7 +5937,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (args.http and settings is None):  # an HTTP daemon refuses to start: said once, below
         for problem in [*problems, *rules.unknown_variables()]:
             log.warning("%s", problem)
-    warmup = WarmUp(service)
+    warmup = WarmUp(service, freeze_imports=True)
     service.watcher = watch_supervisor(settings, args.watch, args.settle)
     abandoned = False
     try:

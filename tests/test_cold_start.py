@@ -8,6 +8,9 @@ Every result is checked against the tool's outputSchema (helpers.dispatched).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,7 +18,7 @@ from typing import Any
 
 import pytest
 from fake_ollama import FakeOllama
-from helpers import Built, dispatched, edit, in_process_service, sample_built
+from helpers import ROOT, Built, dispatched, edit, in_process_service, ingest_index, sample_built
 
 import corpus_rules as rules
 import server
@@ -200,3 +203,47 @@ def test_the_staleness_count_the_warm_up_began_is_the_one_the_first_search_repor
         assert "1 indexed file(s) changed on disk" in payload["staleness"]["hint"]
     finally:
         service.close(5)
+
+
+FROZEN_WARM_UP = """
+import gc, json, sys, weakref
+import server
+svc = server.RetrievalService()
+warmup = server.WarmUp(svc, freeze_imports=True)
+warmup.start(delay=0.0)
+warmup.join(120)
+frozen = gc.get_freeze_count()
+outcome = server.dispatch(svc, "search_corpus", {"query": sys.argv[1]})
+first = weakref.ref(svc.manager.open())
+print(json.dumps({"frozen": frozen, "generation": outcome.payload["index"]["generation"]}), flush=True)
+sys.stdin.readline()  # the test has published the next generation
+outcome = server.dispatch(svc, "search_corpus", {"query": sys.argv[1]})
+gc.collect()
+print(json.dumps({"generation": outcome.payload["index"]["generation"], "first_collected": first() is None}))
+"""
+
+
+@pytest.mark.process
+def test_the_server_warm_up_freezes_what_its_imports_built_and_a_closed_generation_is_still_collected(
+        fake: FakeOllama, indexed_sample: tuple[Path, Path], tmp_path: Path) -> None:
+    """The server process's warm-up leaves what its imports built (chromadb's) out of the cyclic
+    collector, which walked it on every full pass; the generation it opens, closed when ingest
+    publishes the next, is still freed. In a process of its own: freezing reaches every object
+    alive in the process."""
+    base = sample_built(indexed_sample, tmp_path, fake.host)
+    proc = subprocess.Popen([sys.executable, "-c", FROZEN_WARM_UP, QUERY], cwd=ROOT, env=base.server_env(fake.host),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else ""
+        before = json.loads(line)
+        assert before["frozen"] > 10_000, before
+        edit(base.corpus / ESCALATION, "Escalation drills run every quarter.")
+        done = ingest_index(base.corpus, base.store, fake.host)
+        assert done.returncode == 0, done.stderr
+        out, err = proc.communicate("go\n", timeout=120)
+    finally:
+        proc.kill()
+    after = json.loads(out.strip().splitlines()[-1])
+    assert after == {"generation": before["generation"] + 1, "first_collected": True}, err[-3000:]
