@@ -4074,18 +4074,19 @@ class WarmUp:
         started = time.perf_counter()
         try:
             rules.import_heavy("ollama")  # only to pay the imports now
-            if self.freeze_imports:
-                # What the imports built (chromadb's alone: ~50k objects) lives as long as the
-                # process, and every full pass of the cyclic collector walked it: a pause of
-                # tens of ms in whichever search or listing set it off. Frozen, it is left out;
-                # the generations opened next are not frozen, so a closed one is still collected.
-                rules.import_heavy("chromadb")
-                gc.freeze()
             service = self.service
             manager = service.manager
             with manager.lock:
                 index = manager.open()
                 service.staleness.begin(index, service.corpus_dir(index.current))
+            if self.freeze_imports:
+                # What the imports built (chromadb's alone: ~50k objects) lives as long as the
+                # process, and every full pass of the cyclic collector walked it: a pause of
+                # tens of ms in whichever search or listing set it off. Frozen, it is left out.
+                # The generation just opened is frozen with it: it holds no reference cycle, so
+                # it is still freed once closed (a test); the ones opened later are not frozen.
+                rules.import_heavy("chromadb")
+                gc.freeze()
             index.load_vectors(lambda: manager.is_live(index))
         except RagError as exc:
             log.info("warm-up: store not ready (%s)", exc.code)

@@ -227,9 +227,9 @@ print(json.dumps({"generation": outcome.payload["index"]["generation"], "first_c
 def test_the_server_warm_up_freezes_what_its_imports_built_and_a_closed_generation_is_still_collected(
         fake: FakeOllama, indexed_sample: tuple[Path, Path], tmp_path: Path) -> None:
     """The server process's warm-up leaves what its imports built (chromadb's) out of the cyclic
-    collector, which walked it on every full pass; the generation it opens, closed when ingest
-    publishes the next, is still freed. In a process of its own: freezing reaches every object
-    alive in the process."""
+    collector, which walked it on every full pass; the generation it opens (frozen with them),
+    closed when ingest publishes the next, is still freed. In a process of its own: freezing
+    reaches every object alive in the process."""
     base = sample_built(indexed_sample, tmp_path, fake.host)
     proc = subprocess.Popen([sys.executable, "-c", FROZEN_WARM_UP, QUERY], cwd=ROOT, env=base.server_env(fake.host),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
