@@ -925,6 +925,55 @@ def with_identifier_bonus(fused: Sequence[tuple[str, float]], whole: Mapping[str
     return sorted(boosted, key=lambda entry: (-entry[1], position[entry[0]]))
 
 
+def unanimous_order(boosted: Sequence[tuple[str, float]], fused: Sequence[tuple[str, float]],
+                    lists: Sequence[RankedList]) -> list[tuple[str, float]]:
+    """The boosted entries in their order, except that a passage every list ranks above another
+    stays above it: the identifier bonus settles what the lists disagree on, never overturns what
+    they all say. Without it, a passage both channels rank first that does not name the query's
+    identifier (a subsection whose parent section names it) fell below every passage naming it,
+    however far down the lists ranked those. "Above" counts the lists with a weight (one without
+    has no say): at least as high in each, higher in one, a list that did not rank a passage
+    ranking it below all it did. A passage whose vector waits (a stand-in) is compared with none:
+    only the keyword channel has ranked it, and one list is not all of them.
+
+    Each place goes to the first passage in the bonus's order that no passage still to be placed
+    is above in every list. Fused values keep every such pair in order, and "above in every list"
+    is transitive, so only the pairs the bonus turned around need checking: a passage the bonus
+    lifted against one fused above it."""
+    fused_value = dict(fused)
+    lifted = {item for item, value in boosted if value > fused_value[item]}
+    if not lifted:
+        return list(boosted)
+    boosted_place = {item: place for place, (item, _) in enumerate(boosted)}
+    passed = {item: [other for other, _ in fused[:place] if boosted_place[other] > boosted_place[item]]
+              for place, (item, _) in enumerate(fused) if item in lifted}
+    stand_ins = {item for ranked in lists if ranked.ranks is not None for item in ranked.ids}
+    compared = (set(passed) | {other for others in passed.values() for other in others}) - stand_ins
+    place_in = [{item: place for place, item in ranked.positions()}
+                for ranked in lists if ranked.weight > 0 and ranked.ranks is None]
+    places = {item: tuple(ranks.get(item, math.inf) for ranks in place_in) for item in compared}
+
+    def above_in_every_list(a: str, b: str) -> bool:
+        if a in stand_ins or b in stand_ins:
+            return False
+        for place_a, place_b in zip(places[a], places[b], strict=True):
+            if place_a > place_b:
+                return False
+        return places[a] != places[b]
+
+    blockers = {item: kept for item, others in passed.items()
+                if (kept := [other for other in others if above_in_every_list(other, item)])}
+    if not blockers:
+        return list(boosted)
+    due, placed, order = list(boosted), set(), []
+    while due:
+        entry = due.pop(next(i for i, (item, _) in enumerate(due)
+                             if all(other in placed for other in blockers.get(item, ()))))
+        placed.add(entry[0])
+        order.append(entry)
+    return order
+
+
 def spread_documents(order: Sequence[tuple[str, float]], document_of: Callable[[str], str],
                      lead: int) -> list[tuple[str, float]]:
     """The entries with at most `lead` passages of one document ahead of the other documents'
@@ -2735,7 +2784,7 @@ class PassageTerms:
 @dataclass(frozen=True)
 class Ranking:
     """What each step of ranking made (see ranking): the lists fused, the fused values, the values
-    with the identifier bonus, and the final order."""
+    with the identifier bonus in their order (what the lists all agree on kept), and the final order."""
 
     lists: tuple[RankedList, ...]
     fused: list[tuple[str, float]]
@@ -2749,7 +2798,8 @@ def ranking(candidates: ChannelCandidates, mode: str) -> Ranking:
 
     1. fuse: weighted reciprocal rank fusion of every list of every phrasing;
     2. identifiers (hybrid): a bonus for the passages holding the query's identifiers whole. The
-       vector channel cannot see an exact string; keyword mode's BM25 already ranks by terms;
+       vector channel cannot see an exact string; keyword mode's BM25 already ranks by terms. The
+       bonus never lifts a passage over one that every list ranks above it (unanimous_order);
     3. spread: at most FILE_LEAD passages of one document ahead of the other documents' next.
     A reranker would go between 2 and 3. (Keeping each channel's best hit in the first results
     was measured on the dev set and dropped: it cost a paraphrase its file and gained nothing
@@ -2760,7 +2810,8 @@ def ranking(candidates: ChannelCandidates, mode: str) -> Ranking:
     # 1. fuse
     fused = fuse_rankings(lists, RRF_K)
     # 2. identifiers
-    boosted = with_identifier_bonus(fused, candidates.whole, IDENTIFIER_BONUS) if mode == "hybrid" else fused
+    boosted = (unanimous_order(with_identifier_bonus(fused, candidates.whole, IDENTIFIER_BONUS), fused, lists)
+               if mode == "hybrid" else fused)
     # 3. spread
     return Ranking(lists, fused, boosted, spread_documents(boosted, rules.chunk_document_key, FILE_LEAD))
 

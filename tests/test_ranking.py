@@ -27,6 +27,12 @@ ranked_lists = st.lists(
               phrasing=st.integers(min_value=0, max_value=3), ids=chunk_lists.map(tuple),
               weight=st.sampled_from([0.0, 0.2, 0.5, 0.7, 1.0])),  # few values: ties are common
     max_size=8)
+stand_in_lists = st.lists(
+    st.lists(st.tuples(st.integers(min_value=1, max_value=60), st.sampled_from(CHUNKS)), max_size=12,
+             unique_by=lambda entry: entry[1]).map(
+        lambda entries: server.RankedList("keyword", 0, tuple(item for _, item in sorted(entries)), 1.0,
+                                          tuple(rank for rank, _ in sorted(entries)))),
+    max_size=2)  # a waiting passage stands in the vector list at its keyword rank
 holders = st.dictionaries(st.sampled_from(["OLLAMA_KEEP_ALIVE", "E4091", "v-model"]),
                           st.sets(st.sampled_from(CHUNKS)), max_size=3)
 
@@ -89,6 +95,53 @@ def test_a_passage_writing_the_identifier_another_way_keeps_its_own_rank() -> No
     ranked = order_of(server.with_identifier_bonus(fused, whole, server.IDENTIFIER_BONUS))
     assert ranked.index("answer") < ranked.index("unrelated")
     assert ranked.index("answer") < ranked.index("other-3")
+
+
+def above_in_every_list(lists: list[server.RankedList], a: str, b: str) -> bool:
+    """The definition, restated: at least as high in every list with a weight, higher in one;
+    a list that did not rank a passage ranks it below all it did."""
+    def place(ranked: server.RankedList, item: str) -> float:
+        return dict((i, p) for p, i in reversed(list(ranked.positions()))).get(item, float("inf"))
+    if any(ranked.ranks is not None and (a in ranked.ids or b in ranked.ids) for ranked in lists):
+        return False  # a stand-in: only the keyword channel ranked it
+    counted = [ranked for ranked in lists if ranked.weight > 0 and ranked.ranks is None]
+    return (all(place(r, a) <= place(r, b) for r in counted) and any(place(r, a) < place(r, b) for r in counted))
+
+
+@settings(max_examples=examples(300))
+@given(ranked_lists, stand_in_lists, holders)
+def test_the_bonus_never_lifts_a_passage_over_one_every_list_ranks_above_it(
+        ranked: list[server.RankedList], stand_ins: list[server.RankedList], whole: dict[str, set[str]]) -> None:
+    lists = [*ranked, *stand_ins]
+    fused = server.fuse_rankings(lists)
+    boosted = server.with_identifier_bonus(fused, whole, server.IDENTIFIER_BONUS)
+    kept = server.unanimous_order(boosted, fused, lists)
+    assert sorted(kept) == sorted(boosted), "every entry once, with its value"
+    ranked = order_of(kept)
+    for i, a in enumerate(ranked):
+        for b in ranked[:i]:
+            assert not above_in_every_list(lists, a, b), f"{a} is above {b} in every list, yet follows it"
+    # Each place goes to the first passage in the bonus's order that no passage still waiting is above in every list.
+    for i, (item, _) in enumerate(kept):
+        waiting = ranked[i:]
+        first_free = next(b for b in order_of(boosted) if b in waiting
+                          and not any(above_in_every_list(lists, a, b) for a in waiting))
+        assert item == first_free
+    if not whole:
+        assert kept == boosted == fused, "without a bonus, fused values already keep every such pair"
+
+
+def test_the_answer_both_channels_rank_first_stays_first_among_passages_naming_the_identifier() -> None:
+    """The dev-set case: a question names `x-mcp-header`; its answer, a subsection whose parent
+    section names it, is first in both channels; a dozen passages naming it are each ranked below
+    it by both. With the bonus alone all twelve passed it, and the answer left the first ten."""
+    answer = chunk_id("spec/http.mdx", "0" * 16, 9)
+    naming = [chunk_id(f"spec/{i}.mdx", "1" * 16, i) for i in range(12)]
+    lists = [server.RankedList("vector", 0, (answer, *naming)), server.RankedList("keyword", 0, (answer, *naming[::-1]))]
+    found = candidates(lists, {"x-mcp-header": set(naming)})
+    assert order_of(server.rank(found, "hybrid"))[0] == answer
+    fused = server.fuse_rankings(lists)
+    assert order_of(server.with_identifier_bonus(fused, found.whole, server.IDENTIFIER_BONUS)).index(answer) == 12
 
 
 def test_two_identifiers_a_passage_holding_both_leads_one_holding_one() -> None:
