@@ -81,7 +81,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 PROJECT_DIR = Path(__file__).resolve().parent
 
@@ -4016,10 +4016,17 @@ def section_range(ordered: Sequence[Passage], at: int, headings: Sequence[Headin
     return min(ordered[first].start_line, passage.start_line), max(ordered[last].end_line, passage.end_line)
 
 
+PassageT = TypeVar("PassageT", bound=Passage)
+
+
+def in_file_order(passages: Iterable[PassageT], index: Callable[[PassageT], int]) -> list[PassageT]:
+    """A file's passages in line order, as section_range takes them: by lines, then chunk index."""
+    return sorted(passages, key=lambda p: (p.start_line, p.end_line, index(p)))
+
+
 def section_ranges(chunks: Sequence[Chunk], headings: Sequence[Heading] | None) -> dict[int, tuple[int, int]]:
-    """section_range of each of a file's chunks, by chunk index (a file's passages in line order,
-    as the server orders them: by lines, then index)."""
-    ordered = sorted(chunks, key=lambda c: (c.start_line, c.end_line, c.index))
+    """section_range of each of a file's chunks, by chunk index."""
+    ordered = in_file_order(chunks, lambda c: c.index)
     return {c.index: section_range(ordered, n, headings) for n, c in enumerate(ordered)}
 
 

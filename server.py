@@ -1249,7 +1249,7 @@ def context_range(chunks: Sequence[rules.ChunkRow], hit: rules.ChunkRow, kind: L
     """The lines a hit's context spans in its file, always holding the passage. neighbours: from
     the passage before it to the one after it. section: rules.section_range (what ingest records
     with each chunk since the keyword index's migration 10; worked out here for a chunk written before)."""
-    ordered = sorted(chunks, key=lambda c: (c.start_line, c.end_line, c.chunk_index))
+    ordered = rules.in_file_order(chunks, lambda c: c.chunk_index)
     at = next((n for n, c in enumerate(ordered) if c.id == hit.id), None)
     if at is None:  # an ingest replaced the file's passages since the hit was read: the passage alone
         return hit.start_line, hit.end_line
