@@ -1314,21 +1314,35 @@ def fit_hits(payload: dict[str, Any], budget: int = SEARCH_RESPONSE_MAX_CHARS,
         hit["truncated"] = bool(hit.get("truncated")) or len(hit["text"]) < len(original)
     # 4. Contexts, best hit first.
     room = budget - json_len(out)
-    for hit, context in zip(results, contexts, strict=False):  # step 2 may have dropped trailing hits
-        if context is None:
-            continue
-        held = json_len(hit["text"]) - 2
-        costs = [json_len(line) - 2 for line in context.lines]
-        first, last = members_window(costs, context, held + room)
-        lo, hi = grown_window(costs, first, last, held + room)
-        cost = sum(costs[lo:hi + 1]) + 2 * (hi - lo)
-        if cost > held + room:
-            continue
-        hit.update(text="\n".join(context.lines[lo:hi + 1]), context=context.kind,
-                   text_start_line=context.start_line + lo, text_end_line=context.start_line + hi,
-                   truncated=(lo, hi) != (0, len(costs) - 1))
-        room -= cost - held
+    for index, context in enumerate(contexts[:len(results)]):  # step 2 may have dropped trailing hits
+        if context is not None:
+            results[index], room = with_context(results[index], context, room)
     return out
+
+
+def with_context(hit: dict[str, Any], context: HitContext, room: int) -> tuple[dict[str, Any], int]:
+    """The hit with the widest window of its context whose whole hit grows by at most `room`
+    characters (fit_hits' step 4), and the room left; the hit as it was when none does. The
+    window's lines are most of the cost, but not all of it: the fields that say what was returned
+    change too (`truncated` false is a character longer than true, "neighbours" three longer than
+    "passage", a line number may gain a digit), so a window whose lines just fit is narrowed by
+    what those fields add."""
+    size = json_len(hit)
+    costs = [json_len(line) - 2 for line in context.lines]
+    lines_room = json_len(hit["text"]) - 2 + room
+    while lines_room >= 0:
+        first, last = members_window(costs, context, lines_room)
+        lo, hi = grown_window(costs, first, last, lines_room)
+        if sum(costs[lo:hi + 1]) + 2 * (hi - lo) > lines_room:
+            break  # the passage's own lines do not fit: it keeps its text
+        grown = dict(hit, text="\n".join(context.lines[lo:hi + 1]), context=context.kind,
+                     text_start_line=context.start_line + lo, text_end_line=context.start_line + hi,
+                     truncated=(lo, hi) != (0, len(costs) - 1))
+        over = json_len(grown) - size - room
+        if over <= 0:
+            return grown, room - (json_len(grown) - size)
+        lines_room -= over
+    return hit, room
 
 
 def members_window(costs: Sequence[int], context: HitContext, room: int) -> tuple[int, int]:

@@ -442,6 +442,22 @@ def test_a_context_stays_in_its_file_holds_its_passage_and_the_budget(
         assert grown == 0
 
 
+@settings(max_examples=examples(200), suppress_health_check=[HealthCheck.too_slow])
+@given(hits_with_contexts(), st.integers(min_value=0, max_value=12))
+def test_a_context_that_barely_fits_keeps_the_budget_whatever_its_fields_add(
+        drawn: tuple[list[dict[str, Any]], list[server.HitContext | None]], slack: int) -> None:
+    """Budgets a few characters under what the contexts take whole: where a window's lines just
+    fit, `truncated` turning false, "neighbours" for "passage" or a line number's extra digit
+    must not carry the response over (the dev set met one such response: 20,001 of 20,000)."""
+    hits, contexts = drawn
+    whole = server.json_len(server.fit_hits({"query": "q", "results": [dict(h) for h in hits]}, budget=10**7,
+                                            per_hit=2000, contexts=contexts))
+    budget = whole - slack
+    fitted = server.fit_hits({"query": "q", "results": [dict(h) for h in hits]}, budget=budget, per_hit=2000,
+                             contexts=contexts)
+    assert server.json_len(fitted) <= budget
+
+
 def test_a_long_sections_window_takes_in_its_other_matched_passages_first() -> None:
     """A section too long for the room left: the window holds the hit's passage and the section's
     other matched passage (more_passages) rather than only the lines around the passage."""
