@@ -1309,7 +1309,7 @@ def fit_hits(payload: dict[str, Any], budget: int = SEARCH_RESPONSE_MAX_CHARS,
         texts.pop()
     # 3. Fair shares of the room left.
     shares = fair_shares([json_len(text) - 2 for text in texts], budget - json_len(out))
-    for hit, text, share, original in zip(results, texts, shares, originals, strict=True):
+    for hit, text, share, original in zip(results, texts, shares, originals[:len(results)], strict=True):
         hit["text"] = prefix_within(text, share)
         hit["truncated"] = bool(hit.get("truncated")) or len(hit["text"]) < len(original)
     # 4. Contexts, best hit first.

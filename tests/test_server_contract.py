@@ -357,6 +357,15 @@ def test_fit_hits_keeps_the_response_under_budget(texts: list[str], budget: int)
     assert payload["results"][0:1] == [] or payload["results"][0]["text"] == texts[0], "input left untouched"
 
 
+def test_hits_whose_fields_alone_do_not_fit_are_dropped_from_the_end() -> None:
+    """Step 2 of fit_hits, where it used to fail: the hits' texts were paired with one original
+    text per hit given, and a dropped hit left one over (a ValueError instead of a response)."""
+    hits = [{"path": letter * 300, "text": letter * 100, "truncated": False} for letter in "abc"]
+    fitted = server.fit_hits({"query": "q", "results": hits}, budget=500)
+    assert [hit["path"][0] for hit in fitted["results"]] == ["a"]
+    assert server.json_len(fitted) <= 500
+
+
 @given(st.one_of(st.text(), st.lists(st.text(max_size=20), max_size=5), st.dictionaries(st.text(max_size=5), st.integers())))
 def test_json_len_is_the_length_of_the_compact_json_written(value: object) -> None:
     """fit_hits' measure, with its string shortcut: what json.dumps writes, escapes included."""
