@@ -944,18 +944,17 @@ def unanimous_order(boosted: Sequence[tuple[str, float]], fused: Sequence[tuple[
     lifted = {item for item, value in boosted if value > fused_value[item]}
     if not lifted:
         return list(boosted)
-    boosted_place = {item: place for place, (item, _) in enumerate(boosted)}
-    passed = {item: [other for other, _ in fused[:place] if boosted_place[other] > boosted_place[item]]
-              for place, (item, _) in enumerate(fused) if item in lifted}
     stand_ins = {item for ranked in lists if ranked.ranks is not None for item in ranked.ids}
-    compared = (set(passed) | {other for others in passed.values() for other in others}) - stand_ins
+    boosted_place = {item: place for place, (item, _) in enumerate(boosted)}
+    passed = {item: [other for other, _ in fused[:place]
+                     if other not in stand_ins and boosted_place[other] > boosted_place[item]]
+              for place, (item, _) in enumerate(fused) if item in lifted and item not in stand_ins}
+    compared = set(passed) | {other for others in passed.values() for other in others}
     place_in = [{item: place for place, item in ranked.positions()}
                 for ranked in lists if ranked.weight > 0 and ranked.ranks is None]
     places = {item: tuple(ranks.get(item, math.inf) for ranks in place_in) for item in compared}
 
     def above_in_every_list(a: str, b: str) -> bool:
-        if a in stand_ins or b in stand_ins:
-            return False
         for place_a, place_b in zip(places[a], places[b], strict=True):
             if place_a > place_b:
                 return False
@@ -1307,9 +1306,10 @@ def fit_hits(payload: dict[str, Any], budget: int = SEARCH_RESPONSE_MAX_CHARS,
     while results and json_len(out) > budget:
         results.pop()
         texts.pop()
+        originals.pop()
     # 3. Fair shares of the room left.
     shares = fair_shares([json_len(text) - 2 for text in texts], budget - json_len(out))
-    for hit, text, share, original in zip(results, texts, shares, originals[:len(results)], strict=True):
+    for hit, text, share, original in zip(results, texts, shares, originals, strict=True):
         hit["text"] = prefix_within(text, share)
         hit["truncated"] = bool(hit.get("truncated")) or len(hit["text"]) < len(original)
     # 4. Contexts, best hit first.
@@ -1338,10 +1338,10 @@ def with_context(hit: dict[str, Any], context: HitContext, room: int) -> tuple[d
         grown = dict(hit, text="\n".join(context.lines[lo:hi + 1]), context=context.kind,
                      text_start_line=context.start_line + lo, text_end_line=context.start_line + hi,
                      truncated=(lo, hi) != (0, len(costs) - 1))
-        over = json_len(grown) - size - room
-        if over <= 0:
-            return grown, room - (json_len(grown) - size)
-        lines_room -= over
+        growth = json_len(grown) - size
+        if growth <= room:
+            return grown, room - growth
+        lines_room -= growth - room
     return hit, room
 
 

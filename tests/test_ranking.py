@@ -117,13 +117,13 @@ def test_the_bonus_never_lifts_a_passage_over_one_every_list_ranks_above_it(
     boosted = server.with_identifier_bonus(fused, whole, server.IDENTIFIER_BONUS)
     kept = server.unanimous_order(boosted, fused, lists)
     assert sorted(kept) == sorted(boosted), "every entry once, with its value"
-    ranked = order_of(kept)
-    for i, a in enumerate(ranked):
-        for b in ranked[:i]:
+    order = order_of(kept)
+    for i, a in enumerate(order):
+        for b in order[:i]:
             assert not above_in_every_list(lists, a, b), f"{a} is above {b} in every list, yet follows it"
     # Each place goes to the first passage in the bonus's order that no passage still waiting is above in every list.
     for i, (item, _) in enumerate(kept):
-        waiting = ranked[i:]
+        waiting = order[i:]
         first_free = next(b for b in order_of(boosted) if b in waiting
                           and not any(above_in_every_list(lists, a, b) for a in waiting))
         assert item == first_free
