@@ -1643,6 +1643,10 @@ class BodyStructure:
 
     headings: tuple[BodyHeading, ...]
     block_starts: tuple[int, ...]
+    # 0-based line ranges [start, end) of code (fenced or indented) at any depth, kept as written
+    code: tuple[tuple[int, int], ...] = ()
+    # ... and of HTML blocks a reader never sees: comments, <script> and <style>
+    hidden: tuple[tuple[int, int], ...] = ()
 
 
 # A heading's attribute list, as MkDocs (attr_list), VitePress and Pandoc write it: `{#id}`,
@@ -1669,18 +1673,24 @@ def _markdown_tokens(lines: Sequence[str]) -> list[Any]:
     return MarkdownIt("commonmark").disable(["inline", "text_join"]).parse("\n".join(lines).replace("\r", " "))
 
 
+_HIDDEN_HTML = re.compile(r"[ \t]*<(?:!--|script\b|style\b)", re.IGNORECASE)
+
+
 def body_structure(body: Sequence[str]) -> BodyStructure:
     tokens = _markdown_tokens(body)
     return BodyStructure(headings=tuple(_headings_from_tokens(tokens)),
                          block_starts=tuple(sorted(tok.map[0] for tok in tokens
-                                                   if tok.level == 0 and tok.map and tok.nesting >= 0)))
+                                                   if tok.level == 0 and tok.map and tok.nesting >= 0)),
+                         code=tuple(tuple(tok.map) for tok in tokens if tok.type in ("fence", "code_block") and tok.map),
+                         hidden=tuple(tuple(tok.map) for tok in tokens
+                                      if tok.type == "html_block" and tok.map and _HIDDEN_HTML.match(tok.content)))
 
 
 def _headings_from_tokens(tokens: Sequence[Any]) -> list[BodyHeading]:
     headings = []
     for i, tok in enumerate(tokens):
         if tok.type == "heading_open" and tok.level == 0 and tok.map:
-            text = _without_anchor_suffix(tokens[i + 1].content).strip()
+            text = markup_heading(tokens[i + 1].content)
             # Capped here: every chunk of a section carries its heading path, so a heading of a
             # megabyte would cost memory with the square of its length.
             headings.append(BodyHeading(line=tok.map[0], end=tok.map[1], level=int(tok.tag[1]),
@@ -1694,16 +1704,47 @@ def _first_h1(headings: Sequence[Heading]) -> str | None:
 
 def read_markdown(raw: bytes, path: str) -> DocumentText:
     """Markdown: frontmatter (YAML, TOML or JSON) for the keys, CommonMark for the structure; the
-    title is the first H1. Searchable text is the text with URL payloads shortened."""
+    title is the first H1. Code stays as written; elsewhere what the page does not show is no
+    content: HTML comments, <script> and <style> blocks, tags (but their shown attributes), a
+    paragraph of ESM imports (a Docusaurus `.md` page is MDX), container fences (`::: tip`)."""
     lines = split_lines(decode_text(raw, path))
     metadata, body_start = read_frontmatter(lines, path)
-    structure = body_structure(lines[body_start - 1:])
+    body = lines[body_start - 1:]
+    structure = body_structure(body)
     headings = tuple(Heading(h.line + body_start, h.level, h.text) for h in structure.headings)
-    return DocumentText(lines=tuple(lines), searchable=("",) * (body_start - 1) + tuple(
-                            searchable_text(line) for line in lines[body_start - 1:]),
+    return DocumentText(lines=tuple(lines), searchable=("",) * (body_start - 1) + _markdown_searchable(body, structure),
                         body_start=body_start, headings=headings,
                         block_starts=tuple(start + body_start for start in structure.block_starts),
                         metadata=metadata, title=_first_h1(headings))
+
+
+def _markdown_searchable(body: Sequence[str], structure: BodyStructure) -> tuple[str, ...]:
+    how = ["text"] * len(body)
+    for ranges, kind in ((structure.hidden, "hidden"), (structure.code, "code")):
+        for start, end in ranges:
+            how[start:end] = [kind] * (end - start)
+    for start, end in _esm_paragraphs(body, how):
+        how[start:end] = ["hidden"] * (end - start)
+    return tuple(searchable_text(line) if kind == "code" else "" if kind == "hidden" else container_line(line)
+                 for line, kind in zip(body, how, strict=True))
+
+
+_ESM_LINE = re.compile(r"[ \t]*(?:import\s+(?:[\w$*{},\s]+\s+from\s+)?[\"'][^\"']+[\"'];?"
+                       r"|export\s+(?:const|let|function|default)\b.*)[ \t]*$")
+
+
+def _esm_paragraphs(body: Sequence[str], how: Sequence[str]) -> Iterator[tuple[int, int]]:
+    """Paragraphs of text whose lines are all ESM statements (`import X from './x.md';`): only an
+    MDX page (Docusaurus compiles `.md` as MDX) writes them outside code, and it never shows them."""
+    start = None
+    for n in range(len(body) + 1):
+        esm = n < len(body) and how[n] == "text" and _ESM_LINE.match(body[n]) is not None
+        if esm and start is None and (n == 0 or not body[n - 1].strip()):
+            start = n
+        elif not esm and start is not None:
+            if n == len(body) or not body[n].strip():
+                yield start, n
+            start = None
 
 
 # MDX (Docusaurus, Mintlify, Nextra, Starlight): Markdown with ESM and JSX. Read line by line, as
@@ -1713,15 +1754,36 @@ _MDX_ATX = re.compile(r"^ {0,3}(#{1,6})(?:[ \t]+(.*))?$")
 _MDX_ESM = re.compile(r"^(?:import|export)\b")
 # A JSX or HTML tag on one line: `<Note>`, `</Tab>`, `<Card title="x" icon="y" />`, `<>`. Attribute
 # values are quoted strings or {expressions} without braces inside (bounded, never backtracking).
-_JSX_TAG = re.compile(r"</?[A-Za-z][\w.:-]*(?:\s+[\w:.-]+(?:=(?:\"[^\"]*\"|'[^']*'|\{[^{}]*\}))?)*\s*/?>|</?>")
+_JSX_TAG = re.compile(r"</?[A-Za-z][\w.:-]*(?:\s+[\w:.-]+(?:=(?:\"[^\"]*\"|'[^']*'|\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}))?)*"
+                      r"\s*/?>|</?>")  # expressions hold one level of braces: style={{color: 'red'}}
+_TAG_END = re.compile(r"(?<!=)>")  # not an arrow function's
 _JSX_TAG_START = re.compile(r"<[A-Za-z][\w.:-]*(?=\s|$)")
+_BACKTICK_RUN = re.compile(r"`+")
+_MARKDOWN_ESCAPE = re.compile(r"\\([!-/:-@\[-`{-~])")  # CommonMark: a backslash shows the ASCII punctuation after it
 # Attributes whose value is text a reader of the page sees (a tab's or card's title).
-_SHOWN_ATTRIBUTE = re.compile(r"\b(?:title|label|alt|summary|description|heading)=(?:\"([^\"]*)\"|'([^']*)')")
+_SHOWN_ATTRIBUTE = re.compile(r"\b(?:title|label|alt|summary|description|heading|caption|text)=(?:\"([^\"]*)\"|'([^']*)')")
+
+
+# What a tag without a shown attribute shows instead: Docusaurus labels a tab by its value.
+_SHOWN_INSTEAD = {"TabItem": re.compile(r"\bvalue=(?:\"([^\"]*)\"|'([^']*)')")}
 
 
 def _jsx_tag_text(tag: str) -> str:
     """What a reader of the page sees of a tag: the values of its shown attributes."""
-    return " ".join(a or b for a, b in _SHOWN_ATTRIBUTE.findall(tag))
+    shown = " ".join(a or b for a, b in _SHOWN_ATTRIBUTE.findall(tag))
+    if not shown and (instead := _SHOWN_INSTEAD.get(tag.lstrip("<").split(None, 1)[0] if tag[1:2].isalpha() else "")):
+        shown = " ".join(a or b for a, b in instead.findall(tag))
+    return shown
+
+
+def _tag_in_text(text: str, tag: re.Match[str]) -> str:
+    """A tag within a line replaced by what it shows, apart from the words beside it."""
+    shown = _jsx_tag_text(tag.group())
+    if not shown:
+        return ""
+    before = " " if tag.start() > 0 and not text[tag.start() - 1].isspace() else ""
+    after = " " if tag.end() < len(text) and not text[tag.end()].isspace() else ""
+    return before + shown + after
 
 
 def _without_spans(text: str, opening: str, closing: str) -> str:
@@ -1745,16 +1807,94 @@ def _atx_text(body: str) -> str:
     return bare.rstrip(" \t") if bare != text and bare[-1:] in (" ", "\t") else text
 
 
-def mdx_inline(text: str) -> str:
-    """A piece of MDX text as embedded: comments out, JSX tags reduced to their shown attribute
-    values, character references decoded (&nbsp; &#x7B;: generated reference pages are full of
-    them), URL payloads shortened."""
+def code_spans(text: str) -> list[tuple[str, bool]]:
+    """`text` cut into (piece, is a code span) in order, by CommonMark's rule: a run of n backticks
+    opens a span that the next run of exactly n closes; a run no such run follows is literal text.
+    Runs are found once and matched by length (bisect), so a line of many unmatched runs stays
+    linear-logarithmic."""
+    if "`" not in text:
+        return [(text, False)]
+    runs = [(m.start(), m.end()) for m in _BACKTICK_RUN.finditer(text)]
+    by_length: dict[int, list[int]] = {}
+    for i, (start, end) in enumerate(runs):
+        by_length.setdefault(end - start, []).append(i)
+    pieces: list[tuple[str, bool]] = []
+    at, i = 0, 0
+    while i < len(runs):
+        start, end = runs[i]
+        same = by_length[end - start]
+        j = bisect.bisect_right(same, i)
+        if j == len(same):
+            i += 1
+            continue
+        close = runs[same[j]]
+        if start > at:
+            pieces.append((text[at:start], False))
+        pieces.append((text[start:close[1]], True))
+        at, i = close[1], same[j] + 1
+    if at < len(text):
+        pieces.append((text[at:], False))
+    return pieces
+
+
+def markup_inline(text: str) -> str:
+    """A piece of Markdown or MDX text as embedded: comments out, HTML and JSX tags reduced to
+    their shown attribute values, character references decoded (&nbsp; &#x7B;: generated
+    reference pages are full of them), URL payloads shortened. Code spans stay as written:
+    `<Aside>` in backticks is a name the page shows, not a tag."""
+    return searchable_text("".join(piece if code else _markup_prose(piece) for piece, code in code_spans(text)))
+
+
+# A container fence (Docusaurus and Starlight admonitions, VitePress custom containers):
+# `:::note`, `::: tip Title`, `:::caution[Title]{icon="x"}`, `:::`. Its kind and attributes are
+# not text the page shows (the box's label and title are); mkdocstrings' `::: package.module` is
+# not one, and stays as written.
+_CONTAINER = re.compile(r"[ \t]*(?:>[ \t]*)*:{3,}[ \t]*(?:([A-Za-z][\w-]*)(?=[\s\[{]|$))?[ \t]*"
+                        r"(?:\[([^\]]*)\])?[ \t]*(?:\{[^}]*\})?[ \t]*(.*?)[ \t]*$")
+_CONTAINER_LABELS = {kind: kind.capitalize() + ":" for kind in (
+    "note", "tip", "info", "warning", "danger", "caution", "important", "details", "success", "question")}
+_ALERT = re.compile(r"[ \t]*>[ \t]*\[!(NOTE|TIP|IMPORTANT|WARNING|CAUTION)\][ \t]*$", re.IGNORECASE)
+
+
+def container_line(line: str) -> str:
+    """A line of Markdown or MDX text outside code as embedded: a container fence becomes its
+    title or its kind's label (`::: tip Title` "Title", `:::note` "Note:"), a GitHub alert
+    (`> [!NOTE]`) its label; any other line its inline markup reduced (markup_inline)."""
+    if ":::" in line and (fence := _CONTAINER.fullmatch(line)) is not None \
+            and (fence.group(1) or fence.group(2) is not None or not fence.group(3)):
+        kind, bracketed, rest = fence.groups()
+        title = bracketed if bracketed is not None else rest
+        if title:
+            return markup_inline(title)
+        return _CONTAINER_LABELS.get((kind or "").lower(), "")
+    if "[!" in line and (alert := _ALERT.fullmatch(line)) is not None:
+        return alert.group(1).capitalize() + ":"
+    return markup_inline(line)
+
+
+# An inline link, `[text](destination "title")`, whose destination may hold one level of parentheses
+_INLINE_LINK = re.compile(r"\[([^\[\]]*)\]\((?:<[^<>\n]*>|[^()\s]*(?:\([^()\s]*\)[^()\s]*)*)(?:\s+\"[^\"]*\")?\)")
+
+
+def markup_heading(text: str) -> str:
+    """A Markdown or MDX heading's text as cited: its attribute list out, links reduced to their
+    text (a heading path is no place for a URL), then its inline markup (markup_inline)."""
+    text = _without_anchor_suffix(text)
+    if "](" in text:
+        text = _INLINE_LINK.sub(r"\1", text)
+    return markup_inline(text).strip()
+
+
+def _markup_prose(text: str) -> str:
+    """markup_inline of text outside code spans."""
     text = _without_spans(_without_spans(text, "{/*", "*/}"), "<!--", "-->")
     if "<" in text:
-        text = _JSX_TAG.sub(lambda tag: _jsx_tag_text(tag.group()), text)
+        text = _JSX_TAG.sub(lambda tag: _tag_in_text(text, tag), text)
+    if "\\" in text:
+        text = _MARKDOWN_ESCAPE.sub(r"\1", text)
     if "&" in text:
         text = html.unescape(text).replace("\xa0", " ")
-    return searchable_text(text)
+    return text
 
 
 @dataclass
@@ -1762,9 +1902,16 @@ class _MdxState:
     """Where a line of MDX stands, carried from line to line."""
 
     fence: str | None = None  # the open fence's marker
+    transparent: str | None = None  # an open ```mdx-code-block fence's marker: Docusaurus reads its content as MDX
     comment: str | None = None  # the open comment's closing marker ("*/}" or "-->")
     tag: bool = False  # inside a JSX tag whose attributes span lines
     esm: bool = False  # inside an import/export statement (it runs to a blank line)
+
+
+def _closes(fence: re.Match[str], opening: str) -> bool:
+    """Whether a fence line closes the fence `opening` opened: the same character, at least as
+    many, nothing after them."""
+    return fence.group(1)[0] == opening[0] and len(fence.group(1)) >= len(opening) and not fence.group(2).strip()
 
 
 def _mdx_line(line: str, state: _MdxState) -> tuple[str, bool, BodyHeading | None]:
@@ -1772,18 +1919,17 @@ def _mdx_line(line: str, state: _MdxState) -> tuple[str, bool, BodyHeading | Non
     stripped = line.strip()
     if state.fence is not None:
         closing = _MDX_FENCE.match(line)
-        if closing and closing.group(1)[0] == state.fence[0] and len(closing.group(1)) >= len(state.fence) \
-                and not closing.group(2).strip():
+        if closing and _closes(closing, state.fence):
             state.fence = None
         return searchable_text(line), False, None
     if state.comment is not None:
         if state.comment in line:
             rest = line.split(state.comment, 1)[1]
             state.comment = None
-            return mdx_inline(rest), False, None
+            return container_line(rest), False, None
         return "", False, None
     if state.tag:
-        state.tag = ">" not in line
+        state.tag = _TAG_END.search(line) is None
         return _jsx_tag_text(line), False, None
     if not stripped:
         state.esm = False
@@ -1791,7 +1937,13 @@ def _mdx_line(line: str, state: _MdxState) -> tuple[str, bool, BodyHeading | Non
     if state.esm:
         return "", False, None
     fence = _MDX_FENCE.match(line)
+    if fence and state.transparent is not None and _closes(fence, state.transparent):
+        state.transparent = None
+        return "", False, None
     if fence and not ("`" in fence.group(2) and fence.group(1)[0] == "`"):
+        if fence.group(2).strip() == "mdx-code-block" and state.transparent is None:
+            state.transparent = fence.group(1)
+            return "", True, None
         state.fence = fence.group(1)
         return searchable_text(line), True, None
     if _MDX_ESM.match(line):
@@ -1801,16 +1953,28 @@ def _mdx_line(line: str, state: _MdxState) -> tuple[str, bool, BodyHeading | Non
         at = line.rfind(opening)
         if at >= 0 and closing not in line[at:]:
             state.comment = closing
-            return mdx_inline(line[:at]), True, None
+            return container_line(line[:at]), True, None
     atx = _MDX_ATX.match(line)
     if atx:
-        text = metadata_text(nfc(mdx_inline(_without_anchor_suffix(_atx_text(atx.group(2) or "")))))
+        text = metadata_text(nfc(markup_heading(_atx_text(atx.group(2) or ""))))
         return text, True, BodyHeading(0, 0, len(atx.group(1)), text)
-    opened = _JSX_TAG_START.search(line)
-    if opened and ">" not in line[opened.end():]:
+    opened = _open_tag_at(line)
+    if opened is not None:
         state.tag = True  # a tag whose attributes go on over the next lines
-        return mdx_inline(line[:opened.start()]) + " " + _jsx_tag_text(line[opened.start():]), True, None
-    return mdx_inline(line), stripped.startswith("<"), None
+        return container_line(line[:opened]) + " " + _jsx_tag_text(line[opened:]), True, None
+    return container_line(line), stripped.startswith("<"), None
+
+
+def _open_tag_at(line: str) -> int | None:
+    """Where a JSX tag starts that the line does not close (its attributes go on over the next
+    lines), outside code spans; None when there is none."""
+    at = 0
+    for piece, code in code_spans(line):
+        opened = None if code else _JSX_TAG_START.search(piece)
+        if opened and _TAG_END.search(line, at + opened.end()) is None:
+            return at + opened.start()
+        at += len(piece)
+    return None
 
 
 def read_mdx(raw: bytes, path: str) -> DocumentText:
@@ -2159,7 +2323,11 @@ def _role(text: str, at: int, ends: _Ends) -> tuple[str, int] | None:
     name = _ROLE_NAME.match(text, at)
     if name is None or not text.startswith(":`", name.end()):
         return None
-    return _backticked(text, at, ends, opening=name.end() + 1, role=True)
+    reduced = _backticked(text, at, ends, opening=name.end() + 1, role=True)
+    numbered = _NUMBERED_ROLES.get(name.group().strip(":").rsplit(":", 1)[-1].lower())
+    if reduced is not None and numbered and reduced[0][:1].isdigit():  # :pep:`8` shows "PEP 8"
+        return f"{numbered} {reduced[0]}", reduced[1]
+    return reduced
 
 
 def _internal_target(text: str, at: int, ends: _Ends) -> tuple[str, int] | None:
@@ -2173,6 +2341,7 @@ def _footnote_reference(text: str, at: int, ends: _Ends) -> tuple[str, int] | No
     return "", found.end()
 
 
+_NUMBERED_ROLES = {"pep": "PEP", "rfc": "RFC"}  # roles whose bare number the page shows after a name
 _REDUCERS: dict[str, Callable[[str, int, _Ends], tuple[str, int] | None]] = {
     "``": _literal, "**": _emphasis("**"), "*": _emphasis("*"), "_`": _internal_target, "`": _interpreted,
     "|": _substitution, "[": _footnote_reference, ":": _role,
@@ -2184,7 +2353,10 @@ _REDUCERS: dict[str, Callable[[str, int, _Ends], tuple[str, int] | None]] = {
 _LIST_ITEM = re.compile(r"[ \t]*(?:[-*+\u2022\u2023\u2043]|\(?(?:[0-9]+|[A-Za-z#]|[ivxlcdmIVXLCDM]+)[.)])"
                         r"(?:[ \t]|$)")
 _TABLE_BORDER = re.compile(r"[ \t]*(?:(?:=+[ \t]+)+=+|\+(?:[-=]+\+)+)[ \t]*")
-_OPTION_TITLES = frozenset({"caption", "title"})
+_OPTION_TITLES = frozenset({"caption", "title", "header"})  # options whose value the page shows as written
+# An object description's options the page shows, with the label it shows them under (Sphinx's
+# confval: "Type: str", "Default: 'x'"; an attribute's type and value).
+_OBJECT_OPTIONS = {"type": "Type:", "default": "Default:", "value": "Value:"}
 _FIELD_NAME_END = re.compile(r":(?=[ \t`]|$)")  # a colon inside a name is followed by anything else
 
 
@@ -2250,7 +2422,11 @@ _ADMONITIONS = {"note": "Note:", "warning": "Warning:", "tip": "Tip:", "importan
                 "danger": "Danger:", "attention": "Attention:", "hint": "Hint:", "error": "Error:",
                 "seealso": "See also:", "todo": "Todo:"}
 _VERSIONS = {"versionadded": "New in version", "versionchanged": "Changed in version",
-             "deprecated": "Deprecated since version", "versionremoved": "Removed in version"}
+             "deprecated": "Deprecated since version", "versionremoved": "Removed in version",
+             # Sphinx 7.3's names for the same four (it renders "Added in version"), and CPython's
+             "version-added": "Added in version", "version-changed": "Changed in version",
+             "version-deprecated": "Deprecated since version", "version-removed": "Removed in version",
+             "deprecated-removed": "Deprecated since version"}
 _OBJECTS = frozenset({"function", "class", "method", "attribute", "data", "exception", "decorator", "decoratormethod",
                       "classmethod", "staticmethod", "property", "type", "confval", "option", "cmdoption", "envvar",
                       "describe", "object", "program", "event", "setting"})
@@ -2339,7 +2515,7 @@ def _block_line(block: _Block, line: str, next_is_blank: bool) -> tuple[str, boo
     """A line inside the innermost open block: its searchable text, whether it is content (not a
     directive option, not dropped), and the block it opens."""
     if block.in_head and block.options and (option := _field(line.strip())) is not None:
-        return (rst_inline(option[1]) if option[0].lower() in _OPTION_TITLES else ""), False, None
+        return _option_text(option[0].lower(), option[1], block.head == _SIGNATURE), False, None
     how = block.head if block.in_head else block.body
     if how == _TEXT:
         shown, inner = _opened(line, next_is_blank, outermost=False)
@@ -2349,6 +2525,16 @@ def _block_line(block: _Block, line: str, next_is_blank: bool) -> tuple[str, boo
     if how == _SIGNATURE:
         return line.strip(), True, None
     return "", False, None
+
+
+def _option_text(name: str, value: str, of_object: bool) -> str:
+    """What the page shows of a directive option: a title or caption as written, an object's type,
+    default or value under its label; nothing of the rest (`:linenos:`, `:members:`)."""
+    if name in _OPTION_TITLES:
+        return rst_inline(value)
+    if of_object and name in _OBJECT_OPTIONS:
+        return f"{_OBJECT_OPTIONS[name]} {rst_inline(value)}".rstrip()
+    return ""
 
 
 # ---------------------------------------------------------------------------
@@ -3912,8 +4098,8 @@ def _code_pieces(body: _Body, span: _Span, cuts: Sequence[int], max_tokens: int)
 # Every format a reader takes, by its RAG_FORMATS name. `text` is opt-in: repositories are full of
 # requirements.txt and LICENSE.txt files that are not documentation.
 READERS = (
-    Reader("markdown", (".md", ".markdown"), "text/markdown", read_markdown, searchable_text),
-    Reader("mdx", (".mdx",), "text/mdx", read_mdx, mdx_inline),
+    Reader("markdown", (".md", ".markdown"), "text/markdown", read_markdown, markup_inline),
+    Reader("mdx", (".mdx",), "text/mdx", read_mdx, markup_inline),
     Reader("rst", (".rst",), "text/x-rst", read_rst, rst_inline_searchable),
     Reader("asciidoc", (".adoc", ".asciidoc"), "text/asciidoc", read_asciidoc, asciidoc_inline_searchable),
     Reader("pdf", (".pdf",), "application/pdf", read_pdf, searchable_text, extracted=True),

@@ -210,6 +210,58 @@ def test_the_readme_lists_exactly_the_document_keys() -> None:
 
 
 # ---------------------------------------------------------------------------
+# Markdown.
+
+
+def test_markdown_searchable_text_is_what_the_page_shows_and_code_stays_as_written() -> None:
+    """What real sites showed: Docusaurus compiles `.md` as MDX (imports, <Tabs>), VitePress and
+    Docusaurus write admonitions as container fences, GitHub alerts, HTML comments and badges in
+    headings; none of it is text a reader of the page sees. Code is untouched, indented or fenced."""
+    text = read("""
+        import Tabs from '@theme/Tabs';
+        import TabItem from '@theme/TabItem';
+
+        # Guide <Badge text="beta" type="warning" />
+
+        <!-- a note to editors -->
+        <script setup>
+        const hidden = 1
+        </script>
+
+        ::: tip Keep builds warm
+        Reuse the cache.
+        :::
+
+        :::note
+        > [!WARNING]
+        <TabItem value="npm">npm \\[flags] &amp; `<Tabs>` here</TabItem>
+
+        ## Install [the CLI](https://example.com/cli "title") {#install}
+
+        ```html
+        <!-- code keeps its comment -->
+        ::: tip
+        ```
+
+            <div>indented code</div>
+
+        import this is prose, not a statement
+        """, "guide.md")
+    assert_model(text)
+    shown = dict(zip(text.lines, text.searchable, strict=True))
+    assert shown["import Tabs from '@theme/Tabs';"] == "" and shown["import TabItem from '@theme/TabItem';"] == ""
+    assert [h.text for h in text.headings] == ["Guide beta", "Install the CLI"] and text.title == "Guide beta"
+    assert shown["<!-- a note to editors -->"] == "" and shown["const hidden = 1"] == ""
+    assert (shown["::: tip Keep builds warm"], shown[":::"], shown[":::note"], shown["> [!WARNING]"]) == (
+        "Keep builds warm", "", "Note:", "Warning:")
+    assert shown['<TabItem value="npm">npm \\[flags] &amp; `<Tabs>` here</TabItem>'] == "npm npm [flags] & `<Tabs>` here"
+    assert shown["<!-- code keeps its comment -->"] == "<!-- code keeps its comment -->"
+    assert shown["::: tip"] == "::: tip" and shown["    <div>indented code</div>"] == "    <div>indented code</div>"
+    assert shown["import this is prose, not a statement"] == "import this is prose, not a statement"
+    assert rules.container_line("::: mkdocstrings.handler") == "::: mkdocstrings.handler", "not a container"
+
+
+# ---------------------------------------------------------------------------
 # MDX.
 
 
@@ -273,6 +325,59 @@ def test_mdx_headings_between_jsx_tags_are_headings() -> None:
         </Steps>
         """, "steps.mdx")
     assert [(h.line, h.text) for h in text.headings] == [(3, "Configure the client")]
+
+
+def test_mdx_code_spans_keep_what_looks_like_a_tag() -> None:
+    """`<Aside>` in backticks names a component the page shows; it is not a tag (a heading of
+    Starlight's components reference was cited as "`` Props")."""
+    text = read("""
+        ## `<Aside>` Props
+
+        Use the `<Aside>` component, or <Note>inline</Note>; flags: `--server <name>`, ``a `<b>` c``.
+        The `<Tabs` tag in backticks opens nothing:
+        text that follows.
+        """, "asides.mdx")
+    assert [h.text for h in text.headings] == ["`<Aside>` Props"]
+    assert text.searchable[2] == "Use the `<Aside>` component, or inline; flags: `--server <name>`, ``a `<b>` c``."
+    assert text.searchable[3:5] == ("The `<Tabs` tag in backticks opens nothing:", "text that follows.")
+
+
+def reference_code_spans(text: str) -> list[tuple[str, bool]]:
+    """CommonMark's code spans, scanned naively: from each backtick run, the next run of the same length."""
+    pieces, at, i = [], 0, 0
+    while i < len(text):
+        if text[i] != "`":
+            i += 1
+            continue
+        n = len(text) - len(text[i:].lstrip("`")) - i
+        j, close = i + n, None
+        while j < len(text):
+            if text[j] == "`":
+                m = len(text) - len(text[j:].lstrip("`")) - j
+                if m == n:
+                    close = j + m
+                    break
+                j += m
+            else:
+                j += 1
+        if close is None:
+            i += n
+            continue
+        if i > at:
+            pieces.append((text[at:i], False))
+        pieces.append((text[i:close], True))
+        at = i = close
+    if at < len(text) or not pieces:
+        pieces.append((text[at:], False))
+    return pieces
+
+
+@HYPOTHESIS
+@given(st.text(st.sampled_from("`a <>x"), max_size=40))
+def test_code_spans_follow_commonmark(text: str) -> None:
+    pieces = rules.code_spans(text)
+    assert "".join(piece for piece, _ in pieces) == text
+    assert pieces == reference_code_spans(text)
 
 
 _MDX_PIECES = st.sampled_from([
@@ -447,6 +552,31 @@ def test_rst_admonitions_versions_and_object_descriptions() -> None:
         """) == ["Note: Read this.", "Warning:", "", "   Do not deploy.", "See also: /deploying/index",
                  "Changed in version 2.1: The x argument.", "Deprecated since version 2.3:", "SECRET_KEY",
                  "flask.Flask", "", "--extra-files", "Bash", ""]
+
+
+def test_rst_shows_what_sphinx_renders_of_object_options_version_directives_and_numbered_roles() -> None:
+    """A confval's type and default are what "what is the default of X" asks (Sphinx renders them
+    "Type: …", "Default: …"); Sphinx 7.3's version-* directives and :pep:/:rfc: name what they show."""
+    assert rst_searchable("""
+        .. confval:: project
+           :type: :code-py:`str`
+           :default: ``'Project name not set'``
+           :no-index:
+
+           The documented project's name.
+        .. attribute:: docname
+           :type: str
+           :value: None
+        .. code-block:: python
+           :type: not an object: an option like any other
+        .. version-added:: 9.0 Something.
+        .. csv-table:: Prefixes
+           :header: "Directive", "Option prefix"
+        See :pep:`8`, :rfc:`7231#section-4` and :pep:`the style guide <8>`.
+        """) == ["project", "Type: str", "Default: 'Project name not set'", "", "",
+                 "   The documented project's name.", "docname", "Type: str", "Value: None", "", "",
+                 "Added in version 9.0: Something.", "Prefixes", '"Directive", "Option prefix"',
+                 "See PEP 8, RFC 7231#section-4 and the style guide."]
 
 
 def test_rst_docinfo_at_the_top_is_metadata_and_a_later_field_list_is_content() -> None:
