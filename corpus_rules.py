@@ -1623,6 +1623,14 @@ class Reader:
     # The text is extracted from a binary file (PDF): ingest stores it, get_file serves it from the index.
     extracted: bool = False
     kind: str = "doc"  # "doc" or "code" (RAG_CODE turns the code readers on; search_corpus's scope)
+    # Raised whenever what the reader makes of a file changes: ingest reads every file an older
+    # version read again (see stamp), and its passages whose text is the same keep their vectors.
+    version: int = 1
+
+    @property
+    def stamp(self) -> str:
+        """What the documents table records of the reader that read a file (its read_with)."""
+        return f"{self.format}:{self.version}"
 
 
 # Markdown: CommonMark block structure (markdown-it) for headings and block boundaries.
@@ -4098,9 +4106,9 @@ def _code_pieces(body: _Body, span: _Span, cuts: Sequence[int], max_tokens: int)
 # Every format a reader takes, by its RAG_FORMATS name. `text` is opt-in: repositories are full of
 # requirements.txt and LICENSE.txt files that are not documentation.
 READERS = (
-    Reader("markdown", (".md", ".markdown"), "text/markdown", read_markdown, markup_inline),
-    Reader("mdx", (".mdx",), "text/mdx", read_mdx, markup_inline),
-    Reader("rst", (".rst",), "text/x-rst", read_rst, rst_inline_searchable),
+    Reader("markdown", (".md", ".markdown"), "text/markdown", read_markdown, markup_inline, version=2),
+    Reader("mdx", (".mdx",), "text/mdx", read_mdx, markup_inline, version=2),
+    Reader("rst", (".rst",), "text/x-rst", read_rst, rst_inline_searchable, version=2),
     Reader("asciidoc", (".adoc", ".asciidoc"), "text/asciidoc", read_asciidoc, asciidoc_inline_searchable),
     Reader("pdf", (".pdf",), "application/pdf", read_pdf, searchable_text, extracted=True),
     Reader("text", (".txt",), "text/plain", read_plain_text, searchable_text, read_by_default=False),
@@ -4965,6 +4973,9 @@ KEYWORD_MIGRATIONS = (
     Migration(10, ("ALTER TABLE chunks ADD COLUMN section_start INTEGER",
                    "ALTER TABLE chunks ADD COLUMN section_end INTEGER",
                    "ALTER TABLE documents ADD COLUMN sections_recorded INTEGER")),
+    # The reader that read each document (Reader.stamp); NULL: read before it was recorded. Ingest
+    # reads a document again when its reader has changed since (see DocumentRow.read_again).
+    Migration(11, ("ALTER TABLE documents ADD COLUMN read_with TEXT",)),
 )
 KEYWORD_SCHEMA_VERSION = KEYWORD_MIGRATIONS[-1].number
 _ADD_COLUMN = re.compile(r"ALTER TABLE (\w+) ADD COLUMN (\w+)")
@@ -5050,6 +5061,13 @@ class DocumentRow:
     kind: str | None = None  # "doc" or "code"; None: an index written before code (a document)
     language: str | None = None  # a code file's language
     sections_recorded: int | None = None  # 1 once its chunks carry their sections; None: not recorded
+    read_with: str | None = None  # the stamp of the reader that read it; None: not recorded
+
+    def read_again(self) -> bool:
+        """Whether the reader that read the document has changed since (or was not recorded): ingest
+        reads it again, so an index made by an older reader catches up without --full."""
+        reader = reader_for(self.path)
+        return reader is not None and self.read_with != reader.stamp
 
     def keys_unrecorded(self) -> bool:
         """A document of a store written before all it holds of a document was recorded (successors,
@@ -5060,7 +5078,7 @@ class DocumentRow:
 
 # The migration that added each column of a row type a reader selects: an older index reads NULL there.
 _COLUMN_SINCE = {"superseded_by": 4, "pages": 6, "searchable": 6, "tags": 8, "dated": 8, "kind": 9, "language": 9,
-                 "symbol": 9, "section_start": 10, "section_end": 10, "sections_recorded": 10}
+                 "symbol": 9, "section_start": 10, "section_end": 10, "sections_recorded": 10, "read_with": 11}
 
 
 def select_columns(names: Iterable[str], version: int, table: str = "") -> str:

@@ -1341,11 +1341,11 @@ class Store:
         self.db.execute(
             "INSERT INTO documents(path, title, lifecycle, chunk_mode, content_hash, size, mtime_ns, disk_path, "
             "real_path, line_count, chunk_count, cjk_share, pages, superseded_by, tags, dated, kind, language, "
-            "sections_recorded) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)",
+            "sections_recorded, read_with) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1, ?)",
             (path, doc.title, doc.lifecycle, doc.chunk_mode, pf.content_hash, pf.file.size, pf.file.mtime_ns,
              pf.file.disk_path, pf.file.real_path, doc.line_count, len(pf.chunks),
              round(rules.cjk_share("\n".join(doc.text.searchable[doc.body_start - 1:])), 4),
-             rules.pages_column(doc.text.pages), *_key_columns(doc), doc.kind, doc.language))
+             rules.pages_column(doc.text.pages), *_key_columns(doc), doc.kind, doc.language, doc.reader.stamp))
         if doc.reader.extracted:
             self.db.execute("INSERT INTO extracted(path, text) VALUES (?, ?)", (path, "\n".join(doc.lines)))
 
@@ -1599,6 +1599,9 @@ class Plan:
     # Unchanged files read again because the store had not recorded all their document keys
     # (see DocumentRow.keys_unrecorded): what to record for each.
     keys: dict[str, rules.SourceDocument] = field(default_factory=dict)
+    # Files read again because a newer reader reads their format (DocumentRow.read_again): updated,
+    # their passages whose text is the same keeping their vectors.
+    reread: set[str] = field(default_factory=set)
     warnings: list[str] = field(default_factory=list)  # of the files parsed (SourceDocument.warnings)
 
     def writes_vectors(self) -> bool:
@@ -1637,7 +1640,10 @@ def _compare_files(plan: Plan, seen: set[str], walk: Walk, registry: dict[str, D
         waits = file.path in waiting
         stat_unchanged = row is not None and rules.looks_unchanged(file.size, file.mtime_ns, row.size, row.mtime_ns)
         unrecorded = row is not None and row.keys_unrecorded()
-        if row and not full and not waits and stat_unchanged and not unrecorded:
+        reread = row is not None and row.read_again()
+        if reread:
+            plan.reread.add(file.path)
+        if row and not full and not waits and stat_unchanged and not unrecorded and not reread:
             plan.unchanged.append(file)
             if (file.disk_path, file.real_path) != (row.disk_path, row.real_path):
                 plan.relocated.append(file)
@@ -1657,7 +1663,7 @@ def _compare_files(plan: Plan, seen: set[str], walk: Walk, registry: dict[str, D
             plan.failed[file.path] = f"{file.path}: cannot read ({exc.strerror})"
             continue
         digest = rules.content_hash(raw)
-        if row and not full and not waits and row.content_hash == digest:
+        if row and not full and not waits and row.content_hash == digest and not reread:
             if unrecorded:
                 try:
                     doc = read_document(raw, file.path)
@@ -2074,7 +2080,9 @@ def dry_run_listing(walk: Walk, plan: Plan, settings: rules.Settings) -> list[di
         p for p, why in walk.ignored.items() if why == "ignored by git"]).items()}
     entries = [{"path": pf.file.path, "action": "add" if pf.file.path in plan.without_vectors else "update",
                 "reason": (f"indexed for keyword search; its {len(pf.chunks)} chunk(s) to embed"
-                           if pf.file.path in plan.waiting_as_they_were else f"{len(pf.chunks)} chunk(s) to embed or reuse")}
+                           if pf.file.path in plan.waiting_as_they_were else
+                           f"read again by a newer {pf.doc.reader.format} reader; {len(pf.chunks)} chunk(s) to embed or reuse"
+                           if pf.file.path in plan.reread else f"{len(pf.chunks)} chunk(s) to embed or reuse")}
                for pf in plan.changed]
     entries += [{"path": f.path, "action": "unchanged", "reason": ""} for f in plan.unchanged]
     entries += [{"path": f.path, "action": "unchanged", "reason": "content unchanged, mtime moved"}

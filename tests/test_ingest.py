@@ -1022,6 +1022,50 @@ def test_dry_run_writes_nothing_and_embeds_nothing(tmp_path: Path, fake_ollama_e
     assert [path for _, path, _ in fake_ollama_env.requests] == ["/api/show"]
 
 
+def test_files_a_changed_reader_read_are_read_again_keeping_the_vectors_of_unchanged_passages(
+        tmp_path: Path, fake_ollama_env: FakeOllama) -> None:
+    """An index made by an older reader (or before readers were recorded) catches up on its next
+    run, without --full: those files are read again, and only passages whose text changed are
+    embedded again."""
+    corpus, store = tmp_path / "corpus", tmp_path / "store"
+    corpus.mkdir()
+    edit(corpus / "guide.md", "# Guide\n\n::: tip Caching\nKeep builds warm.\n:::\n\n## Other\n\n"
+                              + "Plain words that no reader changes. " * 40 + "\n")
+    edit(corpus / "notes.rst", "Notes\n=====\n\nSee :pep:`8`.\n")
+    assert ingest_run(corpus, store).code == 0
+    stamps = {"guide.md": rules.reader_for("guide.md").stamp, "notes.rst": rules.reader_for("notes.rst").stamp}
+    recorded = "SELECT path, chunk_index, searchable, embed_key FROM chunks ORDER BY path, chunk_index"
+    db = sqlite3.connect(store / current_of(store)["index"] / rules.KEYWORD_DB)
+    try:
+        assert dict(db.execute("SELECT path, read_with FROM documents")) == stamps
+        fresh = db.execute(recorded).fetchall()
+        # as an older reader left them (recorded as one, or not recorded), one passage embedded otherwise
+        with db:
+            db.execute("UPDATE documents SET read_with = 'markdown:1' WHERE path = 'guide.md'")
+            db.execute("UPDATE documents SET read_with = NULL WHERE path = 'notes.rst'")
+            db.execute("UPDATE chunks SET embed_key = 'older-' || embed_key WHERE path = 'guide.md' AND chunk_index = 0")
+    finally:
+        db.close()
+    fake_ollama_env.reset()
+    dry = ingest_run(corpus, store, "--dry-run")
+    assert dry.code == 0 and (dry.summary["updated"], dry.summary["unchanged"]) == (2, 0), dry.err
+    reasons = {entry["path"]: entry["reason"] for entry in dry.summary["listing"]}
+    assert reasons["guide.md"].startswith("read again by a newer markdown reader")
+    assert reasons["notes.rst"].startswith("read again by a newer rst reader")
+    again = ingest_run(corpus, store)
+    assert again.code == 0 and again.summary["updated"] == 2, again.err
+    # only the passage whose embedded text the older reader made differently is embedded
+    assert len(chunk_inputs(fake_ollama_env)) == 1
+    db = keyword_db(store)
+    try:
+        assert dict(db.execute("SELECT path, read_with FROM documents")) == stamps
+        assert db.execute(recorded).fetchall() == fresh
+    finally:
+        db.close()
+    fake_ollama_env.reset()
+    assert ingest_run(corpus, store).summary["unchanged"] == 2 and chunk_inputs(fake_ollama_env) == []
+
+
 def test_dry_run_foresees_a_model_change_rebuild(tmp_path: Path, fake_ollama_env: FakeOllama,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     corpus, store = copy_sample(tmp_path), tmp_path / "store"
