@@ -2272,6 +2272,8 @@ def rst_inline(text: str) -> str:
         shown, scan = reduced
         out.append(_plain(text[cursor:at]))
         out.append(shown)
+        # Line breaks the markup spanned stay (after what it shows): a paragraph's lines keep their places.
+        out.append("\n" * (text.count("\n", at, scan) - shown.count("\n")))
         cursor = scan
     out.append(_plain(text[cursor:]))
     return "".join(out)
@@ -2401,9 +2403,48 @@ def _text_line(line: str) -> str:
         field = _field(stripped)
         if field is not None:
             return f"{rst_inline(field[0])}: {rst_inline(field[1])}".rstrip()
-    if stripped.endswith("::"):
-        line = _without_literal_marker(line)
-    return rst_inline(line)
+    return rst_inline(_paragraph_text(line))
+
+
+def _paragraph_text(line: str) -> str:
+    """A line of a paragraph (or a list item's) as its inline markup is read: a literal block's
+    `::` marker shown as docutils shows it."""
+    return _without_literal_marker(line) if line.rstrip().endswith("::") else line
+
+
+def _is_paragraph_line(line: str) -> bool:
+    """A non-blank line _text_line reads as paragraph text (not a rule, an anonymous target, a field)."""
+    stripped = line.strip()
+    return bool(stripped) and not (stripped[0] in _ADORNMENT_SET and (
+        _is_punctuation_rule(stripped) or stripped.startswith("__ ") or _field(stripped) is not None))
+
+
+def _text_column(line: str) -> int:
+    """Where a paragraph line's text starts: past a list item's marker, else its indentation."""
+    item = _LIST_ITEM.match(line)
+    if item is None:
+        return _indent(line)
+    rest = line[item.end():]
+    return item.end() + len(rest) - len(rest.lstrip(" \t")) if rest.strip() else item.end()
+
+
+def _reduce_paragraphs(lines: Sequence[str], paragraph: Sequence[bool], searchable: list[str]) -> None:
+    """Inline markup across the lines of each paragraph, as docutils reads it: prose wrapped at 79
+    columns splits roles, links and literals between lines (`:meth:`Request.prepare()` on one,
+    `<requests.Request.prepare>` on the next), which a line at a time leaves as written. A line
+    continues the paragraph of the line above when both are paragraph text and it starts where
+    that one's text starts, not as a new list item. Each line keeps what its own text shows."""
+    n = 0
+    while n < len(lines):
+        end = n + 1
+        if paragraph[n]:
+            column = _text_column(lines[n])
+            while end < len(lines) and paragraph[end] and _indent(lines[end]) == column \
+                    and _LIST_ITEM.match(lines[end]) is None:
+                end += 1
+        if end - n > 1:
+            searchable[n:end] = rst_inline("\n".join(_paragraph_text(line) for line in lines[n:end])).split("\n")
+        n = end
 
 
 def _verbatim(line: str) -> str:
@@ -2596,6 +2637,7 @@ def _read_lines(lines: Sequence[str], blank: Sequence[bool], titles: Sequence[_T
         if title.overlined:
             roles.setdefault(title.row - 1, "adornment")
     searchable = [""] * len(lines)
+    paragraph = [False] * len(lines)  # read as paragraph text (see _reduce_paragraphs)
     starts: list[int] = []
     stack: list[_Block] = []
     fresh = True  # the next top-level line starts a block (after a blank line, an underline, a block's end)
@@ -2613,7 +2655,9 @@ def _read_lines(lines: Sequence[str], blank: Sequence[bool], titles: Sequence[_T
         next_is_blank = n + 1 >= len(lines) or blank[n + 1]
         if stack:
             block = stack[-1]
+            read_as_text = (block.head if block.in_head else block.body) == _TEXT
             searchable[n], content, inner = _block_line(block, line, next_is_blank)
+            paragraph[n] = read_as_text and content and not _EXPLICIT.match(line) and _is_paragraph_line(line)
             if content and block.outermost and not block.started:
                 starts.append(n)  # an outermost block's first content line (a literal's first line)
             block.started |= content
@@ -2624,6 +2668,7 @@ def _read_lines(lines: Sequence[str], blank: Sequence[bool], titles: Sequence[_T
         role = roles.get(n)
         if role is None:
             shown, block_opened = _opened(line, next_is_blank, outermost=True)
+            paragraph[n] = not _EXPLICIT.match(line) and _is_paragraph_line(line)
         else:  # a title's lines open blocks as any line does (the reference's rule), but read as a title
             shown = rst_inline(line.strip()) if role == "title" else ""
             block_opened = _opened(line, next_is_blank, outermost=True)[1] if _opens_block(line) else None
@@ -2633,6 +2678,7 @@ def _read_lines(lines: Sequence[str], blank: Sequence[bool], titles: Sequence[_T
         fresh = role == "adornment" and roles.get(n - 1) == "title"  # a paragraph may follow an underline
         if block_opened is not None:
             stack.append(block_opened)
+    _reduce_paragraphs(lines, paragraph, searchable)
     return searchable, starts
 
 
@@ -4108,7 +4154,7 @@ def _code_pieces(body: _Body, span: _Span, cuts: Sequence[int], max_tokens: int)
 READERS = (
     Reader("markdown", (".md", ".markdown"), "text/markdown", read_markdown, markup_inline, version=2),
     Reader("mdx", (".mdx",), "text/mdx", read_mdx, markup_inline, version=2),
-    Reader("rst", (".rst",), "text/x-rst", read_rst, rst_inline_searchable, version=2),
+    Reader("rst", (".rst",), "text/x-rst", read_rst, rst_inline_searchable, version=3),
     Reader("asciidoc", (".adoc", ".asciidoc"), "text/asciidoc", read_asciidoc, asciidoc_inline_searchable),
     Reader("pdf", (".pdf",), "application/pdf", read_pdf, searchable_text, extracted=True),
     Reader("text", (".txt",), "text/plain", read_plain_text, searchable_text, read_by_default=False),
