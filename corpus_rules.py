@@ -2853,7 +2853,7 @@ def _block_macro(line: str) -> str | None:
     None for any other line."""
     if not line.endswith("]") or "::" not in line or not (match := _BLOCK_MACRO.fullmatch(line)):
         return None
-    return asciidoc_inline(_first_positional(match[3])) if match[1] == "image" else ""
+    return asciidoc_inline(_first_positional(match[3]) or _default_alt(match[2])) if match[1] == "image" else ""
 
 
 def _list_item(line: str) -> str | None:
@@ -2916,6 +2916,53 @@ def _without_cell_spec(piece: str) -> str:
 # The document header.
 
 
+# Asciidoctor's built-in attributes that stand for a character (or nothing): what `{nbsp}` shows.
+_CHARACTER_ATTRIBUTES = {
+    "nbsp": " ", "sp": " ", "empty": "", "blank": "", "zwsp": "", "wj": "", "apos": "'", "quot": '"',
+    "lsquo": "\u2018", "rsquo": "\u2019", "ldquo": "\u201c", "rdquo": "\u201d", "deg": "\u00b0", "plus": "+",
+    "brvbar": "\u00a6", "vbar": "|", "amp": "&", "lt": "<", "gt": ">", "startsb": "[", "endsb": "]", "caret": "^",
+    "asterisk": "*", "tilde": "~", "backslash": "\\", "backtick": "`", "two-colons": "::", "two-semicolons": ";;",
+    "cpp": "C++", "cxx": "C++", "pp": "++"}
+_ATTRIBUTE_REFERENCE = re.compile(r"(?<!\\)\{([\w-]+)\}")
+# A reference the document does not define, as the start of a link: `{url-docs}/path[text^]` shows "text"
+# (the site's playbook defines it).
+_UNDEFINED_LINK = re.compile(r"(?<!\\)\{[\w-]+\}[^\s\[\]]*\[([^\[\]]*)\]")
+
+
+# A value that starts a macro or a URL (`xref:a.adoc`, `https://x`): the `[text]` after its reference
+# makes it a link, so it goes into the line as written.
+_MACRO_VALUE = re.compile(r"[a-z][\w-]*:\S")
+_HELD_VALUE = re.compile("\ue000([0-9]+)\ue001")
+
+
+def substitute_attributes(text: str, attributes: Mapping[str, str], values: list[str]) -> str:
+    """`{name}` references replaced by the attributes' values (the document's own entries, then
+    the built-in character attributes); an undefined one stays as written (Asciidoctor's default),
+    except as the start of a link, which shows its text. As in Asciidoctor, a value is not read for
+    quotes or passthroughs (`SQL++` is not a `++` passthrough): one holding their marks is held in
+    `values` behind a private-use mark, which restore_attributes puts back once the line is read."""
+    if "{" not in text:
+        return text
+
+    def value(match: re.Match[str]) -> str:
+        name = match[1].lower()
+        found = attributes.get(name, _CHARACTER_ATTRIBUTES.get(name))
+        if found is None:
+            return match[0]
+        if not _MARKUP_CHARS.search(found) or _MACRO_VALUE.match(found):
+            return found
+        values.append(found)
+        return f"\ue000{len(values) - 1}\ue001"
+
+    text = _ATTRIBUTE_REFERENCE.sub(value, text)
+    return _UNDEFINED_LINK.sub(lambda m: _link_text(m[1]), text) if "{" in text else text
+
+
+def restore_attributes(text: str, values: Sequence[str]) -> str:
+    """substitute_attributes' held values back in a line as read."""
+    return _HELD_VALUE.sub(lambda m: values[int(m[1])], text) if "\ue000" in text else text
+
+
 @dataclass(frozen=True)
 class _Header:
     end: int  # 0-based index of the first body line
@@ -2930,17 +2977,22 @@ def _read_header(lines: Sequence[str]) -> _Header:
     directly below the one before; a blank line ends the header."""
     metadata: dict[str, str] = {}
     i, entries = _header_entries(lines, 0, metadata, skip_blank=True)
-    heading = _section_title(lines[i]) if i < len(lines) else None
+    # Block attribute lines may come first (parse_block_metadata_lines): Antora pages open with an
+    # anchor, `[[features.x]]`, then `= Title`. A block title (`.Title`) there means no header.
+    title_index = i
+    while title_index < len(lines) and _is_block_attribute_line(lines[title_index]):
+        title_index += 1
+    heading = _section_title(lines[title_index]) if title_index < len(lines) else None
     if heading is None or heading[0] != 1:
         return _Header(end=i if entries else 0, metadata=metadata)
-    title_index = i
-    i, _ = _header_entries(lines, i + 1, metadata, skip_blank=False)
+    i, _ = _header_entries(lines, title_index + 1, metadata, skip_blank=False)
     for takes in (_is_author_line, _is_revision_line):
         if i < len(lines) and takes(lines[i]):
             i, _ = _header_entries(lines, i + 1, metadata, skip_blank=False)
     end = i + 1 if i < len(lines) and not lines[i] else i
-    return _Header(end=end, metadata=metadata, title=asciidoc_inline(heading[1]).strip() or None,
-                   title_index=title_index)
+    values: list[str] = []
+    title = restore_attributes(asciidoc_inline(substitute_attributes(heading[1], metadata, values)), values)
+    return _Header(end=end, metadata=metadata, title=title.strip() or None, title_index=title_index)
 
 
 def _is_author_line(line: str) -> bool:
@@ -3030,6 +3082,8 @@ class _Walk:
     pending: int | None = None  # first metadata line (attributes, block title) awaiting its block
     style: str = ""  # the style those metadata lines set
     entry_goes_on: bool = False  # the attribute entry above ends with " \"
+    attributes: dict[str, str] = field(default_factory=dict)  # the document's, as defined so far
+    values: list[str] = field(default_factory=list)  # held by substitute_attributes
 
     def step(self, i: int) -> None:
         line = self.lines[i]
@@ -3050,9 +3104,11 @@ class _Walk:
         if line in self.depth_of:
             self._close(line)
         elif self.blocks and self.blocks[-1].model != "compound":
-            self.searchable[i] = self._verbatim(self.blocks[-1], line)
+            block = self.blocks[-1]
+            text = substitute_attributes(line, self.attributes, self.values) if block.model in ("table", "verse") else line
+            self.searchable[i] = self._verbatim(block, text)
         else:
-            self._structure(i, line)
+            self._structure(i, substitute_attributes(line, self.attributes, self.values))
 
     def _verbatim(self, block: _AdocBlock, line: str) -> str:
         if block.model == "code":
@@ -3133,6 +3189,7 @@ class _Walk:
             self._hold(i, "")
         elif match := _ATTRIBUTE_ENTRY.fullmatch(line):
             self.entry_goes_on = (match[2] or "").endswith(" \\")
+            _store_entry([line], 0, match, self.attributes)
             if not self.blocks:
                 self.starts.append(i)
         else:
@@ -3187,16 +3244,18 @@ def read_asciidoc(raw: bytes, path: str) -> DocumentText:
     lines = [line.rstrip(_TRAILING_SPACE) for line in stored]
     header = _read_header(lines)
     searchable = [""] * len(lines)  # the header's lines too: its title is the document's, indexed as such
-    walk = _Walk(lines, searchable)
+    walk = _Walk(lines, searchable, attributes=dict(header.metadata))
     for i in range(header.end, len(lines)):
         walk.step(i)
     warnings = ()
     if walk.blocks:
         warnings = (f"{path}: line {walk.block_lines[0] + 1}: the delimited block opened here is never closed "
                     f"(no line {walk.blocks[0].terminator!r}): it runs to the end of the file",)
-    return DocumentText(lines=tuple(stored), searchable=tuple(map(searchable_text, searchable)),
+    return DocumentText(lines=tuple(stored),
+                        searchable=tuple(searchable_text(restore_attributes(line, walk.values)) for line in searchable),
                         body_start=header.end + 1,
-                        headings=tuple(Heading(h.line, h.level, metadata_text(nfc(h.text))) for h in walk.headings),
+                        headings=tuple(Heading(h.line, h.level, metadata_text(nfc(restore_attributes(h.text, walk.values))))
+                                       for h in walk.headings),
                         block_starts=tuple(start + 1 for start in sorted(set(walk.starts))),
                         metadata={name: field_value(value) for name, value in header.metadata.items()},
                         title=metadata_text(nfc(header.title)) if header.title else None, warnings=warnings)
@@ -3220,18 +3279,22 @@ _PASS_CONSTRAINED = re.compile(r"(?<![\w;:\\])(\\?)\+([^\s+](?:[^+]*[^\s+])?)\+(
 # Named macros match anywhere (as in Asciidoctor); a URL only after a space, a bracket, a quote or
 # the start (InlineLinkRx), so that `_https://x[y]_` stays text (or a backslash: escaped).
 _MACRO_HEAD = re.compile(r"(\\?)(?:(xref|link|mailto|kbd|btn|menu|footnote|footnoteref|anchor|image|icon"
-                         r"|indexterm2?|stem|latexmath|asciimath):|(?<![^\s>()\[\];\"'<\\])(?:https?|ftp|irc|file)://)")
+                         r"|indexterm2?|stem|latexmath|asciimath):|(?<![^\s>()\[\];\"'<\\])(?:https?|ftp|irc|file)://"
+                         # an extension's macro (javadoc:a.B[], configprop:x.y[]): its name, then a target
+                         r"|(?<![\w:/])([a-z][a-z0-9_-]{2,}):(?=[^\s\[\]/:][^\s\[\]]*\[))")
 _OPEN = re.compile(r"\[")
 _TARGET_END = re.compile(r"[\s\]]")
 _CLOSE = re.compile(r"(?<!\\)\]")
 # `[[[ref]]]` (a bibliography entry, shown as "[ref]"), `[[id]]` and `[[id,text]]` (shown as nothing).
 _BIBLIOGRAPHY_ANCHOR = re.compile(r"\[\[\[((?:[^\W\d]|:)[\w:.-]*)(?:,([^\[\]]*))?\]\]\]")
 _INLINE_ANCHOR = re.compile(r"(\\?)\[\[(?:[^\W\d]|:)[\w:.-]*(?:,[^\[\]]*)?\]\]")
-_ROLE_LIST = re.compile(r"(?<![\w\\])\[[^\[\]]+\](?=[*_`#])")  # [.role]#text#
+# [.role]#text#: before an opening mark (one a text follows), never after one: `[default]` is text
+_ROLE_LIST = re.compile(r"(?<![\w\\*_`#])\[[^\[\]]+\](?=([*_`#])\1?[^\s*_`#])")
 _XREF_SHORTHAND = re.compile(r"(\\?)<<([\w#/.:{][^<>]*)>>")
 _INDEX_TERMS = re.compile(r"\(\(\(([^()]*)\)\)\)|\(\(([^()]*)\)\)")
 _ESCAPED_ATTRIBUTE = re.compile(r"\\(\{[\w-]*\})")
-_MARKUP_CHARS = re.compile(r"[*_`#^~+\[<(\\:$]")
+_MARKUP_CHARS = re.compile(r"[*_`#^~+\[<(\\:$&]")
+_CHARACTER_REFERENCE = re.compile(r"&(?:#[0-9]{1,7}|#[xX][0-9a-fA-F]{1,6}|[A-Za-z][A-Za-z0-9]{1,31});")
 
 
 def _quote(mark: str, *, constrained: bool) -> re.Pattern[str]:
@@ -3276,6 +3339,8 @@ def asciidoc_inline(text: str) -> str:
             text = quote.sub(_UNQUOTE, text)
     if "\\{" in text:
         text = _ESCAPED_ATTRIBUTE.sub(r"\1", text)
+    if "&" in text:  # passed through to the page, which shows the character
+        text = _CHARACTER_REFERENCE.sub(lambda m: html.unescape(m[0]), text)
     return _restore(text, held)
 
 
@@ -3341,7 +3406,7 @@ def _reduce_macros(text: str, held: list[str]) -> str:
         if head[1]:  # escaped: shown as written
             replacement: str | None = text[head.start() + 1:close + 1]
         else:
-            name = head[2] or "url"
+            name = head[2] or ("extension" if head[3] else "url")
             target = text[head.start() if name == "url" else head.end():at]
             replacement = _macro_text(name, target, text[at + 1:close].replace("\\]", "]"), held)
         if replacement is not None:
@@ -3371,8 +3436,17 @@ def _macro_text(name: str, target: str, content: str, held: list[str]) -> str | 
     if name == "menu":
         return f"{target} > {content.strip()}" if content.strip() else target
     if name == "image":
-        return _first_positional(content)
+        return _first_positional(content) or _default_alt(target)
+    if name == "extension":  # what the extension renders is unknown: its text, else its target
+        return _first_positional(content) or target
     return ""  # anchor, icon, indexterm: no text of their own
+
+
+def _default_alt(target: str) -> str:
+    """An image's alt text when it has none, as Asciidoctor makes it: the file name without its
+    extension, dashes and underscores as spaces (`no.png` "no")."""
+    stem = PurePosixPath(target).stem
+    return stem.replace("_", " ").replace("-", " ").strip()
 
 
 def _link_text(content: str) -> str:
@@ -4155,7 +4229,7 @@ READERS = (
     Reader("markdown", (".md", ".markdown"), "text/markdown", read_markdown, markup_inline, version=2),
     Reader("mdx", (".mdx",), "text/mdx", read_mdx, markup_inline, version=2),
     Reader("rst", (".rst",), "text/x-rst", read_rst, rst_inline_searchable, version=3),
-    Reader("asciidoc", (".adoc", ".asciidoc"), "text/asciidoc", read_asciidoc, asciidoc_inline_searchable),
+    Reader("asciidoc", (".adoc", ".asciidoc"), "text/asciidoc", read_asciidoc, asciidoc_inline_searchable, version=2),
     Reader("pdf", (".pdf",), "application/pdf", read_pdf, searchable_text, extracted=True),
     Reader("text", (".txt",), "text/plain", read_plain_text, searchable_text, read_by_default=False),
     # Code (RAG_CODE): one reader per language with symbols, one for the other source files.

@@ -5,6 +5,7 @@ generated documents checked against an independent reference for section titles.
 from __future__ import annotations
 
 import re
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -258,7 +259,9 @@ def test_antora_page_block_starts(page: tuple[list[str], Reading]) -> None:
     ("= T\n\n", "T", {}, 3),
     ("= *Bold* `code` xref:a.adoc[Title]\n", "Bold code Title", {}, 2),
     ("== Not a doctitle\n\nText\n", None, {}, 1),
-    ("[[top]]\n= Not a doctitle\n", None, {}, 1),  # block attributes above: a body title
+    # block attribute lines above (Antora's `[[id]]`) are the document's (parse_document_header)
+    ("[[top]]\n[.lead]\n= Title\n:a: b\n\nB\n", "Title", {"a": "b"}, 6),
+    (".Caption\n= Not a doctitle\n", None, {}, 1),  # a block title above: no header
 ])
 def test_header(text: str, title: str | None, metadata: dict[str, str], body_start: int) -> None:
     reading = read(text)
@@ -409,6 +412,32 @@ def test_tables() -> None:
 # Searchable text of block-level lines.
 
 
+def test_attribute_references_extension_macros_and_what_real_antora_pages_show() -> None:
+    """What Spring Boot's, Couchbase's and Asciidoctor's own Antora pages showed: `{name}` defined in
+    the document (or built in) shows its value, an undefined one starting a link shows the link's
+    text; an extension's macro (javadoc:, configprop:) its text or target; `[default]` inside
+    backticks is text, not a role list; character references are the characters."""
+    text = read(textwrap.dedent("""\
+        [[features.x]]
+        = {sqlpp} versus SQL
+        :sqlpp: SQL++
+        :ref: xref:n1ql:reference/index.adoc
+
+        {sqlpp} reads {ref}[the {sqlpp} reference] and {url-site}/docs[the docs^].
+        *[{nbsp}]* &#8212; javadoc:org.x.FailureAnalyzer[] and configprop:server.port[] or javadoc:a.B[the B].
+        (by default, `[default]`) and `-r [root]` but [.role]#styled# and [.big]##big##.
+        image:icons/no_entry.png[] {unknown} stays.
+
+        == Using {sqlpp}
+        """))
+    assert text.title == "SQL++ versus SQL" and [h.text for h in text.headings] == ["Using SQL++"]
+    assert text.searchable[5:9] == (
+        "SQL++ reads the SQL++ reference and the docs.",
+        "[ ] — org.x.FailureAnalyzer and server.port or the B.",
+        "(by default, [default]) and -r [root] but styled and big.",
+        "no entry {unknown} stays.")
+
+
 @pytest.mark.parametrize(("line", "text"), [
     ("TIP: Try `this`.", "Tip: Try this."),
     ("WARNING: Careful", "Warning: Careful"),
@@ -425,7 +454,8 @@ def test_tables() -> None:
     ("CPU:: the processor", "CPU: the processor"),
     ("Term;; text", "Term: text"),
     ("Term:::", "Term"),
-    ("image::a.png[]", ""),
+    ("image::a.png[]", "a"),  # no alt: Asciidoctor makes it from the file name
+    ("image::img/arch_overview-2.svg[]", "arch overview 2"),
     ("image::a.png[\"Alt, with comma\",300]", "Alt, with comma"),
     ("video::id[youtube]", ""),
     ("toc::[]", ""),
