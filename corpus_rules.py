@@ -1394,15 +1394,27 @@ class CredentialFound:
                         ".ragignore); a documented placeholder (with EXAMPLE in it) is not refused")
 
 
+# A private key's marker is a credential with its key material: base64 on its line or within the
+# next lines (after an encrypted key's Proc-Type and DEK-Info headers). The marker alone is how
+# documentation names the format (Spring Boot's "`-----BEGIN PRIVATE KEY-----` in prose").
+_KEY_MATERIAL = re.compile(r"[A-Za-z0-9+/=]{40,}")
+KEY_MATERIAL_LINES = 4
+
+
 def credential_in(text: DocumentText) -> CredentialFound | None:
     """The first credential a reader's text holds, in its lines (as stored, or extracted) or the
     string values of its keys; None when there is none."""
-    values = [(f"line {n}", line) for n, line in enumerate(text.lines, start=1)]
-    values += [(f"the {key!r} key", value) for key, value in text.metadata.items() if isinstance(value, str)]
-    for where, value in values:
+    lines = text.lines
+    values = [(f"line {n}", line, lines[n:n + KEY_MATERIAL_LINES]) for n, line in enumerate(lines, start=1)]
+    values += [(f"the {key!r} key", value, ()) for key, value in text.metadata.items() if isinstance(value, str)]
+    for where, value, below in values:
         for found in _CREDENTIAL.finditer(value):
-            if CREDENTIAL_PLACEHOLDER not in found.group():
-                return CredentialFound(CREDENTIALS[found.lastgroup or ""][0], where)
+            if CREDENTIAL_PLACEHOLDER in found.group():
+                continue
+            if found.lastgroup == "private_key" and not any(
+                    _KEY_MATERIAL.search(piece) for piece in (value[found.end():], *below)):
+                continue
+            return CredentialFound(CREDENTIALS[found.lastgroup or ""][0], where)
     return None
 
 

@@ -1329,7 +1329,7 @@ def test_a_misspelt_variable_is_named_with_the_one_meant() -> None:
 
 
 CREDENTIAL_SAMPLES = {
-    "a private key": "-----BEGIN RSA PRIVATE KEY-----",
+    "a private key": "-----BEGIN RSA PRIVATE KEY----- MIIEowIBAAKCAQEAq8p3rWm2n0Yb7cXk4JtLs9VfQeZ1hGdU",
     "an AWS access key ID": "aws_access_key_id = AKIAQ3EGUTZ2Y7NBR4KD",
     "an AWS secret access key": "aws_secret_access_key = 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",
     "a GitHub token": "token: ghp_" + "Zq8" * 12,
@@ -1349,6 +1349,22 @@ def test_a_credential_is_found_with_its_kind_and_line(kind: str, line: str) -> N
     keyed = rules.DocumentText(lines=("x",), searchable=(), body_start=1, headings=(), block_starts=(),
                                metadata={"description": line})
     assert rules.credential_in(keyed) == rules.CredentialFound(kind, "the 'description' key")
+
+
+def test_a_private_key_is_its_marker_with_key_material_not_the_marker_named_in_prose() -> None:
+    """Spring Boot's docs explain PEM files with `-----BEGIN PRIVATE KEY-----` in a sentence: the
+    page was refused whole. A key has its base64 body on the lines below the marker (an encrypted
+    one after its Proc-Type and DEK-Info headers)."""
+    def found(*lines: str) -> rules.CredentialFound | None:
+        return rules.credential_in(rules.DocumentText(lines=lines, searchable=(), body_start=1, headings=(),
+                                                      block_starts=()))
+
+    assert found("The file starts with `-----BEGIN PRIVATE KEY-----` and ends", "with its END line.") is None
+    body = "MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC7VJTUt9Us8cKj"
+    assert found("Example:", "", "-----BEGIN PRIVATE KEY-----", body, "-----END PRIVATE KEY-----") == \
+        rules.CredentialFound("a private key", "line 3")
+    assert found("-----BEGIN RSA PRIVATE KEY-----", "Proc-Type: 4,ENCRYPTED", "DEK-Info: AES-128-CBC,5A1F",
+                  "", body) == rules.CredentialFound("a private key", "line 1")
 
 
 @given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=300))
