@@ -1665,7 +1665,8 @@ class BodyStructure:
     block_starts: tuple[int, ...]
     # 0-based line ranges [start, end) of code (fenced or indented) at any depth, kept as written
     code: tuple[tuple[int, int], ...] = ()
-    # ... and of HTML blocks a reader never sees: comments, <script> and <style>
+    # ... and of what a reader never sees: HTML comments, <script> and <style> blocks, and the lines
+    # no block holds (link reference definitions, `[//]: # (a comment)`; blank lines)
     hidden: tuple[tuple[int, int], ...] = ()
 
 
@@ -1698,12 +1699,19 @@ _HIDDEN_HTML = re.compile(r"[ \t]*<(?:!--|script\b|style\b)", re.IGNORECASE)
 
 def body_structure(body: Sequence[str]) -> BodyStructure:
     tokens = _markdown_tokens(body)
+    top = sorted(tuple(tok.map) for tok in tokens if tok.level == 0 and tok.map and tok.nesting >= 0)
+    unheld, at = [], 0
+    for start, end in top:
+        if start > at:
+            unheld.append((at, start))
+        at = max(at, end)
+    if at < len(body):
+        unheld.append((at, len(body)))
     return BodyStructure(headings=tuple(_headings_from_tokens(tokens)),
-                         block_starts=tuple(sorted(tok.map[0] for tok in tokens
-                                                   if tok.level == 0 and tok.map and tok.nesting >= 0)),
+                         block_starts=tuple(sorted({start for start, _ in top})),
                          code=tuple(tuple(tok.map) for tok in tokens if tok.type in ("fence", "code_block") and tok.map),
-                         hidden=tuple(tuple(tok.map) for tok in tokens
-                                      if tok.type == "html_block" and tok.map and _HIDDEN_HTML.match(tok.content)))
+                         hidden=(*unheld, *(tuple(tok.map) for tok in tokens
+                                            if tok.type == "html_block" and tok.map and _HIDDEN_HTML.match(tok.content))))
 
 
 def _headings_from_tokens(tokens: Sequence[Any]) -> list[BodyHeading]:
@@ -1907,11 +1915,21 @@ def markup_heading(text: str) -> str:
 
 def _markup_prose(text: str) -> str:
     """markup_inline of text outside code spans."""
-    text = _without_spans(_without_spans(text, "{/*", "*/}"), "<!--", "-->")
+    return html_text(_without_spans(text, "{/*", "*/}"), _markdown_unescaped)
+
+
+def _markdown_unescaped(text: str) -> str:
+    return _MARKDOWN_ESCAPE.sub(r"\1", text) if "\\" in text else text
+
+
+def html_text(text: str, unescaped: Callable[[str], str] | None = None) -> str:
+    """HTML (or JSX) as its page shows it: comments out, tags reduced to their shown attribute
+    values, then a format's own escapes resolved (`unescaped`), character references decoded."""
+    text = _without_spans(text, "<!--", "-->")
     if "<" in text:
         text = _JSX_TAG.sub(lambda tag: _tag_in_text(text, tag), text)
-    if "\\" in text:
-        text = _MARKDOWN_ESCAPE.sub(r"\1", text)
+    if unescaped is not None:
+        text = unescaped(text)
     if "&" in text:
         text = html.unescape(text).replace("\xa0", " ")
     return text
@@ -2468,10 +2486,10 @@ def _verbatim(line: str) -> str:
 
 _DIRECTIVE = re.compile(r"([A-Za-z0-9][\w.:+-]*?) ?::(?:[ \t]+|$)")
 
-_CODE, _DROP, _TEXT, _SIGNATURE = "code", "drop", "text", "signature"  # how a block's lines are read
+_CODE, _DROP, _TEXT, _SIGNATURE, _HTML = "code", "drop", "text", "signature", "html"  # how a block's lines are read
 
 _CODE_DIRECTIVES = frozenset({"code-block", "code", "sourcecode", "code-tab", "doctest", "testcode", "testoutput",
-                              "testsetup", "testcleanup", "parsed-literal"})
+                              "testsetup", "testcleanup", "parsed-literal", "math", "productionlist"})
 _INCLUDES = frozenset({"include", "literalinclude"})
 # Navigation and context settings: neither the line nor the body is content.
 _DROPPED_DIRECTIVES = _INCLUDES | {
@@ -2521,6 +2539,8 @@ def _directive(name: str, argument: str, base: int) -> tuple[str, _Block]:
         return "", _Block(base, _TEXT, _TEXT, options=True)
     if name in _IMAGES:
         return "", _Block(base, _DROP, _TEXT, options=True)
+    if name == "raw":  # output for one writer: HTML's text is on the page, LaTeX's is not
+        return "", _Block(base, _DROP, _HTML if argument.split()[:1] == ["html"] else _DROP, options=True)
     block = _Block(base, _TEXT, _TEXT, options=True)
     if name in _ADMONITIONS:
         return f"{_ADMONITIONS[name]} {rst_inline(argument)}".rstrip(), block
@@ -2585,6 +2605,8 @@ def _block_line(block: _Block, line: str, next_is_blank: bool) -> tuple[str, boo
         return _verbatim(line), True, None
     if how == _SIGNATURE:
         return line.strip(), True, None
+    if how == _HTML:
+        return html_text(line), True, None
     return "", False, None
 
 
@@ -2670,8 +2692,11 @@ def _read_lines(lines: Sequence[str], blank: Sequence[bool], titles: Sequence[_T
             read_as_text = (block.head if block.in_head else block.body) == _TEXT
             searchable[n], content, inner = _block_line(block, line, next_is_blank)
             paragraph[n] = read_as_text and content and not _EXPLICIT.match(line) and _is_paragraph_line(line)
-            if content and block.outermost and not block.started:
-                starts.append(n)  # an outermost block's first content line (a literal's first line)
+            # Where a chunk may be cut inside a block: after a blank line, where its text goes on
+            # (never between a directive's line and the body written right below it); a long
+            # glossary or list-table was cut mid-sentence, only its first line being a start.
+            if content and blank[n - 1] and (read_as_text or (block.outermost and not block.started)):
+                starts.append(n)
             block.started |= content
             if inner is not None:
                 block.in_head = False
@@ -4238,9 +4263,9 @@ def _code_pieces(body: _Body, span: _Span, cuts: Sequence[int], max_tokens: int)
 # Every format a reader takes, by its RAG_FORMATS name. `text` is opt-in: repositories are full of
 # requirements.txt and LICENSE.txt files that are not documentation.
 READERS = (
-    Reader("markdown", (".md", ".markdown"), "text/markdown", read_markdown, markup_inline, version=2),
+    Reader("markdown", (".md", ".markdown"), "text/markdown", read_markdown, markup_inline, version=3),
     Reader("mdx", (".mdx",), "text/mdx", read_mdx, markup_inline, version=2),
-    Reader("rst", (".rst",), "text/x-rst", read_rst, rst_inline_searchable, version=3),
+    Reader("rst", (".rst",), "text/x-rst", read_rst, rst_inline_searchable, version=4),
     Reader("asciidoc", (".adoc", ".asciidoc"), "text/asciidoc", read_asciidoc, asciidoc_inline_searchable, version=2),
     Reader("pdf", (".pdf",), "application/pdf", read_pdf, searchable_text, extracted=True),
     Reader("text", (".txt",), "text/plain", read_plain_text, searchable_text, read_by_default=False),

@@ -246,6 +246,9 @@ def test_markdown_searchable_text_is_what_the_page_shows_and_code_stays_as_writt
             <div>indented code</div>
 
         import this is prose, not a statement
+
+        [//]: # (an editor's comment)
+        [uv]: https://github.com/astral-sh/uv
         """, "guide.md")
     assert_model(text)
     shown = dict(zip(text.lines, text.searchable, strict=True))
@@ -258,6 +261,7 @@ def test_markdown_searchable_text_is_what_the_page_shows_and_code_stays_as_writt
     assert shown["<!-- code keeps its comment -->"] == "<!-- code keeps its comment -->"
     assert shown["::: tip"] == "::: tip" and shown["    <div>indented code</div>"] == "    <div>indented code</div>"
     assert shown["import this is prose, not a statement"] == "import this is prose, not a statement"
+    assert shown["[//]: # (an editor's comment)"] == "" and shown["[uv]: https://github.com/astral-sh/uv"] == ""
     assert rules.container_line("::: mkdocstrings.handler") == "::: mkdocstrings.handler", "not a container"
 
 
@@ -599,6 +603,36 @@ def test_rst_inline_markup_across_the_lines_of_a_paragraph_keeps_each_line_in_it
         """) == ["You can replace Request.prepare()", " with a call to Pygments https://pygments.org",
                  ". When latex_engine", "= 'lualatex' and the first", "line:", "", "    code ``stays",
                  "    as written``", "", "- an item whose text", " goes on", "- a new item, ``not", "joined`` to it"]
+
+
+def test_rst_raw_math_and_where_a_long_directive_body_may_be_cut() -> None:
+    """`raw` HTML shows its text, LaTeX nothing; math stays as written. A long glossary or table
+    was cut mid-sentence (its first line the only block start): inside a block, a line after a
+    blank line starts a block, the body right below a directive's line does not."""
+    text = rst("""
+        .. raw:: html
+
+           <span id="x"></span><p>Shown &amp; <b>bold</b></p>
+        .. raw:: latex
+
+           \\addtocontents{toc}{x}
+        .. math::
+
+           \\alpha_i |x|
+        .. glossary::
+
+           environment
+              A structure where information about all documents is saved.
+
+           extension
+              A custom role or directive.
+        .. note:: The argument,
+           and its next line.
+        """)
+    assert list(text.searchable[:9]) == ["", "", "   Shown & bold", "", "", "", "", "", "   \\alpha_i |x|"]
+    starts = set(text.block_starts)
+    assert {12, 15} <= starts, "each glossary entry after a blank line"
+    assert 18 not in starts, "the line right below a directive continues it"
 
 
 def test_rst_docinfo_at_the_top_is_metadata_and_a_later_field_list_is_content() -> None:
