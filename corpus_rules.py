@@ -1796,9 +1796,17 @@ _SHOWN_ATTRIBUTE = re.compile(r"\b(?:title|label|alt|summary|description|heading
 _SHOWN_INSTEAD = {"TabItem": re.compile(r"\bvalue=(?:\"([^\"]*)\"|'([^']*)')")}
 
 
+# Nextra's and Docusaurus' tab sets name their tabs in an array: <Tabs items={['npm', 'pnpm']}>.
+_SHOWN_ITEMS = re.compile(r"\bitems=\{\[([^\[\]{}]*)\]\}")
+_STRING_LITERAL = re.compile(r"\"([^\"]*)\"|'([^']*)'")
+
+
 def _jsx_tag_text(tag: str) -> str:
     """What a reader of the page sees of a tag: the values of its shown attributes."""
     shown = " ".join(a or b for a, b in _SHOWN_ATTRIBUTE.findall(tag))
+    if "items={[" in tag:
+        shown = " ".join(filter(None, [shown, *(a or b for items in _SHOWN_ITEMS.findall(tag)
+                                                for a, b in _STRING_LITERAL.findall(items))]))
     if not shown and (instead := _SHOWN_INSTEAD.get(tag.lstrip("<").split(None, 1)[0] if tag[1:2].isalpha() else "")):
         shown = " ".join(a or b for a, b in instead.findall(tag))
     return shown
@@ -4263,8 +4271,8 @@ def _code_pieces(body: _Body, span: _Span, cuts: Sequence[int], max_tokens: int)
 # Every format a reader takes, by its RAG_FORMATS name. `text` is opt-in: repositories are full of
 # requirements.txt and LICENSE.txt files that are not documentation.
 READERS = (
-    Reader("markdown", (".md", ".markdown"), "text/markdown", read_markdown, markup_inline, version=3),
-    Reader("mdx", (".mdx",), "text/mdx", read_mdx, markup_inline, version=2),
+    Reader("markdown", (".md", ".markdown"), "text/markdown", read_markdown, markup_inline, version=4),
+    Reader("mdx", (".mdx",), "text/mdx", read_mdx, markup_inline, version=3),
     Reader("rst", (".rst",), "text/x-rst", read_rst, rst_inline_searchable, version=4),
     Reader("asciidoc", (".adoc", ".asciidoc"), "text/asciidoc", read_asciidoc, asciidoc_inline_searchable, version=2),
     Reader("pdf", (".pdf",), "application/pdf", read_pdf, searchable_text, extracted=True),

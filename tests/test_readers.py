@@ -344,6 +344,8 @@ def test_mdx_code_spans_keep_what_looks_like_a_tag() -> None:
     assert [h.text for h in text.headings] == ["`<Aside>` Props"]
     assert text.searchable[2] == "Use the `<Aside>` component, or inline; flags: `--server <name>`, ``a `<b>` c``."
     assert text.searchable[3:5] == ("The `<Tabs` tag in backticks opens nothing:", "text that follows.")
+    assert rules.markup_inline("<Tabs items={['npm', \"pnpm\"]}>") == "npm pnpm", "a tab set's labels"
+    assert rules.markup_inline("<ins style={{color: 'red'}} className=\"box\" />x") == "x", "nested braces"
 
 
 def reference_code_spans(text: str) -> list[tuple[str, bool]]:
