@@ -2884,6 +2884,21 @@ def _section_title(line: str) -> tuple[int, str] | None:
     return marks, text
 
 
+_SETEXT_LEVELS = {"=": 0, "-": 1, "~": 2, "^": 3, "+": 4}
+_ALNUM = re.compile(r"[^\W_]")
+
+
+def _setext_level(line: str, underline: str) -> int | None:
+    """The level of a two-line title (Asciidoctor's setext_section_title?): a line not starting with
+    "." that holds a letter or digit, underlined by one character of `= - ~ ^ +` repeated, the two
+    no more than a character apart in length (git's manual pages are written so)."""
+    if not underline or underline[0] not in _SETEXT_LEVELS or underline.count(underline[0]) != len(underline):
+        return None
+    if abs(len(line) - len(underline)) >= 2 or line.startswith(".") or not _ALNUM.search(line):
+        return None
+    return _SETEXT_LEVELS[underline[0]]
+
+
 def _block_title(line: str) -> str | None:
     """The title of `.Title` (a dot, then a character that is neither a space nor a dot)."""
     if not line.startswith("."):
@@ -3028,9 +3043,13 @@ def _read_header(lines: Sequence[str]) -> _Header:
     while title_index < len(lines) and _is_block_attribute_line(lines[title_index]):
         title_index += 1
     heading = _section_title(lines[title_index]) if title_index < len(lines) else None
+    underlined = (heading is None and title_index + 1 < len(lines)
+                  and _setext_level(lines[title_index], lines[title_index + 1]) == 0)
+    if underlined:
+        heading = (1, lines[title_index].strip())
     if heading is None or heading[0] != 1:
         return _Header(end=i if entries else 0, metadata=metadata)
-    i, _ = _header_entries(lines, title_index + 1, metadata, skip_blank=False)
+    i, _ = _header_entries(lines, title_index + 1 + underlined, metadata, skip_blank=False)
     for takes in (_is_author_line, _is_revision_line):
         if i < len(lines) and takes(lines[i]):
             i, _ = _header_entries(lines, i + 1, metadata, skip_blank=False)
@@ -3127,6 +3146,7 @@ class _Walk:
     pending: int | None = None  # first metadata line (attributes, block title) awaiting its block
     style: str = ""  # the style those metadata lines set
     entry_goes_on: bool = False  # the attribute entry above ends with " \"
+    underline: int = -1  # the line underlining a two-line title: read with the title
     attributes: dict[str, str] = field(default_factory=dict)  # the document's, as defined so far
     values: list[str] = field(default_factory=list)  # held by substitute_attributes
 
@@ -3141,6 +3161,8 @@ class _Walk:
             self.entry_goes_on = line.endswith(" \\")
             return
         self.entry_goes_on = False
+        if i == self.underline:
+            return
         kind = _adoc_directive(line)
         if kind:
             if kind == "include" and not self.blocks:
@@ -3229,6 +3251,10 @@ class _Walk:
             return
         if (title := _section_title(line)) and (not self.blocks or self.style in DISCRETE_STYLES):
             self._title(i, *title)
+        elif (not self.blocks and i + 1 < len(self.lines) and not _ATTRIBUTE_ENTRY.fullmatch(line)
+              and (level := _setext_level(line, self.lines[i + 1])) is not None):
+            self.underline = i + 1
+            self._title(i, level + 1, line.strip())
         elif (block_title := _block_title(line)) is not None:
             self.searchable[i] = _text(block_title)
             self._hold(i, "")
@@ -4274,7 +4300,7 @@ READERS = (
     Reader("markdown", (".md", ".markdown"), "text/markdown", read_markdown, markup_inline, version=4),
     Reader("mdx", (".mdx",), "text/mdx", read_mdx, markup_inline, version=3),
     Reader("rst", (".rst",), "text/x-rst", read_rst, rst_inline_searchable, version=4),
-    Reader("asciidoc", (".adoc", ".asciidoc"), "text/asciidoc", read_asciidoc, asciidoc_inline_searchable, version=2),
+    Reader("asciidoc", (".adoc", ".asciidoc"), "text/asciidoc", read_asciidoc, asciidoc_inline_searchable, version=3),
     Reader("pdf", (".pdf",), "application/pdf", read_pdf, searchable_text, extracted=True),
     Reader("text", (".txt",), "text/plain", read_plain_text, searchable_text, read_by_default=False),
     # Code (RAG_CODE): one reader per language with symbols, one for the other source files.

@@ -338,11 +338,43 @@ def test_nested_blocks_need_different_delimiters() -> None:
     assert reading.searchable == ("", "outer", "", "== inner text", "", "after inner", "", "", "Out")
 
 
+def test_two_line_titles_as_gits_manual_pages_write_them() -> None:
+    """Asciidoctor reads a line underlined by `=`, `-`, `~`, `^` or `+` of about its length as a
+    title (its default, `underline_style_section_titles`): git's 944 pages are written so, and
+    read as listing blocks that never closed they were 88k lines of code and no headings."""
+    reading = read(textwrap.dedent("""\
+        git-add(1)
+        ==========
+
+        NAME
+        ----
+        git-add - Add file contents to the index
+
+        OPTIONS
+        -------
+        Text.
+
+        ----
+        a listing, not a title
+        ----
+
+        Sub part
+        ~~~~~~~~
+        .A block title
+        --------------
+        code
+        --------------
+        """))
+    assert reading.title == "git-add(1)" and reading.warnings == ()
+    assert [(h.line, h.level, h.text) for h in reading.headings] == [(4, 1, "NAME"), (8, 1, "OPTIONS"), (16, 2, "Sub part")]
+    assert reading.searchable[4] == "" and reading.searchable[12] == "a listing, not a title"
+
+
 def test_block_ends_at_first_line_equal_to_its_delimiter() -> None:
     # Asciidoctor reads an example block's content up to its first "====", even one inside a listing.
-    lines = ["====", "----", "====", "after", "----", "== Title"]
+    lines = ["====", "----", "====", "after it", "----", "== Title"]  # ("after" would be a two-line title)
     reading = read_asciidoc(lines)
-    assert reading.searchable[3] == "after"
+    assert reading.searchable[3] == "after it"
     assert reading.block_starts == (1, 4, 5)  # the second "----" opens a new listing, unclosed
     assert reading.headings == ()
     assert reading.warnings == ("page.adoc: line 5: the delimited block opened here is never closed (no line '----'): "
@@ -635,39 +667,51 @@ REF_ONE_LINE_BLOCKS = (re.compile(r"\.\.?[^ \t.].*"), re.compile(r":!?\w[^:]*:(?
                        re.compile(r"\w[\w-]*::(?:|\S|\S.*?\S)\[.*\]"), re.compile(r"'{3,}|<{3,}|([-*_])( *)\1\2\1"))
 
 
-def reference_top_level_blocks(lines: list[str], body_start: int) -> list[bool]:
-    """Pass 1: which lines belong to a top-level delimited block (delimiters included)."""
-    inside = [False] * len(lines)
-    k = body_start - 1
-    while k < len(lines):
-        line = lines[k]
-        if REF_DELIMITER.fullmatch(line) and not REF_COMMENT.fullmatch(line):
-            closing = "```" if line.startswith("```") else line
-            end = next((j for j in range(k + 1, len(lines)) if lines[j] == closing), len(lines))
-            inside[k:end + 1] = [True] * (min(end + 1, len(lines)) - k)
-            k = end + 1
-        else:
-            k += 1
-    return inside
+REF_SETEXT = re.compile(r"(?!\.).*[^\W_].*")  # Asciidoctor's SetextSectionTitleRx
+REF_UNDERLINES = {"=": 0, "-": 1, "~": 2, "^": 3, "+": 4}
+
+
+def reference_setext(line: str, underline: str) -> int | None:
+    """A two-line title's level (setext_section_title?), from its documented rule."""
+    if underline and underline[0] in REF_UNDERLINES and set(underline) == {underline[0]} \
+            and abs(len(line) - len(underline)) < 2 and REF_SETEXT.fullmatch(line):
+        return REF_UNDERLINES[underline[0]]
+    return None
 
 
 def reference_sections(raw: list[str], body_start: int) -> tuple[list[tuple[int, int]], list[bool]]:
-    """Pass 2: (line, level) of every section title, and pass 1's answer."""
+    """(line, level) of every section title, and which lines belong to a top-level delimited block
+    (delimiters included): Asciidoctor's forward search for a block's closing line, a paragraph
+    flag over the lines outside blocks, and at a block boundary a title before anything else (a
+    line underlined as a two-line title is not a delimiter)."""
     lines = [line.rstrip(" \t\v\f\r\x00") for line in raw]  # Ruby's rstrip, as Asciidoctor reads lines
-    inside = reference_top_level_blocks(lines, body_start)
+    inside = [False] * len(lines)
     titles, in_paragraph = [], False
-    for k in range(body_start - 1, len(lines)):
+    k = body_start - 1
+    while k < len(lines):
         line = lines[k]
-        if inside[k]:
-            in_paragraph = False
-        elif REF_DIRECTIVE.fullmatch(line) or REF_COMMENT.fullmatch(line):
+        if REF_DIRECTIVE.fullmatch(line) or REF_COMMENT.fullmatch(line):
+            k += 1
+            continue
+        if not in_paragraph and (match := REF_ATX.fullmatch(line)):
+            titles.append((k + 1, max(1, len(match[1]) - 1)))
+        elif (not in_paragraph and k + 1 < len(lines) and line != "+" and not REF_ATTRIBUTE_LINE.fullmatch(line)
+              and not REF_ONE_LINE_BLOCKS[1].fullmatch(line)
+              and (level := reference_setext(line, lines[k + 1])) is not None):
+            titles.append((k + 1, max(1, level)))
+            k += 2
+            continue
+        elif REF_DELIMITER.fullmatch(line):
+            closing = "```" if line.startswith("```") else line
+            end = next((j for j in range(k + 1, len(lines)) if lines[j] == closing), len(lines))
+            inside[k:end + 1] = [True] * (min(end + 1, len(lines)) - k)
+            k, in_paragraph = end + 1, False
             continue
         elif not line or line == "+" or REF_ATTRIBUTE_LINE.fullmatch(line):
             in_paragraph = False
-        elif not in_paragraph and (match := REF_ATX.fullmatch(line)):
-            titles.append((k + 1, max(1, len(match[1]) - 1)))
         elif not in_paragraph:
             in_paragraph = not any(block.fullmatch(line) for block in REF_ONE_LINE_BLOCKS)
+        k += 1
     return titles, inside
 
 
@@ -714,6 +758,10 @@ def paragraph(draw: st.DrawFn, inside: bool = False) -> list[Line]:
 def section_title(draw: st.DrawFn) -> list[Line]:
     marks = draw(st.sampled_from(["==", "===", "====", "=====", "======", "##", "###", "="]))
     lead = draw(st.sampled_from([[], [empty("[[sec-id]]")], [empty("[discrete]")], [empty("[#id.role]")]]))
+    if draw(st.integers(0, 3)) == 0:  # a two-line title, as git's manual pages write them
+        text, char = draw(words), draw(st.sampled_from("=-~^+"))
+        underline = char * max(1, len(text) + draw(st.sampled_from([-1, 0, 1])))
+        return [*lead, Line(text, "title", level=max(1, "=-~^+".index(char))), Line(underline, "empty")]
     closing = f" {marks}" if draw(st.booleans()) and marks[0] == "=" else ""
     return [*lead, Line(f"{marks} {draw(words)}{closing}", "title", level=max(1, len(marks) - 1))]
 
@@ -814,7 +862,11 @@ def documents(draw: st.DrawFn) -> Generated:
     pieces = [draw(paragraph())] + draw(st.lists(body_piece(), max_size=10))
     blank_separated = True
     for k, piece in enumerate(pieces):
-        if k and draw(st.integers(0, 5)) == 0:
+        # Pieces may touch, but not so that a line and the next piece's first line make a two-line
+        # title (`alpha` over `----`): this generator's labels say what each piece is alone.
+        two_line_title = len(piece) > 1 and piece[-2].role == "title" and not piece[-2].text.startswith(("=", "#"))
+        if k and draw(st.integers(0, 5)) == 0 and reference_setext(lines[-1].text, piece[0].text) is None \
+                and not two_line_title:  # (a title only at a block's start: below a paragraph's line it is text)
             blank_separated = False
         elif k:
             lines.append(Line("", "empty"))
