@@ -1974,8 +1974,8 @@ def _mdx_line(line: str, state: _MdxState) -> tuple[str, bool, BodyHeading | Non
             state.comment = None
             return container_line(rest), False, None
         return "", False, None
-    if state.tag:
-        state.tag = _TAG_END.search(line) is None
+    if state.tag:  # until its end, or a blank line (an expression never closed must not swallow the page)
+        state.tag = bool(stripped) and _TAG_END.search(line) is None
         return _jsx_tag_text(line), False, None
     if not stripped:
         state.esm = False
@@ -2995,20 +2995,26 @@ _MACRO_VALUE = re.compile(r"[a-z][\w-]*:\S")
 _HELD_VALUE = re.compile("\ue000([0-9]+)\ue001")
 
 
+ATTRIBUTE_GROWTH_MAX = 4096  # what substitution may add to one line: past it references stay as written
+
+
 def substitute_attributes(text: str, attributes: Mapping[str, str], values: list[str]) -> str:
     """`{name}` references replaced by the attributes' values (the document's own entries, then
     the built-in character attributes); an undefined one stays as written (Asciidoctor's default),
     except as the start of a link, which shows its text. As in Asciidoctor, a value is not read for
     quotes or passthroughs (`SQL++` is not a `++` passthrough): one holding their marks is held in
-    `values` behind a private-use mark, which restore_attributes puts back once the line is read."""
+    `values` behind a private-use mark, which restore_attributes puts back once the line is read.
+    A line grows by at most ATTRIBUTE_GROWTH_MAX characters (references past it stay as written)."""
     if "{" not in text:
         return text
+    room = [ATTRIBUTE_GROWTH_MAX]  # a chain of entries each doubling the one before grows no further
 
     def value(match: re.Match[str]) -> str:
         name = match[1].lower()
         found = attributes.get(name, _CHARACTER_ATTRIBUTES.get(name))
-        if found is None:
+        if found is None or len(found) - len(match[0]) > room[0]:
             return match[0]
+        room[0] -= max(0, len(found) - len(match[0]))
         if not _MARKUP_CHARS.search(found) or _MACRO_VALUE.match(found):
             return found
         values.append(found)
@@ -4656,19 +4662,20 @@ def chunk_document(doc: SourceDocument, max_tokens: int, min_tokens: int,
     for span in spans:
         meant = "\n".join(searchable[span.start:span.end]).strip()
         if not meant:
-            # Spans with nothing searchable (trailing blank lines) join the previous chunk's range.
+            # Spans with nothing searchable (trailing blank lines, an underline) join the previous
+            # chunk: its range, and its text as written.
             if chunks:
-                chunks[-1] = _extend(chunks[-1], span.end + offset - 1)
+                chunks[-1] = _extend(chunks[-1], span.end + offset - 1, "\n".join(lines[span.start:span.end]))
             continue
         text = "\n".join(lines[span.start:span.end]).strip()
         paths = body.headings(span.start, span.end)
         # A whole document is named by its first heading (or title), not by all of them.
         heading = merged_heading(paths[:1] if doc.chunk_mode == "whole" and len(spans) == 1 else paths)
         # A single line over the context is the one cut (the embedder halves anything else it refuses).
-        if "\n" not in text and _embedded_tokens(body, span) > context_tokens:
-            parts = [(part.strip(), inline(part.strip())) for part in _cut_long_line(text, max_tokens, min_tokens)]
-        else:
-            parts = [(text, meant)]
+        cut = (_cut_long_line(text, max_tokens, min_tokens)
+               if "\n" not in text and _embedded_tokens(body, span) > context_tokens else [text])
+        # a piece of a cut line is read out of its context; a line left whole keeps its reading
+        parts = [(part.strip(), inline(part.strip())) for part in cut] if len(cut) > 1 else [(text, meant)]
         for part, part_meant in parts:
             chunks.append(Chunk(len(chunks), span.start + offset, span.end + offset - 1, heading, part, part_meant))
     if chunks and chunks[0].start_line > doc.body_start:
@@ -4676,8 +4683,8 @@ def chunk_document(doc: SourceDocument, max_tokens: int, min_tokens: int,
     return chunks
 
 
-def _extend(chunk: Chunk, end_line: int) -> Chunk:
-    return replace(chunk, end_line=end_line)
+def _extend(chunk: Chunk, end_line: int, more: str) -> Chunk:
+    return replace(chunk, end_line=end_line, text=(chunk.text + "\n" + more).strip())
 
 
 # ---------------------------------------------------------------------------

@@ -218,14 +218,22 @@ def test_rst_substitution_chains_are_not_expanded(tmp_path: Path) -> None:
 
 @pytest.mark.process
 def test_asciidoc_attribute_reference_bomb_is_not_expanded(tmp_path: Path) -> None:
-    """{a0} is {a1}{a1}, {a1} is {a2}{a2}, … 60 levels (2**60 copies if substituted): references
-    stay as written, in the title, the body and the document's keys; nothing grows."""
+    """{a0} is {a1}{a1}, {a1} is {a2}{a2}, … 60 levels (2**60 copies if substituted recursively).
+    Header entries are read as written, so a reference shows its value once, as Asciidoctor does
+    with entries that name attributes defined after them; the document's keys are not substituted.
+    The same chain written in the order that makes each entry double the one before (a body's
+    entries are substituted as they are defined) stops growing at ATTRIBUTE_GROWTH_MAX a line."""
     entries = "".join(f":a{k}: {{a{k + 1}}}{{a{k + 1}}}\n" for k in range(60)) + ":a60: boom\n:title: {a0}\n"
     text = "= The {a0} guide\n" + entries + "\nBody with {a0} in it.\n\n== Section {a0}\n\nMore {a0}.\n"
-    out = read_bounded(tmp_path, text, "bomb.adoc", ["boom", "{a0}"])
-    assert out["found"]["boom"] == [] and len(out["found"]["{a0}"]) == 3
-    assert out["title"] == "{a0}" and out["last_headings"] == [[out["lines"] - 2, 1, "Section {a0}"]]
-    assert out["searchable_chars"] <= len(text)
+    out = read_bounded(tmp_path, text, "bomb.adoc", ["boom", "{a1}{a1}"])
+    assert out["found"]["boom"] == [] and len(out["found"]["{a1}{a1}"]) == 3
+    assert out["title"] == "{a0}" and out["last_headings"] == [[out["lines"] - 2, 1, "Section {a1}{a1}"]]
+    assert out["searchable_chars"] <= len(text) + 6
+    doubling = ":a60: boom\n" + "".join(f":a{k}: {{a{k + 1}}}{{a{k + 1}}}\n" for k in range(59, -1, -1))
+    text = "= Guide\n\n" + doubling + "\nBody with {a0} in it.\n\nMore {a0}.\n"
+    out = read_bounded(tmp_path, text, "doubling.adoc", ["Body with", "More"])
+    assert out["found"]["Body with"] and out["found"]["More"]
+    assert out["searchable_chars"] <= len(text) + 2 * rules.ATTRIBUTE_GROWTH_MAX
 
 
 # ---------------------------------------------------------------------------
