@@ -4665,7 +4665,7 @@ def chunk_document(doc: SourceDocument, max_tokens: int, min_tokens: int,
             # Spans with nothing searchable (trailing blank lines, an underline) join the previous
             # chunk: its range, and its text as written.
             if chunks:
-                chunks[-1] = _extend(chunks[-1], span.end + offset - 1, "\n".join(lines[span.start:span.end]))
+                chunks[-1] = _extend(chunks[-1], lines, offset, span.end)
             continue
         text = "\n".join(lines[span.start:span.end]).strip()
         paths = body.headings(span.start, span.end)
@@ -4683,8 +4683,15 @@ def chunk_document(doc: SourceDocument, max_tokens: int, min_tokens: int,
     return chunks
 
 
-def _extend(chunk: Chunk, end_line: int, more: str) -> Chunk:
-    return replace(chunk, end_line=end_line, text=(chunk.text + "\n" + more).strip())
+def _extend(chunk: Chunk, lines: Sequence[str], offset: int, end: int) -> Chunk:
+    """`chunk` grown to the body's line index `end` (exclusive), its text with it: its lines as
+    written, or, for the last piece of a cut line, the piece and the lines after it."""
+    first, after = chunk.start_line - offset, chunk.end_line - offset + 1
+    if chunk.text == "\n".join(lines[first:after]).strip():
+        text = "\n".join(lines[first:end]).strip()
+    else:
+        text = (chunk.text + "\n" + "\n".join(lines[after:end])).strip()
+    return replace(chunk, end_line=end + offset - 1, text=text)
 
 
 # ---------------------------------------------------------------------------
