@@ -4678,20 +4678,22 @@ def chunk_document(doc: SourceDocument, max_tokens: int, min_tokens: int,
         parts = [(part.strip(), inline(part.strip())) for part in cut] if len(cut) > 1 else [(text, meant)]
         for part, part_meant in parts:
             chunks.append(Chunk(len(chunks), span.start + offset, span.end + offset - 1, heading, part, part_meant))
-    if chunks and chunks[0].start_line > doc.body_start:
-        chunks[0] = replace(chunks[0], start_line=doc.body_start)
+    if chunks and chunks[0].start_line > doc.body_start:  # the lines before the first content are its
+        chunks[0] = _extend(chunks[0], lines, offset, chunks[0].end_line - offset + 1, start=0)
     return chunks
 
 
-def _extend(chunk: Chunk, lines: Sequence[str], offset: int, end: int) -> Chunk:
-    """`chunk` grown to the body's line index `end` (exclusive), its text with it: its lines as
-    written, or, for the last piece of a cut line, the piece and the lines after it."""
+def _extend(chunk: Chunk, lines: Sequence[str], offset: int, end: int, start: int | None = None) -> Chunk:
+    """`chunk` grown to the body's line indexes start..end (end exclusive; start: where it starts),
+    its text with it: its lines as written, or, for a piece of a cut line, the piece and the lines
+    around it."""
     first, after = chunk.start_line - offset, chunk.end_line - offset + 1
+    start = first if start is None else start
     if chunk.text == "\n".join(lines[first:after]).strip():
-        text = "\n".join(lines[first:end]).strip()
+        text = "\n".join(lines[start:end]).strip()
     else:
-        text = (chunk.text + "\n" + "\n".join(lines[after:end])).strip()
-    return replace(chunk, end_line=end + offset - 1, text=text)
+        text = "\n".join([*lines[start:first], chunk.text, *lines[after:end]]).strip()
+    return replace(chunk, start_line=start + offset, end_line=end + offset - 1, text=text)
 
 
 # ---------------------------------------------------------------------------
