@@ -2451,10 +2451,12 @@ def _paragraph_text(line: str) -> str:
 
 
 def _is_paragraph_line(line: str) -> bool:
-    """A non-blank line _text_line reads as paragraph text (not a rule, an anonymous target, a field)."""
+    """A non-blank line _text_line reads as paragraph text (not a rule, an anonymous target, a field,
+    nor a table row or line block, `|` first: read a line, or a row, at a time)."""
     stripped = line.strip()
     return bool(stripped) and not (stripped[0] in _ADORNMENT_SET and (
-        _is_punctuation_rule(stripped) or stripped.startswith("__ ") or _field(stripped) is not None))
+        stripped[0] == "|" or _is_punctuation_rule(stripped) or stripped.startswith("__ ")
+        or _field(stripped) is not None))
 
 
 def _text_column(line: str) -> int:
@@ -2464,6 +2466,46 @@ def _text_column(line: str) -> int:
         return _indent(line)
     rest = line[item.end():]
     return item.end() + len(rest) - len(rest.lstrip(" \t")) if rest.strip() else item.end()
+
+
+_GRID_BORDER = re.compile(r"[ \t]*\+(?:[-=]+\+)+[ \t]*")
+
+
+def _read_grid_tables(lines: Sequence[str], read_as_text: Sequence[bool], searchable: list[str]) -> list[int]:
+    """Grid tables (`+----+----+` borders, `|` between cells) read a row at a time: each cell's text
+    joined over the row's lines, the cells in order on the row's first line, its other lines no
+    content. Read a line at a time, a cell's sentence was spread over its rows between the other
+    columns and the pipes: `| version | The version number of the | a string |`. Returns the rows'
+    first lines: where a long table may be cut."""
+    rows: list[int] = []
+    n = 0
+    while n < len(lines):
+        if not (read_as_text[n] and _GRID_BORDER.fullmatch(lines[n])):
+            n += 1
+            continue
+        edges = [k for k, char in enumerate(lines[n]) if char == "+"]
+        row: list[int] = []
+        n += 1
+        while n < len(lines) and read_as_text[n] and lines[n][edges[0]:edges[0] + 1] in ("+", "|"):
+            if _GRID_BORDER.fullmatch(lines[n]):
+                rows += _grid_row(lines, row, edges, searchable)
+                row = []
+            else:
+                row.append(n)
+            n += 1
+        rows += _grid_row(lines, row, edges, searchable)
+    return rows
+
+
+def _grid_row(lines: Sequence[str], row: Sequence[int], edges: Sequence[int], searchable: list[str]) -> list[int]:
+    if not row:
+        return []
+    cells = [" ".join(filter(None, (lines[n][start + 1:end].strip(" \t|") for n in row)))
+             for start, end in itertools.pairwise(edges)]
+    searchable[row[0]] = rst_inline(" | ".join(filter(None, cells)))
+    for n in row[1:]:
+        searchable[n] = ""
+    return [row[0]]
 
 
 def _reduce_paragraphs(lines: Sequence[str], paragraph: Sequence[bool], searchable: list[str]) -> None:
@@ -2680,6 +2722,7 @@ def _read_lines(lines: Sequence[str], blank: Sequence[bool], titles: Sequence[_T
             roles.setdefault(title.row - 1, "adornment")
     searchable = [""] * len(lines)
     paragraph = [False] * len(lines)  # read as paragraph text (see _reduce_paragraphs)
+    read_as_text = [False] * len(lines)  # where a grid table would be read as text
     starts: list[int] = []
     stack: list[_Block] = []
     fresh = True  # the next top-level line starts a block (after a blank line, an underline, a block's end)
@@ -2697,13 +2740,13 @@ def _read_lines(lines: Sequence[str], blank: Sequence[bool], titles: Sequence[_T
         next_is_blank = n + 1 >= len(lines) or blank[n + 1]
         if stack:
             block = stack[-1]
-            read_as_text = (block.head if block.in_head else block.body) == _TEXT
+            read_as_text[n] = (block.head if block.in_head else block.body) == _TEXT
             searchable[n], content, inner = _block_line(block, line, next_is_blank)
-            paragraph[n] = read_as_text and content and not _EXPLICIT.match(line) and _is_paragraph_line(line)
+            paragraph[n] = read_as_text[n] and content and not _EXPLICIT.match(line) and _is_paragraph_line(line)
             # Where a chunk may be cut inside a block: after a blank line, where its text goes on
             # (never between a directive's line and the body written right below it); a long
             # glossary or list-table was cut mid-sentence, only its first line being a start.
-            if content and blank[n - 1] and (read_as_text or (block.outermost and not block.started)):
+            if content and blank[n - 1] and (read_as_text[n] or (block.outermost and not block.started)):
                 starts.append(n)
             block.started |= content
             if inner is not None:
@@ -2714,6 +2757,7 @@ def _read_lines(lines: Sequence[str], blank: Sequence[bool], titles: Sequence[_T
         if role is None:
             shown, block_opened = _opened(line, next_is_blank, outermost=True)
             paragraph[n] = not _EXPLICIT.match(line) and _is_paragraph_line(line)
+            read_as_text[n] = True
         else:  # a title's lines open blocks as any line does (the reference's rule), but read as a title
             shown = rst_inline(line.strip()) if role == "title" else ""
             block_opened = _opened(line, next_is_blank, outermost=True)[1] if _opens_block(line) else None
@@ -2724,6 +2768,7 @@ def _read_lines(lines: Sequence[str], blank: Sequence[bool], titles: Sequence[_T
         if block_opened is not None:
             stack.append(block_opened)
     _reduce_paragraphs(lines, paragraph, searchable)
+    starts += _read_grid_tables(lines, read_as_text, searchable)
     return searchable, starts
 
 
@@ -4305,7 +4350,7 @@ def _code_pieces(body: _Body, span: _Span, cuts: Sequence[int], max_tokens: int)
 READERS = (
     Reader("markdown", (".md", ".markdown"), "text/markdown", read_markdown, markup_inline, version=4),
     Reader("mdx", (".mdx",), "text/mdx", read_mdx, markup_inline, version=3),
-    Reader("rst", (".rst",), "text/x-rst", read_rst, rst_inline_searchable, version=4),
+    Reader("rst", (".rst",), "text/x-rst", read_rst, rst_inline_searchable, version=5),
     Reader("asciidoc", (".adoc", ".asciidoc"), "text/asciidoc", read_asciidoc, asciidoc_inline_searchable, version=3),
     Reader("pdf", (".pdf",), "application/pdf", read_pdf, searchable_text, extracted=True),
     Reader("text", (".txt",), "text/plain", read_plain_text, searchable_text, read_by_default=False),

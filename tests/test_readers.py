@@ -637,6 +637,27 @@ def test_rst_raw_math_and_where_a_long_directive_body_may_be_cut() -> None:
     assert 18 not in starts, "the line right below a directive continues it"
 
 
+def test_rst_grid_tables_are_read_a_row_at_a_time() -> None:
+    """A cell's sentence spread over a row's lines is one text, the row's cells on its first line
+    (setuptools' API reference read `| version | The version number of the | a string |`)."""
+    text = rst("""
+        +---------+---------------------------+----------+
+        | Arg     | Description               | Type     |
+        +=========+===========================+==========+
+        | version | The version number of the | a string |
+        |         | package; see              |          |
+        |         | :mod:`distutils.version`  |          |
+        +---------+---------------------------+----------+
+        | name    | The name                  | a string |
+        +---------+---------------------------+----------+
+        """)
+    assert list(text.searchable) == [
+        "", "Arg | Description | Type", "",
+        "version | The version number of the package; see distutils.version | a string", "", "", "",
+        "name | The name | a string", ""]
+    assert {2, 4, 8} <= set(text.block_starts), "a long table may be cut between its rows"
+
+
 def test_rst_docinfo_at_the_top_is_metadata_and_a_later_field_list_is_content() -> None:
     text = rst("""
         :lifecycle: superseded
@@ -694,6 +715,7 @@ def rst_documents(draw: st.DrawFn, depth: int = 0) -> list[str]:
             lines += [".. " + name, "   :caption: c", "", *[("   " + b) if b.strip() else "" for b in body]]
         elif kind == "other":
             lines += draw(st.sampled_from([[".. a comment", "   body"], [".. _label:"], ["----------"],
+                                           ["+-----+------+", "| a   | Flask |", "|     | word_ |", "+=====+======+"],
                                            ["=====  =====", "A      B", "=====  ====="]]))
         elif kind == "list":
             lines += ["- " + words(), "- " + words()]
