@@ -3031,7 +3031,9 @@ _CHARACTER_ATTRIBUTES = {
 _ATTRIBUTE_REFERENCE = re.compile(r"(?<!\\)\{([\w-]+)\}")
 # A reference the document does not define, as the start of a link: `{url-docs}/path[text^]` shows "text"
 # (the site's playbook defines it).
-_UNDEFINED_LINK = re.compile(r"(?<!\\)\{[\w-]+\}[^\s\[\]]*\[([^\[\]]*)\]")
+_LINK_STOP = re.compile(r"[\s\[\]]")  # where a link's target ends: its text's "[", or not a link
+_BRACKET = re.compile(r"[\[\]]")
+_OPEN_BRACE = re.compile(r"\{")
 
 
 # A value that starts a macro or a URL (`xref:a.adoc`, `https://x`): the `[text]` after its reference
@@ -3066,7 +3068,34 @@ def substitute_attributes(text: str, attributes: Mapping[str, str], values: list
         return f"\ue000{len(values) - 1}\ue001"
 
     text = _ATTRIBUTE_REFERENCE.sub(value, text)
-    return _UNDEFINED_LINK.sub(lambda m: _link_text(m[1]), text) if "{" in text else text
+    return _undefined_links(text) if "{" in text and "[" in text else text
+
+
+def _undefined_links(text: str) -> str:
+    """Each `{name}target[text]` left (an undefined reference starting a link) as its text. The
+    target's end and the text's bracket are found by look-ups that only move forward, so a line of
+    many references costs one pass."""
+    stops, brackets, braces = _Next(text, _LINK_STOP), _Next(text, _BRACKET), _Next(text, _OPEN_BRACE)
+    out: list[str] = []
+    done = 0
+    for reference in _ATTRIBUTE_REFERENCE.finditer(text):
+        if reference.start() < done:
+            continue
+        if text[reference.end():reference.end() + 1] not in ("[", "/", "#", "?"):
+            continue  # a link's target is the reference, or it and a path
+        opening = stops.at(reference.end())
+        if opening < 0:
+            break
+        if text[opening] != "[" or 0 <= braces.at(reference.end()) < opening:
+            continue
+        closing = brackets.at(opening + 1)
+        if closing < 0:
+            break
+        if text[closing] == "]":
+            out += [text[done:reference.start()], _link_text(text[opening + 1:closing])]
+            done = closing + 1
+    out.append(text[done:])
+    return "".join(out)
 
 
 def restore_attributes(text: str, values: Sequence[str]) -> str:
@@ -3403,8 +3432,9 @@ _PASS_CONSTRAINED = re.compile(r"(?<![\w;:\\])(\\?)\+([^\s+](?:[^+]*[^\s+])?)\+(
 _MACRO_HEAD = re.compile(r"(\\?)(?:(xref|link|mailto|kbd|btn|menu|footnote|footnoteref|anchor|image|icon"
                          r"|indexterm2?|stem|latexmath|asciimath):|(?<![^\s>()\[\];\"'<\\])(?:https?|ftp|irc|file)://"
                          # an extension's macro (javadoc:a.B[], configprop:x.y[]): its name, then a target
-                         r"|(?<![\w:/])([a-z][a-z0-9_-]{2,}):(?=[^\s\[\]/:][^\s\[\]]*\[))")
+                         r"|(?<![\w:/])([a-z][a-z0-9_-]{2,}):(?=[^\s\[\]/:]))")
 _OPEN = re.compile(r"\[")
+_NOT_IN_EXTENSION_TARGET = re.compile(r"[:{]")  # `a:b:c[x]` or `{attr}` in it: text, not an extension's macro
 _TARGET_END = re.compile(r"[\s\]]")
 _CLOSE = re.compile(r"(?<!\\)\]")
 # `[[[ref]]]` (a bibliography entry, shown as "[ref]"), `[[id]]` and `[[id,text]]` (shown as nothing).
@@ -3512,6 +3542,7 @@ def _reduce_macros(text: str, held: list[str]) -> str:
     if "[" not in text:
         return text
     opens, target_ends, closes = _Next(text, _OPEN), _Next(text, _TARGET_END), _Next(text, _CLOSE)
+    not_extension_targets = _Next(text, _NOT_IN_EXTENSION_TARGET)
     out: list[str] = []
     done = 0  # text[:done] is in out
     for head in _MACRO_HEAD.finditer(text):
@@ -3520,7 +3551,7 @@ def _reduce_macros(text: str, held: list[str]) -> str:
         at = opens.at(head.end())
         if at < 0:
             break
-        if 0 <= target_ends.at(head.end()) < at:
+        if 0 <= target_ends.at(head.end()) < at or (head[3] and 0 <= not_extension_targets.at(head.end()) < at):
             continue
         close = closes.at(at + 1)
         if close < 0:
@@ -4351,7 +4382,7 @@ READERS = (
     Reader("markdown", (".md", ".markdown"), "text/markdown", read_markdown, markup_inline, version=4),
     Reader("mdx", (".mdx",), "text/mdx", read_mdx, markup_inline, version=3),
     Reader("rst", (".rst",), "text/x-rst", read_rst, rst_inline_searchable, version=5),
-    Reader("asciidoc", (".adoc", ".asciidoc"), "text/asciidoc", read_asciidoc, asciidoc_inline_searchable, version=3),
+    Reader("asciidoc", (".adoc", ".asciidoc"), "text/asciidoc", read_asciidoc, asciidoc_inline_searchable, version=4),
     Reader("pdf", (".pdf",), "application/pdf", read_pdf, searchable_text, extracted=True),
     Reader("text", (".txt",), "text/plain", read_plain_text, searchable_text, read_by_default=False),
     # Code (RAG_CODE): one reader per language with symbols, one for the other source files.

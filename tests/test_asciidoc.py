@@ -598,9 +598,9 @@ def timed(name: str, run: Callable[[], object]) -> object:
 @pytest.mark.heavy  # hostile input whose size is the point: `pytest --all` only (tests/README.md)
 @pytest.mark.parametrize("unit", ["word ", "*", "`", "[", "_b ", "a*", "+a", "#", "((", "<<", "xref:", "https://",
                                   "link:x[", "[[a,", "pass:[", "kbd:[", "\\*", "++", "+++a", ":: ", "<1>", "|a ",
-                                  "*`[_#^~+<>(:\\ "])
+                                  "*`[_#^~+<>(:\\ ", "{a}", "{a}/", "{a}[", "abc:x.", "abc:x.[", "{nbsp}"])
 def test_one_megabyte_line(unit: str) -> None:
-    line = unit * (1_000_000 // len(unit))
+    line = unit * (1_000_000 // len(unit)) + "x[y]"  # a bracket at the end: a macro's or a link's text
     for where, context in (("as text", [line]), ("in a listing", ["----", line, "----"]),
                            ("in a table", ["|===", line, "|==="])):
         reading = timed(f"1 MB line of {unit!r} {where}", lambda c=context: read_asciidoc(c))
