@@ -1886,7 +1886,7 @@ def markup_inline(text: str) -> str:
 # not text the page shows (the box's label and title are); mkdocstrings' `::: package.module` is
 # not one, and stays as written.
 _CONTAINER = re.compile(r"[ \t]*(?:>[ \t]*)*:{3,}[ \t]*(?:([A-Za-z][\w-]*)(?=[\s\[{]|$))?[ \t]*"
-                        r"(?:\[([^\]]*)\])?[ \t]*(?:\{[^}]*\})?[ \t]*(.*?)[ \t]*$")
+                        r"(?:\[([^\]]*)\])?[ \t]*(?:\{[^}]*\})?[ \t]*(.*)")  # (the title's end blanks: stripped)
 _CONTAINER_LABELS = {kind: kind.capitalize() + ":" for kind in (
     "note", "tip", "info", "warning", "danger", "caution", "important", "details", "success", "question")}
 _ALERT = re.compile(r"[ \t]*>[ \t]*\[!(NOTE|TIP|IMPORTANT|WARNING|CAUTION)\][ \t]*$", re.IGNORECASE)
@@ -1897,9 +1897,9 @@ def container_line(line: str) -> str:
     title or its kind's label (`::: tip Title` "Title", `:::note` "Note:"), a GitHub alert
     (`> [!NOTE]`) its label; any other line its inline markup reduced (markup_inline)."""
     if ":::" in line and (fence := _CONTAINER.fullmatch(line)) is not None \
-            and (fence.group(1) or fence.group(2) is not None or not fence.group(3)):
+            and (fence.group(1) or fence.group(2) is not None or not fence.group(3).strip(" \t")):
         kind, bracketed, rest = fence.groups()
-        title = bracketed if bracketed is not None else rest
+        title = bracketed if bracketed is not None else rest.rstrip(" \t")
         if title:
             return markup_inline(title)
         return _CONTAINER_LABELS.get((kind or "").lower(), "")
@@ -2468,6 +2468,7 @@ def _text_column(line: str) -> int:
     return item.end() + len(rest) - len(rest.lstrip(" \t")) if rest.strip() else item.end()
 
 
+_UNCLOSED_MARK = re.compile(r"[`*|\[]")
 _GRID_BORDER = re.compile(r"[ \t]*\+(?:[-=]+\+)+[ \t]*")
 
 
@@ -2522,7 +2523,9 @@ def _reduce_paragraphs(lines: Sequence[str], paragraph: Sequence[bool], searchab
             while end < len(lines) and paragraph[end] and _indent(lines[end]) == column \
                     and _LIST_ITEM.match(lines[end]) is None:
                 end += 1
-        if end - n > 1:
+        # Markup split between lines leaves its opening mark in a line's own reading; without one,
+        # the paragraph reads as its lines did.
+        if end - n > 1 and any(_UNCLOSED_MARK.search(searchable[k]) for k in range(n, end)):
             searchable[n:end] = rst_inline("\n".join(_paragraph_text(line) for line in lines[n:end])).split("\n")
         n = end
 
@@ -4379,8 +4382,8 @@ def _code_pieces(body: _Body, span: _Span, cuts: Sequence[int], max_tokens: int)
 # Every format a reader takes, by its RAG_FORMATS name. `text` is opt-in: repositories are full of
 # requirements.txt and LICENSE.txt files that are not documentation.
 READERS = (
-    Reader("markdown", (".md", ".markdown"), "text/markdown", read_markdown, markup_inline, version=4),
-    Reader("mdx", (".mdx",), "text/mdx", read_mdx, markup_inline, version=3),
+    Reader("markdown", (".md", ".markdown"), "text/markdown", read_markdown, markup_inline, version=5),
+    Reader("mdx", (".mdx",), "text/mdx", read_mdx, markup_inline, version=4),
     Reader("rst", (".rst",), "text/x-rst", read_rst, rst_inline_searchable, version=5),
     Reader("asciidoc", (".adoc", ".asciidoc"), "text/asciidoc", read_asciidoc, asciidoc_inline_searchable, version=4),
     Reader("pdf", (".pdf",), "application/pdf", read_pdf, searchable_text, extracted=True),

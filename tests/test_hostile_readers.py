@@ -166,6 +166,9 @@ def test_a_heading_with_a_megabyte_run_of_blanks(tmp_path: Path, name: str) -> N
     heading = "# Start" + " " * 1_000_000 + "end {#anchor}"
     out = read_bounded(tmp_path, heading + TAIL, name, ["Tail words"])
     assert out["headings"] == 2 and out["found"]["Tail words"]
+    container = "::: tip Start" + " " * 1_000_000 + "end"  # a container's title: its end blanks, once
+    out = read_bounded(tmp_path, container + TAIL, name, ["Start", "Tail words"])
+    assert out["found"]["Start"] and out["found"]["Tail words"]
 
 
 # ---------------------------------------------------------------------------
