@@ -1405,14 +1405,15 @@ def credential_in(text: DocumentText) -> CredentialFound | None:
     """The first credential a reader's text holds, in its lines (as stored, or extracted) or the
     string values of its keys; None when there is none."""
     lines = text.lines
-    values = [(f"line {n}", line, lines[n:n + KEY_MATERIAL_LINES]) for n, line in enumerate(lines, start=1)]
-    values += [(f"the {key!r} key", value, ()) for key, value in text.metadata.items() if isinstance(value, str)]
-    for where, value, below in values:
+    values = [(f"line {n}", line, n) for n, line in enumerate(lines, start=1)]
+    values += [(f"the {key!r} key", value, None) for key, value in text.metadata.items() if isinstance(value, str)]
+    for where, value, below in values:  # below: the index of the line after a line (None for a key)
         for found in _CREDENTIAL.finditer(value):
             if CREDENTIAL_PLACEHOLDER in found.group():
                 continue
             if found.lastgroup == "private_key" and not any(
-                    _KEY_MATERIAL.search(piece) for piece in (value[found.end():], *below)):
+                    _KEY_MATERIAL.search(piece) for piece in
+                    (value[found.end():], *(lines[below:below + KEY_MATERIAL_LINES] if below is not None else ()))):
                 continue
             return CredentialFound(CREDENTIALS[found.lastgroup or ""][0], where)
     return None
@@ -1788,17 +1789,13 @@ _TAG_END = re.compile(r"(?<!=)>")  # not an arrow function's
 _JSX_TAG_START = re.compile(r"<[A-Za-z][\w.:-]*(?=\s|$)")
 _BACKTICK_RUN = re.compile(r"`+")
 _MARKDOWN_ESCAPE = re.compile(r"\\([!-/:-@\[-`{-~])")  # CommonMark: a backslash shows the ASCII punctuation after it
+_STRING_LITERAL = re.compile(r"\"([^\"]*)\"|'([^']*)'")  # its text in group 1 or 2
 # Attributes whose value is text a reader of the page sees (a tab's or card's title).
-_SHOWN_ATTRIBUTE = re.compile(r"\b(?:title|label|alt|summary|description|heading|caption|text)=(?:\"([^\"]*)\"|'([^']*)')")
-
-
+_SHOWN_ATTRIBUTE = re.compile(rf"\b(?:title|label|alt|summary|description|heading|caption|text)=(?:{_STRING_LITERAL.pattern})")
 # What a tag without a shown attribute shows instead: Docusaurus labels a tab by its value.
-_SHOWN_INSTEAD = {"TabItem": re.compile(r"\bvalue=(?:\"([^\"]*)\"|'([^']*)')")}
-
-
+_SHOWN_INSTEAD = {"TabItem": re.compile(rf"\bvalue=(?:{_STRING_LITERAL.pattern})")}
 # Nextra's and Docusaurus' tab sets name their tabs in an array: <Tabs items={['npm', 'pnpm']}>.
 _SHOWN_ITEMS = re.compile(r"\bitems=\{\[([^\[\]{}]*)\]\}")
-_STRING_LITERAL = re.compile(r"\"([^\"]*)\"|'([^']*)'")
 
 
 def _jsx_tag_text(tag: str) -> str:
@@ -3032,20 +3029,16 @@ _CHARACTER_ATTRIBUTES = {
     "asterisk": "*", "tilde": "~", "backslash": "\\", "backtick": "`", "two-colons": "::", "two-semicolons": ";;",
     "cpp": "C++", "cxx": "C++", "pp": "++"}
 _ATTRIBUTE_REFERENCE = re.compile(r"(?<!\\)\{([\w-]+)\}")
-# A reference the document does not define, as the start of a link: `{url-docs}/path[text^]` shows "text"
-# (the site's playbook defines it).
-_LINK_STOP = re.compile(r"[\s\[\]]")  # where a link's target ends: its text's "[", or not a link
-_BRACKET = re.compile(r"[\[\]]")
-_OPEN_BRACE = re.compile(r"\{")
-
-
 # A value that starts a macro or a URL (`xref:a.adoc`, `https://x`): the `[text]` after its reference
 # makes it a link, so it goes into the line as written.
 _MACRO_VALUE = re.compile(r"[a-z][\w-]*:\S")
 _HELD_VALUE = re.compile("\ue000([0-9]+)\ue001")
-
-
 ATTRIBUTE_GROWTH_MAX = 4096  # what substitution may add to one line: past it references stay as written
+# A reference the document does not define, as the start of a link: `{url-docs}/path[text^]` shows "text"
+# (the site's playbook defines it). Where its target ends (its text's "[", or no link), its brackets.
+_LINK_STOP = re.compile(r"[\s\[\]]")
+_BRACKET = re.compile(r"[\[\]]")
+_OPEN_BRACE = re.compile(r"\{")
 
 
 def substitute_attributes(text: str, attributes: Mapping[str, str], values: list[str]) -> str:
